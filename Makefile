@@ -1,0 +1,36 @@
+# Every target bootstraps .venv on first use: a fresh machine needs only `make run` or `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU wheel that lies on this kind of machine; pyproject.toml keeps an open range for users.
+TORCH_PIN ?= torch==2.13.0
+SPEC ?= examples/tiny_t2i.toml
+
+.PHONY: run test lint diagrams bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/lifecycle check $(SPEC)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lifecycle components attention tests benchmarks
+	$(VENV)/bin/ruff format --check lifecycle components attention tests benchmarks
+	$(VENV)/bin/mypy --strict lifecycle components attention
+
+diagrams: $(STAMP)
+	$(VENV)/bin/lifecycle diagram
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV)

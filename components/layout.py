@@ -1,0 +1,77 @@
+"""Parallel layouts: how a pipeline is split over processes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+Degree = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The parallel layout of a pipeline.
+
+    Attributes:
+        tp_size: tensor-parallel degree.
+        sp_degree: sequence-parallel degree; equals ulysses x ring x kv_gather.
+        ulysses_degree: Ulysses (all-to-all over heads) degree.
+        ring_degree: ring-attention degree; needs a backend exposing softmax LSE.
+        kv_gather_degree: K/V all-gather degree; only with ulysses = ring = 1.
+        dp_size: data-parallel replicas.
+        cfg_parallel: split the conditional and unconditional CFG branches.
+        fsdp: names of the components whose weights are sharded with FSDP.
+    """
+
+    tp_size: Degree = 1
+    sp_degree: Degree = 1
+    ulysses_degree: Degree = 1
+    ring_degree: Degree = 1
+    kv_gather_degree: Degree = 1
+    dp_size: Degree = 1
+    cfg_parallel: bool = False
+    fsdp: frozenset[str] = frozenset()
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of processes the layout needs."""
+        return self.tp_size * self.sp_degree * self.dp_size * (2 if self.cfg_parallel else 1)
+
+    @property
+    def splits_model(self) -> bool:
+        """Return whether any degree shards one model (as opposed to replicating it)."""
+        degrees = (
+            self.tp_size,
+            self.sp_degree,
+            self.ulysses_degree,
+            self.ring_degree,
+            self.kv_gather_degree,
+        )
+        return any(d > 1 for d in degrees) or bool(self.fsdp)
+
+    def check(self) -> tuple[str, ...]:
+        """Return every invariant across keys that this layout breaks."""
+        problems: list[str] = []
+        product = self.ulysses_degree * self.ring_degree * self.kv_gather_degree
+        if self.sp_degree != product:
+            problems.append(
+                f"sp_degree is {self.sp_degree} but ulysses_degree x ring_degree x "
+                f"kv_gather_degree is {self.ulysses_degree} x {self.ring_degree} x "
+                f"{self.kv_gather_degree} = {product}"
+            )
+        if self.kv_gather_degree > 1 and (self.ulysses_degree > 1 or self.ring_degree > 1):
+            problems.append(
+                f"kv_gather_degree {self.kv_gather_degree} > 1 needs ulysses_degree = "
+                f"ring_degree = 1, got {self.ulysses_degree} and {self.ring_degree}"
+            )
+        return tuple(problems)
+
+    def check_heads(self, heads: int) -> str | None:
+        """Return why ``heads`` attention heads cannot be split by this layout, if so."""
+        split = self.tp_size * self.ulysses_degree
+        if heads % split:
+            return (
+                f"{heads} heads are not divisible by tp_size x ulysses_degree = "
+                f"{self.tp_size} x {self.ulysses_degree} = {split}"
+            )
+        return None

@@ -1,0 +1,156 @@
+"""The ``lifecycle`` command: check a spec, draw the diagrams, print the schema.
+
+Exit codes: 0 ok, 1 refused (or diagrams stale), 2 bad input. Results go to
+stdout, logs and errors to stderr; bad input is one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+from msgspec import UnsetType
+
+from lifecycle import admission, diagrams
+from lifecycle.config import ComponentSpec, ConfigError, PipelineSpec, load_spec, spec_schema
+from lifecycle.logs import configure_logging
+from lifecycle.refusals import Refusal
+
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    code: int = args.handler(args)
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lifecycle", description="Lifecycle orchestrator for diffusion serving pipelines."
+    )
+    parser.add_argument(
+        "--log-format", choices=("json", "console", "auto"), default="auto", help="log rendering"
+    )
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    check = commands.add_parser("check", help="validate a pipeline spec (admission dry run)")
+    check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.set_defaults(handler=_check)
+
+    diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
+    diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
+    diagram.add_argument(
+        "--check", action="store_true", help="exit 1 when the files differ from the machine"
+    )
+    diagram.set_defaults(handler=_diagram)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of the spec")
+    schema.set_defaults(handler=_schema)
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.spec)
+    except ConfigError as err:
+        if args.json:
+            _print_json({"error": {"path": err.path, "message": err.message}})
+        else:
+            print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    refusals = admission.layout_refusals(spec)
+    if args.json:
+        _print_json(_check_report(spec, refusals))
+    elif refusals:
+        print(format_refusals(spec.name, refusals))
+    else:
+        print(_summary(spec))
+    return EXIT_REFUSED if refusals else EXIT_OK
+
+
+def _check_report(spec: PipelineSpec, refusals: list[Refusal]) -> dict[str, object]:
+    return {
+        "pipeline": spec.name,
+        "valid": not refusals,
+        "components": {
+            name: {
+                "kind": c.kind,
+                "residency": c.residency_mode.value,
+                "residency_explicit": not isinstance(c.residency, UnsetType),
+                "loader": None if isinstance(c.loader, UnsetType) else c.loader,
+                "attention_backend": c.role_backends(),
+            }
+            for name, c in spec.components.items()
+        },
+        "stages": {stage.name: list(stage.uses) for stage in spec.stages},
+        "refusals": [{"trigger": "admit", **msgspec.to_builtins(r)} for r in refusals],
+    }
+
+
+def _summary(spec: PipelineSpec) -> str:
+    head = (
+        f"pipeline {spec.name!r}: valid ({len(spec.components)} components, "
+        f"{len(spec.stages)} stages, device {spec.device})"
+    )
+    rows = [("component", "kind", "residency", "loader", "attention")]
+    rows += [_component_row(name, c) for name, c in spec.components.items()]
+    timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
+    return "\n".join([head, *_table(rows), f"  stages: {timeline or '(none)'}"])
+
+
+def _component_row(name: str, component: ComponentSpec) -> tuple[str, ...]:
+    residency = component.residency_mode.value
+    if not isinstance(component.residency, UnsetType):
+        residency += " (explicit)"
+    loader = "auto" if isinstance(component.loader, UnsetType) else f"{component.loader} (explicit)"
+    backends = component.role_backends()
+    attention = ", ".join(f"{k}={v}" for k, v in backends.items()) or "auto"
+    return (name, component.kind, residency, loader, attention)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def format_refusals(pipeline: str, refusals: Sequence[Refusal]) -> str:
+    """Return refusals the way a person reads them: what, then how to fix it."""
+    count = len(refusals)
+    lines = [f"lifecycle check: pipeline {pipeline!r} refused ({count} reason{'s' * (count != 1)})"]
+    name_width = max(len(r.component) for r in refusals)
+    code_width = max(len(r.code) for r in refusals)
+    for r in refusals:
+        lines.append(f"  {r.component.ljust(name_width)}  {r.code.ljust(code_width)}  {r.message}")
+        lines.append(f"  {' ' * name_width}  fix: {r.hint}")
+    return "\n".join(lines)
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    if args.check:
+        stale = diagrams.stale_diagrams(args.out)
+        for path in stale:
+            print(f"lifecycle diagram: {path} is stale; run `lifecycle diagram`", file=sys.stderr)
+        return EXIT_REFUSED if stale else EXIT_OK
+    for path in diagrams.write_diagrams(args.out):
+        print(path)
+    return EXIT_OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    _print_json(spec_schema())
+    return EXIT_OK
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")

@@ -1,0 +1,378 @@
+"""The pipeline spec: frozen msgspec Structs decoded from TOML, JSON or YAML.
+
+A key's presence is what makes a choice *explicit*: optional choices default
+to ``UNSET``, and the ``*_is_explicit`` / effective-value helpers tell the two
+apart. Everything wrong with one file is a ``ConfigError`` that names the key
+path, what was expected and what was found; anything that involves several
+keys or the platform is left to admission, which refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import yaml
+from msgspec import UNSET, UnsetType
+
+from attention import AttentionRole, registry
+from components import OffloadTarget, ParallelLayout, ResidencyMode
+from lifecycle.sizes import SIZE_PATTERN, ByteSize
+
+Loader = Literal["custom", "native"]
+Device = Literal["cpu", "cuda", "auto"]
+ALL_ROLES = "all"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+_T = TypeVar("_T")
+
+
+class ConfigError(ValueError):
+    """The spec cannot be decoded: one key is wrong, and this says which and how.
+
+    Attributes:
+        path: the key path, like ``$.components.vae.residency``.
+        message: what was expected and what was found.
+        source: the file the spec came from, if any.
+    """
+
+    def __init__(self, message: str, path: str = "$", source: str | None = None) -> None:
+        self.message = message
+        self.path = path
+        self.source = source
+        super().__init__(f"{message} - at `{path}`")
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the spec Structs: frozen, keyword-only, unknown keys refused."""
+
+
+class AttentionConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pipeline-wide attention settings.
+
+    Attributes:
+        backend: the global backend; explicit when present.
+        backend_options: per-backend options, each validated by its backend.
+    """
+
+    backend: str | UnsetType = UNSET
+    backend_options: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+
+
+class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where weights may live.
+
+    Attributes:
+        device_budget: the most bytes resident on the device at once.
+        offload_target: where offloaded weights go.
+        offload_dir: the folder of the safetensors files for the disk target.
+    """
+
+    device_budget: ByteSize | UnsetType = UNSET
+    offload_target: OffloadTarget = "host"
+    offload_dir: str = ".lifecycle/offload"
+
+
+class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One component of the pipeline.
+
+    Attributes:
+        kind: the registered kind that builds it (unknown kinds load generically).
+        residency: how it is kept on the device; ``resident`` when absent.
+        attention_backend: a backend for the whole component, or a table with
+            any of ``all``, ``self``, ``cross`` (a role key beats ``all``).
+        loader: an explicit choice of the custom or native loading path.
+        options: the kind's own options, validated by the kind.
+    """
+
+    kind: Annotated[str, msgspec.Meta(min_length=1)]
+    residency: ResidencyMode | UnsetType = UNSET
+    attention_backend: str | dict[str, str] | UnsetType = UNSET
+    loader: Loader | UnsetType = UNSET
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def residency_mode(self) -> ResidencyMode:
+        """Return the residency mode, ``RESIDENT`` when none was written."""
+        return ResidencyMode.RESIDENT if isinstance(self.residency, UnsetType) else self.residency
+
+    def role_backends(self) -> dict[str, str]:
+        """Return the explicit backends by key (``all``, ``self``, ``cross``)."""
+        if isinstance(self.attention_backend, UnsetType):
+            return {}
+        if isinstance(self.attention_backend, str):
+            return {ALL_ROLES: self.attention_backend}
+        return dict(self.attention_backend)
+
+
+class StageSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One stage of a request, and the components it uses, in order.
+
+    Attributes:
+        name: the stage's name, unique in the pipeline.
+        uses: the components the stage needs resident.
+    """
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    uses: Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
+
+
+class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A whole pipeline: its components, their settings and its stages.
+
+    Attributes:
+        name: the pipeline's name.
+        device: where it runs; ``auto`` picks CUDA when present.
+        attention: pipeline-wide attention settings.
+        parallel: the parallel layout.
+        memory: the memory budget and offload target.
+        components: the components by name.
+        stages: the stages of a request, in timeline order.
+    """
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    components: Annotated[dict[str, ComponentSpec], msgspec.Meta(min_length=1)]
+    device: Device = "auto"
+    attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
+    parallel: ParallelLayout = msgspec.field(default_factory=ParallelLayout)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    stages: tuple[StageSpec, ...] = ()
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    """Read and decode the spec at ``path``; the format follows its extension.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or the spec is bad.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read the spec: {err.strerror}", source=source) from None
+    except UnicodeDecodeError:
+        raise ConfigError("the spec is not UTF-8 text", source=source) from None
+    try:
+        return decode_spec(text, Path(path).suffix.lstrip(".").lower())
+    except ConfigError as err:
+        raise ConfigError(err.message, err.path, source) from None
+
+
+def decode_spec(text: str, fmt: str = "toml") -> PipelineSpec:
+    """Decode the spec in ``text`` written in ``fmt`` (toml, json, yaml or yml).
+
+    Raises:
+        ConfigError: bad syntax, unknown keys, wrong types or values, unknown
+            backend names, or a stage naming an undeclared component.
+    """
+    raw = _parse(text, fmt)
+    # msgspec writes a dict key as `[...]` in its error paths; converting each
+    # component on its own lets the error name the component.
+    if isinstance(raw, dict) and isinstance(raw.get("components"), dict):
+        for name, component in raw["components"].items():
+            _convert(component, ComponentSpec, f"$.components.{name}")
+    spec = _convert(raw, PipelineSpec, "$")
+    _check(spec)
+    return spec
+
+
+def spec_schema() -> dict[str, Any]:
+    """Return the JSON Schema of the spec."""
+    return msgspec.json.schema(PipelineSpec, schema_hook=_schema_hook)
+
+
+def _parse(text: str, fmt: str) -> object:
+    try:
+        if fmt == "toml":
+            return tomllib.loads(text)
+        if fmt == "json":
+            return json.loads(text, object_pairs_hook=_unique_json_object)
+        if fmt in ("yaml", "yml"):
+            return yaml.load(text, Loader=_UniqueKeyYamlLoader)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"invalid TOML: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"invalid JSON: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML: {' '.join(str(err).split())}") from None
+    raise ConfigError(f"Expected a .toml, .json, .yaml or .yml spec, got {fmt!r}")
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError(f"invalid JSON: the key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+class _UniqueKeyYamlLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key written twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise ConfigError(f"invalid YAML: the key {key!r} appears twice in one mapping")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _convert(raw: object, type_: type[_T], at: str) -> _T:
+    try:
+        return msgspec.convert(raw, type_, dec_hook=_dec_hook)
+    except msgspec.ValidationError as err:
+        message, _, path = str(err).partition(" - at `")
+        path = at + path.rstrip("`").removeprefix("$") if path else at
+        raise ConfigError(_explain(message, path), path) from None
+
+
+def _dec_hook(type_: type, value: object) -> object:
+    if type_ is ByteSize:
+        return ByteSize.parse(value)
+    raise NotImplementedError(f"no decoder for {type_!r}")
+
+
+def _schema_hook(type_: type) -> dict[str, Any]:
+    if type_ is ByteSize:
+        return {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": SIZE_PATTERN},
+            ]
+        }
+    raise NotImplementedError(f"no schema for {type_!r}")
+
+
+_INVALID_ENUM = re.compile(r"^Invalid enum value (.+)$")
+
+
+def _explain(message: str, path: str) -> str:
+    """Rewrite msgspec's "Invalid enum value" as expected-vs-found."""
+    match = _INVALID_ENUM.match(message)
+    if match is None:
+        return message
+    choices = _choices_at(path)
+    found = match.group(1)
+    return f"Expected `{' | '.join(choices)}`, got {found}" if choices else message
+
+
+def _choices_at(path: str) -> tuple[str, ...]:
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(PipelineSpec)
+    for segment in re.findall(r"\.([^.\[]+)|\[[^\]]*\]", path.removeprefix("$")):
+        info = _step(info, segment)
+    return tuple(str(v) for v in _enum_values(info))
+
+
+def _step(info: msgspec.inspect.Type, segment: str) -> msgspec.inspect.Type:
+    for candidate in _members(info):
+        if isinstance(candidate, msgspec.inspect.StructType):
+            fields = {f.encode_name: f.type for f in candidate.fields}
+            if segment in fields:
+                return fields[segment]
+        if isinstance(candidate, msgspec.inspect.DictType):
+            return candidate.value_type
+        if isinstance(candidate, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+            return candidate.item_type
+    return msgspec.inspect.AnyType()
+
+
+def _members(info: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, ...]:
+    if isinstance(info, msgspec.inspect.UnionType):
+        return info.types
+    return (info,)
+
+
+def _enum_values(info: msgspec.inspect.Type) -> list[object]:
+    values: list[object] = []
+    for member in _members(info):
+        if isinstance(member, msgspec.inspect.EnumType):
+            values.extend(e.value for e in member.cls)
+        if isinstance(member, msgspec.inspect.LiteralType):
+            values.extend(member.values)
+    return values
+
+
+def _check(spec: PipelineSpec) -> None:
+    """Check what the types cannot say; raise ConfigError at the first problem."""
+    _check_attention(spec)
+    _check_components(spec)
+    _check_names(spec.components, sorted(spec.parallel.fsdp), "$.parallel.fsdp")
+    _check_stages(spec)
+
+
+def _check_backend(name: str, path: str) -> None:
+    known = registry.names()
+    if name not in known:
+        raise ConfigError(
+            f"Expected a known attention backend ({', '.join(known)}), got {name!r}", path
+        )
+
+
+def _check_attention(spec: PipelineSpec) -> None:
+    if not isinstance(spec.attention.backend, UnsetType):
+        _check_backend(spec.attention.backend, "$.attention.backend")
+    for backend, options in spec.attention.backend_options.items():
+        at = f"$.attention.backend_options.{backend}"
+        _check_backend(backend, at)
+        _convert(options, registry.get(backend).options_type, at)
+
+
+def _check_components(spec: PipelineSpec) -> None:
+    role_keys = (ALL_ROLES, *(role.value for role in AttentionRole))
+    for name, component in spec.components.items():
+        at = f"$.components.{name}"
+        if not _NAME.match(name):
+            raise ConfigError(
+                "Expected a component name of letters, digits, '_' or '-' that starts "
+                f"with a letter or '_', got {name!r}",
+                at,
+            )
+        table = component.attention_backend
+        if isinstance(table, str):
+            _check_backend(table, f"{at}.attention_backend")
+            continue
+        if isinstance(table, dict) and not table:
+            raise ConfigError(
+                f"Expected a backend name or a table with any of {', '.join(role_keys)}, "
+                "got an empty table",
+                f"{at}.attention_backend",
+            )
+        for key, backend in component.role_backends().items():
+            key_at = f"{at}.attention_backend.{key}"
+            if key not in role_keys:
+                raise ConfigError(f"Expected `{' | '.join(role_keys)}`, got {key!r}", key_at)
+            _check_backend(backend, key_at)
+
+
+def _check_stages(spec: PipelineSpec) -> None:
+    first_at: dict[str, int] = {}
+    for index, stage in enumerate(spec.stages):
+        at = f"$.stages[{index}]"
+        if stage.name in first_at:
+            raise ConfigError(
+                f"Expected a unique stage name, got {stage.name!r} again "
+                f"(first at $.stages[{first_at[stage.name]}])",
+                f"{at}.name",
+            )
+        first_at[stage.name] = index
+        _check_names(spec.components, stage.uses, f"{at}.uses")
+        for position, use in enumerate(stage.uses):
+            if stage.uses.index(use) != position:
+                raise ConfigError(
+                    f"Expected each component once per stage, got {use!r} twice",
+                    f"{at}.uses[{position}]",
+                )
+
+
+def _check_names(components: Mapping[str, ComponentSpec], names: Sequence[str], at: str) -> None:
+    for position, name in enumerate(names):
+        if name not in components:
+            raise ConfigError(
+                f"Expected a declared component ({', '.join(components)}), got {name!r}",
+                f"{at}[{position}]",
+            )

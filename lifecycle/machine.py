@@ -1,0 +1,356 @@
+"""The component lifecycle on one shared ``transitions`` machine.
+
+Two extension points of ``transitions`` carry the project's semantics:
+
+- ``transition_cls`` evaluates *every* guard (no short-circuit) and keeps each
+  refusal, then runs the injected work atomically: if the work raises or its
+  postcondition fails, the undo actions it registered run in reverse and the
+  component stays in its source state;
+- ``event_cls`` serialises triggers on the machine's lock, turns "no
+  transition passed" into ``TransitionRefused`` and "not valid from here" into
+  ``InvalidTransition``, and logs one event per outcome.
+
+The machine knows no loader and no kernel: guards and work are injected per
+component by whoever owns the component (the orchestrator).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeAlias
+
+import structlog
+from transitions.core import Condition, Event, EventData, Machine, Transition
+
+from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
+from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState, rule_for
+
+log = structlog.get_logger("lifecycle")
+
+
+class TransitionContext:
+    """What the guards and the work of one transition see.
+
+    Attributes:
+        component: the component's name.
+        trigger: the trigger being fired.
+        source: the state the component is in.
+        dest: the state it will be in if the transition completes.
+        params: the keyword arguments given to the trigger.
+        request_id: the request the transition happens for, if any.
+    """
+
+    __slots__ = (
+        "_undo",
+        "component",
+        "dest",
+        "params",
+        "refusals",
+        "request_id",
+        "source",
+        "trigger",
+    )
+
+    def __init__(
+        self,
+        component: str,
+        trigger: str,
+        source: ComponentState,
+        params: Mapping[str, object],
+    ) -> None:
+        self.component = component
+        self.trigger = trigger
+        self.source = source
+        self.dest = rule_for(trigger).dest
+        self.params = params
+        request_id = structlog.contextvars.get_contextvars().get("request_id")
+        self.request_id: str | None = None if request_id is None else str(request_id)
+        self.refusals: list[Refusal] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Register how to undo a step the work just did; undos run newest first."""
+        self._undo.append(undo)
+
+    def roll_back(self) -> list[BaseException]:
+        """Run every registered undo, newest first; return the errors they raised."""
+        errors: list[BaseException] = []
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception as err:  # one broken undo must not stop the others
+                errors.append(err)
+        return errors
+
+
+Check: TypeAlias = Callable[[TransitionContext], Iterable[Refusal]]
+"""A guard or postcondition: returns the refusals it finds; empty means pass."""
+
+Work: TypeAlias = Callable[[TransitionContext], None]
+"""The side effect of a transition; registers undo steps with ``on_rollback``."""
+
+
+class ComponentLifecycle:
+    """One component's place in the lifecycle; the triggers are typed methods.
+
+    Create it, then ``LifecycleMachine.add_component`` it. Every guard and
+    postcondition the transition table names must be given in ``checks``;
+    ``work`` maps a trigger to its side effect (a trigger without work only
+    changes state).
+
+    Attributes:
+        name: the component's name.
+        state: its current state (set by the machine).
+    """
+
+    state: ComponentState
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        checks: Mapping[str, Check],
+        work: Mapping[str, Work] | None = None,
+    ) -> None:
+        needed = {n for r in TRANSITIONS for n in (*r.guards, r.postcondition) if n is not None}
+        missing = sorted(needed - checks.keys())
+        if missing:
+            raise ValueError(
+                f"component {name!r} lacks the checks {missing}; every guard and "
+                "postcondition of the transition table must be provided"
+            )
+        unknown = sorted((work or {}).keys() - {r.trigger for r in TRANSITIONS})
+        if unknown:
+            raise ValueError(f"component {name!r} has work for unknown triggers {unknown}")
+        self.name = name
+        self.checks = dict(checks)
+        self.work = dict(work or {})
+
+    # The machine binds these; the bodies exist so that type checkers see them.
+    def admit(self, **params: object) -> bool:
+        """Configured -> admitted."""
+        raise NotImplementedError
+
+    def load(self, **params: object) -> bool:
+        """Admitted -> loaded."""
+        raise NotImplementedError
+
+    def onload(self, **params: object) -> bool:
+        """Loaded or offloaded -> resident."""
+        raise NotImplementedError
+
+    def offload(self, **params: object) -> bool:
+        """Loaded or resident -> offloaded."""
+        raise NotImplementedError
+
+    def release(self, **params: object) -> bool:
+        """Any state but released -> released."""
+        raise NotImplementedError
+
+    def trigger(self, trigger_name: str, **params: object) -> bool:
+        """Fire the trigger named ``trigger_name``."""
+        raise NotImplementedError
+
+    def may_admit(self, **params: object) -> bool:
+        """Return whether ``admit`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_load(self, **params: object) -> bool:
+        """Return whether ``load`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_onload(self, **params: object) -> bool:
+        """Return whether ``onload`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_offload(self, **params: object) -> bool:
+        """Return whether ``offload`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_release(self, **params: object) -> bool:
+        """Return whether ``release`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_trigger(self, trigger_name: str, **params: object) -> bool:
+        """Return whether the trigger named ``trigger_name`` would pass now."""
+        raise NotImplementedError
+
+
+def _context_of(event_data: EventData) -> TransitionContext:
+    """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
+    if event_data.args:
+        context = next(iter(event_data.args))
+        if isinstance(context, TransitionContext):
+            return context
+    model = _component_of(event_data)
+    return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
+
+
+def _component_of(event_data: EventData) -> ComponentLifecycle:
+    model = event_data.model
+    if not isinstance(model, ComponentLifecycle):
+        raise TypeError(f"the lifecycle machine only drives ComponentLifecycle, not {model!r}")
+    return model
+
+
+class GuardCondition(Condition):
+    """A named guard; passing means it returned no refusal, which it records."""
+
+    def check(self, event_data: EventData) -> bool:
+        """Run the guard and record what it refused."""
+        context = _context_of(event_data)
+        refusals = list(_component_of(event_data).checks[str(self.func)](context))
+        context.refusals.extend(refusals)
+        return not refusals
+
+
+class GuardedTransition(Transition):
+    """A transition that checks every guard and runs its work atomically."""
+
+    condition_cls = GuardCondition
+
+    def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.postcondition = postcondition
+        self.before.append(self._run_work)
+
+    @property
+    def guard_names(self) -> tuple[str, ...]:
+        """Return the names of this transition's guards, in table order."""
+        return tuple(str(c.func) for c in self.conditions)
+
+    def _eval_conditions(self, event_data: EventData) -> bool:
+        # Every guard runs, so a refusal reports every reason at once.
+        results = [condition.check(event_data) for condition in self.conditions]
+        return all(results)
+
+    def _run_work(self, event_data: EventData) -> None:
+        context = _context_of(event_data)
+        component = _component_of(event_data)
+        try:
+            work = component.work.get(context.trigger)
+            if work is not None:
+                work(context)
+            if self.postcondition is not None:
+                breaches = tuple(component.checks[self.postcondition](context))
+                if breaches:
+                    raise TransitionRefused(
+                        component.name, context.trigger, context.source, breaches
+                    )
+        except BaseException as err:
+            undo_errors = context.roll_back()
+            for undo_error in undo_errors:
+                err.add_note(
+                    f"rollback step also failed: {type(undo_error).__name__}: {undo_error}"
+                )
+            if not isinstance(err, Exception):
+                raise
+            raise TransitionFailed(component.name, context.trigger, context.source, err) from err
+
+
+class RefusingEvent(Event):
+    """A trigger that is serialised, refuses with reasons and logs its outcome."""
+
+    def trigger(self, model: object, *args: Any, **kwargs: Any) -> bool:
+        """Fire this trigger for ``model``; keyword arguments reach guards and work."""
+        machine = self.machine
+        if not isinstance(machine, LifecycleMachine) or not isinstance(model, ComponentLifecycle):
+            raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
+        with machine.lock:
+            context = TransitionContext(model.name, self.name, model.state, kwargs)
+            started = time.perf_counter()
+            try:
+                if model.state.name not in self.transitions:
+                    raise InvalidTransition(
+                        model.name,
+                        self.name,
+                        model.state,
+                        (ComponentState[source].value for source in self.transitions),
+                    )
+                super().trigger(model, context)
+            except TransitionRefused as refused:
+                log.warning(
+                    "lifecycle.refused",
+                    component=model.name,
+                    trigger=self.name,
+                    source=context.source.value,
+                    codes=list(refused.codes),
+                    messages=[r.message for r in refused.refusals] or [str(refused)],
+                    request_id=context.request_id,
+                )
+                raise
+            except TransitionFailed as failed:
+                log.error(
+                    "lifecycle.failed",
+                    component=model.name,
+                    trigger=self.name,
+                    source=context.source.value,
+                    error=str(failed.__cause__),
+                    request_id=context.request_id,
+                )
+                raise
+            log.info(
+                "lifecycle.transition",
+                component=model.name,
+                trigger=self.name,
+                source=context.source.value,
+                dest=context.dest.value,
+                duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                request_id=context.request_id,
+            )
+            return True
+
+    def _process(self, event_data: EventData) -> bool:
+        super()._process(event_data)
+        if not event_data.result:
+            context = _context_of(event_data)
+            raise TransitionRefused(
+                context.component, context.trigger, context.source, context.refusals
+            )
+        return True
+
+
+class LifecycleMachine(Machine):
+    """The one machine every component of an orchestrator shares.
+
+    Built from ``lifecycle.states.TRANSITIONS``; triggers are serialised on
+    ``lock`` (re-entrant, so the work of one transition may fire another,
+    e.g. an onload that evicts).
+    """
+
+    transition_cls = GuardedTransition
+    event_cls = RefusingEvent
+
+    def __init__(self, name: str = "lifecycle") -> None:
+        super().__init__(
+            model=None,
+            states=ComponentState,
+            initial=INITIAL_STATE,
+            send_event=True,
+            auto_transitions=False,
+            model_override=True,
+            name=name,
+        )
+        self.lock = threading.RLock()
+        for rule in TRANSITIONS:
+            self.add_transition(
+                rule.trigger,
+                list(rule.sources),
+                rule.dest,
+                conditions=list(rule.guards),
+                postcondition=rule.postcondition,
+            )
+
+    def add_component(self, component: ComponentLifecycle) -> None:
+        """Attach ``component`` in the initial state; its triggers become live."""
+        with self.lock:
+            self.add_model(component)
+
+    def transitions_of(self, trigger: str) -> list[GuardedTransition]:
+        """Return the machine's transitions for ``trigger``, one per source state."""
+        found: list[GuardedTransition] = []
+        for per_source in self.events[trigger].transitions.values():
+            found.extend(t for t in per_source if isinstance(t, GuardedTransition))
+        return found

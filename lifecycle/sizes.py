@@ -1,0 +1,53 @@
+"""Byte sizes written the way people write them: ``"2GiB"``, ``"512 MB"``, ``1048576``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?)?[bB]?\s*$"
+
+
+class ByteSize(int):
+    """A number of bytes, decoded from an int or a string with a unit."""
+
+    @classmethod
+    def parse(cls, value: object) -> ByteSize:
+        """Return the size ``value`` denotes.
+
+        Raises:
+            ValueError: ``value`` is not a non-negative int or a number with a
+                unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+        """
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return cls(value)
+        if isinstance(value, str):
+            match = _SIZE.match(value)
+            if match and match.group(2).lower() in _UNITS:
+                return cls(int(float(match.group(1)) * _UNITS[match.group(2).lower()]))
+        raise ValueError(f'Expected a size like "2GiB", "512MB" or a byte count, got {value!r}')
+
+    def __str__(self) -> str:
+        return format_bytes(self)
+
+
+def format_bytes(count: int) -> str:
+    """Return ``count`` bytes in the largest binary unit that keeps it >= 1."""
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"

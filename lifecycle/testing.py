@@ -1,0 +1,23 @@
+"""Helpers for tests that assert on the project's structured events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+
+
+@contextmanager
+def capture_events() -> Iterator[list[dict[str, Any]]]:
+    """Collect every event logged inside the block, with its bound context."""
+    with structlog.testing.capture_logs(
+        processors=[structlog.contextvars.merge_contextvars]
+    ) as events:
+        yield events
+
+
+def events_named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Return the captured events whose name is ``name``, in order."""
+    return [e for e in events if e.get("event") == name]

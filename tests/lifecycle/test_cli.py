@@ -1,0 +1,125 @@
+"""The ``lifecycle`` command, run for real in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
+
+
+def lifecycle(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lifecycle`` with ``args`` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    """Write ``text`` to ``tmp_path/name`` and return the path."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+class TestCheck:
+    def test_good_spec_exits_zero_with_a_summary(self) -> None:
+        """A valid spec prints its components and stages on stdout and exits 0."""
+        result = lifecycle("check", EXAMPLE)
+        assert result.returncode == 0, result.stderr
+        assert "pipeline 'tiny-t2i': valid (3 components, 3 stages, device auto)" in result.stdout
+        assert "component_offload (explicit)" in result.stdout
+        assert "encode [text_encoder] -> denoise [transformer] -> decode [vae]" in result.stdout
+        assert result.stderr == ""
+
+    def test_good_spec_as_json(self) -> None:
+        """``--json`` prints one JSON object that names explicit choices."""
+        result = lifecycle("check", "--json", EXAMPLE)
+        assert result.returncode == 0
+        report = json.loads(result.stdout)
+        assert report["pipeline"] == "tiny-t2i"
+        assert report["valid"] is True
+        assert report["refusals"] == []
+        assert report["components"]["vae"]["residency"] == "component_offload"
+        assert report["components"]["vae"]["residency_explicit"] is True
+        assert report["components"]["transformer"]["residency_explicit"] is False
+
+    def test_bad_key_is_one_line_and_exit_two(self, tmp_path: Path) -> None:
+        """A bad value gives exit 2 and one stderr line with the key path, no traceback."""
+        spec = write(
+            tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="k"\nresidency="offlaod"\n'
+        )
+        result = lifecycle("check", spec)
+        assert result.returncode == 2
+        assert result.stdout == ""
+        assert result.stderr.count("\n") == 1
+        assert "Traceback" not in result.stderr
+        assert result.stderr.startswith(f"lifecycle check: {spec}: Expected `resident | ")
+        assert "- at `$.components.a.residency`" in result.stderr
+
+    def test_bad_key_as_json(self, tmp_path: Path) -> None:
+        """With ``--json`` a bad key is an error object with path and message, exit 2."""
+        spec = write(tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="k"\nloader="cstom"\n')
+        result = lifecycle("check", "--json", spec)
+        assert result.returncode == 2
+        error = json.loads(result.stdout)["error"]
+        assert error == {
+            "path": "$.components.a.loader",
+            "message": "Expected `custom | native`, got 'cstom'",
+        }
+
+    def test_missing_file(self, tmp_path: Path) -> None:
+        """A missing file is exit 2 with one line naming it."""
+        result = lifecycle("check", tmp_path / "absent.toml")
+        assert result.returncode == 2
+        assert "No such file or directory" in result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_broken_syntax(self, tmp_path: Path) -> None:
+        """A file that is not TOML is exit 2 with one line."""
+        result = lifecycle("check", write(tmp_path, "broken.toml", "name = [\n"))
+        assert result.returncode == 2
+        assert "invalid TOML" in result.stderr
+        assert result.stderr.count("\n") == 1
+
+    def test_refused_layout_exits_one_with_the_fix(self, tmp_path: Path) -> None:
+        """A layout breaking an invariant is refused (exit 1) with its code and fix."""
+        spec = write(
+            tmp_path, "layout.toml", 'name="x"\n[parallel]\nsp_degree=2\n[components.a]\nkind="k"\n'
+        )
+        result = lifecycle("check", spec)
+        assert result.returncode == 1
+        assert "lifecycle check: pipeline 'x' refused (1 reason)" in result.stdout
+        assert "parallel.invalid_layout" in result.stdout
+        assert "fix: set [parallel] sp_degree" in result.stdout
+
+
+class TestDiagramCommand:
+    def test_check_passes_on_the_committed_diagrams(self) -> None:
+        """``diagram --check`` exits 0 on the repository's diagrams."""
+        assert lifecycle("diagram", "--check").returncode == 0
+
+    def test_check_fails_on_a_stale_file(self, tmp_path: Path) -> None:
+        """``diagram --check`` exits 1 and names the file when one is stale."""
+        assert lifecycle("diagram", "--out", tmp_path).returncode == 0
+        (tmp_path / "component_lifecycle.mmd").write_text("stateDiagram-v2\n")
+        result = lifecycle("diagram", "--check", "--out", tmp_path)
+        assert result.returncode == 1
+        assert "component_lifecycle.mmd is stale" in result.stderr
+
+
+class TestSchemaCommand:
+    def test_schema_is_json(self) -> None:
+        """``schema`` prints the JSON Schema of the spec."""
+        result = lifecycle("schema")
+        assert result.returncode == 0
+        schema = json.loads(result.stdout)
+        assert "PipelineSpec" in schema["$defs"]

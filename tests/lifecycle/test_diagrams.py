@@ -1,0 +1,60 @@
+"""Diagrams are drawn from the machine and the committed copies are current."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lifecycle import diagrams
+from lifecycle.machine import ComponentLifecycle, LifecycleMachine
+from lifecycle.states import TRANSITIONS, ComponentState
+from tests.lifecycle.test_machine import passing_checks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class TestDiagrams:
+    def test_committed_diagrams_are_current(self) -> None:
+        """The files under diagrams/ equal what the machine draws now."""
+        assert diagrams.stale_diagrams(ROOT / "diagrams") == []
+
+    def test_readme_embeds_the_generated_mermaid(self) -> None:
+        """The README's lifecycle diagram is the generated Mermaid text, verbatim."""
+        readme = (ROOT / "README.md").read_text(encoding="utf-8")
+        block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
+        assert block is not None
+        assert block.group(1) == diagrams.mermaid()
+
+    def test_every_table_row_is_drawn_with_its_guards(self) -> None:
+        """Each (source, trigger) of the table appears once, labelled with its guards."""
+        text = diagrams.mermaid()
+        for rule in TRANSITIONS:
+            for source in rule.sources:
+                edges = [
+                    line
+                    for line in text.splitlines()
+                    if line.strip().startswith(
+                        f"{source.value} --> {rule.dest.value} : {rule.trigger}"
+                    )
+                ]
+                assert len(edges) == 1
+                for guard in rule.guards:
+                    assert guard in edges[0]
+
+    def test_models_do_not_leak_into_the_drawing(self) -> None:
+        """A machine with components in odd states draws the same diagram as a bare one."""
+        machine = LifecycleMachine()
+        component = ComponentLifecycle("vae", checks=passing_checks())
+        machine.add_component(component)
+        component.release()
+        assert component.state is ComponentState.RELEASED
+        assert diagrams.mermaid(machine) == diagrams.mermaid()
+        assert diagrams.dot(machine) == diagrams.dot()
+
+    def test_write_then_check(self, tmp_path: Path) -> None:
+        """Written diagrams check clean; an edited one is reported stale."""
+        written = diagrams.write_diagrams(tmp_path)
+        assert {p.name for p in written} == {"component_lifecycle.mmd", "component_lifecycle.dot"}
+        assert diagrams.stale_diagrams(tmp_path) == []
+        (tmp_path / "component_lifecycle.dot").write_text("digraph {}\n")
+        assert diagrams.stale_diagrams(tmp_path) == [tmp_path / "component_lifecycle.dot"]

@@ -1,0 +1,25 @@
+"""The README's Python tour runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lifecycle import ComponentLifecycle, ComponentState
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ```python block of the README executes from the repository root."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert blocks
+    monkeypatch.chdir(ROOT)
+    namespace: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    vae = namespace["vae"]
+    assert isinstance(vae, ComponentLifecycle)
+    assert vae.state is ComponentState.RESIDENT
