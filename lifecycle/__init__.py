@@ -12,6 +12,8 @@ from lifecycle.config import (
 )
 from lifecycle.logs import configure_logging
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine, TransitionContext
+from lifecycle.orchestrator import ComponentView, Orchestrator
+from lifecycle.plan import AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
 from lifecycle.refusals import (
     REFUSAL_CODES,
     AdmissionRefused,
@@ -25,17 +27,23 @@ from lifecycle.states import TRANSITIONS, ComponentState, TransitionRule
 __all__ = [
     "REFUSAL_CODES",
     "TRANSITIONS",
+    "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",
     "ComponentLifecycle",
+    "ComponentPlan",
     "ComponentSpec",
     "ComponentState",
+    "ComponentView",
     "ConfigError",
     "InvalidTransition",
     "LifecycleMachine",
     "MemoryConfig",
+    "Orchestrator",
+    "PipelineSnapshot",
     "PipelineSpec",
     "Refusal",
+    "SitePlan",
     "StageSpec",
     "TransitionContext",
     "TransitionFailed",

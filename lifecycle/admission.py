@@ -1,13 +1,127 @@
-"""Admission: pure checks from a spec to the refusals that block it.
+"""Admission: pure checks from a spec and a platform to a plan, or to every refusal.
 
-Nothing here touches a weight, a file or a device; each check returns every
-refusal it finds so a whole pipeline is refused with all its reasons at once.
+Nothing here touches a weight, a file or a device. Each component's refusals
+are filed under the ``admit`` guard that found them (the guards of the
+transition table read them back), so a pipeline is refused with every reason
+of every component at once.
 """
 
 from __future__ import annotations
 
-from lifecycle.config import PipelineSpec
+from collections.abc import Mapping
+
+import msgspec
+from msgspec import UnsetType
+
+from attention import (
+    AttentionRole,
+    BackendChoice,
+    BackendRequest,
+    BackendSelectionError,
+    Platform,
+    Provenance,
+    select_backend,
+)
+from attention import registry as backends
+from components import ResidencyMode
+from components import registry as kinds
+from components.loader import ComponentLoader, LoaderPath
+from components.sites import AttentionSite
+from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
+from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal
+
+ATTENTION_PLAN = "attention_plan"
+LOADER_PATH = "loader_path"
+RESIDENCY_USE = "residency_use"
+BACKENDS_CONSUMABLE = "backends_consumable"
+
+
+class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What admission found for one component.
+
+    Attributes:
+        plan: how it would be loaded (partial where something was refused).
+        refusals: guard name -> the refusals that guard raises.
+    """
+
+    plan: ComponentPlan
+    refusals: dict[str, tuple[Refusal, ...]]
+
+    def all_refusals(self) -> tuple[Refusal, ...]:
+        """Return every refusal, in guard order."""
+        return tuple(r for found in self.refusals.values() for r in found)
+
+
+class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What admission found for a whole pipeline.
+
+    Attributes:
+        pipeline: the pipeline's name.
+        components: each component's admission.
+        pipeline_refusals: refusals that belong to no single component (the layout).
+    """
+
+    pipeline: str
+    components: dict[str, ComponentAdmission]
+    pipeline_refusals: tuple[Refusal, ...] = ()
+
+    @property
+    def admitted(self) -> bool:
+        """Tell whether nothing was refused."""
+        return not self.refusals()
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """Return every refusal: the pipeline's first, then each component's."""
+        per_component = (r for c in self.components.values() for r in c.all_refusals())
+        return (*self.pipeline_refusals, *per_component)
+
+
+def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
+    """Plan every component of ``spec`` on ``platform``, collecting every refusal."""
+    used = {name for stage in spec.stages for name in stage.uses}
+    return Admission(
+        pipeline=spec.name,
+        components={
+            name: admit_component(name, component, spec, platform, name in used)
+            for name, component in spec.components.items()
+        },
+        pipeline_refusals=tuple(layout_refusals(spec)),
+    )
+
+
+def admit_component(
+    name: str, component: ComponentSpec, spec: PipelineSpec, platform: Platform, used: bool
+) -> ComponentAdmission:
+    """Plan one component: its loading path, its attention sites, its residency."""
+    loader = kinds.get(component.kind).from_options(component.options)
+    refusals: dict[str, list[Refusal]] = {
+        ATTENTION_PLAN: [],
+        LOADER_PATH: [],
+        RESIDENCY_USE: [],
+        BACKENDS_CONSUMABLE: [],
+    }
+    path = _choose_path(name, component, loader, refusals[LOADER_PATH])
+    sites: tuple[SitePlan, ...] = ()
+    if path == "native":
+        refusals[LOADER_PATH] += native_layout_refusals(name, component, spec, loader)
+        refusals[BACKENDS_CONSUMABLE] += native_backend_refusals(name, component)
+    elif path == "custom":
+        declared = loader.sites()
+        if declared is not None:
+            sites = _plan_sites(name, component, spec, loader, declared, platform, refusals)
+            refusals[BACKENDS_CONSUMABLE] += _unconsumed(name, component, declared)
+            refusals[LOADER_PATH] += _head_refusals(name, spec, loader, declared)
+    refusals[RESIDENCY_USE] += _residency_refusals(name, component, used)
+    return ComponentAdmission(
+        plan=ComponentPlan(
+            kind=component.kind,
+            loader=path,
+            residency=component.residency_mode,
+            attention=sites,
+        ),
+        refusals={guard: tuple(found) for guard, found in refusals.items()},
+    )
 
 
 def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
@@ -22,4 +136,237 @@ def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
             "ulysses_degree = ring_degree = 1",
         )
         for problem in spec.parallel.check()
+    ]
+
+
+def native_fallback_refusals(
+    name: str, component: ComponentSpec, spec: PipelineSpec, loader: ComponentLoader
+) -> list[Refusal]:
+    """Return why ``name`` may not fall back to its native path (DESIGN.md §5.1)."""
+    return [
+        *native_layout_refusals(name, component, spec, loader),
+        *native_backend_refusals(name, component),
+    ]
+
+
+def explicit_choice(name: str | UnsetType | None) -> BackendChoice | None:
+    """Return a backend the spec wrote as an explicit request, or None."""
+    if name is None or isinstance(name, UnsetType):
+        return None
+    return BackendChoice(name=name, provenance=Provenance.EXPLICIT)
+
+
+def role_overrides(component: ComponentSpec) -> dict[AttentionRole, BackendChoice]:
+    """Return the component's explicit per-role backends."""
+    written = component.role_backends()
+    return {
+        role: BackendChoice(name=written[role.value], provenance=Provenance.EXPLICIT)
+        for role in AttentionRole
+        if role.value in written
+    }
+
+
+def backend_options(spec: PipelineSpec) -> dict[str, msgspec.Struct]:
+    """Return each configured backend's options, validated by its backend."""
+    return {
+        name: msgspec.convert(raw, backends.get(name).options_type)
+        for name, raw in spec.attention.backend_options.items()
+    }
+
+
+def uses_ring(spec: PipelineSpec, loader: ComponentLoader) -> bool:
+    """Tell whether ring attention applies to the self-attention of ``loader``'s kind."""
+    return spec.parallel.ring_degree > 1 and loader.sequence_parallel
+
+
+def _choose_path(
+    name: str, component: ComponentSpec, loader: ComponentLoader, found: list[Refusal]
+) -> LoaderPath | None:
+    if not isinstance(component.loader, UnsetType):
+        reason = loader.unavailable_reason(component.loader)
+        if reason is None:
+            return component.loader
+        found.append(
+            Refusal(
+                code="loader.unavailable",
+                component=name,
+                message=f"loader = '{component.loader}' was asked for, but {reason}",
+                hint=f"remove components.{name}.loader to let the kind choose, or "
+                "install what the path needs",
+            )
+        )
+        return None
+    custom_reason = loader.unavailable_reason("custom")
+    if custom_reason is None:
+        return "custom"
+    native_reason = loader.unavailable_reason("native")
+    if native_reason is None:
+        return "native"
+    found.append(
+        Refusal(
+            code="loader.unavailable",
+            component=name,
+            message=f"no loading path can build kind '{component.kind}' here: "
+            f"{custom_reason}; {native_reason}",
+            hint="register a kind with a custom or native path, or install what it needs",
+        )
+    )
+    return None
+
+
+def native_layout_refusals(
+    name: str, component: ComponentSpec, spec: PipelineSpec, loader: ComponentLoader
+) -> list[Refusal]:
+    """Refuse a native path for a layout that splits the model (tp, sp, ..., FSDP)."""
+    layout = spec.parallel
+    split = {
+        "tp_size": layout.tp_size,
+        "sp_degree": layout.sp_degree,
+        "ulysses_degree": layout.ulysses_degree,
+        "ring_degree": layout.ring_degree,
+        "kv_gather_degree": layout.kv_gather_degree,
+    }
+    asked = [f"{key} = {degree}" for key, degree in split.items() if degree > 1]
+    if name in layout.fsdp:
+        asked.append("fsdp")
+    if not asked:
+        return []
+    why = (
+        ""
+        if isinstance(component.loader, str)
+        else f" (its custom path is unavailable: {loader.unavailable_reason('custom')})"
+    )
+    return [
+        Refusal(
+            code="loader.native_parallel_layout",
+            component=name,
+            message=f"component '{name}' would load natively{why}, and a native path "
+            f"cannot honour the parallel layout ({', '.join(asked)})",
+            hint="use a kind with a custom path for this layout, or drop the layout to "
+            "data or CFG parallel (replicated layouts work natively)",
+        )
+    ]
+
+
+def native_backend_refusals(name: str, component: ComponentSpec) -> list[Refusal]:
+    """Refuse a native path for a component with explicit attention backends."""
+    return [
+        Refusal(
+            code="loader.native_explicit_backend",
+            component=name,
+            message=f"backend '{backend}' was requested for component '{name}' "
+            f"({'component-wide' if key == ALL_ROLES else key + '-attention'}), but it "
+            "loads through a native path, which does not use the attention package",
+            hint=f'remove components.{name}.attention_backend, or load it with loader = "custom"',
+        )
+        for key, backend in component.role_backends().items()
+    ]
+
+
+def _plan_sites(
+    name: str,
+    component: ComponentSpec,
+    spec: PipelineSpec,
+    loader: ComponentLoader,
+    declared: tuple[AttentionSite, ...],
+    platform: Platform,
+    refusals: Mapping[str, list[Refusal]],
+) -> tuple[SitePlan, ...]:
+    overrides = role_overrides(component)
+    written = component.role_backends()
+    ring = uses_ring(spec, loader)
+    planned = []
+    for site in declared:
+        request = BackendRequest(
+            component=name,
+            site=site.name,
+            role=site.role,
+            requirements=site.requirements,
+            supported=site.supported,
+            layer_default=site.default,
+            role_override=overrides.get(site.role),
+            component_override=explicit_choice(written.get(ALL_ROLES)),
+            global_backend=explicit_choice(spec.attention.backend),
+            allow_global_fallback=loader.allows_global_fallback,
+            ring=ring and site.role is AttentionRole.SELF,
+        )
+        try:
+            selection = select_backend(request, platform)
+        except BackendSelectionError as err:
+            refusals[ATTENTION_PLAN].append(
+                Refusal(code=err.code, component=name, message=err.message, hint=err.hint)
+            )
+            continue
+        planned.append(
+            SitePlan(
+                site=site.name,
+                role=site.role,
+                backend=selection.backend,
+                provenance=selection.provenance,
+                reason=selection.reason,
+            )
+        )
+    return tuple(planned)
+
+
+def _unconsumed(
+    name: str, component: ComponentSpec, declared: tuple[AttentionSite, ...]
+) -> list[Refusal]:
+    built_roles = {site.role.value for site in declared}
+    found = []
+    for key, backend in component.role_backends().items():
+        if key == ALL_ROLES and not declared:
+            message = (
+                f"backend '{backend}' was requested for component '{name}', but that "
+                "component constructs no attention layers"
+            )
+        elif key != ALL_ROLES and key not in built_roles:
+            message = (
+                f"backend '{backend}' was requested for the {key}-attention layers of "
+                f"component '{name}', but it builds none "
+                f"(only {', '.join(sorted(built_roles)) or 'no attention'})"
+            )
+        else:
+            continue
+        found.append(
+            Refusal(
+                code="attention.backend_not_consumed",
+                component=name,
+                message=message,
+                hint=f"remove the '{key}' backend from components.{name}.attention_backend",
+            )
+        )
+    return found
+
+
+def _head_refusals(
+    name: str, spec: PipelineSpec, loader: ComponentLoader, declared: tuple[AttentionSite, ...]
+) -> list[Refusal]:
+    if not loader.sequence_parallel:
+        return []  # its custom path replicates the component on every rank
+    return [
+        Refusal(
+            code="parallel.invalid_layout",
+            component=name,
+            message=f"site '{site.name}': {problem}",
+            hint="pick tp_size and ulysses_degree whose product divides the head count",
+        )
+        for site in declared
+        if (problem := spec.parallel.check_heads(site.heads)) is not None
+    ]
+
+
+def _residency_refusals(name: str, component: ComponentSpec, used: bool) -> list[Refusal]:
+    mode = component.residency_mode
+    if used or mode is ResidencyMode.RESIDENT:
+        return []
+    return [
+        Refusal(
+            code="residency.undeclared_use",
+            component=name,
+            message=f"component '{name}' is explicitly {mode.value}, but no stage uses it, "
+            "so nothing would ever onload it",
+            hint=f"add '{name}' to the uses of the stage that needs it, or remove "
+            f"components.{name}.residency",
+        )
     ]

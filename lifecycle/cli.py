@@ -7,6 +7,7 @@ stdout, logs and errors to stderr; bad input is one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,10 +15,12 @@ from pathlib import Path
 import msgspec
 from msgspec import UnsetType
 
-from lifecycle import admission, diagrams
-from lifecycle.config import ComponentSpec, ConfigError, PipelineSpec, load_spec, spec_schema
+from lifecycle import diagrams
+from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
 from lifecycle.logs import configure_logging
-from lifecycle.refusals import Refusal
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.plan import PipelineSnapshot, RefusalReport, SitePlan
+from lifecycle.refusals import AdmissionRefused, Refusal
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -66,54 +69,43 @@ def _check(args: argparse.Namespace) -> int:
         else:
             print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    refusals = admission.layout_refusals(spec)
+    orchestrator = Orchestrator(spec)
+    with contextlib.suppress(AdmissionRefused):
+        orchestrator.admit()
+    snapshot = orchestrator.snapshot()
     if args.json:
-        _print_json(_check_report(spec, refusals))
-    elif refusals:
-        print(format_refusals(spec.name, refusals))
+        _print_json(snapshot)
+    elif snapshot.refusals:
+        print(format_refusals(spec.name, snapshot.refusals))
     else:
-        print(_summary(spec))
-    return EXIT_REFUSED if refusals else EXIT_OK
+        print(_summary(spec, snapshot, orchestrator.platform.kind))
+    return EXIT_OK if snapshot.admitted else EXIT_REFUSED
 
 
-def _check_report(spec: PipelineSpec, refusals: list[Refusal]) -> dict[str, object]:
-    return {
-        "pipeline": spec.name,
-        "valid": not refusals,
-        "components": {
-            name: {
-                "kind": c.kind,
-                "residency": c.residency_mode.value,
-                "residency_explicit": not isinstance(c.residency, UnsetType),
-                "loader": None if isinstance(c.loader, UnsetType) else c.loader,
-                "attention_backend": c.role_backends(),
-            }
-            for name, c in spec.components.items()
-        },
-        "stages": {stage.name: list(stage.uses) for stage in spec.stages},
-        "refusals": [{"trigger": "admit", **msgspec.to_builtins(r)} for r in refusals],
-    }
-
-
-def _summary(spec: PipelineSpec) -> str:
+def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> str:
     head = (
-        f"pipeline {spec.name!r}: valid ({len(spec.components)} components, "
-        f"{len(spec.stages)} stages, device {spec.device})"
+        f"pipeline {spec.name!r}: admitted ({len(spec.components)} components, "
+        f"{len(spec.stages)} stages, platform {platform})"
     )
-    rows = [("component", "kind", "residency", "loader", "attention")]
-    rows += [_component_row(name, c) for name, c in spec.components.items()]
+    rows: list[tuple[str, ...]] = [("component", "kind", "loader", "residency", "attention")]
+    for name, component in snapshot.components.items():
+        explicit = not isinstance(spec.components[name].residency, UnsetType)
+        rows.append(
+            (
+                name,
+                component.kind,
+                component.loader or "-",
+                component.residency.value + (" (explicit)" if explicit else ""),
+                ", ".join(_site_text(site) for site in component.attention) or "-",
+            )
+        )
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
     return "\n".join([head, *_table(rows), f"  stages: {timeline or '(none)'}"])
 
 
-def _component_row(name: str, component: ComponentSpec) -> tuple[str, ...]:
-    residency = component.residency_mode.value
-    if not isinstance(component.residency, UnsetType):
-        residency += " (explicit)"
-    loader = "auto" if isinstance(component.loader, UnsetType) else f"{component.loader} (explicit)"
-    backends = component.role_backends()
-    attention = ", ".join(f"{k}={v}" for k, v in backends.items()) or "auto"
-    return (name, component.kind, residency, loader, attention)
+def _site_text(site: SitePlan) -> str:
+    text = f"{site.site}={site.backend} ({site.provenance.value}"
+    return text + (f", {site.reason})" if site.reason else ")")
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -124,7 +116,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def format_refusals(pipeline: str, refusals: Sequence[Refusal]) -> str:
+def format_refusals(pipeline: str, refusals: Sequence[Refusal | RefusalReport]) -> str:
     """Return refusals the way a person reads them: what, then how to fix it."""
     count = len(refusals)
     lines = [f"lifecycle check: pipeline {pipeline!r} refused ({count} reason{'s' * (count != 1)})"]

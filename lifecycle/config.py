@@ -22,6 +22,7 @@ from msgspec import UNSET, UnsetType
 
 from attention import AttentionRole, registry
 from components import OffloadTarget, ParallelLayout, ResidencyMode
+from components import registry as kinds
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
@@ -332,6 +333,7 @@ def _check_components(spec: PipelineSpec) -> None:
                 f"with a letter or '_', got {name!r}",
                 at,
             )
+        _convert(component.options, kinds.get(component.kind).options_type, f"{at}.options")
         table = component.attention_backend
         if isinstance(table, str):
             _check_backend(table, f"{at}.attention_backend")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO, Any, Literal, TypeAlias
+from typing import Any, Literal, TextIO, TypeAlias
 
 import msgspec
 import structlog
@@ -27,7 +27,7 @@ def _encode_json(event: Any, **_: Any) -> str:
 
 
 def configure_logging(
-    fmt: LogFormat = "auto", level: str = "info", stream: IO[str] | None = None
+    fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None
 ) -> None:
     """Route every structlog event to ``stream`` (stderr by default).
 

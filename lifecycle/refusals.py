@@ -45,6 +45,10 @@ REFUSAL_CODES: Mapping[str, str] = {
     "attention.backend_not_consumed": (
         "an explicit component or per-role backend has no attention layer to apply to"
     ),
+    "attention.plan_diverged": (
+        "a loader built attention layers that differ from the admitted plan (an "
+        "undeclared site, a declared site not built, or another backend)"
+    ),
     "loader.native_parallel_layout": (
         "the component would load through a native path that cannot honour the "
         "requested parallel layout (tp, sp, ulysses, ring, kv_gather > 1 or FSDP)"
@@ -61,6 +65,7 @@ REFUSAL_CODES: Mapping[str, str] = {
     ),
     "residency.memory_budget": "onloading would exceed memory.device_budget",
     "residency.in_use": "the component is in use by an open request",
+    "residency.not_offloadable": "an offload was asked of a component kept resident",
     "parallel.invalid_layout": "the parallel layout breaks an invariant across its keys",
     "parallel.ring_requires_lse": (
         "ring attention needs a backend that exposes the softmax log-sum-exp"

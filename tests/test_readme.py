@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import ComponentLifecycle, ComponentState
+from lifecycle import ComponentState, Orchestrator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +20,6 @@ def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
-    vae = namespace["vae"]
-    assert isinstance(vae, ComponentLifecycle)
-    assert vae.state is ComponentState.RESIDENT
+    pipeline = namespace["pipeline"]
+    assert isinstance(pipeline, Orchestrator)
+    assert pipeline.state("vae") is ComponentState.RELEASED

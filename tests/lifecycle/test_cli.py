@@ -31,31 +31,45 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 class TestCheck:
-    def test_good_spec_exits_zero_with_a_summary(self) -> None:
-        """A valid spec prints its components and stages on stdout and exits 0."""
+    def test_good_spec_exits_zero_with_the_plan(self) -> None:
+        """An admissible spec prints its plan on stdout and exits 0."""
         result = lifecycle("check", EXAMPLE)
         assert result.returncode == 0, result.stderr
-        assert "pipeline 'tiny-t2i': valid (3 components, 3 stages, device auto)" in result.stdout
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith("pipeline 'tiny-t2i': admitted (3 components, 3 stages")
+        transformer = next(line for line in lines if line.strip().startswith("transformer"))
+        assert "self=torch_flash (default, platform default fallback)" in transformer
         assert "component_offload (explicit)" in result.stdout
         assert "encode [text_encoder] -> denoise [transformer] -> decode [vae]" in result.stdout
-        assert result.stderr == ""
 
     def test_good_spec_as_json(self) -> None:
-        """``--json`` prints one JSON object that names explicit choices."""
+        """``--json`` prints the snapshot: every component admitted with its sites."""
         result = lifecycle("check", "--json", EXAMPLE)
         assert result.returncode == 0
         report = json.loads(result.stdout)
         assert report["pipeline"] == "tiny-t2i"
-        assert report["valid"] is True
+        assert report["admitted"] is True
         assert report["refusals"] == []
-        assert report["components"]["vae"]["residency"] == "component_offload"
-        assert report["components"]["vae"]["residency_explicit"] is True
-        assert report["components"]["transformer"]["residency_explicit"] is False
+        assert report["components"]["vae"] == {
+            "kind": "tiny_vae",
+            "state": "admitted",
+            "loader": "custom",
+            "residency": "component_offload",
+            "attention": [
+                {
+                    "site": "mid",
+                    "role": "self",
+                    "backend": "torch_sdpa",
+                    "provenance": "default",
+                    "reason": None,
+                }
+            ],
+        }
 
     def test_bad_key_is_one_line_and_exit_two(self, tmp_path: Path) -> None:
         """A bad value gives exit 2 and one stderr line with the key path, no traceback."""
         spec = write(
-            tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="k"\nresidency="offlaod"\n'
+            tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="tiny_vae"\nresidency="offlaod"\n'
         )
         result = lifecycle("check", spec)
         assert result.returncode == 2
@@ -67,7 +81,9 @@ class TestCheck:
 
     def test_bad_key_as_json(self, tmp_path: Path) -> None:
         """With ``--json`` a bad key is an error object with path and message, exit 2."""
-        spec = write(tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="k"\nloader="cstom"\n')
+        spec = write(
+            tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="tiny_vae"\nloader="cstom"\n'
+        )
         result = lifecycle("check", "--json", spec)
         assert result.returncode == 2
         error = json.loads(result.stdout)["error"]
@@ -93,7 +109,9 @@ class TestCheck:
     def test_refused_layout_exits_one_with_the_fix(self, tmp_path: Path) -> None:
         """A layout breaking an invariant is refused (exit 1) with its code and fix."""
         spec = write(
-            tmp_path, "layout.toml", 'name="x"\n[parallel]\nsp_degree=2\n[components.a]\nkind="k"\n'
+            tmp_path,
+            "layout.toml",
+            'name="x"\n[parallel]\nsp_degree=2\n[components.a]\nkind="tiny_vae"\n',
         )
         result = lifecycle("check", spec)
         assert result.returncode == 1

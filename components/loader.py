@@ -1,0 +1,124 @@
+"""What a component kind declares, and the paths that build it.
+
+A kind is a ``ComponentLoader`` subclass. It declares everything admission
+needs without building anything: its options, its attention sites, whether an
+explicit global backend may fall back for it, which parallel layouts its
+custom path honours. A path exists when the subclass overrides its builder
+(``build_custom``, ``build_native``), never because a flag says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self, TypeAlias
+
+import msgspec
+from torch import nn
+
+from components.sites import AttentionSite
+from components.weights import load_weights, seed_weights
+
+LoaderPath: TypeAlias = Literal["custom", "native"]
+
+
+class KindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options every kind takes; a kind's own options subclass this.
+
+    Attributes:
+        seed: the seed the weights are made from when no file is given.
+        weights: a safetensors file to read the weights from instead.
+    """
+
+    seed: int = 0
+    weights: str | None = None
+
+
+class ComponentLoader:
+    """Declare and build one kind of component.
+
+    Subclasses set ``kind`` and ``options_type`` and override what they have:
+    ``sites`` (the attention layers the custom path builds), ``build_custom``
+    (the project's own implementation, built on ``attention.Attention``),
+    ``build_native`` (a plain-PyTorch or library implementation that does not
+    go through the attention package).
+
+    Attributes:
+        options: the validated options of this component.
+    """
+
+    kind: ClassVar[str]
+    options_type: ClassVar[type[KindOptions]] = KindOptions
+    allows_global_fallback: ClassVar[bool] = False
+    """Whether an explicit global backend this kind cannot serve may fall back."""
+    sequence_parallel: ClassVar[bool] = False
+    """Whether the custom path splits sequences (ring attention applies to its self sites)."""
+    seeds_weights: ClassVar[bool] = False
+    """Whether ``build`` fills the weights from ``options.seed`` when no file is given.
+
+    Off by default so a module whose builder made its own weights (a generic factory)
+    keeps them; the reference kinds turn it on.
+    """
+
+    def __init__(self, options: KindOptions) -> None:
+        self.options = options
+
+    @classmethod
+    def from_options(cls, raw: Mapping[str, Any]) -> Self:
+        """Validate the raw ``options`` table of a spec.
+
+        Raises:
+            msgspec.ValidationError: an option is unknown or has a bad value.
+        """
+        return cls(msgspec.convert(dict(raw), cls.options_type))
+
+    def sites(self) -> tuple[AttentionSite, ...] | None:
+        """Return the attention sites the custom path builds; None when unknown."""
+        return ()
+
+    def build_custom(self) -> nn.Module:
+        """Build the project's own implementation (inside an attention scope)."""
+        raise NotImplementedError
+
+    def build_native(self) -> nn.Module:
+        """Build the native implementation, which uses no ``attention.Attention``."""
+        raise NotImplementedError
+
+    @classmethod
+    def has_path(cls, path: LoaderPath) -> bool:
+        """Tell whether this kind overrides the builder of ``path``."""
+        builder = f"build_{path}"
+        return getattr(cls, builder) is not getattr(ComponentLoader, builder)
+
+    def unavailable_reason(self, path: LoaderPath) -> str | None:
+        """Say why ``path`` cannot build this component here, or None when it can.
+
+        Kinds whose path needs an optional library extend this.
+        """
+        if not self.has_path(path):
+            return f"kind '{self.kind}' has no {path} loading path"
+        return None
+
+    def build(self, path: LoaderPath) -> nn.Module:
+        """Build the module through ``path``, in eval mode, with no gradients, with its weights.
+
+        The weights come from ``options.weights`` when set, else from ``options.seed`` when
+        the kind ``seeds_weights``; both paths of a kind name their tensors alike, so one
+        seed or one file gives both the same weights.
+
+        Raises:
+            FileNotFoundError: ``options.weights`` does not exist.
+            ValueError: the file's tensors do not match the module's names or shapes.
+        """
+        module = self.build_custom() if path == "custom" else self.build_native()
+        if self.options.weights is not None:
+            load_weights(module, Path(self.options.weights))
+        elif self.seeds_weights:
+            seed_weights(module, self.options.seed)
+        module.eval()
+        module.requires_grad_(False)
+        return module
+
+
+class PathUnavailable(RuntimeError):
+    """A loading path found at build time that it cannot run here (say why)."""

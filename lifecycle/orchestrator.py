@@ -1,0 +1,505 @@
+"""The orchestrator: admits a pipeline, loads it, and moves its components.
+
+Decisions come from the pure functions of ``lifecycle.admission``; this
+module carries them out on the lifecycle machine, whose guards read those
+decisions back and whose work does the side effects (building modules,
+arming attention, moving weights) with an undo step for each.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+import structlog
+import torch
+from torch import nn
+
+from attention import (
+    Attention,
+    Platform,
+    Selection,
+    arm_layers,
+    component_attention_scope,
+    disarm_layers,
+)
+from components import ResidencyMode
+from components import registry as kinds
+from components.accounting import module_bytes
+from components.loader import ComponentLoader, LoaderPath, PathUnavailable
+from lifecycle import admission as adm
+from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
+from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
+from lifecycle.plan import (
+    AdmissionPlan,
+    ComponentPlan,
+    ComponentSnapshot,
+    PipelineSnapshot,
+    RefusalReport,
+)
+from lifecycle.refusals import AdmissionRefused, Refusal, TransitionRefused
+from lifecycle.sizes import format_bytes
+from lifecycle.states import ComponentState
+
+log = structlog.get_logger("lifecycle")
+
+
+class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A read-only look at one component.
+
+    Attributes:
+        name: the component's name.
+        spec: what the pipeline spec says of it.
+        plan: what admission decided, or None before admission.
+        state: where it stands now.
+    """
+
+    name: str
+    spec: ComponentSpec
+    plan: ComponentPlan | None
+    state: ComponentState
+
+
+class _Slot:
+    """The orchestrator's mutable record of one component."""
+
+    def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
+        self.name = name
+        self.spec = spec
+        self.lifecycle = lifecycle
+        self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
+        self.plan: ComponentPlan | None = None
+        self.module: nn.Module | None = None
+        self.bytes = 0
+
+
+class Orchestrator:
+    """Run the lifecycle of every component of one pipeline.
+
+    Args:
+        spec: the decoded pipeline spec.
+        platform: where it runs; by default the spec's ``device`` decides.
+    """
+
+    def __init__(self, spec: PipelineSpec, *, platform: Platform | None = None) -> None:
+        self.spec = spec
+        self.platform = platform or _platform_for(spec)
+        self.device = torch.device(self.platform.kind)
+        self._machine = LifecycleMachine(name=spec.name)
+        self._admission: adm.Admission | None = None
+        self._slots: dict[str, _Slot] = {}
+        for name, component in spec.components.items():
+            lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
+            self._machine.add_component(lifecycle)
+            self._slots[name] = _Slot(name, component, lifecycle)
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, platform: Platform | None = None) -> Orchestrator:
+        """Decode the spec at ``path`` and build its orchestrator.
+
+        Raises:
+            ConfigError: the spec is missing or bad.
+        """
+        return cls(load_spec(path), platform=platform)
+
+    # -- the public surface -------------------------------------------------
+
+    def admit(self) -> AdmissionPlan:
+        """Admit every component, or none: return the plan.
+
+        Raises:
+            AdmissionRefused: with every refusal of every component; every
+                component stays CONFIGURED.
+        """
+        with self._machine.lock:
+            admission = adm.admit_pipeline(self.spec, self.platform)
+            self._admission = admission
+            for name, slot in self._slots.items():
+                slot.plan = admission.components[name].plan
+            refusals = admission.refusals()
+            if refusals:
+                log.warning(
+                    "lifecycle.refused",
+                    component=self.spec.name,
+                    trigger="admit",
+                    source=ComponentState.CONFIGURED.value,
+                    codes=[r.code for r in refusals],
+                    messages=[r.message for r in refusals],
+                    request_id=None,
+                )
+                raise AdmissionRefused(self.spec.name, refusals)
+            for slot in self._slots.values():
+                slot.lifecycle.admit()
+            return AdmissionPlan(
+                pipeline=self.spec.name,
+                platform=self.platform.kind,
+                components={name: slot.plan for name, slot in self._slots.items() if slot.plan},
+            )
+
+    def load(self) -> None:
+        """Load every admitted component and put it in its initial place.
+
+        Resident components end RESIDENT, offloaded ones OFFLOADED. Admits
+        first when that has not happened.
+
+        Raises:
+            AdmissionRefused: admission was needed and refused.
+            TransitionRefused: the layout's world size differs from the launched one.
+            TransitionFailed: a component failed to load; it stays ADMITTED.
+        """
+        with self._machine.lock:
+            if self._admission is None:
+                self.admit()
+            self._check_world()
+            for slot in self._slots.values():
+                if slot.lifecycle.state is ComponentState.ADMITTED:
+                    slot.lifecycle.load()
+                if slot.lifecycle.state is ComponentState.LOADED:
+                    if slot.spec.residency_mode is ResidencyMode.RESIDENT:
+                        slot.lifecycle.onload()
+                    else:
+                        slot.lifecycle.offload()
+
+    def onload(self, name: str) -> None:
+        """Make component ``name`` RESIDENT (its attention layers run).
+
+        Raises:
+            TransitionRefused: a guard refused (e.g. the memory budget).
+            TransitionFailed: moving the weights failed and was rolled back.
+        """
+        self._slot(name).lifecycle.onload()
+
+    def offload(self, name: str) -> None:
+        """Move component ``name`` off the device (its attention layers refuse to run).
+
+        Raises:
+            TransitionRefused: a guard refused (kept resident, no declared use, in use).
+            TransitionFailed: moving the weights failed and was rolled back.
+        """
+        self._slot(name).lifecycle.offload()
+
+    def state(self, name: str) -> ComponentState:
+        """Return the state of component ``name``."""
+        return self._slot(name).lifecycle.state
+
+    def component(self, name: str) -> ComponentView:
+        """Return a read-only view of component ``name``."""
+        slot = self._slot(name)
+        return ComponentView(name=name, spec=slot.spec, plan=slot.plan, state=slot.lifecycle.state)
+
+    def module(self, name: str) -> nn.Module:
+        """Return the module of ``name``: the same object from LOADED until RELEASED.
+
+        Raises:
+            LookupError: the component is not loaded.
+        """
+        slot = self._slot(name)
+        if slot.module is None:
+            raise LookupError(
+                f"component {name!r} has no module in state "
+                f"{slot.lifecycle.state.value!r}; load() the pipeline first"
+            )
+        return slot.module
+
+    def snapshot(self) -> PipelineSnapshot:
+        """Return every component's state and plan; encodes to JSON."""
+        admission = self._admission
+        refusals = () if admission is None else admission.refusals()
+        return PipelineSnapshot(
+            pipeline=self.spec.name,
+            admitted=admission is not None and not refusals,
+            components={
+                name: ComponentSnapshot(
+                    kind=slot.spec.kind,
+                    state=slot.lifecycle.state,
+                    loader=None if slot.plan is None else slot.plan.loader,
+                    residency=slot.spec.residency_mode,
+                    attention=() if slot.plan is None else slot.plan.attention,
+                )
+                for name, slot in self._slots.items()
+            },
+            refusals=tuple(
+                RefusalReport(
+                    component=r.component,
+                    trigger="admit",
+                    code=r.code,
+                    message=r.message,
+                    hint=r.hint,
+                )
+                for r in refusals
+            ),
+        )
+
+    def close(self) -> None:
+        """Release every component that is not released yet."""
+        with self._machine.lock:
+            for slot in self._slots.values():
+                if slot.lifecycle.state is not ComponentState.RELEASED:
+                    slot.lifecycle.release()
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- guards (pure: they read decisions, touch nothing) -------------------
+
+    def _checks(self, name: str) -> dict[str, Check]:
+        def admitted(guard: str) -> Check:
+            def check(context: TransitionContext) -> tuple[Refusal, ...]:
+                if self._admission is None:
+                    raise RuntimeError("admit through Orchestrator.admit(), which plans first")
+                return self._admission.components[name].refusals[guard]
+
+            return check
+
+        return {
+            adm.ATTENTION_PLAN: admitted(adm.ATTENTION_PLAN),
+            adm.LOADER_PATH: admitted(adm.LOADER_PATH),
+            adm.RESIDENCY_USE: admitted(adm.RESIDENCY_USE),
+            adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
+            "plan_honoured": lambda context: self._plan_honoured(name),
+            "memory_budget": lambda context: self._memory_budget(name),
+            "offloadable": lambda context: self._offloadable(name),
+            "use_declared": lambda context: self._use_declared(name),
+            "not_in_use": lambda context: (),
+        }
+
+    def _plan_honoured(self, name: str) -> list[Refusal]:
+        slot = self._slot(name)
+        assert slot.module is not None
+        assert slot.plan is not None
+        built = {
+            layer.site: layer.backend_name
+            for layer in slot.module.modules()
+            if isinstance(layer, Attention)
+        }
+        if slot.plan.loader == "native" or slot.loader.sites() is None:
+            expected = built if slot.plan.loader == "custom" else {}
+        else:
+            expected = {site.site: site.backend for site in slot.plan.attention}
+        if built == expected:
+            return []
+        return [
+            Refusal(
+                code="attention.plan_diverged",
+                component=name,
+                message=f"the {slot.plan.loader} path of kind '{slot.spec.kind}' built "
+                f"attention sites {built or 'none'}, but the admitted plan is "
+                f"{expected or 'none'}",
+                hint=f"make kind '{slot.spec.kind}' declare exactly the attention sites "
+                "it builds on each path",
+            )
+        ]
+
+    def _memory_budget(self, name: str) -> list[Refusal]:
+        budget = self.spec.memory.device_budget
+        if isinstance(budget, msgspec.UnsetType):
+            return []
+        slot = self._slot(name)
+        resident = sum(
+            s.bytes for s in self._slots.values() if s.lifecycle.state is ComponentState.RESIDENT
+        )
+        if resident + slot.bytes <= budget:
+            return []
+        return [
+            Refusal(
+                code="residency.memory_budget",
+                component=name,
+                message=f"onloading '{name}' needs {format_bytes(slot.bytes)} on device, "
+                f"{format_bytes(max(budget - resident, 0))} free of a "
+                f"{format_bytes(budget)} budget",
+                hint=f"raise memory.device_budget to at least "
+                f"{format_bytes(resident + slot.bytes)}, or offload another component",
+            )
+        ]
+
+    def _offloadable(self, name: str) -> list[Refusal]:
+        mode = self._slot(name).spec.residency_mode
+        if mode is not ResidencyMode.RESIDENT:
+            return []
+        return [
+            Refusal(
+                code="residency.not_offloadable",
+                component=name,
+                message=f"component '{name}' is {mode.value}: it is never offloaded",
+                hint=f'set components.{name}.residency = "component_offload" to let it move',
+            )
+        ]
+
+    def _use_declared(self, name: str) -> list[Refusal]:
+        if any(name in stage.uses for stage in self.spec.stages):
+            return []
+        return [
+            Refusal(
+                code="residency.undeclared_use",
+                component=name,
+                message=f"component '{name}' is used by no stage, so nothing would onload it",
+                hint=f"add '{name}' to the uses of the stage that needs it",
+            )
+        ]
+
+    # -- work (side effects, each with its undo) ----------------------------
+
+    def _work(self, name: str) -> dict[str, Work]:
+        return {
+            "load": lambda context: self._load(name, context),
+            "onload": lambda context: self._move(name, context, "onload"),
+            "offload": lambda context: self._move(name, context, "offload"),
+            "release": lambda context: self._release(name, context),
+        }
+
+    def _load(self, name: str, context: TransitionContext) -> None:
+        slot = self._slot(name)
+        assert slot.plan is not None
+        assert slot.plan.loader is not None
+        try:
+            module = self._build(slot, slot.plan.loader)
+        except PathUnavailable as unavailable:
+            module = self._build_native_fallback(slot, unavailable)
+        slot.module = module
+        slot.bytes = module_bytes(module)
+        context.on_rollback(lambda: _forget(slot))
+
+    def _build(self, slot: _Slot, path: LoaderPath) -> nn.Module:
+        if path == "native":
+            return slot.loader.build("native")
+        plan = None
+        if slot.loader.sites() is not None:
+            plan = {
+                s.site: Selection(backend=s.backend, reason=s.reason, provenance=s.provenance)
+                for s in slot.plan.attention  # type: ignore[union-attr]
+            }
+        overrides = adm.role_overrides(slot.spec)
+        with component_attention_scope(
+            slot.name,
+            component_backend=adm.explicit_choice(slot.spec.role_backends().get("all")),
+            role_backends=overrides,
+            global_backend=adm.explicit_choice(self.spec.attention.backend),
+            allow_global_fallback=slot.loader.allows_global_fallback,
+            ring=adm.uses_ring(self.spec, slot.loader),
+            plan=plan,
+            platform=self.platform,
+            backend_options=adm.backend_options(self.spec),
+        ):
+            return slot.loader.build("custom")
+
+    def _build_native_fallback(self, slot: _Slot, unavailable: PathUnavailable) -> nn.Module:
+        """Fall back to the native path at load time, under the admission rules."""
+        if isinstance(slot.spec.loader, str) or not slot.loader.has_path("native"):
+            raise unavailable
+        refusals = adm.native_fallback_refusals(slot.name, slot.spec, self.spec, slot.loader)
+        if refusals:
+            raise TransitionRefused(
+                slot.name, "load", ComponentState.ADMITTED, refusals
+            ) from unavailable
+        assert slot.plan is not None
+        slot.plan = msgspec.structs.replace(slot.plan, loader="native", attention=())
+        return slot.loader.build("native")
+
+    def _move(self, name: str, context: TransitionContext, direction: str) -> None:
+        slot = self._slot(name)
+        module = slot.module
+        assert module is not None
+        started = time.perf_counter()
+        if direction == "onload":
+            _place(module, self.device)
+            arm_layers(module)
+            context.on_rollback(lambda: _stow(module))
+        else:
+            _stow(module)
+            context.on_rollback(lambda: _place_and_arm(module, self.device))
+        log.info(
+            "residency.moved",
+            component=name,
+            direction=direction,
+            target=self.spec.memory.offload_target,
+            bytes=slot.bytes,
+            seconds=round(time.perf_counter() - started, 6),
+            request_id=context.request_id,
+        )
+
+    def _release(self, name: str, context: TransitionContext) -> None:
+        slot = self._slot(name)
+        module, plan_bytes = slot.module, slot.bytes
+        if module is not None:
+            disarm_layers(module)
+            context.on_rollback(lambda: _restore(slot, module, plan_bytes, context.source))
+        _forget(slot)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _slot(self, name: str) -> _Slot:
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise KeyError(
+                f"pipeline {self.spec.name!r} has no component {name!r}; "
+                f"components: {', '.join(self._slots)}"
+            ) from None
+
+    def _check_world(self) -> None:
+        launched = (
+            torch.distributed.get_world_size()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 1
+        )
+        needed = self.spec.parallel.world_size
+        if needed != launched:
+            raise TransitionRefused(
+                self.spec.name,
+                "load",
+                ComponentState.ADMITTED,
+                [
+                    Refusal(
+                        code="parallel.invalid_layout",
+                        component=self.spec.name,
+                        message=f"the parallel layout needs {needed} processes, but "
+                        f"{launched} {'was' if launched == 1 else 'were'} launched",
+                        hint=f"launch {needed} processes (torchrun --nproc-per-node "
+                        f"{needed}), or shrink [parallel] to {launched}",
+                    )
+                ],
+            )
+
+
+def _platform_for(spec: PipelineSpec) -> Platform:
+    if spec.device == "auto":
+        return Platform.detect()
+    return Platform(spec.device)
+
+
+def _forget(slot: _Slot) -> None:
+    slot.module = None
+    slot.bytes = 0
+
+
+def _restore(slot: _Slot, module: nn.Module, size: int, source: ComponentState) -> None:
+    slot.module = module
+    slot.bytes = size
+    if source is ComponentState.RESIDENT:
+        arm_layers(module)
+
+
+def _place(module: nn.Module, device: torch.device) -> None:
+    if device.type != "cpu":
+        module.to(device)
+
+
+def _stow(module: nn.Module) -> None:
+    disarm_layers(module)
+    if next(module.parameters(), torch.empty(0)).device.type != "cpu":
+        module.to("cpu")
+
+
+def _place_and_arm(module: nn.Module, device: torch.device) -> None:
+    _place(module, device)
+    arm_layers(module)

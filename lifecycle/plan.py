@@ -1,0 +1,103 @@
+"""What admission decides for a pipeline, as data that encodes to JSON."""
+
+from __future__ import annotations
+
+import msgspec
+
+from attention import AttentionRole, Provenance
+from components import ResidencyMode
+from components.loader import LoaderPath
+from lifecycle.states import ComponentState
+
+
+class SitePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The backend admitted for one attention site, and why.
+
+    Attributes:
+        site: the site's name.
+        role: what its layers attend to.
+        backend: the backend its layers will run.
+        provenance: where the request came from (explicit, automatic, default).
+        reason: None when the requested backend was chosen, else the fallback reason.
+    """
+
+    site: str
+    role: AttentionRole
+    backend: str
+    provenance: Provenance
+    reason: str | None
+
+
+class ComponentPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one component will be loaded and kept.
+
+    Attributes:
+        kind: the kind that builds it.
+        loader: the loading path, or None when no path is admissible.
+        residency: how it is kept on the device.
+        attention: the plan of each declared attention site (none for a native
+            path; unknown sites of a generic kind are chosen at load).
+    """
+
+    kind: str
+    loader: LoaderPath | None
+    residency: ResidencyMode
+    attention: tuple[SitePlan, ...] = ()
+
+
+class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One component's plan and current state (DESIGN.md §10's snapshot entry).
+
+    Attributes:
+        kind: the kind that builds it.
+        state: where it stands in the lifecycle.
+        loader: the loading path, or None when none is admissible.
+        residency: how it is kept on the device.
+        attention: the backend of each attention site.
+    """
+
+    kind: str
+    state: ComponentState
+    loader: LoaderPath | None
+    residency: ResidencyMode
+    attention: tuple[SitePlan, ...]
+
+
+class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A refusal with the trigger it refused, as reported to ops and the CLI."""
+
+    component: str
+    trigger: str
+    code: str
+    message: str
+    hint: str
+
+
+class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every component's state and plan, for health endpoints and ``lifecycle check``.
+
+    Attributes:
+        pipeline: the pipeline's name.
+        admitted: whether admission passed.
+        components: each component's snapshot.
+        refusals: every reason admission was refused (empty when admitted).
+    """
+
+    pipeline: str
+    admitted: bool
+    components: dict[str, ComponentSnapshot]
+    refusals: tuple[RefusalReport, ...] = ()
+
+
+class AdmissionPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The admitted plan of a whole pipeline.
+
+    Attributes:
+        pipeline: the pipeline's name.
+        platform: the device kind it was planned for.
+        components: each component's plan.
+    """
+
+    pipeline: str
+    platform: str
+    components: dict[str, ComponentPlan]

@@ -1,0 +1,89 @@
+"""Small real component kinds the orchestrator tests register for themselves."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from attention import AttentionRole
+from components.loader import ComponentLoader, PathUnavailable
+from components.sites import AttentionSite
+
+# B batch, H heads, S seq, D head dim
+
+
+class SelfAttentionNet(nn.Module):
+    """One projection and one self-attention layer: enough to carry a site."""
+
+    def __init__(self, site: AttentionSite | None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.attn = site.build_layer() if site is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Project ``x`` (B, S, 16) and attend over it with two heads."""
+        h = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)  # (B, H, S, D)
+        if self.attn is not None:
+            h = self.attn(h, h, h)
+        return h.transpose(1, 2).flatten(-2)
+
+
+SITE = AttentionSite(name="self", role=AttentionRole.SELF, heads=2)
+
+
+class NativeOnlyKind(ComponentLoader):
+    """A kind whose custom path is unavailable at load time; it records native builds."""
+
+    kind: ClassVar[str] = "test_native_only"
+    native_builds: ClassVar[list[str]] = []
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare one self-attention site."""
+        return (SITE,)
+
+    def build_custom(self) -> nn.Module:
+        """Fail the way a missing optional library would."""
+        raise PathUnavailable("the custom kernels of test_native_only are not compiled here")
+
+    def build_native(self) -> nn.Module:
+        """Build without the attention package, and record that native code ran."""
+        type(self).native_builds.append("built")
+        return SelfAttentionNet(None)
+
+
+class BrokenKind(ComponentLoader):
+    """A kind whose build allocates, then raises half-way."""
+
+    kind: ClassVar[str] = "test_broken"
+    allocated: ClassVar[list[nn.Module]] = []
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare one self-attention site."""
+        return (SITE,)
+
+    def build_custom(self) -> nn.Module:
+        """Build a real module, then fail as an I/O error would."""
+        type(self).allocated.append(SelfAttentionNet(SITE))
+        raise OSError("weights file truncated")
+
+
+class UndeclaredSiteKind(ComponentLoader):
+    """A kind that declares no site but builds an attention layer anyway."""
+
+    kind: ClassVar[str] = "test_undeclared_site"
+
+    def build_custom(self) -> nn.Module:
+        """Build a layer the declaration does not mention."""
+        return SelfAttentionNet(SITE)
+
+
+def make_generic_module() -> nn.Module:
+    """Return a module with one attention layer, for the generic loader's factory."""
+    return SelfAttentionNet(SITE)
+
+
+def make_plain_module() -> nn.Module:
+    """Return a module without attention, for the generic loader's factory."""
+    return SelfAttentionNet(None)

@@ -1,0 +1,165 @@
+"""Admission of whole pipelines: plans, every refusal at once, native-fallback rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attention import Platform, Provenance
+from lifecycle.admission import admit_pipeline
+from lifecycle.config import decode_spec, load_spec
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused
+from lifecycle.states import ComponentState
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = Platform("cpu")
+REFUSED = sorted((ROOT / "examples" / "refused").glob("*.toml"))
+ADMITTED = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def expected_code(path: Path) -> str:
+    """Return the code an example spec declares on its ``# expect:`` line."""
+    match = re.match(r"# expect: (\S+)", path.read_text())
+    assert match is not None, f"{path} has no '# expect: <code>' first line"
+    return match.group(1)
+
+
+class TestExamples:
+    @pytest.mark.parametrize("path", ADMITTED, ids=lambda p: p.name)
+    def test_every_example_is_admitted(self, path: Path) -> None:
+        """Each runnable example spec is admitted on a CPU platform."""
+        admission = admit_pipeline(load_spec(path), CPU)
+        assert admission.refusals() == ()
+
+    @pytest.mark.parametrize("path", REFUSED, ids=lambda p: p.stem)
+    def test_each_refused_example_gives_its_code(self, path: Path) -> None:
+        """Each example under examples/refused/ is refused with exactly the code it names."""
+        admission = admit_pipeline(load_spec(path), CPU)
+        codes = {r.code for r in admission.refusals()}
+        assert codes == {expected_code(path)}
+        assert all(r.hint for r in admission.refusals())
+
+    def test_refused_examples_cover_every_admission_code(self) -> None:
+        """Every code admission can raise from a spec has an example that teaches it."""
+        runtime_only = {
+            "attention.no_backend",
+            "attention.plan_diverged",
+            "residency.in_use",
+            "residency.memory_budget",
+            "residency.not_offloadable",
+        }
+        assert {expected_code(p) for p in REFUSED} == set(REFUSAL_CODES) - runtime_only
+
+
+class TestPlan:
+    def test_reference_plan(self) -> None:
+        """The reference pipeline's plan says which backend each site runs, and why."""
+        plan = Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU).admit()
+        vae = plan.components["vae"]
+        assert (vae.loader, [(s.site, s.backend, s.reason) for s in vae.attention]) == (
+            "custom",
+            [("mid", "torch_sdpa", None)],
+        )
+        sites = {s.site: s for s in plan.components["transformer"].attention}
+        # torch_sdpa, the CPU default, has no varlen kernel: the packed DiT falls back
+        assert sites["self"].backend == "torch_flash"
+        assert sites["self"].reason == "platform default fallback"
+        assert sites["self"].provenance is Provenance.DEFAULT
+        assert sites["cross"].backend == "torch_sdpa"
+        assert sites["cross"].reason is None
+
+    def test_explicit_global_backend_falls_back_where_allowed(self) -> None:
+        """A global backend the VAE cannot serve falls back to its default; the DiT takes it."""
+        spec = decode_spec(
+            """
+name = "p"
+device = "cpu"
+attention.backend = "reference"
+[components.vae]
+kind = "tiny_vae"
+[components.transformer]
+kind = "tiny_dit"
+"""
+        )
+        plan = Orchestrator(spec, platform=CPU).admit()
+        (mid,) = plan.components["vae"].attention
+        assert (mid.backend, mid.reason, mid.provenance) == (
+            "torch_sdpa",
+            "global backend fallback",
+            Provenance.EXPLICIT,
+        )
+        assert {s.backend for s in plan.components["transformer"].attention} == {"reference"}
+
+    def test_no_backend_when_every_candidate_is_unavailable(self) -> None:
+        """With every backend the VAE supports banned, admission says none is left."""
+        platform = Platform("cpu", unavailable={"torch_sdpa": "banned", "torch_flash": "banned"})
+        spec = decode_spec('name = "p"\n[components.vae]\nkind = "tiny_vae"\n')
+        admission = admit_pipeline(spec, platform)
+        assert [r.code for r in admission.refusals()] == ["attention.no_backend"]
+
+
+class TestRefusalsTogether:
+    SPEC = """
+name = "many"
+device = "cpu"
+[parallel]
+sp_degree = 2
+[components.text_encoder]
+kind = "tiny_text_encoder"
+loader = "native"
+attention_backend = "torch_flash"
+[components.vae]
+kind = "tiny_vae"
+residency = "component_offload"
+attention_backend = "reference"
+[components.upsampler]
+kind = "tiny_upsampler"
+"""
+
+    def test_every_reason_of_every_component_at_once(self) -> None:
+        """One admission reports the layout, the native path and the VAE's two problems."""
+        orchestrator = Orchestrator(decode_spec(self.SPEC), platform=CPU)
+        with pytest.raises(AdmissionRefused) as err:
+            orchestrator.admit()
+        by_component = sorted((r.component, r.code) for r in err.value.refusals)
+        assert by_component == [
+            ("many", "parallel.invalid_layout"),
+            ("text_encoder", "loader.native_explicit_backend"),
+            ("text_encoder", "loader.native_parallel_layout"),
+            ("vae", "attention.unsupported_backend"),
+            ("vae", "residency.undeclared_use"),
+        ]
+        assert all(orchestrator.state(n) is ComponentState.CONFIGURED for n in ("vae", "upsampler"))
+
+    def test_check_json_reports_them(self) -> None:
+        """``lifecycle check --json`` prints the contract's object with every refusal, exit 1."""
+        path = ROOT / "examples" / "refused" / "unsupported_backend.toml"
+        result = subprocess.run(
+            [sys.executable, "-m", "lifecycle", "check", "--json", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        assert result.returncode == 1
+        report = json.loads(result.stdout)
+        assert list(report) == ["pipeline", "admitted", "components", "refusals"]
+        assert report["admitted"] is False
+        assert report["components"]["vae"] == {
+            "kind": "tiny_vae",
+            "state": "configured",
+            "loader": "custom",
+            "residency": "resident",
+            "attention": [],
+        }
+        (refusal,) = report["refusals"]
+        assert list(refusal) == ["component", "trigger", "code", "message", "hint"]
+        assert refusal["code"] == "attention.unsupported_backend"
+        assert refusal["trigger"] == "admit"
+        assert "supported: [torch_flash, torch_sdpa]" in refusal["message"]

@@ -1,0 +1,221 @@
+"""The orchestrator: admission all-or-nothing, loading, native fallback, snapshots."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from attention import Attention, NotResidentError, Platform
+from components import registry as kinds
+from components.loader import ComponentLoader
+from lifecycle.config import decode_spec, load_spec
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import AdmissionRefused, TransitionFailed, TransitionRefused
+from lifecycle.states import ComponentState
+from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.kinds_for_tests import BrokenKind, NativeOnlyKind, UndeclaredSiteKind
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = Platform("cpu")
+TEST_KINDS: tuple[type[ComponentLoader], ...] = (NativeOnlyKind, BrokenKind, UndeclaredSiteKind)
+
+
+@pytest.fixture(autouse=True)
+def test_kinds() -> Iterator[None]:
+    """Register the test kinds for one test, then forget them."""
+    for kind in TEST_KINDS:
+        kinds.register_kind(kind)
+    NativeOnlyKind.native_builds.clear()
+    BrokenKind.allocated.clear()
+    yield
+    for kind in TEST_KINDS:
+        kinds.unregister_kind(kind.kind)
+
+
+def orchestrator(text: str) -> Orchestrator:
+    """Return an orchestrator for the TOML spec ``text`` on a CPU platform."""
+    return Orchestrator(decode_spec(text), platform=CPU)
+
+
+def one_component(kind: str, extra: str = "") -> str:
+    """Return a spec with one component ``c`` of ``kind``, used by one stage."""
+    return f"""
+name = "p"
+[components.c]
+kind = "{kind}"
+{extra}
+[[stages]]
+name = "s"
+uses = ["c"]
+"""
+
+
+class TestReferencePipeline:
+    def test_load_places_every_component(self) -> None:
+        """load() leaves resident components RESIDENT and offloaded ones OFFLOADED."""
+        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+            orch.load()
+            assert orch.state("transformer") is ComponentState.RESIDENT
+            assert orch.state("text_encoder") is ComponentState.OFFLOADED
+            assert orch.state("vae") is ComponentState.OFFLOADED
+        assert orch.state("vae") is ComponentState.RELEASED
+
+    def test_attention_runs_only_while_resident(self) -> None:
+        """An offloaded component's layers refuse to run; after onload they run."""
+        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+            orch.load()
+            vae = orch.module("vae")
+            layer = next(m for m in vae.modules() if isinstance(m, Attention))
+            (site,) = kinds.get("tiny_vae").from_options({}).sites() or ()
+            q = torch.randn(1, site.heads, 4, 8)
+            with pytest.raises(NotResidentError, match="component 'vae'"):
+                layer(q, q, q)
+            orch.onload("vae")
+            assert torch.isfinite(layer(q, q, q)).all()
+            assert orch.module("vae") is vae
+
+    def test_transitions_are_logged(self) -> None:
+        """Every transition of load() is one lifecycle.transition event; moves are logged."""
+        with (
+            capture_events() as events,
+            Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch,
+        ):
+            orch.load()
+        triples = [
+            (e["component"], e["trigger"], e["dest"])
+            for e in events_named(events, "lifecycle.transition")
+        ]
+        assert ("vae", "offload", "offloaded") in triples
+        assert ("transformer", "onload", "resident") in triples
+        moved = events_named(events, "residency.moved")
+        assert {(e["component"], e["direction"]) for e in moved} == {
+            ("text_encoder", "offload"),
+            ("transformer", "onload"),
+            ("vae", "offload"),
+        }
+        assert all(e["bytes"] > 0 and e["request_id"] is None for e in moved)
+
+    def test_snapshot_encodes_to_json(self) -> None:
+        """The snapshot names each component's state, loader and backends as JSON."""
+        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+            orch.load()
+            data = msgspec.json.decode(msgspec.json.encode(orch.snapshot()))
+        assert data["admitted"] is True
+        assert data["components"]["vae"]["state"] == "offloaded"
+        assert data["components"]["transformer"]["attention"][0]["site"] == "self"
+
+
+class TestAdmissionIsAllOrNothing:
+    def test_refused_pipeline_leaves_everything_configured(self) -> None:
+        """One refused component keeps every other one CONFIGURED too."""
+        orch = orchestrator(
+            one_component("tiny_dit")
+            + '[components.vae]\nkind = "tiny_vae"\nattention_backend = "reference"\n'
+        )
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
+        assert err.value.codes == ("attention.unsupported_backend",)
+        assert orch.state("c") is ComponentState.CONFIGURED
+        assert orch.state("vae") is ComponentState.CONFIGURED
+
+
+class TestLoading:
+    def test_failing_loader_keeps_admitted_and_retains_nothing(self) -> None:
+        """A loader that raises leaves the component ADMITTED and frees what it built."""
+        orch = orchestrator(one_component("test_broken"))
+        orch.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orch.load()
+        assert isinstance(err.value.__cause__, OSError)
+        assert orch.state("c") is ComponentState.ADMITTED
+        with pytest.raises(LookupError, match="component 'c' has no module"):
+            orch.module("c")
+        built = weakref.ref(BrokenKind.allocated.pop())
+        gc.collect()
+        assert built() is None
+
+    def test_native_fallback_at_load_when_the_custom_path_is_missing(self) -> None:
+        """A custom path unavailable at load falls back to native when no rule forbids it."""
+        orch = orchestrator(one_component("test_native_only"))
+        orch.load()
+        assert NativeOnlyKind.native_builds == ["built"]
+        assert orch.state("c") is ComponentState.RESIDENT
+        view = orch.component("c")
+        assert view.plan is not None
+        assert view.plan.loader == "native"
+
+    def test_native_fallback_refused_before_native_code_runs(self) -> None:
+        """With an explicit backend the load-time native fallback is refused; native never ran."""
+        orch = orchestrator(one_component("test_native_only", 'attention_backend = "torch_sdpa"'))
+        orch.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orch.load()
+        cause = err.value.__cause__
+        assert isinstance(cause, TransitionRefused)
+        assert cause.codes == ("loader.native_explicit_backend",)
+        assert NativeOnlyKind.native_builds == []
+        assert orch.state("c") is ComponentState.ADMITTED
+
+    def test_layout_refuses_native_fallback_at_admission(self) -> None:
+        """A kind with only a native path under tensor parallelism is refused at admission."""
+        spec = one_component("tiny_text_encoder", 'loader = "native"') + "[parallel]\ntp_size = 2\n"
+        with pytest.raises(AdmissionRefused) as err:
+            orchestrator(spec).admit()
+        assert err.value.codes == ("loader.native_parallel_layout",)
+
+    def test_world_size_must_match_the_launch(self) -> None:
+        """An admitted layout of 2 processes is refused at load in a single process."""
+        orch = orchestrator(one_component("tiny_dit") + "[parallel]\ntp_size = 2\n")
+        orch.admit()
+        with pytest.raises(TransitionRefused) as err:
+            orch.load()
+        assert err.value.codes == ("parallel.invalid_layout",)
+        assert "needs 2 processes, but 1 was launched" in str(err.value)
+        assert orch.state("c") is ComponentState.ADMITTED
+
+    def test_undeclared_site_fails_the_plan_postcondition(self) -> None:
+        """A layer built for a site the kind never declared fails load with plan_diverged."""
+        orch = orchestrator(one_component("test_undeclared_site"))
+        orch.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orch.load()
+        assert getattr(err.value.__cause__, "code", None) == "attention.plan_diverged"
+        assert orch.state("c") is ComponentState.ADMITTED
+
+
+class TestGenericLoader:
+    FACTORY = 'factory = "tests.lifecycle.kinds_for_tests:make_generic_module"'
+
+    def test_unknown_kind_loads_through_its_factory(self) -> None:
+        """An unregistered kind builds from its factory; its layer selects strictly at load."""
+        orch = orchestrator(one_component("my_model", f"options = {{ {self.FACTORY} }}"))
+        orch.load()
+        layer = next(m for m in orch.module("c").modules() if isinstance(m, Attention))
+        assert (layer.component, layer.backend_name) == ("c", "torch_sdpa")
+
+    def test_unconsumed_backend_fails_the_load(self) -> None:
+        """An explicit cross backend on a generic module with none fails its load, rolled back."""
+        plain = 'factory = "tests.lifecycle.kinds_for_tests:make_plain_module"'
+        orch = orchestrator(
+            one_component("my_model", f'attention_backend = "torch_flash"\noptions = {{ {plain} }}')
+        )
+        orch.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orch.load()
+        assert getattr(err.value.__cause__, "code", None) == "attention.backend_not_consumed"
+        assert orch.state("c") is ComponentState.ADMITTED
+
+    def test_missing_factory_is_a_config_error(self) -> None:
+        """An unknown kind without a factory is refused when the spec is decoded."""
+        from lifecycle.config import ConfigError
+
+        with pytest.raises(ConfigError) as err:
+            decode_spec(one_component("my_model"))
+        assert err.value.path == "$.components.c.options"
+        assert "factory" in err.value.message
