@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/lifecycle check $(SPEC)
+	$(VENV)/bin/lifecycle run $(SPEC) --requests 4 --steps 8 --timeline .lifecycle/timeline.mmd
 
 test: $(STAMP)
 	$(PY) -m pytest -q

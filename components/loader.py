@@ -16,10 +16,12 @@ from typing import Any, ClassVar, Literal, Self, TypeAlias
 import msgspec
 from torch import nn
 
+from components.batch import Batch
 from components.sites import AttentionSite
-from components.weights import load_weights, seed_weights
+from components.weights import load_weights, seed_weights, stored_bytes
 
 LoaderPath: TypeAlias = Literal["custom", "native"]
+FLOAT32_BYTES = 4
 
 
 class KindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,6 +53,8 @@ class ComponentLoader:
     options_type: ClassVar[type[KindOptions]] = KindOptions
     allows_global_fallback: ClassVar[bool] = False
     """Whether an explicit global backend this kind cannot serve may fall back."""
+    block_stack: ClassVar[str | None] = None
+    """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites)."""
     seeds_weights: ClassVar[bool] = False
@@ -75,6 +79,32 @@ class ComponentLoader:
     def sites(self) -> tuple[AttentionSite, ...] | None:
         """Return the attention sites the custom path builds; None when unknown."""
         return ()
+
+    def declared_bytes(self) -> int | None:
+        """Return the bytes the weights will take, known without building; None if unknown.
+
+        From the weights file's header when one is given, else from the kind's
+        ``parameter_count`` (float32).
+        """
+        if self.options.weights is not None:
+            return stored_bytes(Path(self.options.weights))
+        count = self.parameter_count()
+        return None if count is None else count * FLOAT32_BYTES
+
+    def parameter_count(self) -> int | None:
+        """Return how many weights the kind will hold, from its options; None if unknown."""
+        return None
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Run ``module`` on what ``batch`` carries and store what it produces there.
+
+        Raises:
+            NotImplementedError: the kind does not say how it runs in a request.
+        """
+        raise NotImplementedError(
+            f"kind '{self.kind}' does not say how it runs in a request; implement "
+            "ComponentLoader.run for it to be driven by `lifecycle run`"
+        )
 
     def build_custom(self) -> nn.Module:
         """Build the project's own implementation (inside an attention scope)."""

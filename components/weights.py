@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -82,3 +83,24 @@ def _storage_groups(tensors: dict[str, torch.Tensor]) -> dict[int, list[str]]:
         key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
         groups.setdefault(key, []).append(name)
     return groups
+
+
+def stored_bytes(path: Path) -> int:
+    """Return the bytes of the tensors in the safetensors file at ``path``, from its header.
+
+    Only the header is read: sizing a component for admission never loads it.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not safetensors.
+    """
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{path} is not a safetensors file (no header length)")
+        header = json.loads(file.read(int.from_bytes(prefix, "little")))
+    return sum(
+        entry["data_offsets"][1] - entry["data_offsets"][0]
+        for name, entry in header.items()
+        if name != "__metadata__"
+    )

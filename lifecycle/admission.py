@@ -27,6 +27,7 @@ from components import ResidencyMode
 from components import registry as kinds
 from components.loader import ComponentLoader, LoaderPath
 from components.sites import AttentionSite
+from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal
@@ -86,7 +87,7 @@ def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
             name: admit_component(name, component, spec, platform, name in used)
             for name, component in spec.components.items()
         },
-        pipeline_refusals=tuple(layout_refusals(spec)),
+        pipeline_refusals=(*layout_refusals(spec), *budget_refusals(spec)),
     )
 
 
@@ -112,7 +113,7 @@ def admit_component(
             sites = _plan_sites(name, component, spec, loader, declared, platform, refusals)
             refusals[BACKENDS_CONSUMABLE] += _unconsumed(name, component, declared)
             refusals[LOADER_PATH] += _head_refusals(name, spec, loader, declared)
-    refusals[RESIDENCY_USE] += _residency_refusals(name, component, used)
+    refusals[RESIDENCY_USE] += _residency_refusals(name, component, loader, used)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,
@@ -137,6 +138,38 @@ def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
         )
         for problem in spec.parallel.check()
     ]
+
+
+def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Refuse a pipeline one of whose stages cannot fit the memory budget at all.
+
+    Sizes are declared by the kinds (or read from weights-file headers); a
+    component of unknown size, and a layerwise one (whose footprint depends on
+    its blocks), is checked when it onloads instead.
+    """
+    budget = spec.memory.device_budget
+    if isinstance(budget, UnsetType):
+        return []
+    sizes = {
+        name: size
+        for name, component in spec.components.items()
+        if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
+        and (size := kinds.get(component.kind).from_options(component.options).declared_bytes())
+        is not None
+    }
+    pinned = tuple(
+        name
+        for name, component in spec.components.items()
+        if name in sizes
+        and not isinstance(component.residency, UnsetType)
+        and component.residency_mode is ResidencyMode.RESIDENT
+    )
+    found = []
+    for stage in spec.stages:
+        uses = tuple(name for name in stage.uses if name in sizes)
+        if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
+            found.append(refusal)
+    return found
 
 
 def native_fallback_refusals(
@@ -356,17 +389,30 @@ def _head_refusals(
     ]
 
 
-def _residency_refusals(name: str, component: ComponentSpec, used: bool) -> list[Refusal]:
+def _residency_refusals(
+    name: str, component: ComponentSpec, loader: ComponentLoader, used: bool
+) -> list[Refusal]:
     mode = component.residency_mode
-    if used or mode is ResidencyMode.RESIDENT:
-        return []
-    return [
-        Refusal(
-            code="residency.undeclared_use",
-            component=name,
-            message=f"component '{name}' is explicitly {mode.value}, but no stage uses it, "
-            "so nothing would ever onload it",
-            hint=f"add '{name}' to the uses of the stage that needs it, or remove "
-            f"components.{name}.residency",
+    found = []
+    if mode is ResidencyMode.LAYERWISE_OFFLOAD and loader.block_stack is None:
+        found.append(
+            Refusal(
+                code="residency.not_offloadable",
+                component=name,
+                message=f"component '{name}' asks for layerwise_offload, but kind "
+                f"'{component.kind}' declares no block stack to stream",
+                hint=f'use residency = "component_offload" for {name}',
+            )
         )
-    ]
+    if not used and mode is not ResidencyMode.RESIDENT:
+        found.append(
+            Refusal(
+                code="residency.undeclared_use",
+                component=name,
+                message=f"component '{name}' is explicitly {mode.value}, but no stage uses "
+                "it, so nothing would ever onload it",
+                hint=f"add '{name}' to the uses of the stage that needs it, or remove "
+                f"components.{name}.residency",
+            )
+        )
+    return found

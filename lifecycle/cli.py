@@ -17,10 +17,14 @@ from msgspec import UnsetType
 
 from lifecycle import diagrams
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
+from lifecycle.gantt import residency_gantt
 from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, RefusalReport, SitePlan
-from lifecycle.refusals import AdmissionRefused, Refusal
+from lifecycle.refusals import AdmissionRefused, Refusal, TransitionRefused
+from lifecycle.residency import Move
+from lifecycle.runner import RunReport, run_requests
+from lifecycle.sizes import format_bytes
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -28,7 +32,10 @@ EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     args = _parser().parse_args(argv)
-    configure_logging(args.log_format, args.log_level)
+    if getattr(args, "json_logs", False):
+        configure_logging("json", "info")
+    else:
+        configure_logging(args.log_format, args.log_level)
     code: int = args.handler(args)
     return code
 
@@ -47,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(handler=_check)
+
+    run = commands.add_parser("run", help="run requests of a pipeline (the main job)")
+    run.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    run.add_argument("--requests", type=_positive, default=4, help="requests to run")
+    run.add_argument("--steps", type=_positive, default=8, help="denoising steps per request")
+    run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
+    run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
+    run.set_defaults(handler=_run)
 
     diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
     diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
@@ -126,6 +141,90 @@ def format_refusals(pipeline: str, refusals: Sequence[Refusal | RefusalReport]) 
         lines.append(f"  {r.component.ljust(name_width)}  {r.code.ljust(code_width)}  {r.message}")
         lines.append(f"  {' ' * name_width}  fix: {r.hint}")
     return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.spec)
+    except ConfigError as err:
+        print(f"lifecycle run: {args.spec}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    moves: list[Move] = []
+    with Orchestrator(spec, observer=moves.append) as orchestrator:
+        try:
+            orchestrator.load()
+            progress = _Progress(args.requests)
+            report = run_requests(
+                orchestrator, moves, requests=args.requests, steps=args.steps, on_request=progress
+            )
+        except TransitionRefused as refused:
+            print(format_refusals(spec.name, refused.refusals), file=sys.stderr)
+            return EXIT_REFUSED
+        except NotImplementedError as err:
+            print(f"lifecycle run: {args.spec}: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        snapshot = orchestrator.snapshot()
+        if args.timeline is not None:
+            args.timeline.parent.mkdir(parents=True, exist_ok=True)
+            args.timeline.write_text(
+                residency_gantt(
+                    f"Residency of {spec.name} over {args.requests} requests",
+                    list(spec.components),
+                    moves,
+                    end=moves[-1].at if moves else 0.0,
+                ),
+                encoding="utf-8",
+            )
+    print(_run_summary(report))
+    _print_json(snapshot)
+    return EXIT_OK
+
+
+class _Progress:
+    """A progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.shown = sys.stderr.isatty()
+
+    def __call__(self, done: int) -> None:
+        if self.shown:
+            filled = 30 * done // self.total
+            bar = "#" * filled + "." * (30 - filled)
+            end = "\n" if done == self.total else ""
+            print(f"\r[{bar}] {done}/{self.total} requests", end=end, file=sys.stderr)
+
+
+def _run_summary(report: RunReport) -> str:
+    times = sorted(report.request_ms)
+    head = (
+        f"pipeline {report.pipeline!r}: {report.requests} requests x {report.steps} steps, "
+        f"median {times[len(times) // 2]:.1f} ms per request (min {times[0]:.1f}, "
+        f"max {times[-1]:.1f})"
+    )
+    rows: list[tuple[str, ...]] = [
+        ("component", "state", "onloads", "offloads", "moved", "move time", "attention")
+    ]
+    rows += [
+        (
+            name,
+            c.state,
+            str(c.onloads),
+            str(c.offloads),
+            format_bytes(c.bytes_moved),
+            f"{c.move_seconds * 1e3:.1f} ms",
+            ", ".join(c.backends) or "-",
+        )
+        for name, c in report.components.items()
+    ]
+    return "\n".join([head, *_table(rows)])
 
 
 def _diagram(args: argparse.Namespace) -> int:

@@ -78,6 +78,18 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     offload_dir: str = ".lifecycle/offload"
 
 
+class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a layerwise-offloaded component streams its blocks.
+
+    Attributes:
+        prefetch: blocks loaded ahead of the one that runs.
+        resident_layers: the first blocks, kept on the device while it is resident.
+    """
+
+    prefetch: Annotated[int, msgspec.Meta(ge=0)] = 1
+    resident_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One component of the pipeline.
 
@@ -87,6 +99,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         attention_backend: a backend for the whole component, or a table with
             any of ``all``, ``self``, ``cross`` (a role key beats ``all``).
         loader: an explicit choice of the custom or native loading path.
+        layerwise: block streaming settings, for ``layerwise_offload`` only.
         options: the kind's own options, validated by the kind.
     """
 
@@ -94,12 +107,18 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     residency: ResidencyMode | UnsetType = UNSET
     attention_backend: str | dict[str, str] | UnsetType = UNSET
     loader: Loader | UnsetType = UNSET
+    layerwise: LayerwiseConfig | UnsetType = UNSET
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def residency_mode(self) -> ResidencyMode:
         """Return the residency mode, ``RESIDENT`` when none was written."""
         return ResidencyMode.RESIDENT if isinstance(self.residency, UnsetType) else self.residency
+
+    @property
+    def layerwise_config(self) -> LayerwiseConfig:
+        """Return the block streaming settings, the defaults when none were written."""
+        return LayerwiseConfig() if isinstance(self.layerwise, UnsetType) else self.layerwise
 
     def role_backends(self) -> dict[str, str]:
         """Return the explicit backends by key (``all``, ``self``, ``cross``)."""
@@ -334,6 +353,13 @@ def _check_components(spec: PipelineSpec) -> None:
                 at,
             )
         _convert(component.options, kinds.get(component.kind).options_type, f"{at}.options")
+        layerwise = ResidencyMode.LAYERWISE_OFFLOAD
+        if not isinstance(component.layerwise, UnsetType) and component.residency != layerwise:
+            raise ConfigError(
+                f'Expected residency = "{layerwise.value}" beside a layerwise table, got '
+                f'residency = "{component.residency_mode.value}"',
+                f"{at}.layerwise",
+            )
         table = component.attention_backend
         if isinstance(table, str):
             _check_backend(table, f"{at}.attention_backend")

@@ -40,11 +40,14 @@ class TransitionContext:
         dest: the state it will be in if the transition completes.
         params: the keyword arguments given to the trigger.
         request_id: the request the transition happens for, if any.
+        decisions: what the guards decided for the work to carry out (e.g.
+            which components an onload must evict first).
     """
 
     __slots__ = (
         "_undo",
         "component",
+        "decisions",
         "dest",
         "params",
         "refusals",
@@ -68,9 +71,10 @@ class TransitionContext:
         request_id = structlog.contextvars.get_contextvars().get("request_id")
         self.request_id: str | None = None if request_id is None else str(request_id)
         self.refusals: list[Refusal] = []
-        self._undo: list[Callable[[], None]] = []
+        self.decisions: dict[str, object] = {}
+        self._undo: list[Callable[[], object]] = []
 
-    def on_rollback(self, undo: Callable[[], None]) -> None:
+    def on_rollback(self, undo: Callable[[], object]) -> None:
         """Register how to undo a step the work just did; undos run newest first."""
         self._undo.append(undo)
 

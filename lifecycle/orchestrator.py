@@ -8,7 +8,10 @@ arming attention, moving weights) with an undo step for each.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -21,14 +24,10 @@ from attention import (
     Attention,
     Platform,
     Selection,
-    arm_layers,
     component_attention_scope,
-    disarm_layers,
 )
 from components import ResidencyMode
-from components import registry as kinds
-from components.accounting import module_bytes
-from components.loader import ComponentLoader, LoaderPath, PathUnavailable
+from components.loader import LoaderPath, PathUnavailable
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
@@ -40,7 +39,9 @@ from lifecycle.plan import (
     RefusalReport,
 )
 from lifecycle.refusals import AdmissionRefused, Refusal, TransitionRefused
-from lifecycle.sizes import format_bytes
+from lifecycle.requests import Request, StageKeeper
+from lifecycle.residency import MoveObserver, Residency
+from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 
 log = structlog.get_logger("lifecycle")
@@ -54,25 +55,14 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         spec: what the pipeline spec says of it.
         plan: what admission decided, or None before admission.
         state: where it stands now.
+        in_use_by: the open requests using it now.
     """
 
     name: str
     spec: ComponentSpec
     plan: ComponentPlan | None
     state: ComponentState
-
-
-class _Slot:
-    """The orchestrator's mutable record of one component."""
-
-    def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
-        self.name = name
-        self.spec = spec
-        self.lifecycle = lifecycle
-        self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
-        self.plan: ComponentPlan | None = None
-        self.module: nn.Module | None = None
-        self.bytes = 0
+    in_use_by: tuple[str, ...] = ()
 
 
 class Orchestrator:
@@ -83,26 +73,41 @@ class Orchestrator:
         platform: where it runs; by default the spec's ``device`` decides.
     """
 
-    def __init__(self, spec: PipelineSpec, *, platform: Platform | None = None) -> None:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        *,
+        platform: Platform | None = None,
+        observer: MoveObserver | None = None,
+    ) -> None:
         self.spec = spec
         self.platform = platform or _platform_for(spec)
         self.device = torch.device(self.platform.kind)
         self._machine = LifecycleMachine(name=spec.name)
         self._admission: adm.Admission | None = None
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, ComponentSlot] = {}
+        self._residency = Residency(spec, self._slots, self.device, observer)
+        self._stages = StageKeeper(self._slots, self._residency.timeline, self._machine.lock)
+        self._request_ids = itertools.count(1)
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
-            self._slots[name] = _Slot(name, component, lifecycle)
+            self._slots[name] = ComponentSlot(name, component, lifecycle)
 
     @classmethod
-    def from_file(cls, path: str | Path, *, platform: Platform | None = None) -> Orchestrator:
+    def from_file(
+        cls,
+        path: str | Path,
+        *,
+        platform: Platform | None = None,
+        observer: MoveObserver | None = None,
+    ) -> Orchestrator:
         """Decode the spec at ``path`` and build its orchestrator.
 
         Raises:
             ConfigError: the spec is missing or bad.
         """
-        return cls(load_spec(path), platform=platform)
+        return cls(load_spec(path), platform=platform, observer=observer)
 
     # -- the public surface -------------------------------------------------
 
@@ -162,6 +167,36 @@ class Orchestrator:
                     else:
                         slot.lifecycle.offload()
 
+    @contextmanager
+    def request(self, request_id: str | None = None) -> Iterator[Request]:
+        """Open a request; enter its stages with ``request.stage(name)``.
+
+        On exit (also when the body raised) every component the request touched
+        is put back where its plan says, and ``request.end`` is logged.
+
+        Raises:
+            ValueError: a request with that id is already open.
+        """
+        rid = request_id or f"r{next(self._request_ids)}"
+        with self._machine.lock:
+            if rid in self._stages.open_requests:
+                raise ValueError(f"request {rid!r} is already open; give each request its own id")
+            self._stages.open_requests.add(rid)
+        request = Request(self._stages, rid)
+        started = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            log.info("request.begin", request_id=rid)
+            try:
+                yield request
+            finally:
+                self._stages.finish(rid, request.touched)
+                log.info(
+                    "request.end",
+                    request_id=rid,
+                    duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                    stages=list(request.stages),
+                )
+
     def onload(self, name: str) -> None:
         """Make component ``name`` RESIDENT (its attention layers run).
 
@@ -179,6 +214,20 @@ class Orchestrator:
             TransitionFailed: moving the weights failed and was rolled back.
         """
         self._slot(name).lifecycle.offload()
+
+    def release(self, name: str) -> None:
+        """Release component ``name``: its module, store and offload file are dropped.
+
+        Raises:
+            TransitionRefused: an open request is using it.
+        """
+        self._slot(name).lifecycle.release()
+
+    def resident_bytes(self) -> int:
+        """Return the bytes the resident components hold on the device now."""
+        return sum(
+            slot.store.resident_bytes() for slot in self._slots.values() if slot.store is not None
+        )
 
     def state(self, name: str) -> ComponentState:
         """Return the state of component ``name``."""
@@ -253,6 +302,8 @@ class Orchestrator:
     # -- guards (pure: they read decisions, touch nothing) -------------------
 
     def _checks(self, name: str) -> dict[str, Check]:
+        residency = self._residency
+
         def admitted(guard: str) -> Check:
             def check(context: TransitionContext) -> tuple[Refusal, ...]:
                 if self._admission is None:
@@ -267,10 +318,10 @@ class Orchestrator:
             adm.RESIDENCY_USE: admitted(adm.RESIDENCY_USE),
             adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
             "plan_honoured": lambda context: self._plan_honoured(name),
-            "memory_budget": lambda context: self._memory_budget(name),
-            "offloadable": lambda context: self._offloadable(name),
-            "use_declared": lambda context: self._use_declared(name),
-            "not_in_use": lambda context: (),
+            "memory_budget": lambda context: residency.memory_budget(name, context),
+            "offloadable": lambda context: residency.offloadable(name, context),
+            "use_declared": lambda context: residency.use_declared(name, context),
+            "not_in_use": lambda context: residency.not_in_use(name, context),
         }
 
     def _plan_honoured(self, name: str) -> list[Refusal]:
@@ -300,61 +351,15 @@ class Orchestrator:
             )
         ]
 
-    def _memory_budget(self, name: str) -> list[Refusal]:
-        budget = self.spec.memory.device_budget
-        if isinstance(budget, msgspec.UnsetType):
-            return []
-        slot = self._slot(name)
-        resident = sum(
-            s.bytes for s in self._slots.values() if s.lifecycle.state is ComponentState.RESIDENT
-        )
-        if resident + slot.bytes <= budget:
-            return []
-        return [
-            Refusal(
-                code="residency.memory_budget",
-                component=name,
-                message=f"onloading '{name}' needs {format_bytes(slot.bytes)} on device, "
-                f"{format_bytes(max(budget - resident, 0))} free of a "
-                f"{format_bytes(budget)} budget",
-                hint=f"raise memory.device_budget to at least "
-                f"{format_bytes(resident + slot.bytes)}, or offload another component",
-            )
-        ]
-
-    def _offloadable(self, name: str) -> list[Refusal]:
-        mode = self._slot(name).spec.residency_mode
-        if mode is not ResidencyMode.RESIDENT:
-            return []
-        return [
-            Refusal(
-                code="residency.not_offloadable",
-                component=name,
-                message=f"component '{name}' is {mode.value}: it is never offloaded",
-                hint=f'set components.{name}.residency = "component_offload" to let it move',
-            )
-        ]
-
-    def _use_declared(self, name: str) -> list[Refusal]:
-        if any(name in stage.uses for stage in self.spec.stages):
-            return []
-        return [
-            Refusal(
-                code="residency.undeclared_use",
-                component=name,
-                message=f"component '{name}' is used by no stage, so nothing would onload it",
-                hint=f"add '{name}' to the uses of the stage that needs it",
-            )
-        ]
-
     # -- work (side effects, each with its undo) ----------------------------
 
     def _work(self, name: str) -> dict[str, Work]:
+        residency = self._residency
         return {
             "load": lambda context: self._load(name, context),
-            "onload": lambda context: self._move(name, context, "onload"),
-            "offload": lambda context: self._move(name, context, "offload"),
-            "release": lambda context: self._release(name, context),
+            "onload": lambda context: residency.onload(name, context),
+            "offload": lambda context: residency.offload(name, context),
+            "release": lambda context: residency.release(name, context),
         }
 
     def _load(self, name: str, context: TransitionContext) -> None:
@@ -366,10 +371,10 @@ class Orchestrator:
         except PathUnavailable as unavailable:
             module = self._build_native_fallback(slot, unavailable)
         slot.module = module
-        slot.bytes = module_bytes(module)
-        context.on_rollback(lambda: _forget(slot))
+        slot.footprint = self._residency.footprint(slot)
+        context.on_rollback(slot.forget)
 
-    def _build(self, slot: _Slot, path: LoaderPath) -> nn.Module:
+    def _build(self, slot: ComponentSlot, path: LoaderPath) -> nn.Module:
         if path == "native":
             return slot.loader.build("native")
         plan = None
@@ -392,7 +397,9 @@ class Orchestrator:
         ):
             return slot.loader.build("custom")
 
-    def _build_native_fallback(self, slot: _Slot, unavailable: PathUnavailable) -> nn.Module:
+    def _build_native_fallback(
+        self, slot: ComponentSlot, unavailable: PathUnavailable
+    ) -> nn.Module:
         """Fall back to the native path at load time, under the admission rules."""
         if isinstance(slot.spec.loader, str) or not slot.loader.has_path("native"):
             raise unavailable
@@ -405,39 +412,9 @@ class Orchestrator:
         slot.plan = msgspec.structs.replace(slot.plan, loader="native", attention=())
         return slot.loader.build("native")
 
-    def _move(self, name: str, context: TransitionContext, direction: str) -> None:
-        slot = self._slot(name)
-        module = slot.module
-        assert module is not None
-        started = time.perf_counter()
-        if direction == "onload":
-            _place(module, self.device)
-            arm_layers(module)
-            context.on_rollback(lambda: _stow(module))
-        else:
-            _stow(module)
-            context.on_rollback(lambda: _place_and_arm(module, self.device))
-        log.info(
-            "residency.moved",
-            component=name,
-            direction=direction,
-            target=self.spec.memory.offload_target,
-            bytes=slot.bytes,
-            seconds=round(time.perf_counter() - started, 6),
-            request_id=context.request_id,
-        )
-
-    def _release(self, name: str, context: TransitionContext) -> None:
-        slot = self._slot(name)
-        module, plan_bytes = slot.module, slot.bytes
-        if module is not None:
-            disarm_layers(module)
-            context.on_rollback(lambda: _restore(slot, module, plan_bytes, context.source))
-        _forget(slot)
-
     # -- helpers ---------------------------------------------------------------
 
-    def _slot(self, name: str) -> _Slot:
+    def _slot(self, name: str) -> ComponentSlot:
         try:
             return self._slots[name]
         except KeyError:
@@ -475,31 +452,3 @@ def _platform_for(spec: PipelineSpec) -> Platform:
     if spec.device == "auto":
         return Platform.detect()
     return Platform(spec.device)
-
-
-def _forget(slot: _Slot) -> None:
-    slot.module = None
-    slot.bytes = 0
-
-
-def _restore(slot: _Slot, module: nn.Module, size: int, source: ComponentState) -> None:
-    slot.module = module
-    slot.bytes = size
-    if source is ComponentState.RESIDENT:
-        arm_layers(module)
-
-
-def _place(module: nn.Module, device: torch.device) -> None:
-    if device.type != "cpu":
-        module.to(device)
-
-
-def _stow(module: nn.Module) -> None:
-    disarm_layers(module)
-    if next(module.parameters(), torch.empty(0)).device.type != "cpu":
-        module.to("cpu")
-
-
-def _place_and_arm(module: nn.Module, device: torch.device) -> None:
-    _place(module, device)
-    arm_layers(module)

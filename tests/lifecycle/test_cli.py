@@ -120,6 +120,40 @@ class TestCheck:
         assert "fix: set [parallel] sp_degree" in result.stdout
 
 
+class TestRunCommand:
+    def test_runs_requests_and_reports(self, tmp_path: Path) -> None:
+        """``run`` serves N requests, prints the summary and the snapshot, writes the timeline."""
+        timeline = tmp_path / "out" / "timeline.mmd"
+        result = lifecycle(
+            "run", EXAMPLE, "--requests", "2", "--steps", "2", "--timeline", timeline
+        )
+        assert result.returncode == 0, result.stderr
+        summary, _, snapshot = result.stdout.partition("\n{")
+        assert summary.startswith("pipeline 'tiny-t2i': 2 requests x 2 steps, median ")
+        encoder = next(line for line in summary.splitlines() if "text_encoder" in line)
+        assert encoder.split()[1:4] == ["offloaded", "2", "3"]  # onloads, offloads (+ load)
+        assert json.loads("{" + snapshot)["components"]["vae"]["state"] == "offloaded"
+        chart = timeline.read_text()
+        assert chart.startswith("gantt\n")
+        assert chart.count("resident (r") == 4  # encoder and VAE, one interval per request
+
+    def test_json_logs_go_to_stderr(self, tmp_path: Path) -> None:
+        """With ``--json-logs`` every stderr line is a JSON event; stdout stays the result."""
+        result = lifecycle("run", EXAMPLE, "--requests", "1", "--steps", "1", "--json-logs")
+        assert result.returncode == 0
+        events = [json.loads(line)["event"] for line in result.stderr.splitlines()]
+        assert {"request.begin", "request.end", "residency.moved", "attention.selected"} <= set(
+            events
+        )
+        assert "lifecycle.transition" in events
+
+    def test_refused_spec_exits_one(self) -> None:
+        """A spec admission refuses is exit 1 with every reason on stderr."""
+        result = lifecycle("run", ROOT / "examples" / "refused" / "unsupported_backend.toml")
+        assert result.returncode == 1
+        assert "attention.unsupported_backend" in result.stderr
+
+
 class TestDiagramCommand:
     def test_check_passes_on_the_committed_diagrams(self) -> None:
         """``diagram --check`` exits 0 on the repository's diagrams."""

@@ -1,0 +1,35 @@
+"""What one request carries from stage to stage while a pipeline runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# B prompts, N latent tokens, C latent channels, L text tokens
+
+
+@dataclass
+class Batch:
+    """The values a request hands from one component to the next.
+
+    Each kind's ``run`` reads what it needs (making seeded inputs when an
+    earlier stage did not provide them) and writes what it produces.
+
+    Attributes:
+        generator: the seeded source of every input a kind makes up.
+        steps: denoising steps for a denoiser.
+        size: prompts in the request.
+        latent_size: the latent grid (h, w); the image is larger per the decoder.
+        context: text embeddings, one ``(L_i, E)`` tensor per prompt.
+        latents: latents, one ``(N, C)`` tensor per prompt, row-major over (h, w).
+        images: images ``(B, 3, H, W)`` in [-1, 1].
+    """
+
+    generator: torch.Generator
+    steps: int = 4
+    size: int = 1
+    latent_size: tuple[int, int] = (4, 4)
+    context: list[torch.Tensor] | None = None
+    latents: list[torch.Tensor] | None = None
+    images: torch.Tensor | None = field(default=None)

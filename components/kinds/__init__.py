@@ -1,0 +1,7 @@
+"""The reference component kinds; importing this package registers them."""
+
+from __future__ import annotations
+
+from components.kinds import tiny_dit, tiny_text_encoder, tiny_upsampler, tiny_vae
+
+__all__ = ["tiny_dit", "tiny_text_encoder", "tiny_upsampler", "tiny_vae"]

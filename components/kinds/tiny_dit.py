@@ -1,0 +1,422 @@
+"""``tiny_dit``: a DiT, latent tokens + timestep + text embeddings to a prediction.
+
+Each block modulates its inputs by the timestep (adaLN), attends its tokens to each
+other (site ``self``) and to the request's text (site ``cross``), then runs an MLP.
+With ``packed_sequences`` (the default) the custom path packs requests of different
+token counts into one sequence and self-attention runs ``forward_varlen``: no compute
+is spent on padding. Otherwise, and on the native path (``nn.MultiheadAttention``),
+requests run one at a time, dense, without a mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, ClassVar, NamedTuple
+
+import msgspec
+import torch
+from torch import nn
+from torch.nn.functional import pad, silu
+
+from attention import AttentionRequirements, AttentionRole
+from components.batch import Batch
+from components.kinds.counting import attention_projections, linear, norm
+from components.kinds.projections import MultiheadProjections
+from components.kinds.tiny_text_encoder import DEFAULT_DIM
+from components.loader import ComponentLoader, KindOptions
+from components.registry import register_kind
+from components.sites import NO_REQUIREMENTS, AttentionSite
+
+# B requests, H heads, S seq, D head dim, E model width, C latent channels,
+# N_i / L_i tokens / text tokens of request i, T packed tokens (sum of N_i)
+
+
+class TinyDitOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of ``tiny_dit``.
+
+    Attributes:
+        in_channels: channels C of each latent token (in and out).
+        dim: the model width E; even (sinusoidal embeddings) and a multiple of ``heads``.
+        heads: attention heads per layer, self and cross.
+        layers: DiT blocks.
+        ffn_dim: the hidden width of each block's MLP.
+        context_dim: the width of the text embeddings (the text encoder's ``dim``).
+        packed_sequences: pack requests into one sequence for self-attention (needs a
+            packed-varlen backend); false runs one request at a time with no mask.
+
+    Raises:
+        ValueError: ``heads`` does not divide ``dim`` (a ``msgspec.ValidationError`` when
+            the options are decoded).
+    """
+
+    in_channels: Annotated[int, msgspec.Meta(ge=1)] = 4
+    dim: Annotated[int, msgspec.Meta(ge=2, multiple_of=2)] = 32
+    heads: Annotated[int, msgspec.Meta(ge=1)] = 4
+    layers: Annotated[int, msgspec.Meta(ge=1)] = 2
+    ffn_dim: Annotated[int, msgspec.Meta(ge=1)] = 64
+    context_dim: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_DIM
+    packed_sequences: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads:
+            raise ValueError(
+                f"heads = {self.heads} must divide dim = {self.dim}; change one of them"
+            )
+
+
+class DitInputs(NamedTuple):
+    """The arguments of ``TinyDit.forward``: one entry per request."""
+
+    latents: list[torch.Tensor]  # B x (N_i, C)
+    timesteps: torch.Tensor  # (B,) float
+    context: list[torch.Tensor]  # B x (L_i, context_dim)
+
+
+class Packing(NamedTuple):
+    """Where each request's tokens lie in a packed ``(T, E)`` sequence."""
+
+    counts: list[int]  # N_i
+    repeats: torch.Tensor  # (B,) int64, N_i, to spread per-request values over tokens
+    cu_seqlens: torch.Tensor  # (B + 1,) int32 boundaries
+    max_seqlen: int
+
+    @classmethod
+    def of(cls, counts: list[int], device: torch.device) -> Packing:
+        """Describe requests of ``counts`` tokens packed back to back."""
+        repeats = torch.tensor(counts, dtype=torch.int64, device=device)
+        cu_seqlens = pad(repeats.cumsum(0), (1, 0)).to(torch.int32)
+        return cls(counts, repeats, cu_seqlens, max(counts))
+
+
+def sinusoid(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Embed ``values`` ``(N,)`` (timesteps or positions) as ``(N, dim)`` cosines and sines."""
+    half = dim // 2
+    freqs = torch.exp(
+        -math.log(10_000.0) * torch.arange(half, device=values.device) / half
+    )  # (dim/2,)
+    angles = values.float()[:, None] * freqs[None, :]  # (N, dim/2)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)  # (N, dim)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Apply adaLN: ``x * (1 + scale) + shift``, all ``(T, E)``."""
+    return x * (1 + scale) + shift
+
+
+class DitSelfAttention(MultiheadProjections):
+    """Self-attention over packed requests (varlen) or over one request (dense).
+
+    Which one is fixed by the site's declared requirements, so the layer never runs a
+    capability its backend was not chosen for.
+
+    Args:
+        dim: the model width E.
+        site: the declared ``self`` site.
+    """
+
+    def __init__(self, dim: int, site: AttentionSite) -> None:
+        super().__init__(dim, site.heads)
+        self.is_varlen = site.requirements.packed_varlen
+        self.attn = site.build_layer()
+
+    def attend(self, h: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Attend each request's tokens to its own tokens: ``(T, E)`` to ``(T, E)``.
+
+        Raises:
+            ValueError: several requests are packed but the site is not varlen.
+        """
+        q, k, v = self.project_qkv(h)  # (T, H, D)
+        if self.is_varlen:
+            o = self.attn.forward_varlen(
+                q,
+                k,
+                v,
+                packing.cu_seqlens,
+                packing.cu_seqlens,
+                packing.max_seqlen,
+                packing.max_seqlen,
+            )  # (T, H, D)
+            return self.project_out(o)
+        if len(packing.counts) != 1:
+            raise ValueError(
+                f"{len(packing.counts)} requests were packed for a dense self-attention "
+                "layer; run them one at a time, or set packed_sequences = true"
+            )
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, N, D)
+        o = self.attn(q, k, v)  # (1, H, N, D)
+        return self.project_out(o[0].transpose(0, 1))  # (N, E)
+
+
+class DitCrossAttention(MultiheadProjections):
+    """Cross-attention from each request's tokens to that request's text only.
+
+    Args:
+        dim: the model width E.
+        context_dim: the width of the text embeddings.
+        site: the declared ``cross`` site.
+    """
+
+    def __init__(self, dim: int, context_dim: int, site: AttentionSite) -> None:
+        super().__init__(dim, site.heads, kdim=context_dim)
+        self.attn = site.build_layer()
+
+    def attend(
+        self, h: torch.Tensor, packing: Packing, context: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Attend ``h`` ``(T, E)`` request by request to ``context``; returns ``(T, E)``."""
+        outs = []
+        for rows, text in zip(torch.split(h, packing.counts), context, strict=True):
+            q = self.project_q(rows).transpose(0, 1)[None]  # (1, H, N_i, D)
+            k, v = (t.transpose(0, 1)[None] for t in self.project_kv(text))  # (1, H, L_i, D)
+            o = self.attn(q, k, v)  # (1, H, N_i, D)
+            outs.append(self.project_out(o[0].transpose(0, 1)))  # (N_i, E)
+        return torch.cat(outs)  # (T, E)
+
+
+class NativeSelfAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` (batch first) over each request alone; no packing."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__(dim, heads, batch_first=True)
+
+    def attend(self, h: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Attend each request's tokens to its own tokens: ``(T, E)`` to ``(T, E)``."""
+        outs = []
+        for rows in torch.split(h, packing.counts):
+            x = rows[None]  # (1, N_i, E)
+            outs.append(self(x, x, x, need_weights=False)[0][0])  # (N_i, E)
+        return torch.cat(outs)
+
+
+class NativeCrossAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` (batch first) from each request to its own text."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int) -> None:
+        super().__init__(dim, heads, kdim=context_dim, vdim=context_dim, batch_first=True)
+
+    def attend(
+        self, h: torch.Tensor, packing: Packing, context: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Attend ``h`` ``(T, E)`` request by request to ``context``; returns ``(T, E)``."""
+        outs = []
+        for rows, text in zip(torch.split(h, packing.counts), context, strict=True):
+            outs.append(self(rows[None], text[None], text[None], need_weights=False)[0][0])
+        return torch.cat(outs)  # (T, E)
+
+
+class DitBlock(nn.Module):
+    """One DiT block: modulated self-attention, cross-attention, modulated MLP.
+
+    Args:
+        dim: the model width E.
+        ffn_dim: the MLP's hidden width.
+        self_attn: custom ``DitSelfAttention`` or ``NativeSelfAttention``.
+        cross_attn: custom ``DitCrossAttention`` or ``NativeCrossAttention``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        self_attn: DitSelfAttention | NativeSelfAttention,
+        cross_attn: DitCrossAttention | NativeCrossAttention,
+    ) -> None:
+        super().__init__()
+        # the modulated norms take their gain and shift from the timestep instead
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.self_attn = self_attn
+        self.norm2 = nn.LayerNorm(dim)
+        self.cross_attn = cross_attn
+        self.norm3 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(ffn_dim, dim)
+        )
+        self.modulation = nn.Linear(dim, 6 * dim)
+
+    def forward(
+        self, x: torch.Tensor, cond: torch.Tensor, packing: Packing, context: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Update packed tokens ``x`` ``(T, E)`` given per-request ``cond`` ``(B, E)``."""
+        mod = self.modulation(silu(cond)).repeat_interleave(packing.repeats, dim=0)  # (T, 6E)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)  # (T, E) each
+        h = modulate(self.norm1(x), shift1, scale1)
+        x = x + gate1 * self.self_attn.attend(h, packing)
+        x = x + self.cross_attn.attend(self.norm2(x), packing, context)
+        h = modulate(self.norm3(x), shift2, scale2)
+        out: torch.Tensor = x + gate2 * self.mlp(h)  # (T, E)
+        return out
+
+
+class TinyDit(nn.Module):
+    """Predict, for each request's latent tokens, a tensor of the same shape.
+
+    Args:
+        options: the kind's options.
+        blocks: the DiT blocks (custom or native attention).
+        is_packed: run all requests as one packed sequence (custom varlen path only);
+            otherwise one request per pass.
+    """
+
+    def __init__(self, options: TinyDitOptions, blocks: list[DitBlock], is_packed: bool) -> None:
+        super().__init__()
+        dim = options.dim
+        self.dim = dim
+        self.is_packed = is_packed
+        self.proj_in = nn.Linear(options.in_channels, dim)
+        self.t_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.blocks = nn.ModuleList(blocks)
+        self.final_norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.final_modulation = nn.Linear(dim, 2 * dim)
+        self.proj_out = nn.Linear(dim, options.in_channels)
+
+    def forward(
+        self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Predict a tensor shaped like each request's latents.
+
+        Args:
+            latents: ``B x (N_i, C)``, the latent tokens of each request.
+            timesteps: ``(B,)``, each request's diffusion timestep.
+            context: ``B x (L_i, context_dim)``, each request's text embeddings (real
+                tokens only: nothing masks padding here).
+
+        Returns ``B x (N_i, C)``.
+
+        Raises:
+            ValueError: the three arguments disagree on the number of requests.
+        """
+        if not len(latents) == len(context) == timesteps.shape[0]:
+            raise ValueError(
+                f"got {len(latents)} latents, {timesteps.shape[0]} timesteps and "
+                f"{len(context)} contexts; pass one of each per request"
+            )
+        if not latents:
+            return []
+        if self.is_packed:
+            return self._run(latents, timesteps, context)
+        return [
+            self._run([x], t[None], [c])[0]
+            for x, t, c in zip(latents, timesteps, context, strict=True)
+        ]
+
+    def _run(
+        self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Run the requests as one packed sequence of ``T`` tokens."""
+        device = timesteps.device
+        packing = Packing.of([x.shape[0] for x in latents], device)
+        positions = torch.cat([torch.arange(n, device=device) for n in packing.counts])  # (T,)
+        x = self.proj_in(torch.cat(latents)) + sinusoid(positions, self.dim)  # (T, E)
+        cond = self.t_mlp(sinusoid(timesteps, self.dim))  # (B, E)
+        for block in self.blocks:
+            x = block(x, cond, packing, context)
+        final = self.final_modulation(silu(cond)).repeat_interleave(packing.repeats, dim=0)
+        shift, scale = final.chunk(2, dim=-1)  # (T, E) each
+        out = self.proj_out(modulate(self.final_norm(x), shift, scale))  # (T, C)
+        return list(torch.split(out, packing.counts))
+
+
+@register_kind
+class TinyDitLoader(ComponentLoader):
+    """Build ``tiny_dit``: the main transformer, strict about global backends."""
+
+    kind: ClassVar[str] = "tiny_dit"
+    options_type = TinyDitOptions
+    allows_global_fallback = False
+    # Declaration only for now: admission plans ring attention (softmax LSE) for the
+    # self site from it, but the custom path does not split sequences across ranks yet.
+    sequence_parallel = True
+    seeds_weights = True
+    block_stack = "blocks"
+
+    def __init__(self, options: TinyDitOptions) -> None:
+        super().__init__(options)
+        self.options: TinyDitOptions = options
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare ``self`` (packed varlen when ``packed_sequences``) and ``cross``."""
+        opts = self.options
+        packed = AttentionRequirements(packed_varlen=True)
+        return (
+            AttentionSite(
+                name="self",
+                role=AttentionRole.SELF,
+                heads=opts.heads,
+                requirements=packed if opts.packed_sequences else NO_REQUIREMENTS,
+            ),
+            AttentionSite(name="cross", role=AttentionRole.CROSS, heads=opts.heads),
+        )
+
+    def parameter_count(self) -> int:
+        """Count the weights from the options: stem, blocks, final modulation, head."""
+        o = self.options
+        block = (
+            attention_projections(o.dim, o.dim)
+            + norm(o.dim)
+            + attention_projections(o.dim, o.context_dim)
+            + linear(o.dim, o.ffn_dim)
+            + linear(o.ffn_dim, o.dim)
+            + linear(o.dim, 6 * o.dim)
+        )
+        stem = linear(o.in_channels, o.dim) + 2 * linear(o.dim, o.dim)
+        head = linear(o.dim, 2 * o.dim) + linear(o.dim, o.in_channels)
+        return stem + o.layers * block + head
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none."""
+        h, w = batch.latent_size
+        channels = self.options.in_channels
+        latents = batch.latents or [
+            torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)
+        ]  # (N, C) each
+        context = batch.context or [torch.zeros(1, self.options.context_dim)] * batch.size
+        for step in range(batch.steps):
+            timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps))
+            predictions = module(latents, timesteps, context)
+            latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
+        batch.latents = latents
+
+    def build_custom(self) -> TinyDit:
+        """Build the DiT on ``attention.Attention`` layers of sites ``self`` and ``cross``."""
+        opts = self.options
+        self_site, cross_site = self.sites()
+        blocks = [
+            DitBlock(
+                opts.dim,
+                opts.ffn_dim,
+                DitSelfAttention(opts.dim, self_site),
+                DitCrossAttention(opts.dim, opts.context_dim, cross_site),
+            )
+            for _ in range(opts.layers)
+        ]
+        return TinyDit(opts, blocks, is_packed=opts.packed_sequences)
+
+    def build_native(self) -> TinyDit:
+        """Build the DiT on ``nn.MultiheadAttention``, one request at a time."""
+        opts = self.options
+        blocks = [
+            DitBlock(
+                opts.dim,
+                opts.ffn_dim,
+                NativeSelfAttention(opts.dim, opts.heads),
+                NativeCrossAttention(opts.dim, opts.heads, opts.context_dim),
+            )
+            for _ in range(opts.layers)
+        ]
+        return TinyDit(opts, blocks, is_packed=False)
+
+
+def example_inputs(options: TinyDitOptions, batch: int, generator: torch.Generator) -> DitInputs:
+    """Make ``batch`` seeded requests of different sizes.
+
+    Request ``i`` has ``6 + 5 * (i % 3)`` latent tokens and ``3 + 2 * (i % 3)`` text tokens;
+    timesteps are drawn from ``[0, 1000)``.
+    """
+    latents = [
+        torch.randn(6 + 5 * (i % 3), options.in_channels, generator=generator) for i in range(batch)
+    ]
+    timesteps = torch.rand(batch, generator=generator) * 1000
+    context = [
+        torch.randn(3 + 2 * (i % 3), options.context_dim, generator=generator) for i in range(batch)
+    ]
+    return DitInputs(latents, timesteps, context)

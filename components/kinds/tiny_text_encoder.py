@@ -1,0 +1,226 @@
+"""``tiny_text_encoder``: a pre-norm transformer encoder, token ids to embeddings.
+
+The custom path attends through ``attention.Attention`` (site ``self``, with a key
+padding mask); the native path is the same network on ``nn.TransformerEncoderLayer``.
+Both name their tensors alike, so one seed or file gives both the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, NamedTuple
+
+import msgspec
+import torch
+from torch import nn
+from torch.nn.functional import gelu
+
+from attention import AttentionRequirements, AttentionRole
+from components.batch import Batch
+from components.kinds.counting import attention_projections, linear, norm
+from components.kinds.projections import MultiheadProjections
+from components.loader import ComponentLoader, KindOptions
+from components.registry import register_kind
+from components.sites import AttentionSite
+
+# B batch, H heads, S seq, D head dim, E model width (dim)
+
+DEFAULT_DIM = 32
+"""The default width; ``tiny_dit``'s ``context_dim`` defaults to it."""
+
+
+class TinyTextEncoderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of ``tiny_text_encoder``.
+
+    Attributes:
+        vocab_size: token ids run from 0 to ``vocab_size - 1``.
+        max_len: the longest sequence (learned positions).
+        dim: the model width E; a multiple of ``heads``.
+        heads: attention heads per layer.
+        layers: encoder layers.
+        ffn_dim: the hidden width of each layer's MLP.
+
+    Raises:
+        ValueError: ``heads`` does not divide ``dim`` (a ``msgspec.ValidationError`` when
+            the options are decoded).
+    """
+
+    vocab_size: Annotated[int, msgspec.Meta(ge=2)] = 512
+    max_len: Annotated[int, msgspec.Meta(ge=1)] = 32
+    dim: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_DIM
+    heads: Annotated[int, msgspec.Meta(ge=1)] = 4
+    layers: Annotated[int, msgspec.Meta(ge=1)] = 2
+    ffn_dim: Annotated[int, msgspec.Meta(ge=1)] = 64
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads:
+            raise ValueError(
+                f"heads = {self.heads} must divide dim = {self.dim}; change one of them"
+            )
+
+
+class TextEncoderInputs(NamedTuple):
+    """The arguments of ``TinyTextEncoder.forward``."""
+
+    tokens: torch.Tensor  # (B, S) int64
+    mask: torch.Tensor  # (B, S) bool, True = real token
+
+
+class EncoderSelfAttention(MultiheadProjections):
+    """Self-attention under a key padding mask, named like ``nn.MultiheadAttention``.
+
+    Args:
+        dim: the model width E.
+        site: the declared site; its heads and layer come from it.
+    """
+
+    def __init__(self, dim: int, site: AttentionSite) -> None:
+        super().__init__(dim, site.heads)
+        self.attn = site.build_layer()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attend each token to the real tokens of its row: ``(B, S, E)`` to ``(B, S, E)``."""
+        q, k, v = (t.transpose(1, 2) for t in self.project_qkv(x))  # (B, H, S, D)
+        keep = mask[:, None, None, :]  # (B, 1, 1, S): every query sees the real keys
+        o = self.attn(q, k, v, attn_mask=keep)  # (B, H, S, D)
+        return self.project_out(o.transpose(1, 2))  # (B, S, E)
+
+
+class EncoderLayer(nn.Module):
+    """One pre-norm encoder layer, named like ``nn.TransformerEncoderLayer``.
+
+    Args:
+        dim: the model width E.
+        ffn_dim: the MLP's hidden width.
+        site: the declared self-attention site.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, site: AttentionSite) -> None:
+        super().__init__()
+        self.self_attn = EncoderSelfAttention(dim, site)
+        self.linear1 = nn.Linear(dim, ffn_dim)
+        self.linear2 = nn.Linear(ffn_dim, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run attention then the MLP, each on a normalised residual: ``(B, S, E)``."""
+        x = x + self.self_attn(self.norm1(x), mask)
+        mlp: torch.Tensor = self.linear2(gelu(self.linear1(self.norm2(x))))
+        return x + mlp  # (B, S, E)
+
+
+class TinyTextEncoder(nn.Module):
+    """Encode token ids into one embedding per token.
+
+    Args:
+        options: the kind's options.
+        layers: the encoder layers, custom ``EncoderLayer`` or native
+            ``nn.TransformerEncoderLayer``; which one is fixed here, once.
+    """
+
+    def __init__(self, options: TinyTextEncoderOptions, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(options.vocab_size, options.dim)
+        self.pos_emb = nn.Embedding(options.max_len, options.dim)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(options.dim)
+        self.is_native = all(isinstance(layer, nn.TransformerEncoderLayer) for layer in layers)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Embed ``tokens`` ``(B, S)`` int64 under ``mask`` ``(B, S)`` bool (True = real).
+
+        Returns ``(B, S, E)``; rows of padding positions are computed but meaningless.
+        """
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (S,)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)  # (B, S, E)
+        # TransformerEncoderLayer's key padding mask says True = ignore
+        padding = ~mask  # (B, S)
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=padding) if self.is_native else layer(x, mask)
+        out: torch.Tensor = self.norm(x)  # (B, S, E)
+        return out
+
+
+@register_kind
+class TinyTextEncoderLoader(ComponentLoader):
+    """Build ``tiny_text_encoder``; an auxiliary component, so global fallback is allowed."""
+
+    kind: ClassVar[str] = "tiny_text_encoder"
+    options_type = TinyTextEncoderOptions
+    allows_global_fallback = True
+    seeds_weights = True
+    block_stack = "layers"
+
+    def __init__(self, options: TinyTextEncoderOptions) -> None:
+        super().__init__(options)
+        self.options: TinyTextEncoderOptions = options
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare the one self-attention site; it needs a mask for padding."""
+        return (
+            AttentionSite(
+                name="self",
+                role=AttentionRole.SELF,
+                heads=self.options.heads,
+                requirements=AttentionRequirements(attention_mask=True),
+                supported=frozenset({"torch_sdpa", "torch_flash", "reference", "flash_attn"}),
+            ),
+        )
+
+    def parameter_count(self) -> int:
+        """Count the weights from the options: embeddings, layers, final norm."""
+        o = self.options
+        layer = (
+            attention_projections(o.dim, o.dim)
+            + linear(o.dim, o.ffn_dim)
+            + linear(o.ffn_dim, o.dim)
+            + 2 * norm(o.dim)
+        )
+        return (o.vocab_size + o.max_len) * o.dim + o.layers * layer + norm(o.dim)
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Encode seeded prompts; the context is each prompt's real tokens only."""
+        tokens, mask = example_inputs(self.options, batch.size, batch.generator)
+        embeddings = module(tokens, mask)  # (B, S, E)
+        batch.context = [embeddings[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
+
+    def build_custom(self) -> TinyTextEncoder:
+        """Build the encoder on ``attention.Attention`` layers of site ``self``."""
+        (site,) = self.sites()
+        layers: list[nn.Module] = [
+            EncoderLayer(self.options.dim, self.options.ffn_dim, site)
+            for _ in range(self.options.layers)
+        ]
+        return TinyTextEncoder(self.options, layers)
+
+    def build_native(self) -> TinyTextEncoder:
+        """Build the same network on ``nn.TransformerEncoderLayer`` (no attention package)."""
+        opts = self.options
+        layers: list[nn.Module] = [
+            nn.TransformerEncoderLayer(
+                opts.dim,
+                opts.heads,
+                dim_feedforward=opts.ffn_dim,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(opts.layers)
+        ]
+        return TinyTextEncoder(opts, layers)
+
+
+def example_inputs(
+    options: TinyTextEncoderOptions, batch: int, generator: torch.Generator, seq_len: int = 8
+) -> TextEncoderInputs:
+    """Make ``batch`` seeded rows of ``seq_len`` tokens with padding of different lengths.
+
+    Row ``i`` has ``seq_len - i % (seq_len // 2 + 1)`` real tokens (at least one); padding
+    positions hold token 0.
+    """
+    seq_len = min(seq_len, options.max_len)
+    tokens = torch.randint(0, options.vocab_size, (batch, seq_len), generator=generator)
+    lengths = torch.tensor([max(seq_len - i % (seq_len // 2 + 1), 1) for i in range(batch)])
+    mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # (B, S)
+    return TextEncoderInputs(tokens.masked_fill(~mask, 0), mask)

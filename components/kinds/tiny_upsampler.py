@@ -1,0 +1,99 @@
+"""``tiny_upsampler``: a 2x super-resolution net of convolutions only (no attention site)."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, NamedTuple
+
+import msgspec
+import torch
+from torch import nn
+from torch.nn.functional import interpolate, silu
+
+from components.batch import Batch
+from components.kinds.counting import conv3x3
+from components.loader import ComponentLoader, KindOptions
+from components.registry import register_kind
+from components.sites import AttentionSite
+
+# B batch, Ch channels, H height, W width
+
+
+class TinyUpsamplerOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of ``tiny_upsampler``.
+
+    Attributes:
+        channels: the width of the hidden convolutions.
+    """
+
+    channels: Annotated[int, msgspec.Meta(ge=1)] = 16
+
+
+class UpsamplerInputs(NamedTuple):
+    """The arguments of ``TinyUpsampler.forward``."""
+
+    images: torch.Tensor  # (B, 3, H, W) in [-1, 1]
+
+
+class TinyUpsampler(nn.Module):
+    """Double an image's resolution: a nearest-neighbour base plus a learned residual.
+
+    Args:
+        options: the kind's options.
+    """
+
+    def __init__(self, options: TinyUpsamplerOptions) -> None:
+        super().__init__()
+        ch = options.channels
+        self.conv_in = nn.Conv2d(3, ch, 3, padding=1)
+        self.conv_mid = nn.Conv2d(ch, ch, 3, padding=1)
+        self.conv_out = nn.Conv2d(ch, 3 * 4, 3, padding=1)  # 4 = 2x2 sub-pixels
+        self.shuffle = nn.PixelShuffle(2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Map ``images`` ``(B, 3, H, W)`` to ``(B, 3, 2H, 2W)`` in [-1, 1]."""
+        x = silu(self.conv_in(images))  # (B, Ch, H, W)
+        x = silu(self.conv_mid(x))
+        residual: torch.Tensor = self.shuffle(self.conv_out(x))  # (B, 3, 2H, 2W)
+        # the residual only adds detail: the coarse image comes through unlearned
+        base = interpolate(images, scale_factor=2.0, mode="nearest")  # (B, 3, 2H, 2W)
+        return (base + residual).clamp(-1.0, 1.0)
+
+
+@register_kind
+class TinyUpsamplerLoader(ComponentLoader):
+    """Build ``tiny_upsampler``; it builds no attention layer, so it declares no site."""
+
+    kind: ClassVar[str] = "tiny_upsampler"
+    options_type = TinyUpsamplerOptions
+    seeds_weights = True
+
+    def __init__(self, options: TinyUpsamplerOptions) -> None:
+        super().__init__(options)
+        self.options: TinyUpsamplerOptions = options
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare no attention site: the network is convolutions only."""
+        return ()
+
+    def parameter_count(self) -> int:
+        """Count the weights from the options: three 3x3 convolutions."""
+        ch = self.options.channels
+        return conv3x3(3, ch) + conv3x3(ch, ch) + conv3x3(ch, 3 * 4)
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Upsample the request's images (seeded ones if none) by two."""
+        images = batch.images
+        if images is None:
+            images = torch.rand(batch.size, 3, 16, 16, generator=batch.generator) * 2 - 1
+        batch.images = module(images)
+
+    def build_custom(self) -> TinyUpsampler:
+        """Build the convolutional upsampler."""
+        return TinyUpsampler(self.options)
+
+
+def example_inputs(
+    options: TinyUpsamplerOptions, batch: int, generator: torch.Generator, size: int = 8
+) -> UpsamplerInputs:
+    """Make ``batch`` seeded images of ``size x size`` pixels, uniform in [-1, 1]."""
+    return UpsamplerInputs(torch.rand(batch, 3, size, size, generator=generator) * 2 - 1)

@@ -1,0 +1,95 @@
+"""The memory budget as an admission predicate: pure decisions, no moves.
+
+Onload is guarded: when the resident set would exceed ``memory.device_budget``
+the idle evictable components are evicted, the one whose next use in the
+request timeline is furthest first; when that cannot free enough, onload is
+refused with the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from lifecycle.refusals import Refusal
+from lifecycle.sizes import format_bytes
+
+
+class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What onloading one component takes.
+
+    Attributes:
+        victims: the components to evict first, in order (empty when it fits).
+        refusal: why it cannot be onloaded at all, or None.
+    """
+
+    victims: tuple[str, ...] = ()
+    refusal: Refusal | None = None
+
+
+def plan_onload(
+    component: str,
+    needed: int,
+    budget: int,
+    resident: Mapping[str, int],
+    evictable: Mapping[str, float],
+) -> BudgetDecision:
+    """Decide whether ``component`` fits, and whom to evict if it does not.
+
+    Args:
+        component: the component to onload.
+        needed: the bytes it will hold on the device.
+        budget: ``memory.device_budget`` in bytes.
+        resident: each component now on the device, with its bytes.
+        evictable: each idle resident component that may be evicted, with the
+            distance to its next use (infinite when it has none).
+    """
+    used = sum(resident.values())
+    if used + needed <= budget:
+        return BudgetDecision()
+    victims: list[str] = []
+    freed = 0
+    for victim in sorted(evictable, key=lambda name: (-evictable[name], name)):
+        victims.append(victim)
+        freed += resident[victim]
+        if used - freed + needed <= budget:
+            return BudgetDecision(victims=tuple(victims))
+    pinned = sorted(set(resident) - set(evictable))
+    return BudgetDecision(
+        refusal=Refusal(
+            code="residency.memory_budget",
+            component=component,
+            message=f"onloading '{component}' needs {format_bytes(needed)} on device, "
+            f"{format_bytes(max(budget - used, 0))} free of a {format_bytes(budget)} "
+            f"budget, and evicting every idle offloadable component frees only "
+            f"{format_bytes(freed)}"
+            + (f" ({', '.join(pinned)} cannot be evicted now)" if pinned else ""),
+            hint=f"raise memory.device_budget to at least "
+            f"{format_bytes(used - freed + needed)}, or give "
+            f"{', '.join(pinned) or 'the other components'} an offload residency",
+        )
+    )
+
+
+def stage_fits(
+    stage: str,
+    sizes: Mapping[str, int],
+    uses: tuple[str, ...],
+    pinned: tuple[str, ...],
+    budget: int,
+) -> Refusal | None:
+    """Check at admission that one stage's components and the pinned ones fit at all."""
+    together = dict.fromkeys((*pinned, *uses))
+    needed = sum(sizes[name] for name in together)
+    if needed <= budget:
+        return None
+    parts = ", ".join(f"{name} {format_bytes(sizes[name])}" for name in together)
+    return Refusal(
+        code="residency.memory_budget",
+        component=uses[0],
+        message=f"stage '{stage}' needs {format_bytes(needed)} on device at once "
+        f"({parts}), more than the {format_bytes(budget)} budget",
+        hint=f"raise memory.device_budget to at least {format_bytes(needed)}, or use "
+        "layerwise_offload for the largest component of that stage",
+    )

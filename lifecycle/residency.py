@@ -1,0 +1,287 @@
+"""Residency: the guards and the work of onload, offload and release.
+
+Guards decide (and touch nothing): the memory budget plans evictions, the
+offload guards check the mode, the declared use and the in-use counts. The
+work carries the decisions out through the component's weight store and
+arms or disarms its attention, registering an undo for each step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+import msgspec
+import structlog
+import torch
+from torch import nn
+
+from attention import arm_layers, disarm_layers
+from components import ResidencyMode
+from components.accounting import module_bytes
+from components.offload import DiskStore, HostStore, LayerwiseStore, WeightStore
+from lifecycle.budget import plan_onload
+from lifecycle.config import PipelineSpec
+from lifecycle.machine import TransitionContext
+from lifecycle.refusals import Refusal
+from lifecycle.slots import ComponentSlot
+from lifecycle.states import ComponentState
+from lifecycle.timeline import Timeline
+
+log = structlog.get_logger("lifecycle")
+
+Direction: TypeAlias = Literal["onload", "offload"]
+
+
+class Move(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One movement of a component's weights (the ``residency.moved`` event as data).
+
+    Attributes:
+        component: the component that moved.
+        direction: onto the device, or off it.
+        target: where offloaded weights live (host or disk).
+        bytes: the bytes moved (the accounted bytes where nothing needs to move).
+        seconds: how long the move took.
+        request_id: the request it happened for, or None.
+        at: seconds since the orchestrator started, when the move finished.
+    """
+
+    component: str
+    direction: Direction
+    target: str
+    bytes: int
+    seconds: float
+    request_id: str | None
+    at: float
+
+
+MoveObserver: TypeAlias = Callable[[Move], None]
+"""Called with every move, after it is logged (e.g. to draw a timeline)."""
+
+
+class Residency:
+    """Move components' weights between the device and their offload target.
+
+    Args:
+        spec: the pipeline spec (memory settings, stages).
+        slots: the orchestrator's components by name.
+        device: the compute device.
+        observer: called with every move.
+    """
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        slots: Mapping[str, ComponentSlot],
+        device: torch.device,
+        observer: MoveObserver | None = None,
+    ) -> None:
+        self.spec = spec
+        self.slots = slots
+        self.device = device
+        self.timeline = Timeline(spec.stages)
+        self.observer = observer
+        self._started = time.perf_counter()
+
+    # -- guards ----------------------------------------------------------------
+
+    def memory_budget(self, name: str, context: TransitionContext) -> list[Refusal]:
+        """Refuse an onload that cannot fit; otherwise record whom to evict first."""
+        budget = self.spec.memory.device_budget
+        if isinstance(budget, msgspec.UnsetType):
+            return []
+        position = context.params.get("position", -1)
+        after = position if isinstance(position, int) else -1
+        resident = {
+            other: slot.footprint
+            for other, slot in self.slots.items()
+            if other != name and (slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved)
+        }
+        evictable = {
+            other: self.timeline.distance_to_next_use(other, after)
+            for other, slot in self.slots.items()
+            if other in resident
+            and slot.lifecycle.state is ComponentState.RESIDENT
+            and slot.is_idle
+            and slot.may_be_evicted
+            and self.timeline.is_used(other)
+        }
+        decision = plan_onload(name, self.slots[name].footprint, budget, resident, evictable)
+        if decision.refusal is not None:
+            return [decision.refusal]
+        context.decisions["evict"] = decision.victims
+        return []
+
+    def offloadable(self, name: str, context: TransitionContext) -> list[Refusal]:
+        """Refuse to offload a component kept resident, unless the budget evicts it."""
+        slot = self.slots[name]
+        if slot.mode is not ResidencyMode.RESIDENT:
+            return []
+        if context.params.get("eviction") is True and slot.may_be_evicted:
+            return []
+        return [
+            Refusal(
+                code="residency.not_offloadable",
+                component=name,
+                message=f"component '{name}' is explicitly resident: it is never offloaded",
+                hint=f'set components.{name}.residency = "component_offload" to let it move',
+            )
+        ]
+
+    def use_declared(self, name: str, context: TransitionContext) -> list[Refusal]:
+        """Refuse to offload a component no stage uses: nothing would bring it back."""
+        if self.timeline.is_used(name):
+            return []
+        return [
+            Refusal(
+                code="residency.undeclared_use",
+                component=name,
+                message=f"component '{name}' is used by no stage, so nothing would onload it",
+                hint=f"add '{name}' to the uses of the stage that needs it",
+            )
+        ]
+
+    def not_in_use(self, name: str, context: TransitionContext) -> list[Refusal]:
+        """Refuse to move or release a component an open request is using."""
+        holders = self.slots[name].holders
+        if not holders:
+            return []
+        return [
+            Refusal(
+                code="residency.in_use",
+                component=name,
+                message=f"component '{name}' is in use by request(s) {', '.join(sorted(holders))}",
+                hint="wait for those requests' stages to end, or cancel the requests",
+            )
+        ]
+
+    # -- work --------------------------------------------------------------------
+
+    def onload(self, name: str, context: TransitionContext) -> None:
+        """Evict what the budget guard chose, then bring ``name`` onto the device and arm it."""
+        victims = context.decisions.get("evict", ())
+        assert isinstance(victims, tuple)
+        for victim in victims:
+            self.slots[victim].lifecycle.offload(eviction=True)
+            context.on_rollback(self.slots[victim].lifecycle.onload)
+        slot = self.slots[name]
+        module = _module_of(slot)
+        started = time.perf_counter()
+        if slot.store is None:
+            slot.store = self._new_store(slot, resident=True)
+            moved = slot.store.nbytes
+        else:
+            moved = slot.store.onload()
+        slot.reserved = False
+        arm_layers(module)
+        context.on_rollback(lambda: _stow(slot))
+        self._record(slot, "onload", moved, started, context)
+
+    def offload(self, name: str, context: TransitionContext) -> None:
+        """Disarm ``name`` and take its weights off the device."""
+        slot = self.slots[name]
+        module = _module_of(slot)
+        started = time.perf_counter()
+        disarm_layers(module)
+        context.on_rollback(lambda: arm_layers(module))
+        if slot.store is None:
+            slot.store = self._new_store(slot, resident=False)
+            moved = slot.store.nbytes
+        else:
+            moved = slot.store.offload()
+        self._record(slot, "offload", moved, started, context)
+
+    def release(self, name: str, context: TransitionContext) -> None:
+        """Disarm ``name`` and drop its module, its store and any offload file."""
+        slot = self.slots[name]
+        if slot.module is not None:
+            disarm_layers(slot.module)
+        slot.forget()
+
+    def footprint(self, slot: ComponentSlot) -> int:
+        """Return the bytes ``slot`` holds on the device while resident.
+
+        A layerwise component holds its non-block weights plus at most
+        ``resident_layers + prefetch + 1`` blocks at once.
+        """
+        module = _module_of(slot)
+        blocks = _blocks(slot)
+        if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD or blocks is None:
+            return module_bytes(module)
+        sizes = [module_bytes(block) for block in blocks]
+        config = slot.spec.layerwise_config
+        streamed = min(len(sizes), config.resident_layers + config.prefetch + 1)
+        return module_bytes(module) - sum(sizes) + streamed * max(sizes, default=0)
+
+    def _new_store(self, slot: ComponentSlot, *, resident: bool) -> WeightStore:
+        module = _module_of(slot)
+        target = self.spec.memory.offload_target
+        path = Path(self.spec.memory.offload_dir) / self.spec.name / f"{slot.name}.safetensors"
+        blocks = _blocks(slot)
+        if slot.mode is ResidencyMode.LAYERWISE_OFFLOAD and blocks is not None:
+            config = slot.spec.layerwise_config
+            return LayerwiseStore(
+                module,
+                blocks,
+                target=target,
+                path=path,
+                device=self.device,
+                prefetch=config.prefetch,
+                resident_layers=config.resident_layers,
+                resident=resident,
+            )
+        if target == "disk" and slot.mode is not ResidencyMode.RESIDENT:
+            return DiskStore(module, path, self.device, resident=resident)
+        return HostStore(module, self.device, resident=resident)
+
+    def _record(
+        self,
+        slot: ComponentSlot,
+        direction: Direction,
+        moved: int,
+        started: float,
+        context: TransitionContext,
+    ) -> None:
+        finished = time.perf_counter()
+        move = Move(
+            component=slot.name,
+            direction=direction,
+            target=self.spec.memory.offload_target,
+            bytes=moved,
+            seconds=round(finished - started, 6),
+            request_id=context.request_id,
+            at=round(finished - self._started, 6),
+        )
+        log.info(
+            "residency.moved",
+            component=move.component,
+            direction=move.direction,
+            target=move.target,
+            bytes=move.bytes,
+            seconds=move.seconds,
+            request_id=move.request_id,
+        )
+        if self.observer is not None:
+            self.observer(move)
+
+
+def _module_of(slot: ComponentSlot) -> nn.Module:
+    if slot.module is None:
+        raise RuntimeError(f"component '{slot.name}' has no module: it is not loaded")
+    return slot.module
+
+
+def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
+    attribute = slot.loader.block_stack
+    blocks = None if attribute is None else getattr(slot.module, attribute, None)
+    return blocks if isinstance(blocks, nn.ModuleList) else None
+
+
+def _stow(slot: ComponentSlot) -> None:
+    """Undo an onload: disarm and take the weights back off the device."""
+    if slot.module is not None:
+        disarm_layers(slot.module)
+    if slot.store is not None:
+        slot.store.offload()

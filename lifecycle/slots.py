@@ -1,0 +1,68 @@
+"""The orchestrator's record of one component while it lives."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from msgspec import UnsetType
+from torch import nn
+
+from components import ResidencyMode
+from components import registry as kinds
+from components.loader import ComponentLoader
+from components.offload import WeightStore
+from lifecycle.config import ComponentSpec
+from lifecycle.machine import ComponentLifecycle
+from lifecycle.plan import ComponentPlan
+
+
+class ComponentSlot:
+    """Everything the orchestrator holds for one component.
+
+    Attributes:
+        name: the component's name.
+        spec: what the pipeline spec says of it.
+        lifecycle: its place on the lifecycle machine.
+        loader: its kind's loader, with validated options.
+        plan: what admission decided (None before admission).
+        module: the built module, from LOADED until RELEASED.
+        store: where its weights live off the device, once it first moved.
+        footprint: the bytes it takes on the device while resident.
+        holders: open requests using it now, with how many stages each.
+        reserved: whether a prefetch has reserved its footprint in the budget.
+    """
+
+    def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
+        self.name = name
+        self.spec = spec
+        self.lifecycle = lifecycle
+        self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
+        self.plan: ComponentPlan | None = None
+        self.module: nn.Module | None = None
+        self.store: WeightStore | None = None
+        self.footprint = 0
+        self.holders: Counter[str] = Counter()
+        self.reserved = False
+
+    @property
+    def mode(self) -> ResidencyMode:
+        """Return the residency mode, ``resident`` when none was written."""
+        return self.spec.residency_mode
+
+    @property
+    def is_idle(self) -> bool:
+        """Tell whether no open request uses the component."""
+        return not self.holders
+
+    @property
+    def may_be_evicted(self) -> bool:
+        """Tell whether the budget may evict it: offloadable, or resident only by default."""
+        return self.mode is not ResidencyMode.RESIDENT or isinstance(self.spec.residency, UnsetType)
+
+    def forget(self) -> None:
+        """Drop the module and its store (release, or a rolled-back load)."""
+        if self.store is not None:
+            self.store.close()
+        self.module = None
+        self.store = None
+        self.footprint = 0

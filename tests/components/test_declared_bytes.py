@@ -1,0 +1,48 @@
+"""Each kind declares its size from its options, and the declaration is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from components import registry
+from components.accounting import module_bytes
+from components.weights import save_weights, stored_bytes
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("tiny_text_encoder", {}),
+    ("tiny_text_encoder", {"dim": 48, "heads": 6, "layers": 3, "vocab_size": 100}),
+    ("tiny_dit", {}),
+    ("tiny_dit", {"context_dim": 24, "layers": 3}),
+    ("tiny_vae", {}),
+    ("tiny_vae", {"channels": 16, "groups": 4}),
+    ("tiny_upsampler", {}),
+]
+
+
+class TestDeclaredBytes:
+    @pytest.mark.parametrize(("kind", "options"), CASES)
+    def test_declaration_equals_every_built_path(self, kind: str, options: dict[str, Any]) -> None:
+        """The size declared from the options equals the bytes of each path's module."""
+        loader = registry.get(kind).from_options(options)
+        paths = [p for p in ("custom", "native") if loader.unavailable_reason(p) is None]
+        assert paths
+        for path in paths:
+            assert loader.declared_bytes() == module_bytes(loader.build(path))
+
+    def test_weights_file_is_sized_from_its_header(self, tmp_path: Path) -> None:
+        """With a weights file the size comes from its safetensors header, read alone."""
+        loader = registry.get("tiny_vae").from_options({})
+        path = tmp_path / "vae.safetensors"
+        save_weights(loader.build("custom"), path)
+        with_file = registry.get("tiny_vae").from_options({"weights": str(path)})
+        assert with_file.declared_bytes() == stored_bytes(path) == loader.declared_bytes()
+
+    def test_unknown_size_for_a_generic_component(self) -> None:
+        """A component of unknown kind without a weights file has no declared size."""
+        loader = registry.get("nobody_registered_this").from_options(
+            {"factory": "torch.nn:Identity"}
+        )
+        assert loader.declared_bytes() is None

@@ -1,0 +1,315 @@
+"""Requests and residency: stages, in-use counts, offload targets, the budget, threads."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attention import Platform
+from components.batch import Batch
+from lifecycle.config import PipelineSpec, decode_spec, load_spec
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import TransitionRefused
+from lifecycle.residency import Move
+from lifecycle.states import ComponentState
+from lifecycle.testing import capture_events, events_named
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = Platform("cpu")
+STAGES = ("encode", "denoise", "decode")
+
+
+def reference_spec(
+    tmp_path: Path, target: str = "host", **components: dict[str, Any]
+) -> PipelineSpec:
+    """Return the reference spec with ``target`` offload under ``tmp_path`` and overrides."""
+    spec = load_spec(ROOT / "examples" / "tiny_t2i.toml")
+    raw = msgspec.to_builtins(spec)
+    raw["memory"].update(offload_target=target, offload_dir=str(tmp_path / "offload"))
+    for name, changes in components.items():
+        raw["components"][name].update(changes)
+    return msgspec.convert(raw, PipelineSpec)
+
+
+def generate(orch: Orchestrator, seed: int = 0) -> torch.Tensor:
+    """Run one request through every stage and return its images."""
+    batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2)
+    with orch.request() as request:
+        for stage in STAGES:
+            request.run(stage, batch)
+    assert batch.images is not None
+    return batch.images
+
+
+class TestOffloadTargets:
+    def test_outputs_equal_across_residency(self, tmp_path: Path) -> None:
+        """Resident, host, disk and layerwise runs produce bit-identical images."""
+        resident = {"residency": "resident"}
+        layerwise = {"residency": "layerwise_offload", "layerwise": {"prefetch": 1}}
+        configurations = {
+            "resident": reference_spec(tmp_path, text_encoder=resident, vae=resident),
+            "host": reference_spec(tmp_path),
+            "disk": reference_spec(tmp_path, "disk"),
+            "layerwise": reference_spec(
+                tmp_path, "disk", text_encoder=layerwise, transformer=layerwise
+            ),
+        }
+        images = {}
+        for label, spec in configurations.items():
+            with Orchestrator(spec, platform=CPU) as orch:
+                orch.load()
+                images[label] = [generate(orch, seed) for seed in (0, 1)]
+        for label in ("host", "disk", "layerwise"):
+            for got, want in zip(images[label], images["resident"], strict=True):
+                assert torch.equal(got, want), label
+
+    def test_disk_offload_frees_the_weights(self, tmp_path: Path) -> None:
+        """Offloaded to disk, every tensor is an empty placeholder and the file holds it all."""
+        with Orchestrator(reference_spec(tmp_path, "disk"), platform=CPU) as orch:
+            orch.load()
+            encoder = orch.module("text_encoder")
+            assert all(t.numel() == 0 for t in encoder.state_dict().values())
+            stored = load_file(str(tmp_path / "offload" / "tiny-t2i" / "text_encoder.safetensors"))
+            orch.onload("text_encoder")
+            weights = encoder.state_dict()
+            assert set(stored) <= set(weights)
+            assert all(torch.equal(stored[name], weights[name]) for name in stored)
+
+    def test_host_offload_keeps_accounting_exact(self, tmp_path: Path) -> None:
+        """With the host target the resident bytes follow the states exactly."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            transformer = orch.component("transformer")
+            assert transformer.state is ComponentState.RESIDENT
+            before = orch.resident_bytes()
+            orch.onload("vae")
+            vae_bytes = orch.resident_bytes() - before
+            assert vae_bytes == sum(t.nbytes for t in orch.module("vae").state_dict().values())
+            orch.offload("vae")
+            assert orch.resident_bytes() == before
+
+
+class TestStages:
+    def test_components_move_around_their_stage(self, tmp_path: Path) -> None:
+        """A stage onloads its offloaded components and offloads them after their last use."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with orch.request("r1") as request, request.stage("encode") as modules:
+                assert orch.state("text_encoder") is ComponentState.RESIDENT
+                assert modules["text_encoder"] is orch.module("text_encoder")
+            assert orch.state("text_encoder") is ComponentState.OFFLOADED
+            assert orch.state("transformer") is ComponentState.RESIDENT
+
+    def test_in_use_component_cannot_be_moved_or_released(self, tmp_path: Path) -> None:
+        """Offload and release of a component a request is using are refused."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with orch.request("r1") as request, request.stage("decode"):
+                for action in (orch.offload, orch.release):
+                    with pytest.raises(TransitionRefused) as err:
+                        action("vae")
+                    assert err.value.codes == ("residency.in_use",)
+                    assert "in use by request(s) r1" in err.value.refusals[0].message
+                assert orch.state("vae") is ComponentState.RESIDENT
+
+    def test_resident_component_is_never_offloaded_by_hand(self, tmp_path: Path) -> None:
+        """Offloading an explicitly resident component is refused with the fix."""
+        spec = reference_spec(tmp_path, transformer={"residency": "resident"})
+        with Orchestrator(spec, platform=CPU) as orch:
+            orch.load()
+            with pytest.raises(TransitionRefused) as err:
+                orch.offload("transformer")
+            assert err.value.codes == ("residency.not_offloadable",)
+
+    def test_exception_in_a_stage_puts_everything_back(self, tmp_path: Path) -> None:
+        """An error inside a stage propagates, the plan is restored, and the next request runs."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            seen: list[ComponentState] = []
+
+            def fail_in_a_stage() -> None:
+                with orch.request() as request, request.stage("encode"):
+                    seen.append(orch.state("text_encoder"))
+                    raise RuntimeError("client went away")
+
+            with pytest.raises(RuntimeError, match="client went away"):
+                fail_in_a_stage()
+            assert seen == [ComponentState.RESIDENT]
+            assert orch.state("text_encoder") is ComponentState.OFFLOADED
+            assert orch.snapshot().components["vae"].state is ComponentState.OFFLOADED
+            assert generate(orch).shape == (1, 3, 16, 16)
+
+    def test_adjacent_stages_share_one_interval(self) -> None:
+        """A component used by two stages in a row moves in once and out once."""
+        spec = decode_spec(
+            """
+name = "p"
+[components.vae]
+kind = "tiny_vae"
+residency = "component_offload"
+[[stages]]
+name = "first"
+uses = ["vae"]
+[[stages]]
+name = "second"
+uses = ["vae"]
+"""
+        )
+        moves: list[Move] = []
+        with Orchestrator(spec, platform=CPU, observer=moves.append) as orch:
+            orch.load()
+            moves.clear()
+            with orch.request("r1") as request:
+                for stage in ("first", "second"):
+                    with request.stage(stage):
+                        pass
+        assert [(m.direction, m.request_id) for m in moves] == [
+            ("onload", "r1"),
+            ("offload", "r1"),
+        ]
+
+    def test_request_events(self, tmp_path: Path) -> None:
+        """A request logs begin and end with its stages; its moves carry its id."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with capture_events() as events:
+                generate(orch)
+        (begin,) = events_named(events, "request.begin")
+        (end,) = events_named(events, "request.end")
+        assert end["stages"] == list(STAGES)
+        assert end["request_id"] == begin["request_id"]
+        assert end["duration_ms"] > 0
+        moved = events_named(events, "residency.moved")
+        assert {e["request_id"] for e in moved} == {begin["request_id"]}
+        assert {(e["component"], e["direction"]) for e in moved} == {
+            ("text_encoder", "onload"),
+            ("text_encoder", "offload"),
+            ("vae", "onload"),
+            ("vae", "offload"),
+        }
+
+    def test_duplicate_open_request_id(self, tmp_path: Path) -> None:
+        """Two open requests may not share an id."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with (
+                orch.request("r1"),
+                pytest.raises(ValueError, match="'r1' is already open"),
+                orch.request("r1"),
+            ):
+                pass
+
+
+BUDGET_SPEC = """
+name = "budget"
+[memory]
+device_budget = {budget}
+[components.a]
+kind = "tiny_vae"
+residency = "component_offload"
+[components.b]
+kind = "tiny_vae"
+residency = "component_offload"
+[components.c]
+kind = "tiny_vae"
+residency = "component_offload"
+[[stages]]
+name = "s0"
+uses = ["a"]
+[[stages]]
+name = "s1"
+uses = ["b"]
+[[stages]]
+name = "s2"
+uses = ["c"]
+[[stages]]
+name = "s3"
+uses = ["a"]
+[[stages]]
+name = "s4"
+uses = ["b"]
+"""
+VAE_BYTES = 248588  # tiny_vae with default options
+
+
+class TestMemoryBudget:
+    def test_evicts_the_furthest_next_use_not_the_least_recent(self) -> None:
+        """Onloading c evicts b (next used at s4), not a (used at s3), though a is older."""
+        spec = decode_spec(BUDGET_SPEC.format(budget=2 * VAE_BYTES + 1000))
+        moves: list[Move] = []
+        with Orchestrator(spec, platform=CPU, observer=moves.append) as orch:
+            orch.load()
+            moves.clear()
+            with orch.request("r1") as request:
+                for stage in ("s0", "s1", "s2", "s3", "s4"):
+                    with request.stage(stage):
+                        assert orch.resident_bytes() <= 2 * VAE_BYTES + 1000
+        sequence = [(m.component, m.direction) for m in moves]
+        assert sequence[:4] == [
+            ("a", "onload"),
+            ("b", "onload"),
+            ("b", "offload"),  # evicted for c: its next use (s4) is furthest
+            ("c", "onload"),
+        ]
+        assert sequence.count(("a", "onload")) == 1  # a stayed resident for s3
+
+    def test_refusal_carries_the_numbers(self) -> None:
+        """When the only eviction candidate is in use, onload is refused with the numbers."""
+        spec = decode_spec(BUDGET_SPEC.format(budget=VAE_BYTES + 1000))
+        with Orchestrator(spec, platform=CPU) as orch:
+            orch.load()
+            with (
+                orch.request("r1") as first,
+                first.stage("s0"),
+                orch.request("r2") as second,
+                pytest.raises(TransitionRefused) as err,
+                second.stage("s1"),
+            ):
+                pass
+            assert err.value.codes == ("residency.memory_budget",)
+            message = err.value.refusals[0].message
+            assert "onloading 'b' needs 242.8 KiB on device, 1000 B free of a 243.7 KiB" in message
+            assert "(a cannot be evicted now)" in message
+            assert orch.state("b") is ComponentState.OFFLOADED
+            assert orch.state("a") is ComponentState.OFFLOADED
+
+    def test_admission_refuses_a_stage_that_cannot_fit(self) -> None:
+        """A budget smaller than one stage's components is refused before anything loads."""
+        spec = decode_spec(BUDGET_SPEC.format(budget=1000))
+        with Orchestrator(spec, platform=CPU) as orch:
+            with pytest.raises(TransitionRefused) as err:
+                orch.admit()
+            assert set(err.value.codes) == {"residency.memory_budget"}
+            assert "stage 's0' needs 242.8 KiB on device at once" in str(err.value)
+
+
+class TestThreads:
+    def test_concurrent_requests_keep_counts_right(self, tmp_path: Path) -> None:
+        """Requests from four threads run every stage; counts end at zero, states as planned."""
+        errors: list[BaseException] = []
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            reference = generate(orch, 0)
+
+            def serve(worker: int) -> None:
+                try:
+                    for _ in range(3):
+                        assert torch.equal(generate(orch, 0), reference)
+                except BaseException as err:  # collected and re-raised in the main thread
+                    errors.append(err)
+
+            threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert errors == []
+            assert all(orch.component(name).in_use_by == () for name in orch.spec.components)
+            assert orch.state("text_encoder") is ComponentState.OFFLOADED
+            assert orch.state("vae") is ComponentState.OFFLOADED
