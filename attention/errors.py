@@ -1,0 +1,85 @@
+"""The exceptions of the attention package; each says what is wrong, why, and the fix."""
+
+from __future__ import annotations
+
+
+class BackendSelectionError(Exception):
+    """Report that no attention backend may serve a layer, or a scope's request went unmet.
+
+    Attributes:
+        code: the stable refusal code (``attention.capability_missing``, ...).
+        component: the component whose layer or scope failed.
+        message: what is wrong and why.
+        hint: how to fix it.
+        rejected: each candidate backend that was tried, mapped to why it was refused.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        component: str,
+        message: str,
+        hint: str,
+        rejected: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(f"{message}; fix: {hint}")
+        self.code = code
+        self.component = component
+        self.message = message
+        self.hint = hint
+        self.rejected = dict(rejected or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.code, self.component, self.message, self.hint, self.rejected),
+        )
+
+
+class UnknownBackendError(KeyError):
+    """Report an attention backend name that is neither built in nor registered.
+
+    Attributes:
+        name: the name that was looked up.
+        known: every known name, built-ins first.
+    """
+
+    def __init__(self, name: str, known: tuple[str, ...], failed: dict[str, str]) -> None:
+        super().__init__(name)
+        self.name = name
+        self.known = known
+        self.failed = dict(failed)
+        broken = "".join(
+            f"; entry point '{entry}' failed to load: {why}" for entry, why in failed.items()
+        )
+        self.text = (
+            f"unknown attention backend '{name}'; known: {', '.join(known)}{broken}; "
+            "register out-of-tree backends with attention.register_backend"
+        )
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.known, self.failed))
+
+
+class NotResidentError(RuntimeError):
+    """Report a forward on an attention layer whose component is not resident (not armed).
+
+    Attributes:
+        component: the component the layer belongs to.
+        site: the layer's attention site.
+    """
+
+    def __init__(self, component: str, site: str) -> None:
+        super().__init__(
+            f"attention layer '{site}' of component '{component}' ran while its component "
+            f"is not resident (the layer is disarmed); onload component '{component}' "
+            "before running it"
+        )
+        self.component = component
+        self.site = site
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.component, self.site))

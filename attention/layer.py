@@ -1,0 +1,194 @@
+"""The attention layer components build: backend chosen once, armed only while resident."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention import registry
+from attention.errors import NotResidentError
+from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
+from attention.roles import AttentionRole
+from attention.scope import UNSCOPED, AttentionScope, current_scope
+
+# B batch, H heads, S seq, D head dim, T packed tokens
+
+
+class Attention(nn.Module):
+    """Run one attention site's kernel, chosen once at construction from the current scope.
+
+    Inside ``component_attention_scope`` the scope's requests, plan and platform decide
+    the backend; outside one the layer takes its default, else the platform default,
+    under the component name ``<unscoped>``. Layers start disarmed: the lifecycle arms
+    them when their component becomes resident (``arm_layers``), and a forward on a
+    disarmed layer raises ``NotResidentError``.
+
+    Layout (see ``attention.backend``): dense q ``(B, Hq, Sq, D)``, k/v ``(B, Hk, Sk, D)``;
+    packed q ``(Tq, Hq, D)``, k/v ``(Tk, Hk, D)`` with ``cu_seqlens`` boundaries.
+
+    Args:
+        site: the attention site the component declares this layer under.
+        role: self- or cross-attention.
+        requirements: what the layer needs; masks, varlen and the LSE may only be used
+            when declared here, so that the choice of backend never changes what runs.
+        supported: the backends the layer works with, or None for any.
+        default: the layer's default backend, or None.
+        backend: a backend the layer's code insists on (explicit), or None.
+        scale: the softmax scale; None means ``1 / sqrt(D)``.
+
+    Raises:
+        BackendSelectionError: no backend may serve the layer (see ``select_backend``).
+    """
+
+    def __init__(
+        self,
+        site: str,
+        role: AttentionRole,
+        *,
+        requirements: AttentionRequirements = NO_REQUIREMENTS,
+        supported: frozenset[str] | None = None,
+        default: str | None = None,
+        backend: str | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        scope = current_scope() or AttentionScope(UNSCOPED)
+        self.site = site
+        self.role = role
+        self.requirements = requirements
+        self.scale = scale
+        self.component = scope.component
+        self.selection = scope.select(
+            site=site,
+            role=role,
+            requirements=requirements,
+            supported=supported,
+            default=default,
+            backend=backend,
+        )
+        self.backend_name = self.selection.backend
+        self._lse_allowed = requirements.softmax_lse or (scope.ring and role is AttentionRole.SELF)
+        self._impl = registry.get(self.backend_name).make_impl(
+            scope.backend_options.get(self.backend_name)
+        )
+        self._armed = False
+
+    @property
+    def is_armed(self) -> bool:
+        """Tell whether the layer may run (its component is resident)."""
+        return self._armed
+
+    def arm(self) -> None:
+        """Let the layer run; the lifecycle calls this when the component becomes resident."""
+        self._armed = True
+
+    def disarm(self) -> None:
+        """Stop the layer from running; called when the component leaves residency."""
+        self._armed = False
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (B, Hq, Sq, D)
+        k: torch.Tensor,  # (B, Hk, Sk, D)
+        v: torch.Tensor,  # (B, Hk, Sk, D)
+        *,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Attend q to k and v; returns ``(B, Hq, Sq, D)``.
+
+        Raises:
+            NotResidentError: the layer is disarmed.
+            ValueError: a mask was passed but ``attention_mask`` was not declared.
+        """
+        if not self._armed:  # the one check on the hot path
+            raise NotResidentError(self.component, self.site)
+        if attn_mask is None:
+            return self._impl.forward(q, k, v, is_causal=is_causal, scale=self.scale)
+        if not self.requirements.attention_mask:
+            raise self._undeclared("attention_mask", "an attn_mask")
+        return self._impl.forward_masked(q, k, v, attn_mask, is_causal=is_causal, scale=self.scale)
+
+    def forward_varlen(
+        self,
+        q: torch.Tensor,  # (Tq, Hq, D)
+        k: torch.Tensor,  # (Tk, Hk, D)
+        v: torch.Tensor,  # (Tk, Hk, D)
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Attend each packed sequence to its own keys only; returns ``(Tq, Hq, D)``.
+
+        Raises:
+            NotResidentError: the layer is disarmed.
+            ValueError: ``packed_varlen`` was not declared, or the boundaries are invalid.
+        """
+        if not self._armed:
+            raise NotResidentError(self.component, self.site)
+        if not self.requirements.packed_varlen:
+            raise self._undeclared("packed_varlen", "packed sequences")
+        return self._impl.forward_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            is_causal=is_causal,
+            scale=self.scale,
+        )
+
+    def forward_with_lse(
+        self,
+        q: torch.Tensor,  # (B, Hq, Sq, D)
+        k: torch.Tensor,  # (B, Hk, Sk, D)
+        v: torch.Tensor,  # (B, Hk, Sk, D)
+        *,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attend and return the softmax log-sum-exp ``(B, Hq, Sq)`` too (ring attention).
+
+        Raises:
+            NotResidentError: the layer is disarmed.
+            ValueError: neither ``softmax_lse`` was declared nor does ring attention apply.
+        """
+        if not self._armed:
+            raise NotResidentError(self.component, self.site)
+        if not self._lse_allowed:
+            raise self._undeclared("softmax_lse", "a request for the softmax LSE")
+        return self._impl.forward_with_lse(q, k, v, is_causal=is_causal, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        """Show the site, role, backend and whether the layer is armed."""
+        return (
+            f"site={self.site!r}, role={self.role.value}, backend={self.backend_name!r}, "
+            f"armed={self._armed}"
+        )
+
+    def _undeclared(self, flag: str, what: str) -> ValueError:
+        return ValueError(
+            f"layer '{self.site}' of component '{self.component}' was called with {what}, "
+            f"but it did not declare AttentionRequirements({flag}=True), so backend "
+            f"'{self.backend_name}' was not chosen for it; declare the requirement"
+        )
+
+
+def arm_layers(module: nn.Module) -> int:
+    """Arm every ``Attention`` layer under ``module`` (itself included); return how many."""
+    layers = [m for m in module.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.arm()
+    return len(layers)
+
+
+def disarm_layers(module: nn.Module) -> int:
+    """Disarm every ``Attention`` layer under ``module`` (itself included); return how many."""
+    layers = [m for m in module.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.disarm()
+    return len(layers)

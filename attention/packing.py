@@ -1,0 +1,43 @@
+"""Read the segment boundaries of packed variable-length sequences."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+# T packed tokens
+
+
+def segments(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int
+) -> list[tuple[int, int, int, int]]:
+    """Return ``(q_start, q_end, k_start, k_end)`` for each packed sequence.
+
+    Raises:
+        ValueError: the two boundary tensors disagree on the number of sequences, do not
+            start at 0, decrease, or do not end at the packed lengths ``total_q``/``total_k``.
+    """
+    bounds_q = [int(x) for x in cu_seqlens_q.tolist()]
+    bounds_k = [int(x) for x in cu_seqlens_k.tolist()]
+    if len(bounds_q) != len(bounds_k):
+        raise ValueError(
+            f"cu_seqlens_q describes {len(bounds_q) - 1} sequences but cu_seqlens_k "
+            f"{len(bounds_k) - 1}; pass one boundary per sequence to both"
+        )
+    for label, bounds, total in (("q", bounds_q, total_q), ("k", bounds_k, total_k)):
+        if not bounds or bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(
+                f"cu_seqlens_{label} must run from 0 to {total} (the packed length), got {bounds}"
+            )
+        if any(a > b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"cu_seqlens_{label} must not decrease, got {bounds}")
+    return [
+        (bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1])
+        for i in range(len(bounds_q) - 1)
+    ]
+
+
+def as_batch(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """View rows ``start:end`` of a packed ``(T, H, D)`` tensor as one ``(1, H, S, D)`` batch."""
+    return packed[start:end].transpose(0, 1).unsqueeze(0)

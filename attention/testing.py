@@ -1,0 +1,87 @@
+"""Helpers for tests of code that uses attention: tolerances, random inputs, FLOP counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attention.request import BackendChoice
+from attention.roles import Provenance
+
+# B batch, H heads, S seq, D head dim
+
+# Largest allowed max|out - ref| / max|ref| against the float64 reference, per input dtype:
+# about three times the worst seen over many seeds (1e-15, 7e-7, 5e-4, 4e-3).
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 2e-6,
+    torch.float16: 1.5e-3,
+    torch.bfloat16: 1.2e-2,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Return max|out - ref| / max|ref|, computed in float64."""
+    diff = (out.double() - ref.double()).abs().max()
+    return float(diff / ref.double().abs().max())
+
+
+def explicit(name: str) -> BackendChoice:
+    """Return a backend the user or the code named."""
+    return BackendChoice(name=name, provenance=Provenance.EXPLICIT)
+
+
+def automatic(name: str) -> BackendChoice:
+    """Return a backend the framework derived."""
+    return BackendChoice(name=name, provenance=Provenance.AUTOMATIC)
+
+
+def count_attention_flops() -> FlopCounterMode:
+    """Return a FLOP counter that also counts torch's fused CPU attention op.
+
+    torch's own counter knows the CUDA attention ops only; this adds the CPU one with the
+    same formula: two matmuls, ``q @ k^T`` and ``p @ v``, at 2 FLOPs a multiply-add.
+    """
+
+    def formula(
+        q: torch.Size, k: torch.Size, v: torch.Size, *_: Any, out_shape: Any = None, **__: Any
+    ) -> int:
+        b, hq, sq, d = q  # K/V heads broadcast to Hq under grouped-query attention
+        return 2 * b * hq * sq * k[-2] * (d + v[-1])
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return FlopCounterMode(display=False, custom_mapping={op: formula})
+
+
+class RandomInputs:
+    """Draw fresh random (never zero) attention inputs from one seed, quoted on failure.
+
+    Args:
+        seed: the generator's seed.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def tensor(self, *shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Return a standard normal tensor of ``shape``, drawn in float64 and cast."""
+        return torch.randn(*shape, generator=self.generator, dtype=torch.float64).to(dtype)
+
+    def qkv(
+        self, b: int, hq: int, hk: int, sq: int, sk: int, d: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return dense q ``(B, Hq, Sq, D)``, k and v ``(B, Hk, Sk, D)``."""
+        return (
+            self.tensor(b, hq, sq, d, dtype=dtype),
+            self.tensor(b, hk, sk, d, dtype=dtype),
+            self.tensor(b, hk, sk, d, dtype=dtype),
+        )
+
+    def keep_mask(self, *shape: int) -> torch.Tensor:
+        """Return a boolean mask, about a third masked out, every row keeping key 0."""
+        keep = torch.rand(*shape, generator=self.generator) > 0.33
+        keep[..., 0] = True
+        return keep

@@ -1,0 +1,24 @@
+"""Run every benchmark of the suite: ``python -m benchmarks [name ...]``."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+from lifecycle.logs import configure_logging
+
+
+def main(argv: list[str]) -> None:
+    """Run the named benchmark modules, or all of them, printing each one's table."""
+    configure_logging("json", "error")
+    names = argv or sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
+    for name in names:
+        if name.startswith("_"):
+            continue
+        print(f"\n## {name}\n", flush=True)
+        importlib.import_module(f"benchmarks.{name}").main()
+
+
+main(sys.argv[1:])

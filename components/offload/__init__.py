@@ -1,0 +1,10 @@
+"""Where a component's weights live off the device: host or disk, whole or block by block."""
+
+from __future__ import annotations
+
+from components.offload.base import OffloadError, WeightStore
+from components.offload.disk import DiskStore
+from components.offload.host import HostStore
+from components.offload.layerwise import LayerwiseStore
+
+__all__ = ["DiskStore", "HostStore", "LayerwiseStore", "OffloadError", "WeightStore"]
