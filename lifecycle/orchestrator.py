@@ -27,9 +27,9 @@ from attention import (
     component_attention_scope,
 )
 from components import ResidencyMode
-from components.loader import LoaderPath, PathUnavailable
+from components.loader import PathUnavailable
 from lifecycle import admission as adm
-from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
+from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec, load_spec
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
     AdmissionPlan,
@@ -328,15 +328,14 @@ class Orchestrator:
         slot = self._slot(name)
         assert slot.module is not None
         assert slot.plan is not None
+        if slot.plan.loader == "custom" and slot.loader.sites() is None:
+            return []  # a generic kind's sites are unknown: its scope enforced its requests
         built = {
             layer.site: layer.backend_name
             for layer in slot.module.modules()
             if isinstance(layer, Attention)
         }
-        if slot.plan.loader == "native" or slot.loader.sites() is None:
-            expected = built if slot.plan.loader == "custom" else {}
-        else:
-            expected = {site.site: site.backend for site in slot.plan.attention}
+        expected = {site.site: site.backend for site in slot.plan.attention}
         if built == expected:
             return []
         return [
@@ -364,34 +363,36 @@ class Orchestrator:
 
     def _load(self, name: str, context: TransitionContext) -> None:
         slot = self._slot(name)
-        assert slot.plan is not None
-        assert slot.plan.loader is not None
+        plan = slot.plan
+        assert plan is not None
+        assert plan.loader is not None
         try:
-            module = self._build(slot, slot.plan.loader)
+            module = self._build(slot, plan)
         except PathUnavailable as unavailable:
             module = self._build_native_fallback(slot, unavailable)
+            slot.plan = msgspec.structs.replace(plan, loader="native", attention=())
+            context.on_rollback(lambda: setattr(slot, "plan", plan))
         slot.module = module
         slot.footprint = self._residency.footprint(slot)
         context.on_rollback(slot.forget)
 
-    def _build(self, slot: ComponentSlot, path: LoaderPath) -> nn.Module:
-        if path == "native":
+    def _build(self, slot: ComponentSlot, plan: ComponentPlan) -> nn.Module:
+        if plan.loader == "native":
             return slot.loader.build("native")
-        plan = None
+        planned = None
         if slot.loader.sites() is not None:
-            plan = {
+            planned = {
                 s.site: Selection(backend=s.backend, reason=s.reason, provenance=s.provenance)
-                for s in slot.plan.attention  # type: ignore[union-attr]
+                for s in plan.attention
             }
-        overrides = adm.role_overrides(slot.spec)
         with component_attention_scope(
             slot.name,
-            component_backend=adm.explicit_choice(slot.spec.role_backends().get("all")),
-            role_backends=overrides,
+            component_backend=adm.explicit_choice(slot.spec.role_backends().get(ALL_ROLES)),
+            role_backends=adm.role_overrides(slot.spec),
             global_backend=adm.explicit_choice(self.spec.attention.backend),
             allow_global_fallback=slot.loader.allows_global_fallback,
             ring=adm.uses_ring(self.spec, slot.loader),
-            plan=plan,
+            plan=planned,
             platform=self.platform,
             backend_options=adm.backend_options(self.spec),
         ):
@@ -408,8 +409,6 @@ class Orchestrator:
             raise TransitionRefused(
                 slot.name, "load", ComponentState.ADMITTED, refusals
             ) from unavailable
-        assert slot.plan is not None
-        slot.plan = msgspec.structs.replace(slot.plan, loader="native", attention=())
         return slot.loader.build("native")
 
     # -- helpers ---------------------------------------------------------------
