@@ -97,7 +97,7 @@ class Residency:
         resident = {
             other: slot.footprint
             for other, slot in self.slots.items()
-            if other != name and (slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved)
+            if other != name and slot.lifecycle.state is ComponentState.RESIDENT
         }
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
@@ -174,7 +174,6 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.onload()
-        slot.reserved = False
         arm_layers(module)
         context.on_rollback(lambda: _stow(slot))
         self._record(slot, "onload", moved, started, context)

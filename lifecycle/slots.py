@@ -29,7 +29,6 @@ class ComponentSlot:
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
         holders: open requests using it now, with how many stages each.
-        reserved: whether a prefetch has reserved its footprint in the budget.
     """
 
     def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
@@ -42,7 +41,6 @@ class ComponentSlot:
         self.store: WeightStore | None = None
         self.footprint = 0
         self.holders: Counter[str] = Counter()
-        self.reserved = False
 
     @property
     def mode(self) -> ResidencyMode:

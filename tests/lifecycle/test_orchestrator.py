@@ -162,6 +162,19 @@ class TestLoading:
         assert NativeOnlyKind.native_builds == []
         assert orch.state("c") is ComponentState.ADMITTED
 
+    def test_layout_refuses_the_load_time_native_fallback(self) -> None:
+        """Under FSDP the load-time native fallback is refused; native code never ran."""
+        orch = orchestrator(one_component("test_native_only") + '[parallel]\nfsdp = ["c"]\n')
+        orch.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orch.load()
+        cause = err.value.__cause__
+        assert isinstance(cause, TransitionRefused)
+        assert cause.codes == ("loader.native_parallel_layout",)
+        assert "(fsdp)" in cause.refusals[0].message
+        assert NativeOnlyKind.native_builds == []
+        assert orch.state("c") is ComponentState.ADMITTED
+
     def test_layout_refuses_native_fallback_at_admission(self) -> None:
         """A kind with only a native path under tensor parallelism is refused at admission."""
         spec = one_component("tiny_text_encoder", 'loader = "native"') + "[parallel]\ntp_size = 2\n"
