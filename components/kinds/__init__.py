@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from components.kinds import tiny_dit, tiny_text_encoder, tiny_upsampler, tiny_vae
+from components.kinds import (
+    minilm_text_encoder,
+    tiny_dit,
+    tiny_text_encoder,
+    tiny_upsampler,
+    tiny_vae,
+)
 
-__all__ = ["tiny_dit", "tiny_text_encoder", "tiny_upsampler", "tiny_vae"]
+__all__ = ["minilm_text_encoder", "tiny_dit", "tiny_text_encoder", "tiny_upsampler", "tiny_vae"]

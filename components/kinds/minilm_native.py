@@ -15,7 +15,7 @@ from transformers import BertConfig, BertModel
 # B batch, S seq, E model width
 
 
-class NativeMiniLm(BertModel):
+class NativeMiniLm(BertModel):  # type: ignore[no-untyped-call]
     """transformers' ``BertModel``, called and named like the custom ``MiniLmEncoder``.
 
     Its state dict is the checkpoint's, so ``load_weights`` fills it from the shipped file
@@ -41,7 +41,7 @@ class NativeMiniLm(BertModel):
         return layers
 
     # The signature differs from BertModel's on purpose: it is the custom encoder's.
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Encode ``tokens`` ``(B, S)`` int64 under ``mask`` ``(B, S)`` bool; ``(B, S, E)``."""
         out = super().forward(input_ids=tokens, attention_mask=mask)
         hidden: torch.Tensor = out.last_hidden_state  # (B, S, E)
