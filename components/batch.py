@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 # B prompts, N latent tokens, C latent channels, L text tokens, E text embedding width
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Return the device ``module``'s weights are on (inputs made on the host go there)."""
+    return next(module.parameters()).device
 
 
 @dataclass

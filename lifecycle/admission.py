@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+import torch
 from msgspec import UnsetType
 
 from attention import (
@@ -87,7 +88,11 @@ def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
             name: admit_component(name, component, spec, platform, name in used)
             for name, component in spec.components.items()
         },
-        pipeline_refusals=(*layout_refusals(spec), *budget_refusals(spec)),
+        pipeline_refusals=(
+            *device_refusals(spec),
+            *layout_refusals(spec),
+            *budget_refusals(spec),
+        ),
     )
 
 
@@ -123,6 +128,21 @@ def admit_component(
         ),
         refusals={guard: tuple(found) for guard, found in refusals.items()},
     )
+
+
+def device_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Refuse ``device = "cuda"`` in a process that sees no CUDA device."""
+    if spec.device != "cuda" or torch.cuda.is_available():
+        return []
+    return [
+        Refusal(
+            code="loader.unavailable",
+            component=spec.name,
+            message='device = "cuda" was asked for, but this process sees no CUDA device',
+            hint='set device = "auto" (CUDA where present, else the CPU) or "cpu", or run '
+            "where a GPU is visible",
+        )
+    ]
 
 
 def layout_refusals(spec: PipelineSpec) -> list[Refusal]:

@@ -56,6 +56,7 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         plan: what admission decided, or None before admission.
         state: where it stands now.
         in_use_by: the open requests using it now.
+        prefetching: whether a prefetch has started its onload (CUDA host target).
     """
 
     name: str
@@ -63,6 +64,7 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     plan: ComponentPlan | None
     state: ComponentState
     in_use_by: tuple[str, ...] = ()
+    prefetching: bool = False
 
 
 class Orchestrator:
@@ -87,7 +89,7 @@ class Orchestrator:
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
         self._residency = Residency(spec, self._slots, self.device, observer)
-        self._stages = StageKeeper(self._slots, self._residency.timeline, self._machine.lock)
+        self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))

@@ -11,9 +11,9 @@ from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch
+from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
-from lifecycle.timeline import Timeline
 
 
 class StageKeeper:
@@ -26,15 +26,16 @@ class StageKeeper:
 
     Args:
         slots: the orchestrator's components by name.
-        timeline: the declared stages.
+        residency: what moves weights (and prefetches the next stage's).
         lock: the machine's lock, held while counts and states change together.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], timeline: Timeline, lock: threading.RLock
+        self, slots: Mapping[str, ComponentSlot], residency: Residency, lock: threading.RLock
     ) -> None:
         self.slots = slots
-        self.timeline = timeline
+        self.residency = residency
+        self.timeline = residency.timeline
         self.lock = lock
         self.open_requests: set[str] = set()
 
@@ -57,7 +58,15 @@ class StageKeeper:
             except BaseException:
                 self.leave(request_id, position)
                 raise
+            self.residency.prefetch(self.next_uses(position))
             return {name: _module(self.slots[name]) for name in uses}
+
+    def next_uses(self, position: int) -> tuple[str, ...]:
+        """Return the components the stage after ``position`` adds, if there is one."""
+        if position + 1 >= len(self.timeline.stages):
+            return ()
+        current = self.timeline.stages[position].uses
+        return tuple(n for n in self.timeline.stages[position + 1].uses if n not in current)
 
     def leave(self, request_id: str, position: int) -> None:
         """Drop ``request_id``'s hold on the stage; offload what saw its last use."""
@@ -74,6 +83,7 @@ class StageKeeper:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.discard(request_id)
+            self.residency.cancel_prefetch(sorted(touched))
             self._put_back(sorted(touched))
 
     def _put_back(self, names: Iterator[str] | list[str]) -> None:
@@ -111,6 +121,7 @@ class Request:
         """
         position = self._keeper.timeline.index(name)
         self.touched.update(self._keeper.timeline.stages[position].uses)
+        self.touched.update(self._keeper.next_uses(position))
         modules = self._keeper.enter(self.id, position)
         self.stages.append(name)
         try:

@@ -9,7 +9,7 @@ arms or disarms its attention, registering an undo for each step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Literal, TypeAlias
 
@@ -97,7 +97,7 @@ class Residency:
         resident = {
             other: slot.footprint
             for other, slot in self.slots.items()
-            if other != name and slot.lifecycle.state is ComponentState.RESIDENT
+            if other != name and (slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved)
         }
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
@@ -174,6 +174,7 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.onload()
+        slot.reserved = False
         arm_layers(module)
         context.on_rollback(lambda: _stow(slot))
         self._record(slot, "onload", moved, started, context)
@@ -198,6 +199,46 @@ class Residency:
         if slot.module is not None:
             disarm_layers(slot.module)
         slot.forget()
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start onloading ``names`` early where the copy can overlap compute.
+
+        Only a host store on CUDA overlaps (its copy stream); each prefetch
+        reserves the component's footprint in the budget and never evicts. The
+        onload transition completes it; ``cancel_prefetch`` gives it up.
+        """
+        if self.device.type != "cuda":
+            return
+        for name in names:
+            slot = self.slots[name]
+            if (
+                slot.reserved
+                or slot.lifecycle.state is not ComponentState.OFFLOADED
+                or not isinstance(slot.store, HostStore)
+                or not self._fits(slot)
+            ):
+                continue
+            slot.reserved = slot.store.prefetch() > 0
+
+    def cancel_prefetch(self, names: Iterable[str]) -> None:
+        """Give up the prefetches of ``names`` that no onload completed."""
+        for name in names:
+            slot = self.slots[name]
+            if slot.reserved and slot.lifecycle.state is ComponentState.OFFLOADED:
+                assert slot.store is not None
+                slot.store.offload()  # waits for the copy, then frees it
+                slot.reserved = False
+
+    def _fits(self, slot: ComponentSlot) -> bool:
+        budget = self.spec.memory.device_budget
+        if isinstance(budget, msgspec.UnsetType):
+            return True
+        held = sum(
+            other.footprint
+            for other in self.slots.values()
+            if other.lifecycle.state is ComponentState.RESIDENT or other.reserved
+        )
+        return held + slot.footprint <= budget
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the bytes ``slot`` holds on the device while resident.

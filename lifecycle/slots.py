@@ -29,6 +29,8 @@ class ComponentSlot:
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
         holders: open requests using it now, with how many stages each.
+        reserved: whether a prefetch started its onload and holds its footprint
+            in the budget until the onload transition completes it.
     """
 
     def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
@@ -41,6 +43,7 @@ class ComponentSlot:
         self.store: WeightStore | None = None
         self.footprint = 0
         self.holders: Counter[str] = Counter()
+        self.reserved = False
 
     @property
     def mode(self) -> ResidencyMode:

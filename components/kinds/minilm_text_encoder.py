@@ -25,7 +25,7 @@ from torch.nn.functional import gelu, normalize
 
 from attention import AttentionRequirements, AttentionRole
 from attention.masks import additive_mask
-from components.batch import Batch
+from components.batch import Batch, device_of
 from components.kinds.counting import linear, norm
 from components.kinds.minilm_files import (
     CONFIG_FILE,
@@ -385,7 +385,7 @@ class MiniLmLoader(ComponentLoader):
                 f"the request carries {len(prompts)} prompts but size = {batch.size}; "
                 "give one prompt per image"
             )
-        device = next(module.parameters()).device  # the word embeddings, on either path
+        device = device_of(module)
         tokens, mask = (t.to(device) for t in self.tokenizer(prompts))  # (B, S) each
         hidden = module(tokens, mask)  # (B, S, E)
         batch.prompts = prompts

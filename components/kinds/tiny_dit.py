@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.functional import pad, silu
 
 from attention import AttentionRequirements, AttentionRole
-from components.batch import Batch
+from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
@@ -366,12 +366,18 @@ class TinyDitLoader(ComponentLoader):
         """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none."""
         h, w = batch.latent_size
         channels = self.options.in_channels
-        latents = batch.latents or [
-            torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)
+        device = device_of(module)
+        latents = [
+            x.to(device)
+            for x in batch.latents
+            or [torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)]
         ]  # (N, C) each
-        context = batch.context or [torch.zeros(1, self.options.context_dim)] * batch.size
+        context = [
+            c.to(device)
+            for c in batch.context or [torch.zeros(1, self.options.context_dim)] * batch.size
+        ]  # (L_i, E) each
         for step in range(batch.steps):
-            timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps))
+            timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps), device=device)
             predictions = module(latents, timesteps, context)
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
         batch.latents = latents

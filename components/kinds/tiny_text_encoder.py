@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.functional import gelu
 
 from attention import AttentionRequirements, AttentionRole
-from components.batch import Batch
+from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.loader import ComponentLoader, KindOptions
@@ -180,7 +180,10 @@ class TinyTextEncoderLoader(ComponentLoader):
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Encode seeded prompts; the context is each prompt's real tokens only."""
-        tokens, mask = example_inputs(self.options, batch.size, batch.generator)
+        device = device_of(module)
+        tokens, mask = (
+            t.to(device) for t in example_inputs(self.options, batch.size, batch.generator)
+        )  # (B, S) each
         embeddings = module(tokens, mask)  # (B, S, E)
         batch.context = [embeddings[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.functional import interpolate, silu
 
-from components.batch import Batch
+from components.batch import Batch, device_of
 from components.kinds.counting import conv3x3
 from components.loader import ComponentLoader, KindOptions
 from components.registry import register_kind
@@ -85,7 +85,7 @@ class TinyUpsamplerLoader(ComponentLoader):
         images = batch.images
         if images is None:
             images = torch.rand(batch.size, 3, 16, 16, generator=batch.generator) * 2 - 1
-        batch.images = module(images)
+        batch.images = module(images.to(device_of(module)))
 
     def build_custom(self) -> TinyUpsampler:
         """Build the convolutional upsampler."""

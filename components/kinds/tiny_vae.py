@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.functional import interpolate, silu
 
 from attention import AttentionRole
-from components.batch import Batch
+from components.batch import Batch, device_of
 from components.kinds.counting import conv3x3, linear, norm
 from components.loader import ComponentLoader, KindOptions
 from components.registry import register_kind
@@ -201,7 +201,7 @@ class TinyVaeLoader(ComponentLoader):
             torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)
         ]  # (N, C) each, row-major over (h, w)
         latents = torch.stack([x.T.reshape(channels, h, w) for x in tokens])  # (B, C, h, w)
-        batch.images = module(latents)
+        batch.images = module(latents.to(device_of(module)))
 
     def build_custom(self) -> TinyVae:
         """Build the decoder with one ``attention.Attention`` layer of site ``mid``."""

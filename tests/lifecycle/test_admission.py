@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attention import Platform, Provenance
 from lifecycle.admission import admit_pipeline
@@ -95,6 +96,14 @@ kind = "tiny_dit"
             Provenance.EXPLICIT,
         )
         assert {s.backend for s in plan.components["transformer"].attention} == {"reference"}
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+    def test_cuda_device_without_cuda_is_refused(self) -> None:
+        """Asking for CUDA in a process without it is refused before anything loads."""
+        spec = decode_spec('name = "p"\ndevice = "cuda"\n[components.vae]\nkind = "tiny_vae"\n')
+        admission = admit_pipeline(spec, Platform("cuda"))
+        assert [r.code for r in admission.refusals()] == ["loader.unavailable"]
+        assert "sees no CUDA device" in admission.refusals()[0].message
 
     def test_no_backend_when_every_candidate_is_unavailable(self) -> None:
         """With every backend the VAE supports banned, admission says none is left."""

@@ -313,3 +313,39 @@ class TestThreads:
             assert all(orch.component(name).in_use_by == () for name in orch.spec.components)
             assert orch.state("text_encoder") is ComponentState.OFFLOADED
             assert orch.state("vae") is ComponentState.OFFLOADED
+
+
+class TestPrefetch:
+    def test_no_prefetch_on_cpu(self, tmp_path: Path) -> None:
+        """On a CPU the host is the device: nothing is prefetched or reserved."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with orch.request() as request, request.stage("denoise"):
+                assert orch.component("vae").prefetching is False
+
+    @pytest.mark.cuda
+    def test_next_stage_is_prefetched_and_completed_by_onload(self, tmp_path: Path) -> None:
+        """On CUDA the next stage's offloaded component is prefetched, then onloaded, equal."""
+        spec = msgspec.structs.replace(reference_spec(tmp_path), device="cuda")
+        with Orchestrator(spec) as orch:
+            orch.load()
+            batch = Batch(generator=torch.Generator().manual_seed(0), steps=2)
+            with orch.request() as request:
+                request.run("encode", batch)
+                with request.stage("denoise"):
+                    assert orch.component("vae").prefetching is True
+                    assert orch.state("vae") is ComponentState.OFFLOADED
+                request.run("decode", batch)
+                assert orch.component("vae").prefetching is False
+            assert batch.images is not None
+
+    @pytest.mark.cuda
+    def test_unused_prefetch_is_given_up_at_request_end(self, tmp_path: Path) -> None:
+        """A prefetch the request never onloaded is cancelled when the request ends."""
+        spec = msgspec.structs.replace(reference_spec(tmp_path), device="cuda")
+        with Orchestrator(spec) as orch:
+            orch.load()
+            with orch.request() as request, request.stage("denoise"):
+                assert orch.component("vae").prefetching is True
+            assert orch.component("vae").prefetching is False
+            assert orch.state("vae") is ComponentState.OFFLOADED
