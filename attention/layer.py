@@ -74,6 +74,11 @@ class Attention(nn.Module):
         self._armed = False
 
     @property
+    def lse_allowed(self) -> bool:
+        """Tell whether ``forward_with_lse`` may run: declared, or ring attention applies."""
+        return self._lse_allowed
+
+    @property
     def is_armed(self) -> bool:
         """Tell whether the layer may run (its component is resident)."""
         return self._armed
