@@ -37,17 +37,21 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Return the number of processes the layout needs."""
         return self.tp_size * self.sp_degree * self.dp_size * (2 if self.cfg_parallel else 1)
 
-    @property
-    def splits_model(self) -> bool:
-        """Return whether any degree shards one model (as opposed to replicating it)."""
-        degrees = (
-            self.tp_size,
-            self.sp_degree,
-            self.ulysses_degree,
-            self.ring_degree,
-            self.kv_gather_degree,
-        )
-        return any(d > 1 for d in degrees) or bool(self.fsdp)
+    def splits(self, component: str) -> tuple[str, ...]:
+        """Name each setting that shards ``component`` across ranks (none: replicated).
+
+        Data parallel and CFG parallel replicate a model; tensor, sequence (Ulysses,
+        ring, K/V gather) parallelism and FSDP split it.
+        """
+        degrees = {
+            "tp_size": self.tp_size,
+            "sp_degree": self.sp_degree,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
+            "kv_gather_degree": self.kv_gather_degree,
+        }
+        split = [f"{key} = {degree}" for key, degree in degrees.items() if degree > 1]
+        return (*split, *(["fsdp"] if component in self.fsdp else []))
 
     def check(self) -> tuple[str, ...]:
         """Return every invariant across keys that this layout breaks."""

@@ -28,12 +28,35 @@ class KindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Options every kind takes; a kind's own options subclass this.
 
     Attributes:
-        seed: the seed the weights are made from when no file is given.
-        weights: a safetensors file to read the weights from instead.
+        weights: a safetensors file to read the weights from.
     """
 
-    seed: int = 0
     weights: str | None = None
+
+
+class SeededOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a kind whose weights are made from a seed when no file is given.
+
+    Attributes:
+        seed: the seed of the weights; exclusive with ``weights``.
+
+    Raises:
+        ValueError: both ``seed`` and ``weights`` were given (one would be ignored).
+    """
+
+    seed: int | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and not isinstance(self.seed, msgspec.UnsetType):
+            raise ValueError(
+                "seed and weights exclude each other: the weights come from the file; "
+                "drop one of them"
+            )
+
+    @property
+    def seed_value(self) -> int:
+        """Return the seed, 0 when none was written."""
+        return 0 if isinstance(self.seed, msgspec.UnsetType) else self.seed
 
 
 class ComponentLoader:
@@ -57,12 +80,6 @@ class ComponentLoader:
     """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites)."""
-    seeds_weights: ClassVar[bool] = False
-    """Whether ``build`` fills the weights from ``options.seed`` when no file is given.
-
-    Off by default so a module whose builder made its own weights (a generic factory)
-    keeps them; the reference kinds turn it on.
-    """
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options
@@ -127,14 +144,17 @@ class ComponentLoader:
         """
         if not self.has_path(path):
             return f"kind '{self.kind}' has no {path} loading path"
+        if self.options.weights is not None and not Path(self.options.weights).is_file():
+            return f"its weights file '{self.options.weights}' does not exist"
         return None
 
     def build(self, path: LoaderPath) -> nn.Module:
         """Build the module through ``path``, in eval mode, with no gradients, with its weights.
 
-        The weights come from ``options.weights`` when set, else from ``options.seed`` when
-        the kind ``seeds_weights``; both paths of a kind name their tensors alike, so one
-        seed or one file gives both the same weights.
+        The weights come from ``options.weights`` when set, else from the seed of a kind
+        whose options are ``SeededOptions`` (others keep what their builder made); both
+        paths of a kind name their tensors alike, so one seed or one file gives both the
+        same weights.
 
         Raises:
             FileNotFoundError: ``options.weights`` does not exist.
@@ -143,8 +163,8 @@ class ComponentLoader:
         module = self.build_custom() if path == "custom" else self.build_native()
         if self.options.weights is not None:
             load_weights(module, Path(self.options.weights))
-        elif self.seeds_weights:
-            seed_weights(module, self.options.seed)
+        elif isinstance(self.options, SeededOptions):
+            seed_weights(module, self.options.seed_value)
         module.eval()
         module.requires_grad_(False)
         return module

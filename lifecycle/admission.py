@@ -174,8 +174,7 @@ def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
         name: size
         for name, component in spec.components.items()
         if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
-        and (size := kinds.get(component.kind).from_options(component.options).declared_bytes())
-        is not None
+        and (size := _declared_bytes(component)) is not None
     }
     pinned = tuple(
         name
@@ -190,6 +189,14 @@ def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
         if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
             found.append(refusal)
     return found
+
+
+def _declared_bytes(component: ComponentSpec) -> int | None:
+    """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
+    try:
+        return kinds.get(component.kind).from_options(component.options).declared_bytes()
+    except (OSError, ValueError):
+        return None  # a missing or broken weights file is the loader path's refusal
 
 
 def native_fallback_refusals(
@@ -271,17 +278,7 @@ def native_layout_refusals(
     name: str, component: ComponentSpec, spec: PipelineSpec, loader: ComponentLoader
 ) -> list[Refusal]:
     """Refuse a native path for a layout that splits the model (tp, sp, ..., FSDP)."""
-    layout = spec.parallel
-    split = {
-        "tp_size": layout.tp_size,
-        "sp_degree": layout.sp_degree,
-        "ulysses_degree": layout.ulysses_degree,
-        "ring_degree": layout.ring_degree,
-        "kv_gather_degree": layout.kv_gather_degree,
-    }
-    asked = [f"{key} = {degree}" for key, degree in split.items() if degree > 1]
-    if name in layout.fsdp:
-        asked.append("fsdp")
+    asked = spec.parallel.splits(name)
     if not asked:
         return []
     why = (
@@ -365,22 +362,36 @@ def _plan_sites(
 def _unconsumed(
     name: str, component: ComponentSpec, declared: tuple[AttentionSite, ...]
 ) -> list[Refusal]:
-    built_roles = {site.role.value for site in declared}
+    """Refuse explicit backends that would govern no layer the component builds.
+
+    A role key governs its role; ``all`` governs the roles no role key names.
+    """
+    written = component.role_backends()
+    built = {site.role.value for site in declared}
     found = []
-    for key, backend in component.role_backends().items():
-        if key == ALL_ROLES and not declared:
+    for key, backend in written.items():
+        governed = (
+            {role.value for role in AttentionRole} - set(written) if key == ALL_ROLES else {key}
+        )
+        if governed & built:
+            continue
+        if not declared:
             message = (
                 f"backend '{backend}' was requested for component '{name}', but that "
                 "component constructs no attention layers"
             )
-        elif key != ALL_ROLES and key not in built_roles:
-            message = (
-                f"backend '{backend}' was requested for the {key}-attention layers of "
-                f"component '{name}', but it builds none "
-                f"(only {', '.join(sorted(built_roles)) or 'no attention'})"
-            )
         else:
-            continue
+            roles = " or ".join(f"{role}-attention" for role in sorted(governed)) or "no"
+            message = (
+                f"backend '{backend}' was requested for the {roles} layers of component "
+                f"'{name}' ({key}), but it builds none "
+                f"(only {', '.join(sorted(built))}-attention"
+                + (
+                    ", and the role keys replace 'all' for every other role)"
+                    if key == ALL_ROLES
+                    else ")"
+                )
+            )
         found.append(
             Refusal(
                 code="attention.backend_not_consumed",

@@ -21,7 +21,7 @@ from lifecycle.gantt import residency_gantt
 from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, RefusalReport, SitePlan
-from lifecycle.refusals import AdmissionRefused, Refusal, TransitionRefused
+from lifecycle.refusals import AdmissionRefused, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.residency import Move
 from lifecycle.runner import RunReport, run_requests
 from lifecycle.sizes import format_bytes
@@ -167,6 +167,9 @@ def _run(args: argparse.Namespace) -> int:
         except TransitionRefused as refused:
             print(format_refusals(spec.name, refused.refusals), file=sys.stderr)
             return EXIT_REFUSED
+        except TransitionFailed as failed:
+            print(f"lifecycle run: {args.spec}: {failed}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         except NotImplementedError as err:
             print(f"lifecycle run: {args.spec}: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT

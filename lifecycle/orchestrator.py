@@ -38,7 +38,7 @@ from lifecycle.plan import (
     PipelineSnapshot,
     RefusalReport,
 )
-from lifecycle.refusals import AdmissionRefused, Refusal, TransitionRefused
+from lifecycle.refusals import AdmissionRefused, InvalidTransition, Refusal, TransitionRefused
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import MoveObserver, Residency
 from lifecycle.slots import ComponentSlot
@@ -121,6 +121,15 @@ class Orchestrator:
                 component stays CONFIGURED.
         """
         with self._machine.lock:
+            moved = [
+                n
+                for n, s in self._slots.items()
+                if s.lifecycle.state is not ComponentState.CONFIGURED
+            ]
+            if moved:
+                raise InvalidTransition(
+                    moved[0], "admit", self._slots[moved[0]].lifecycle.state, ("configured",)
+                )
             admission = adm.admit_pipeline(self.spec, self.platform)
             self._admission = admission
             for name, slot in self._slots.items():
@@ -157,9 +166,10 @@ class Orchestrator:
             TransitionFailed: a component failed to load; it stays ADMITTED.
         """
         with self._machine.lock:
-            if self._admission is None:
+            if self._admission is None or not self._admission.admitted:
                 self.admit()
             self._check_world()
+            self._check_split()
             for slot in self._slots.values():
                 if slot.lifecycle.state is ComponentState.ADMITTED:
                     slot.lifecycle.load()
@@ -238,7 +248,14 @@ class Orchestrator:
     def component(self, name: str) -> ComponentView:
         """Return a read-only view of component ``name``."""
         slot = self._slot(name)
-        return ComponentView(name=name, spec=slot.spec, plan=slot.plan, state=slot.lifecycle.state)
+        return ComponentView(
+            name=name,
+            spec=slot.spec,
+            plan=slot.plan,
+            state=slot.lifecycle.state,
+            in_use_by=tuple(sorted(slot.holders)),
+            prefetching=slot.reserved,
+        )
 
     def module(self, name: str) -> nn.Module:
         """Return the module of ``name``: the same object from LOADED until RELEASED.
@@ -284,11 +301,12 @@ class Orchestrator:
         )
 
     def close(self) -> None:
-        """Release every component that is not released yet."""
+        """Release every component that is not released yet, and remove offload files."""
         with self._machine.lock:
             for slot in self._slots.values():
                 if slot.lifecycle.state is not ComponentState.RELEASED:
                     slot.lifecycle.release()
+            self._residency.close()
 
     def __enter__(self) -> Orchestrator:
         return self
@@ -424,6 +442,19 @@ class Orchestrator:
                 f"components: {', '.join(self._slots)}"
             ) from None
 
+    def _check_split(self) -> None:
+        """Refuse a layout that splits a model whose kind only declares it can be split."""
+        refusals = [
+            _split_refusal(name, slot.spec.kind, asked)
+            for name, slot in self._slots.items()
+            if slot.plan is not None
+            and slot.plan.loader == "custom"
+            and slot.loader.sequence_parallel
+            and (asked := self.spec.parallel.splits(name))
+        ]
+        if refusals:
+            raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refusals)
+
     def _check_world(self) -> None:
         launched = (
             torch.distributed.get_world_size()
@@ -447,6 +478,18 @@ class Orchestrator:
                     )
                 ],
             )
+
+
+def _split_refusal(name: str, kind: str, asked: tuple[str, ...]) -> Refusal:
+    return Refusal(
+        code="parallel.invalid_layout",
+        component=name,
+        message=f"kind '{kind}' plans its attention for the layout ({', '.join(asked)}), but "
+        "its custom path does not split the model across ranks yet: every rank would run "
+        "it whole",
+        hint="run with [parallel] tp, sp and ring degrees of 1 (dp_size and cfg_parallel "
+        "replicate, and work)",
+    )
 
 
 def _platform_for(spec: PipelineSpec) -> Platform:

@@ -65,7 +65,10 @@ REFUSAL_CODES: Mapping[str, str] = {
     ),
     "residency.memory_budget": "onloading would exceed memory.device_budget",
     "residency.in_use": "the component is in use by an open request",
-    "residency.not_offloadable": "an offload was asked of a component kept resident",
+    "residency.not_offloadable": (
+        "the component cannot be offloaded the way asked: an offload of a component "
+        "kept resident, or layerwise offload of a kind with no block stack"
+    ),
     "parallel.invalid_layout": "the parallel layout breaks an invariant across its keys",
     "parallel.ring_requires_lse": (
         "ring attention needs a backend that exposes the softmax log-sum-exp"

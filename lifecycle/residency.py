@@ -8,6 +8,8 @@ arms or disarms its attention, registering an undo for each step.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -84,6 +86,7 @@ class Residency:
         self.timeline = Timeline(spec.stages)
         self.observer = observer
         self._started = time.perf_counter()
+        self._folder: Path | None = None
 
     # -- guards ----------------------------------------------------------------
 
@@ -94,11 +97,7 @@ class Residency:
             return []
         position = context.params.get("position", -1)
         after = position if isinstance(position, int) else -1
-        resident = {
-            other: slot.footprint
-            for other, slot in self.slots.items()
-            if other != name and (slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved)
-        }
+        resident = {other: size for other, size in self._held().items() if other != name}
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
             for other, slot in self.slots.items()
@@ -185,7 +184,8 @@ class Residency:
         module = _module_of(slot)
         started = time.perf_counter()
         disarm_layers(module)
-        context.on_rollback(lambda: arm_layers(module))
+        if context.source is ComponentState.RESIDENT:
+            context.on_rollback(lambda: arm_layers(module))
         if slot.store is None:
             slot.store = self._new_store(slot, resident=False)
             moved = slot.store.nbytes
@@ -229,16 +229,19 @@ class Residency:
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
 
+    def _held(self) -> dict[str, int]:
+        """Return the footprint of every component on the device or reserved for it."""
+        return {
+            name: slot.footprint
+            for name, slot in self.slots.items()
+            if slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved
+        }
+
     def _fits(self, slot: ComponentSlot) -> bool:
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return True
-        held = sum(
-            other.footprint
-            for other in self.slots.values()
-            if other.lifecycle.state is ComponentState.RESIDENT or other.reserved
-        )
-        return held + slot.footprint <= budget
+        return sum(self._held().values()) + slot.footprint <= budget
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the bytes ``slot`` holds on the device while resident.
@@ -258,7 +261,7 @@ class Residency:
     def _new_store(self, slot: ComponentSlot, *, resident: bool) -> WeightStore:
         module = _module_of(slot)
         target = self.spec.memory.offload_target
-        path = Path(self.spec.memory.offload_dir) / self.spec.name / f"{slot.name}.safetensors"
+        path = self._offload_folder() / f"{slot.name}.safetensors"
         blocks = _blocks(slot)
         if slot.mode is ResidencyMode.LAYERWISE_OFFLOAD and blocks is not None:
             config = slot.spec.layerwise_config
@@ -266,7 +269,7 @@ class Residency:
                 module,
                 blocks,
                 target=target,
-                path=path,
+                path=path if target == "disk" else None,
                 device=self.device,
                 prefetch=config.prefetch,
                 resident_layers=config.resident_layers,
@@ -275,6 +278,24 @@ class Residency:
         if target == "disk" and slot.mode is not ResidencyMode.RESIDENT:
             return DiskStore(module, path, self.device, resident=resident)
         return HostStore(module, self.device, resident=resident)
+
+    def _offload_folder(self) -> Path:
+        """Return this orchestrator's own folder under ``memory.offload_dir``.
+
+        Each orchestrator gets a fresh one, so that workers serving the same spec
+        never share (or delete) each other's only copy of the weights.
+        """
+        if self._folder is None:
+            root = Path(self.spec.memory.offload_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix=f"{self.spec.name}-", dir=root))
+        return self._folder
+
+    def close(self) -> None:
+        """Remove this orchestrator's offload folder (its stores removed their files)."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     def _record(
         self,
@@ -285,10 +306,11 @@ class Residency:
         context: TransitionContext,
     ) -> None:
         finished = time.perf_counter()
+        assert slot.store is not None  # every move goes through the store
         move = Move(
             component=slot.name,
             direction=direction,
-            target=self.spec.memory.offload_target,
+            target=slot.store.target,
             bytes=moved,
             seconds=round(finished - started, 6),
             request_id=context.request_id,

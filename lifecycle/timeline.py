@@ -31,10 +31,6 @@ class Timeline:
             known = ", ".join(self._index) or "none"
             raise KeyError(f"no stage named {stage!r}; stages: {known}") from None
 
-    def uses(self, stage: str) -> tuple[str, ...]:
-        """Return the components ``stage`` uses, in order."""
-        return self.stages[self.index(stage)].uses
-
     def next_use(self, component: str, after: int) -> int | None:
         """Return the position of the first stage after ``after`` that uses ``component``."""
         for position in range(after + 1, len(self.stages)):

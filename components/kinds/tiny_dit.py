@@ -23,7 +23,7 @@ from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
-from components.loader import ComponentLoader, KindOptions
+from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import NO_REQUIREMENTS, AttentionSite
 
@@ -31,7 +31,7 @@ from components.sites import NO_REQUIREMENTS, AttentionSite
 # N_i / L_i tokens / text tokens of request i, T packed tokens (sum of N_i)
 
 
-class TinyDitOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TinyDitOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of ``tiny_dit``.
 
     Attributes:
@@ -58,6 +58,7 @@ class TinyDitOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     packed_sequences: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.dim % self.heads:
             raise ValueError(
                 f"heads = {self.heads} must divide dim = {self.dim}; change one of them"
@@ -326,7 +327,6 @@ class TinyDitLoader(ComponentLoader):
     # Declaration only for now: admission plans ring attention (softmax LSE) for the
     # self site from it, but the custom path does not split sequences across ranks yet.
     sequence_parallel = True
-    seeds_weights = True
     block_stack = "blocks"
 
     def __init__(self, options: TinyDitOptions) -> None:

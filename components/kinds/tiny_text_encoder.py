@@ -18,7 +18,7 @@ from attention import AttentionRequirements, AttentionRole
 from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
-from components.loader import ComponentLoader, KindOptions
+from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
 
@@ -28,7 +28,7 @@ DEFAULT_DIM = 32
 """The default width; ``tiny_dit``'s ``context_dim`` defaults to it."""
 
 
-class TinyTextEncoderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TinyTextEncoderOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of ``tiny_text_encoder``.
 
     Attributes:
@@ -52,6 +52,7 @@ class TinyTextEncoderOptions(KindOptions, frozen=True, kw_only=True, forbid_unkn
     ffn_dim: Annotated[int, msgspec.Meta(ge=1)] = 64
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.dim % self.heads:
             raise ValueError(
                 f"heads = {self.heads} must divide dim = {self.dim}; change one of them"
@@ -148,7 +149,6 @@ class TinyTextEncoderLoader(ComponentLoader):
     kind: ClassVar[str] = "tiny_text_encoder"
     options_type = TinyTextEncoderOptions
     allows_global_fallback = True
-    seeds_weights = True
     block_stack = "layers"
 
     def __init__(self, options: TinyTextEncoderOptions) -> None:

@@ -11,14 +11,14 @@ from torch.nn.functional import interpolate, silu
 
 from components.batch import Batch, device_of
 from components.kinds.counting import conv3x3
-from components.loader import ComponentLoader, KindOptions
+from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
 
 # B batch, Ch channels, H height, W width
 
 
-class TinyUpsamplerOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TinyUpsamplerOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of ``tiny_upsampler``.
 
     Attributes:
@@ -65,7 +65,6 @@ class TinyUpsamplerLoader(ComponentLoader):
 
     kind: ClassVar[str] = "tiny_upsampler"
     options_type = TinyUpsamplerOptions
-    seeds_weights = True
 
     def __init__(self, options: TinyUpsamplerOptions) -> None:
         super().__init__(options)

@@ -16,14 +16,14 @@ from torch.nn.functional import interpolate, silu
 from attention import AttentionRole
 from components.batch import Batch, device_of
 from components.kinds.counting import conv3x3, linear, norm
-from components.loader import ComponentLoader, KindOptions
+from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
 
 # B batch, H heads, S seq (h * w positions), D head dim, Ch channels
 
 
-class TinyVaeOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TinyVaeOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of ``tiny_vae``.
 
     Attributes:
@@ -43,6 +43,7 @@ class TinyVaeOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     heads: Annotated[int, msgspec.Meta(ge=1)] = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name, value in (("groups", self.groups), ("heads", self.heads)):
             if self.channels % value:
                 raise ValueError(
@@ -160,7 +161,6 @@ class TinyVaeLoader(ComponentLoader):
     kind: ClassVar[str] = "tiny_vae"
     options_type = TinyVaeOptions
     allows_global_fallback = True
-    seeds_weights = True
 
     def __init__(self, options: TinyVaeOptions) -> None:
         super().__init__(options)

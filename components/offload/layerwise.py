@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from functools import partial
 from itertools import chain
@@ -85,9 +86,11 @@ class LayerwiseStore(WeightStore):
             for index, slots in enumerate(per_block)
         ]
         self._is_resident = resident
+        self._running = threading.Lock()
+        self._runner: int | None = None
         self._hooks: list[RemovableHandle] = [
             module.register_forward_pre_hook(self._before_forward),
-            module.register_forward_hook(self._after_forward),
+            module.register_forward_hook(self._after_forward, always_call=True),
         ]
         for index, block in enumerate(blocks):
             self._hooks.append(block.register_forward_pre_hook(partial(self._before_block, index)))
@@ -170,12 +173,22 @@ class LayerwiseStore(WeightStore):
             )
 
     def _before_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        # The blocks' placement is shared by every caller: one forward at a time. The
+        # always-called forward hook releases the lock, also when the forward raises.
+        self._running.acquire()
+        self._runner = threading.get_ident()
         self._check_running()
         self.peak_bytes = self.resident_bytes()
 
     def _after_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
-        for group in self._blocks[self.resident_layers :]:
-            group.offload()
+        if self._runner != threading.get_ident():
+            return  # an earlier pre-hook raised before this store's took the lock
+        try:
+            for group in self._blocks[self.resident_layers :]:
+                group.offload()
+        finally:
+            self._runner = None
+            self._running.release()
 
     def _before_block(self, index: int, block: nn.Module, args: tuple[object, ...]) -> None:
         self._check_running()

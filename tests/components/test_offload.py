@@ -75,6 +75,10 @@ def run(model: nn.Module, device: str = "cpu") -> torch.Tensor:
     return out.cpu()
 
 
+def _raise_runtime_error(module: nn.Module, args: tuple[object, ...]) -> None:
+    raise RuntimeError("block 2 failed")
+
+
 def all_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Return every parameter and buffer by every name, ties and non-persistent ones included."""
     return [
@@ -383,6 +387,21 @@ class TestLayerwiseStore:
         for streamed in model.blocks[1:]:
             assert all(tensor.numel() == 0 for _, tensor in all_tensors(streamed))
         assert module_bytes(model) == store.resident_bytes() == store.nbytes - 3 * block
+
+    def test_forward_that_raises_streams_its_blocks_back_out(self, tmp_path: Path) -> None:
+        """A forward failing mid-stack frees its streamed blocks and lets the next one run."""
+        model = build()
+        store = LayerwiseStore(
+            model, model.blocks, target="disk", path=tmp_path / "lm.safetensors", device="cpu"
+        )
+        store.onload()
+        resident = store.resident_bytes()
+        boom = model.blocks[2].register_forward_pre_hook(_raise_runtime_error)
+        with pytest.raises(RuntimeError, match="block 2 failed"):
+            run(model)
+        boom.remove()
+        assert store.resident_bytes() == resident
+        assert torch.isfinite(run(model)).all()
 
     def test_offloaded_means_everything_out(self, tmp_path: Path) -> None:
         """An offloaded layerwise store holds nothing: every tensor is a placeholder."""

@@ -105,6 +105,27 @@ kind = "tiny_dit"
         assert [r.code for r in admission.refusals()] == ["loader.unavailable"]
         assert "sees no CUDA device" in admission.refusals()[0].message
 
+    def test_all_shadowed_by_role_keys_is_not_consumed(self) -> None:
+        """An ``all`` backend that role keys replace for every role the VAE builds is refused."""
+        spec = decode_spec(
+            'name = "p"\n[components.vae]\nkind = "tiny_vae"\n'
+            'attention_backend = { all = "torch_sdpa", self = "torch_flash" }\n'
+        )
+        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        assert refusal.code == "attention.backend_not_consumed"
+        assert "the role keys replace 'all'" in refusal.message
+
+    def test_missing_weights_file_is_refused(self, tmp_path: Path) -> None:
+        """A weights file that does not exist is a loader refusal, also under a budget."""
+        missing = tmp_path / "absent.safetensors"
+        spec = decode_spec(
+            f'name = "p"\nmemory.device_budget = "1GiB"\n[components.vae]\nkind = "tiny_vae"\n'
+            f'options = {{ weights = "{missing}" }}\n'
+        )
+        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        assert refusal.code == "loader.unavailable"
+        assert f"its weights file '{missing}' does not exist" in refusal.message
+
     def test_no_backend_when_every_candidate_is_unavailable(self) -> None:
         """With every backend the VAE supports banned, admission says none is left."""
         platform = Platform("cpu", unavailable={"torch_sdpa": "banned", "torch_flash": "banned"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -11,7 +12,7 @@ import yaml
 
 from components import ParallelLayout, ResidencyMode
 from lifecycle.config import ConfigError, PipelineSpec, decode_spec, load_spec, spec_schema
-from lifecycle.sizes import ByteSize
+from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -58,6 +59,16 @@ class TestDecode:
             spec = decode_with(f"[memory]\ndevice_budget = {written}\n")
             assert spec.memory.device_budget == expected
             assert isinstance(spec.memory.device_budget, ByteSize)
+
+    @pytest.mark.parametrize("text", ["2GiB", "512 MB", "10", "3b", "1.5gib", "2K", "2Ki", "x"])
+    def test_schema_size_pattern_agrees_with_the_parser(self, text: str) -> None:
+        """The JSON Schema's size pattern accepts exactly what the decoder accepts."""
+        try:
+            ByteSize.parse(text)
+            parsed = True
+        except ValueError:
+            parsed = False
+        assert bool(re.match(SIZE_PATTERN, text)) is parsed
 
     def test_layout_defaults_to_one_process(self) -> None:
         """Without [parallel] every degree is 1 and the world is one process."""
@@ -224,6 +235,12 @@ class TestConfigErrors:
         err = error_of(MINIMAL + "[attention.backend_options.sliding_window]\nwindw = 4\n")
         assert err.path == "$.attention.backend_options.sliding_window"
         assert err.message == "Object contains unknown field `windw`"
+
+    def test_seed_and_weights_exclude_each_other(self) -> None:
+        """A seeded kind given both a seed and a weights file is refused at its options."""
+        err = error_of(MINIMAL + 'options = { seed = 3, weights = "w.safetensors" }\n')
+        assert err.path == "$.components.vae.options"
+        assert err.message.startswith("seed and weights exclude each other")
 
     def test_fsdp_names_a_declared_component(self) -> None:
         """FSDP over an undeclared component is refused at $.parallel.fsdp."""

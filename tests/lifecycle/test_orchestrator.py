@@ -16,7 +16,12 @@ from components import registry as kinds
 from components.loader import ComponentLoader
 from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import AdmissionRefused, TransitionFailed, TransitionRefused
+from lifecycle.refusals import (
+    AdmissionRefused,
+    InvalidTransition,
+    TransitionFailed,
+    TransitionRefused,
+)
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import BrokenKind, NativeOnlyKind, UndeclaredSiteKind
@@ -123,6 +128,37 @@ class TestAdmissionIsAllOrNothing:
         assert err.value.codes == ("attention.unsupported_backend",)
         assert orch.state("c") is ComponentState.CONFIGURED
         assert orch.state("vae") is ComponentState.CONFIGURED
+
+
+class TestAdmitThenLoad:
+    def test_second_admit_is_invalid_and_changes_nothing(self) -> None:
+        """Admitting a loaded pipeline again is refused; its plan and states stay."""
+        orch = orchestrator(one_component("test_native_only"))
+        orch.load()
+        plan = orch.component("c").plan
+        with pytest.raises(InvalidTransition):
+            orch.admit()
+        assert orch.component("c").plan == plan
+        assert orch.state("c") is ComponentState.RESIDENT
+
+    def test_load_after_a_refused_admit_refuses_again(self) -> None:
+        """load() after a refused admission does not pass silently: it is refused again."""
+        orch = orchestrator(one_component("tiny_vae", 'attention_backend = "reference"'))
+        with pytest.raises(AdmissionRefused):
+            orch.admit()
+        with pytest.raises(AdmissionRefused):
+            orch.load()
+        assert orch.state("c") is ComponentState.CONFIGURED
+
+    def test_layout_the_kind_cannot_split_is_refused_at_load(self) -> None:
+        """FSDP over the DiT, whose custom path does not split yet, is refused at load."""
+        orch = orchestrator(one_component("tiny_dit") + '[parallel]\nfsdp = ["c"]\n')
+        orch.admit()
+        with pytest.raises(TransitionRefused) as err:
+            orch.load()
+        assert err.value.codes == ("parallel.invalid_layout",)
+        assert "does not split the model across ranks yet" in err.value.refusals[0].message
+        assert orch.state("c") is ComponentState.ADMITTED
 
 
 class TestLoading:

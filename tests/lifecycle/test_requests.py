@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attention import Platform
+from attention import Attention, Platform
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import TransitionRefused
+from lifecycle.refusals import TransitionFailed, TransitionRefused
 from lifecycle.residency import Move
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
@@ -59,13 +59,14 @@ class TestOffloadTargets:
             "layerwise": reference_spec(
                 tmp_path, "disk", text_encoder=layerwise, transformer=layerwise
             ),
+            "layerwise host": reference_spec(tmp_path, text_encoder=layerwise, vae=resident),
         }
         images = {}
         for label, spec in configurations.items():
             with Orchestrator(spec, platform=CPU) as orch:
                 orch.load()
                 images[label] = [generate(orch, seed) for seed in (0, 1)]
-        for label in ("host", "disk", "layerwise"):
+        for label in ("host", "disk", "layerwise", "layerwise host"):
             for got, want in zip(images[label], images["resident"], strict=True):
                 assert torch.equal(got, want), label
 
@@ -75,11 +76,27 @@ class TestOffloadTargets:
             orch.load()
             encoder = orch.module("text_encoder")
             assert all(t.numel() == 0 for t in encoder.state_dict().values())
-            stored = load_file(str(tmp_path / "offload" / "tiny-t2i" / "text_encoder.safetensors"))
+            (path,) = (tmp_path / "offload").glob("tiny-t2i-*/text_encoder.safetensors")
+            stored = load_file(str(path))
             orch.onload("text_encoder")
             weights = encoder.state_dict()
             assert set(stored) <= set(weights)
             assert all(torch.equal(stored[name], weights[name]) for name in stored)
+
+    def test_failed_first_offload_leaves_nothing_armed(self, tmp_path: Path) -> None:
+        """When load()'s first offload fails, the component stays LOADED and disarmed."""
+        blocker = tmp_path / "not-a-folder"
+        blocker.write_text("a file where the offload folder should go")
+        raw = msgspec.to_builtins(reference_spec(tmp_path, "disk"))
+        raw["memory"]["offload_dir"] = str(blocker)
+        with Orchestrator(msgspec.convert(raw, PipelineSpec), platform=CPU) as orch:
+            with pytest.raises(TransitionFailed) as err:
+                orch.load()
+            assert err.value.component == "text_encoder"
+            assert orch.state("text_encoder") is ComponentState.LOADED
+            layers = [m for m in orch.module("text_encoder").modules() if isinstance(m, Attention)]
+            assert layers
+            assert not any(layer.is_armed for layer in layers)
 
     def test_host_offload_keeps_accounting_exact(self, tmp_path: Path) -> None:
         """With the host target the resident bytes follow the states exactly."""
@@ -93,6 +110,20 @@ class TestOffloadTargets:
             assert vae_bytes == sum(t.nbytes for t in orch.module("vae").state_dict().values())
             orch.offload("vae")
             assert orch.resident_bytes() == before
+
+
+class TestOffloadFolders:
+    def test_two_workers_never_share_files(self, tmp_path: Path) -> None:
+        """Two orchestrators of one spec offload apart; closing one spares the other."""
+        spec = reference_spec(tmp_path, "disk")
+        first, second = Orchestrator(spec, platform=CPU), Orchestrator(spec, platform=CPU)
+        first.load()
+        second.load()
+        assert len(list((tmp_path / "offload").glob("tiny-t2i-*/text_encoder.safetensors"))) == 2
+        first.close()
+        assert generate(second).shape == (1, 3, 16, 16)
+        second.close()
+        assert list((tmp_path / "offload").iterdir()) == []
 
 
 class TestStages:
@@ -290,10 +321,17 @@ class TestMemoryBudget:
 
 
 class TestThreads:
-    def test_concurrent_requests_keep_counts_right(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("layerwise", [False, True], ids=["component", "layerwise-disk"])
+    def test_concurrent_requests_keep_counts_right(self, tmp_path: Path, layerwise: bool) -> None:
         """Requests from four threads run every stage; counts end at zero, states as planned."""
         errors: list[BaseException] = []
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        streamed = {"residency": "layerwise_offload"}
+        spec = (
+            reference_spec(tmp_path, "disk", text_encoder=streamed, transformer=streamed)
+            if layerwise
+            else reference_spec(tmp_path)
+        )
+        with Orchestrator(spec, platform=CPU) as orch:
             orch.load()
             reference = generate(orch, 0)
 
@@ -313,6 +351,14 @@ class TestThreads:
             assert all(orch.component(name).in_use_by == () for name in orch.spec.components)
             assert orch.state("text_encoder") is ComponentState.OFFLOADED
             assert orch.state("vae") is ComponentState.OFFLOADED
+
+    def test_in_use_is_visible_while_a_stage_runs(self, tmp_path: Path) -> None:
+        """While a request holds a stage, the view names it; afterwards nobody."""
+        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+            orch.load()
+            with orch.request("r9") as request, request.stage("decode"):
+                assert orch.component("vae").in_use_by == ("r9",)
+            assert orch.component("vae").in_use_by == ()
 
 
 class TestPrefetch:
