@@ -45,10 +45,13 @@ class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     Attributes:
         plan: how it would be loaded (partial where something was refused).
         refusals: guard name -> the refusals that guard raises.
+        sites_known: whether its kind declares its attention sites (a generic
+            kind's are known only once it is built).
     """
 
     plan: ComponentPlan
     refusals: dict[str, tuple[Refusal, ...]]
+    sites_known: bool = True
 
     def all_refusals(self) -> tuple[Refusal, ...]:
         """Return every refusal, in guard order."""
@@ -82,18 +85,46 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
     """Plan every component of ``spec`` on ``platform``, collecting every refusal."""
     used = {name for stage in spec.stages for name in stage.uses}
+    components = {
+        name: admit_component(name, component, spec, platform, name in used)
+        for name, component in spec.components.items()
+    }
     return Admission(
         pipeline=spec.name,
-        components={
-            name: admit_component(name, component, spec, platform, name in used)
-            for name, component in spec.components.items()
-        },
+        components=components,
         pipeline_refusals=(
             *device_refusals(spec),
             *layout_refusals(spec),
             *budget_refusals(spec),
+            *unused_option_refusals(spec, components),
         ),
     )
+
+
+def unused_option_refusals(
+    spec: PipelineSpec, components: Mapping[str, ComponentAdmission]
+) -> list[Refusal]:
+    """Refuse options for a backend that no planned attention site runs.
+
+    A generic component's sites are known only at load, so while one may run
+    custom code, any backend may still use its options.
+    """
+    if any(c.plan.loader == "custom" and not c.sites_known for c in components.values()):
+        return []
+    planned = {site.backend for c in components.values() for site in c.plan.attention}
+    return [
+        Refusal(
+            code="attention.backend_not_consumed",
+            component=spec.name,
+            message=f"options were given for backend '{backend}' "
+            f"([attention.backend_options.{backend}]), but no attention site of the "
+            "pipeline runs it",
+            hint=f"remove [attention.backend_options.{backend}], or request '{backend}' "
+            "for the component that should use it",
+        )
+        for backend in spec.attention.backend_options
+        if backend not in planned
+    ]
 
 
 def admit_component(
@@ -127,6 +158,7 @@ def admit_component(
             attention=sites,
         ),
         refusals={guard: tuple(found) for guard, found in refusals.items()},
+        sites_known=loader.sites() is not None,
     )
 
 

@@ -115,6 +115,26 @@ kind = "tiny_dit"
         assert refusal.code == "attention.backend_not_consumed"
         assert "the role keys replace 'all'" in refusal.message
 
+    def test_options_of_a_backend_nobody_runs_are_refused(self) -> None:
+        """Backend options that no planned site would use are not dropped in silence."""
+        spec = decode_spec(
+            'name = "p"\n[attention.backend_options.sliding_window]\nwindow = 64\n'
+            '[components.vae]\nkind = "tiny_vae"\n'
+        )
+        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        assert refusal.code == "attention.backend_not_consumed"
+        assert "[attention.backend_options.sliding_window]" in refusal.message
+
+    def test_options_of_a_planned_backend_pass(self) -> None:
+        """Options for the backend a site will run are admitted."""
+        spec = decode_spec(
+            'name = "p"\n[attention.backend_options.sliding_window]\nwindow = 64\n'
+            '[components.transformer]\nkind = "tiny_dit"\n'
+            'attention_backend = { self = "sliding_window" }\n'
+            "options = { packed_sequences = false }\n"
+        )
+        assert admit_pipeline(spec, CPU).refusals() == ()
+
     def test_missing_weights_file_is_refused(self, tmp_path: Path) -> None:
         """A weights file that does not exist is a loader refusal, also under a budget."""
         missing = tmp_path / "absent.safetensors"
