@@ -82,11 +82,24 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return (*self.pipeline_refusals, *per_component)
 
 
-def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
-    """Plan every component of ``spec`` on ``platform``, collecting every refusal."""
+def admit_pipeline(
+    spec: PipelineSpec,
+    platform: Platform,
+    loaders: Mapping[str, ComponentLoader] | None = None,
+) -> Admission:
+    """Plan every component of ``spec`` on ``platform``, collecting every refusal.
+
+    ``loaders`` are the components' loaders when the caller already holds them
+    (the orchestrator does); otherwise they are made from the spec.
+    """
+    if loaders is None:
+        loaders = {
+            name: kinds.get(component.kind).from_options(component.options)
+            for name, component in spec.components.items()
+        }
     used = {name for stage in spec.stages for name in stage.uses}
     components = {
-        name: admit_component(name, component, spec, platform, name in used)
+        name: admit_component(name, component, loaders[name], spec, platform, name in used)
         for name, component in spec.components.items()
     }
     return Admission(
@@ -95,7 +108,7 @@ def admit_pipeline(spec: PipelineSpec, platform: Platform) -> Admission:
         pipeline_refusals=(
             *device_refusals(spec),
             *layout_refusals(spec),
-            *budget_refusals(spec),
+            *budget_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),
     )
@@ -128,10 +141,14 @@ def unused_option_refusals(
 
 
 def admit_component(
-    name: str, component: ComponentSpec, spec: PipelineSpec, platform: Platform, used: bool
+    name: str,
+    component: ComponentSpec,
+    loader: ComponentLoader,
+    spec: PipelineSpec,
+    platform: Platform,
+    used: bool,
 ) -> ComponentAdmission:
     """Plan one component: its loading path, its attention sites, its residency."""
-    loader = kinds.get(component.kind).from_options(component.options)
     refusals: dict[str, list[Refusal]] = {
         ATTENTION_PLAN: [],
         LOADER_PATH: [],
@@ -192,7 +209,7 @@ def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
     ]
 
 
-def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
+def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> list[Refusal]:
     """Refuse a pipeline one of whose stages cannot fit the memory budget at all.
 
     Sizes are declared by the kinds (or read from weights-file headers); a
@@ -206,7 +223,7 @@ def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
         name: size
         for name, component in spec.components.items()
         if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
-        and (size := _declared_bytes(component)) is not None
+        and (size := _declared_bytes(loaders[name])) is not None
     }
     pinned = tuple(
         name
@@ -223,10 +240,10 @@ def budget_refusals(spec: PipelineSpec) -> list[Refusal]:
     return found
 
 
-def _declared_bytes(component: ComponentSpec) -> int | None:
+def _declared_bytes(loader: ComponentLoader) -> int | None:
     """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
     try:
-        return kinds.get(component.kind).from_options(component.options).declared_bytes()
+        return loader.declared_bytes()
     except (OSError, ValueError):
         return None  # a missing or broken weights file is the loader path's refusal
 
@@ -241,21 +258,43 @@ def native_fallback_refusals(
     ]
 
 
-def explicit_choice(name: str | UnsetType | None) -> BackendChoice | None:
-    """Return a backend the spec wrote as an explicit request, or None."""
+class BackendRequests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the spec asks of one component's attention: the scope's arguments.
+
+    Admission plans each site from these, and loading builds the component's
+    ``attention.component_attention_scope`` from the very same values.
+    """
+
+    component_backend: BackendChoice | None
+    role_backends: dict[AttentionRole, BackendChoice]
+    global_backend: BackendChoice | None
+    allow_global_fallback: bool
+    ring: bool
+
+
+def backend_requests(
+    spec: PipelineSpec, component: ComponentSpec, loader: ComponentLoader
+) -> BackendRequests:
+    """Return the attention requests the spec makes for one component (all explicit)."""
+    written = component.role_backends()
+    return BackendRequests(
+        component_backend=_explicit(written.get(ALL_ROLES)),
+        role_backends={
+            role: BackendChoice(name=written[role.value], provenance=Provenance.EXPLICIT)
+            for role in AttentionRole
+            if role.value in written
+        },
+        global_backend=_explicit(spec.attention.backend),
+        allow_global_fallback=loader.allows_global_fallback,
+        # ring attention applies to the self-attention of kinds that split sequences
+        ring=spec.parallel.ring_degree > 1 and loader.sequence_parallel,
+    )
+
+
+def _explicit(name: str | UnsetType | None) -> BackendChoice | None:
     if name is None or isinstance(name, UnsetType):
         return None
     return BackendChoice(name=name, provenance=Provenance.EXPLICIT)
-
-
-def role_overrides(component: ComponentSpec) -> dict[AttentionRole, BackendChoice]:
-    """Return the component's explicit per-role backends."""
-    written = component.role_backends()
-    return {
-        role: BackendChoice(name=written[role.value], provenance=Provenance.EXPLICIT)
-        for role in AttentionRole
-        if role.value in written
-    }
 
 
 def backend_options(spec: PipelineSpec) -> dict[str, msgspec.Struct]:
@@ -264,11 +303,6 @@ def backend_options(spec: PipelineSpec) -> dict[str, msgspec.Struct]:
         name: msgspec.convert(raw, backends.get(name).options_type)
         for name, raw in spec.attention.backend_options.items()
     }
-
-
-def uses_ring(spec: PipelineSpec, loader: ComponentLoader) -> bool:
-    """Tell whether ring attention applies to the self-attention of ``loader``'s kind."""
-    return spec.parallel.ring_degree > 1 and loader.sequence_parallel
 
 
 def _choose_path(
@@ -354,9 +388,7 @@ def _plan_sites(
     platform: Platform,
     refusals: Mapping[str, list[Refusal]],
 ) -> tuple[SitePlan, ...]:
-    overrides = role_overrides(component)
-    written = component.role_backends()
-    ring = uses_ring(spec, loader)
+    asked = backend_requests(spec, component, loader)
     planned = []
     for site in declared:
         request = BackendRequest(
@@ -366,11 +398,11 @@ def _plan_sites(
             requirements=site.requirements,
             supported=site.supported,
             layer_default=site.default,
-            role_override=overrides.get(site.role),
-            component_override=explicit_choice(written.get(ALL_ROLES)),
-            global_backend=explicit_choice(spec.attention.backend),
-            allow_global_fallback=loader.allows_global_fallback,
-            ring=ring and site.role is AttentionRole.SELF,
+            role_override=asked.role_backends.get(site.role),
+            component_override=asked.component_backend,
+            global_backend=asked.global_backend,
+            allow_global_fallback=asked.allow_global_fallback,
+            ring=asked.ring and site.role is AttentionRole.SELF,
         )
         try:
             selection = select_backend(request, platform)

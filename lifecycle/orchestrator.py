@@ -29,7 +29,7 @@ from attention import (
 from components import ResidencyMode
 from components.loader import PathUnavailable
 from lifecycle import admission as adm
-from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec, load_spec
+from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
     AdmissionPlan,
@@ -130,7 +130,8 @@ class Orchestrator:
                 raise InvalidTransition(
                     moved[0], "admit", self._slots[moved[0]].lifecycle.state, ("configured",)
                 )
-            admission = adm.admit_pipeline(self.spec, self.platform)
+            loaders = {name: slot.loader for name, slot in self._slots.items()}
+            admission = adm.admit_pipeline(self.spec, self.platform, loaders)
             self._admission = admission
             for name, slot in self._slots.items():
                 slot.plan = admission.components[name].plan
@@ -407,11 +408,7 @@ class Orchestrator:
             }
         with component_attention_scope(
             slot.name,
-            component_backend=adm.explicit_choice(slot.spec.role_backends().get(ALL_ROLES)),
-            role_backends=adm.role_overrides(slot.spec),
-            global_backend=adm.explicit_choice(self.spec.attention.backend),
-            allow_global_fallback=slot.loader.allows_global_fallback,
-            ring=adm.uses_ring(self.spec, slot.loader),
+            **msgspec.structs.asdict(adm.backend_requests(self.spec, slot.spec, slot.loader)),
             plan=planned,
             platform=self.platform,
             backend_options=adm.backend_options(self.spec),
