@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from attention import registry
 from attention.backend import AttentionBackend, AttentionImpl, DeviceKind, NoOptions
-from attention.errors import BackendSelectionError, NotResidentError, UnknownBackendError
+from attention.consumption import unconsumed
+from attention.errors import (
+    BackendSelectionError,
+    NotResidentError,
+    SelectionCode,
+    UnknownBackendError,
+)
 from attention.layer import Attention, arm_layers, disarm_layers
 from attention.platform import Platform
 from attention.registry import register_backend
@@ -14,17 +20,15 @@ from attention.request import (
     PLATFORM_DEFAULT_FALLBACK,
     BackendChoice,
     BackendRequest,
+    ComponentRequests,
+    PlannedSelection,
     RequestSource,
     Selection,
+    SelectionRecord,
 )
 from attention.requirements import AttentionRequirements
 from attention.roles import AttentionRole, Provenance
-from attention.scope import (
-    AttentionScope,
-    SelectionRecord,
-    component_attention_scope,
-    current_scope,
-)
+from attention.scope import AttentionScope, component_attention_scope, current_scope
 from attention.selection import select_backend
 
 __all__ = [
@@ -40,13 +44,16 @@ __all__ = [
     "BackendChoice",
     "BackendRequest",
     "BackendSelectionError",
+    "ComponentRequests",
     "DeviceKind",
     "NoOptions",
     "NotResidentError",
+    "PlannedSelection",
     "Platform",
     "Provenance",
     "RequestSource",
     "Selection",
+    "SelectionCode",
     "SelectionRecord",
     "UnknownBackendError",
     "arm_layers",
@@ -56,4 +63,5 @@ __all__ = [
     "register_backend",
     "registry",
     "select_backend",
+    "unconsumed",
 ]

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class SelectionCode(StrEnum):
+    """The refusal codes the attention package raises (a subset of ``lifecycle.RefusalCode``)."""
+
+    CAPABILITY_MISSING = "attention.capability_missing"
+    UNSUPPORTED_BACKEND = "attention.unsupported_backend"
+    UNAVAILABLE_BACKEND = "attention.unavailable_backend"
+    NO_BACKEND = "attention.no_backend"
+    BACKEND_NOT_CONSUMED = "attention.backend_not_consumed"
+    PLAN_DIVERGED = "attention.plan_diverged"
+    RING_REQUIRES_LSE = "parallel.ring_requires_lse"
+
 
 class BackendSelectionError(Exception):
     """Report that no attention backend may serve a layer, or a scope's request went unmet.
 
     Attributes:
-        code: the stable refusal code (``attention.capability_missing``, ...).
+        code: the stable refusal code.
         component: the component whose layer or scope failed.
         message: what is wrong and why.
         hint: how to fix it.
@@ -16,7 +30,7 @@ class BackendSelectionError(Exception):
 
     def __init__(
         self,
-        code: str,
+        code: SelectionCode,
         component: str,
         message: str,
         hint: str,

@@ -7,6 +7,7 @@ from torch import nn
 
 from attention import registry
 from attention.errors import NotResidentError
+from attention.request import ComponentRequests
 from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole
 from attention.scope import UNSCOPED, AttentionScope, current_scope
@@ -52,24 +53,25 @@ class Attention(nn.Module):
         scale: float | None = None,
     ) -> None:
         super().__init__()
-        scope = current_scope() or AttentionScope(UNSCOPED)
-        self.site = site
-        self.role = role
-        self.requirements = requirements
-        self.scale = scale
-        self.component = scope.component
-        self.selection = scope.select(
-            site=site,
-            role=role,
+        scope = current_scope() or AttentionScope(ComponentRequests(component=UNSCOPED))
+        request = scope.requests.for_site(
+            site,
+            role,
             requirements=requirements,
             supported=supported,
             default=default,
             backend=backend,
         )
+        self.site = site
+        self.role = role
+        self.requirements = requirements
+        self.scale = scale
+        self.component = scope.component
+        self.selection = scope.resolve(request)
         self.backend_name = self.selection.backend
-        self._lse_allowed = requirements.softmax_lse or (scope.ring and role is AttentionRole.SELF)
+        self._lse_allowed = requirements.softmax_lse or request.ring
         self._impl = registry.get(self.backend_name).make_impl(
-            scope.backend_options.get(self.backend_name)
+            scope.requests.backend_options.get(self.backend_name)
         )
         self._armed = False
 

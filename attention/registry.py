@@ -8,7 +8,9 @@ Out-of-tree backends come from the entry-point group ``pipeline_lifecycle.backen
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from typing import Any
 
 import msgspec
 import structlog
@@ -149,6 +151,16 @@ def get(name: str) -> type[AttentionBackend]:
         UnknownBackendError: no backend has that name; the message lists the known ones.
     """
     return _default.get(name)
+
+
+def decode_options(name: str, raw: Mapping[str, Any]) -> msgspec.Struct:
+    """Validate ``[attention.backend_options.<name>]`` into the backend's options Struct.
+
+    Raises:
+        UnknownBackendError: no backend has that name.
+        msgspec.ValidationError: an option is unknown or has a bad value.
+    """
+    return msgspec.convert(dict(raw), get(name).options_type)
 
 
 def out_of_tree() -> tuple[type[AttentionBackend], ...]:

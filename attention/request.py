@@ -100,3 +100,100 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     reason: str | None
     provenance: Provenance
     rejected: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ComponentRequests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Say what a pipeline asks of one component's attention, decided once at admission.
+
+    Admission plans every declared site from it, and loading hands the very same value
+    to the component's ``component_attention_scope``: nothing re-derives it.
+
+    Attributes:
+        component: the component's name, used in every message.
+        component_backend: the component-wide override.
+        role_backends: the per-role overrides; a role here beats ``component_backend``.
+        global_backend: the pipeline's global backend.
+        allow_global_fallback: the loader lets an explicit global backend fall back.
+        ring: ring attention applies to this component (its kind splits sequences).
+        backend_options: backend name -> its decoded options.
+    """
+
+    component: str
+    component_backend: BackendChoice | None = None
+    role_backends: dict[AttentionRole, BackendChoice] = msgspec.field(default_factory=dict)
+    global_backend: BackendChoice | None = None
+    allow_global_fallback: bool = False
+    ring: bool = False
+    backend_options: dict[str, msgspec.Struct] = msgspec.field(default_factory=dict)
+
+    def for_site(
+        self,
+        site: str,
+        role: AttentionRole,
+        *,
+        requirements: AttentionRequirements = NO_REQUIREMENTS,
+        supported: frozenset[str] | None = None,
+        default: str | None = None,
+        backend: str | None = None,
+    ) -> BackendRequest:
+        """Return the selection problem of one site (or layer) of this component."""
+        return BackendRequest(
+            component=self.component,
+            site=site,
+            role=role,
+            requirements=requirements,
+            supported=supported,
+            layer_default=default,
+            layer_backend=backend,
+            role_override=self.role_backends.get(role),
+            component_override=self.component_backend,
+            global_backend=self.global_backend,
+            allow_global_fallback=self.allow_global_fallback,
+            # Ring attention splits the sequence a layer attends over: only self-attention.
+            ring=self.ring and role is AttentionRole.SELF,
+        )
+
+
+class PlannedSelection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The backend admitted for one site, with the request it was chosen for.
+
+    A layer built for the site gets ``selection`` only when its own request equals
+    ``request``: the plan holds exactly for the layer it was made from.
+
+    Attributes:
+        request: the site's selection problem, as admission saw it.
+        selection: what admission chose, and why.
+    """
+
+    request: BackendRequest
+    selection: Selection
+
+
+class SelectionRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Remember one layer's (or planned site's) selection.
+
+    Attributes:
+        site: the layer's attention site.
+        role: the layer's role.
+        source: the precedence level its request came from.
+        requested: the requested backend's name, or None when nothing was requested.
+        selection: what was chosen, and why.
+    """
+
+    site: str
+    role: AttentionRole
+    source: RequestSource
+    requested: str | None
+    selection: Selection
+
+    @classmethod
+    def of(cls, request: BackendRequest, selection: Selection) -> SelectionRecord:
+        """Record ``selection`` as the answer to ``request``."""
+        requested, source = request.requested()
+        return cls(
+            site=request.site,
+            role=request.role,
+            source=source,
+            requested=None if requested is None else requested.name,
+            selection=selection,
+        )

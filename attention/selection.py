@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attention import registry
-from attention.errors import BackendSelectionError, UnknownBackendError
+from attention.errors import BackendSelectionError, SelectionCode, UnknownBackendError
 from attention.platform import Platform
 from attention.request import (
     DENSE_CROSS_FALLBACK,
@@ -18,13 +18,7 @@ from attention.request import (
 from attention.requirements import AttentionRequirements
 from attention.roles import AttentionRole, Provenance
 
-CAPABILITY_MISSING = "attention.capability_missing"
-UNSUPPORTED_BACKEND = "attention.unsupported_backend"
-UNAVAILABLE_BACKEND = "attention.unavailable_backend"
-NO_BACKEND = "attention.no_backend"
-RING_REQUIRES_LSE = "parallel.ring_requires_lse"
-
-_CAPABILITY_CODES = (RING_REQUIRES_LSE, CAPABILITY_MISSING)
+_CAPABILITY_CODES = (SelectionCode.RING_REQUIRES_LSE, SelectionCode.CAPABILITY_MISSING)
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,7 @@ class _Failure:
     """Why one candidate was refused; the message is written only if it is reported."""
 
     name: str
-    code: str
+    code: SelectionCode
     why: str
     missing: tuple[str, ...] = ()
     unknown: bool = False
@@ -105,7 +99,7 @@ def _fallback_reason(
     """Say why the chain may be walked after the first candidate failed, or None if strict."""
     if failure.sparse_on_cross:
         return DENSE_CROSS_FALLBACK
-    if failure.code == RING_REQUIRES_LSE:
+    if failure.code == SelectionCode.RING_REQUIRES_LSE:
         return None
     if provenance is not Provenance.EXPLICIT:
         return PLATFORM_DEFAULT_FALLBACK
@@ -135,25 +129,32 @@ def _check(name: str, problem: _Problem) -> _Failure | None:
     try:
         backend = registry.get(name)
     except UnknownBackendError:
-        return _Failure(name, UNSUPPORTED_BACKEND, "not a registered backend", unknown=True)
+        return _Failure(
+            name, SelectionCode.UNSUPPORTED_BACKEND, "not a registered backend", unknown=True
+        )
     if backend.is_sparse and request.role is AttentionRole.CROSS:
         return _Failure(
             name,
-            UNSUPPORTED_BACKEND,
+            SelectionCode.UNSUPPORTED_BACKEND,
             "sparse, never used for cross-attention",
             sparse_on_cross=True,
         )
     if request.supported is not None and name not in request.supported:
-        return _Failure(name, UNSUPPORTED_BACKEND, "not in the layer's supported set")
+        return _Failure(name, SelectionCode.UNSUPPORTED_BACKEND, "not in the layer's supported set")
     unavailable = problem.platform.unavailable_reason(name)
     if unavailable is not None:
-        return _Failure(name, UNAVAILABLE_BACKEND, unavailable)
+        return _Failure(name, SelectionCode.UNAVAILABLE_BACKEND, unavailable)
     if problem.ring_strict and not backend.supports_lse():
-        return _Failure(name, RING_REQUIRES_LSE, "no softmax LSE, which ring attention needs")
+        return _Failure(
+            name, SelectionCode.RING_REQUIRES_LSE, "no softmax LSE, which ring attention needs"
+        )
     missing = backend.unsupported_requirements(problem.needs)
     if missing:
         return _Failure(
-            name, CAPABILITY_MISSING, f"does not implement {_join(missing)}", missing=missing
+            name,
+            SelectionCode.CAPABILITY_MISSING,
+            f"does not implement {_join(missing)}",
+            missing=missing,
         )
     return None
 
@@ -164,7 +165,7 @@ def _error(
     """Report the most useful failure: missing capability, else unsupported, else none left."""
     rejected = {f.name: f.why for f in failures}
     chosen = next((f for f in failures if f.code in _CAPABILITY_CODES), None) or next(
-        (f for f in failures if f.code == UNSUPPORTED_BACKEND), None
+        (f for f in failures if f.code is SelectionCode.UNSUPPORTED_BACKEND), None
     )
     if chosen is None and not fell_back:
         chosen = failures[0]
@@ -172,7 +173,7 @@ def _error(
     if chosen is None:
         tried = "; ".join(f"{f.name}: {f.why}" for f in failures)
         return BackendSelectionError(
-            NO_BACKEND,
+            SelectionCode.NO_BACKEND,
             component,
             f"no attention backend can serve {problem.layer} on this {problem.platform.kind} "
             f"platform (tried {', '.join(rejected)})",
@@ -188,14 +189,14 @@ def _explain(failure: _Failure, problem: _Problem) -> tuple[str, str]:
     name, layer = failure.name, problem.layer
     request = problem.request
     for_component = f"for component '{request.component}'"
-    if failure.code == RING_REQUIRES_LSE:
+    if failure.code == SelectionCode.RING_REQUIRES_LSE:
         return (
             f"backend '{name}' does not implement softmax LSE, which ring attention on "
             f"{layer} requires",
             f"pick a backend with softmax LSE ({_capable(problem)}) {for_component}, "
             "or run it without ring attention (ring degree 1)",
         )
-    if failure.code == CAPABILITY_MISSING:
+    if failure.code == SelectionCode.CAPABILITY_MISSING:
         ring = (
             " (ring attention merges partial results with it)"
             if request.ring and not request.requirements.softmax_lse
@@ -218,7 +219,7 @@ def _explain(failure: _Failure, problem: _Problem) -> tuple[str, str]:
             f"sparse backend '{name}' is never used for cross-attention ({layer})",
             f"pick a dense backend ({_capable(problem)}) for the cross role {for_component}",
         )
-    if failure.code == UNSUPPORTED_BACKEND:
+    if failure.code == SelectionCode.UNSUPPORTED_BACKEND:
         supported = ", ".join(sorted(request.supported or ()))
         return (
             f"backend '{name}' is not supported by this attention layer ({layer}); "

@@ -29,6 +29,7 @@ from attention import (
     Attention,
     AttentionRequirements,
     AttentionRole,
+    ComponentRequests,
     Platform,
     component_attention_scope,
 )
@@ -77,7 +78,8 @@ def armed_layer(backend: str, requirements: AttentionRequirements = NO_REQUIREME
     with (
         capture_logs(),  # keep the selection events out of the printed table
         component_attention_scope(
-            "bench", component_backend=explicit(backend), platform=Platform("cpu")
+            ComponentRequests(component="bench", component_backend=explicit(backend)),
+            platform=Platform("cpu"),
         ),
     ):
         layer = Attention("self", AttentionRole.SELF, requirements=requirements)

@@ -26,7 +26,7 @@ import torch
 from structlog.testing import capture_logs
 from torch import nn
 
-from attention import Platform, arm_layers, component_attention_scope
+from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from attention.testing import explicit
 from benchmarks.attention_overhead import interleaved, one_thread
 from components.kinds.minilm_files import Tokens
@@ -53,9 +53,11 @@ def custom(loader: MiniLmLoader, backend: str) -> nn.Module:
     with (
         capture_logs(),  # keep the selection events out of the printed table
         component_attention_scope(
-            "text_encoder",
-            component_backend=explicit(backend),
-            allow_global_fallback=True,
+            ComponentRequests(
+                component="text_encoder",
+                component_backend=explicit(backend),
+                allow_global_fallback=True,
+            ),
             platform=Platform("cpu"),
         ),
     ):

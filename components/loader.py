@@ -108,6 +108,10 @@ class ComponentLoader:
         count = self.parameter_count()
         return None if count is None else count * FLOAT32_BYTES
 
+    def block_count(self) -> int | None:
+        """Return how many blocks the block stack will hold, from the options; None if none."""
+        return None
+
     def parameter_count(self) -> int | None:
         """Return how many weights the kind will hold, from its options; None if unknown."""
         return None

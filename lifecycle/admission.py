@@ -17,21 +17,25 @@ from msgspec import UnsetType
 from attention import (
     AttentionRole,
     BackendChoice,
-    BackendRequest,
     BackendSelectionError,
+    ComponentRequests,
+    PlannedSelection,
     Platform,
     Provenance,
+    SelectionRecord,
     select_backend,
+    unconsumed,
 )
 from attention import registry as backends
 from components import ResidencyMode
 from components import registry as kinds
 from components.loader import ComponentLoader, LoaderPath
+from components.offload.layerwise_limits import layerwise_problems
 from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
 from lifecycle.plan import ComponentPlan, SitePlan
-from lifecycle.refusals import Refusal
+from lifecycle.refusals import Refusal, RefusalCode
 
 ATTENTION_PLAN = "attention_plan"
 LOADER_PATH = "loader_path"
@@ -45,13 +49,16 @@ class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     Attributes:
         plan: how it would be loaded (partial where something was refused).
         refusals: guard name -> the refusals that guard raises.
-        sites_known: whether its kind declares its attention sites (a generic
-            kind's are known only once it is built).
+        requests: what the spec asks of its attention; loading scopes it with these.
+        planned: site -> its admitted selection, for a custom path whose kind declares
+            its sites; None when the sites are known only once built (a generic kind)
+            or the component builds no attention layers of ours (a native path).
     """
 
     plan: ComponentPlan
     refusals: dict[str, tuple[Refusal, ...]]
-    sites_known: bool = True
+    requests: ComponentRequests
+    planned: dict[str, PlannedSelection] | None = None
 
     def all_refusals(self) -> tuple[Refusal, ...]:
         """Return every refusal, in guard order."""
@@ -98,8 +105,19 @@ def admit_pipeline(
             for name, component in spec.components.items()
         }
     used = {name for stage in spec.stages for name in stage.uses}
+    options = {
+        name: backends.decode_options(name, raw)
+        for name, raw in spec.attention.backend_options.items()
+    }
     components = {
-        name: admit_component(name, component, loaders[name], spec, platform, name in used)
+        name: admit_component(
+            backend_requests(spec, name, loaders[name], options),
+            component,
+            loaders[name],
+            spec,
+            platform,
+            name in used,
+        )
         for name, component in spec.components.items()
     }
     return Admission(
@@ -122,12 +140,12 @@ def unused_option_refusals(
     A generic component's sites are known only at load, so while one may run
     custom code, any backend may still use its options.
     """
-    if any(c.plan.loader == "custom" and not c.sites_known for c in components.values()):
+    if any(c.plan.loader == "custom" and c.planned is None for c in components.values()):
         return []
     planned = {site.backend for c in components.values() for site in c.plan.attention}
     return [
         Refusal(
-            code="attention.backend_not_consumed",
+            code=RefusalCode.BACKEND_NOT_CONSUMED,
             component=spec.name,
             message=f"options were given for backend '{backend}' "
             f"([attention.backend_options.{backend}]), but no attention site of the "
@@ -141,7 +159,7 @@ def unused_option_refusals(
 
 
 def admit_component(
-    name: str,
+    requests: ComponentRequests,
     component: ComponentSpec,
     loader: ComponentLoader,
     spec: PipelineSpec,
@@ -149,6 +167,7 @@ def admit_component(
     used: bool,
 ) -> ComponentAdmission:
     """Plan one component: its loading path, its attention sites, its residency."""
+    name = requests.component
     refusals: dict[str, list[Refusal]] = {
         ATTENTION_PLAN: [],
         LOADER_PATH: [],
@@ -156,26 +175,35 @@ def admit_component(
         BACKENDS_CONSUMABLE: [],
     }
     path = _choose_path(name, component, loader, refusals[LOADER_PATH])
-    sites: tuple[SitePlan, ...] = ()
+    declared = loader.sites() if path == "custom" else None
+    planned = None
     if path == "native":
         refusals[LOADER_PATH] += native_layout_refusals(name, component, spec, loader)
         refusals[BACKENDS_CONSUMABLE] += native_backend_refusals(name, component)
-    elif path == "custom":
-        declared = loader.sites()
-        if declared is not None:
-            sites = _plan_sites(name, component, spec, loader, declared, platform, refusals)
-            refusals[BACKENDS_CONSUMABLE] += _unconsumed(name, component, declared)
-            refusals[LOADER_PATH] += _head_refusals(name, spec, loader, declared)
+    elif declared is not None:
+        planned = _plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
+        refusals[BACKENDS_CONSUMABLE] += _unconsumed(requests, declared, planned)
+        refusals[LOADER_PATH] += _head_refusals(name, spec, loader, declared)
     refusals[RESIDENCY_USE] += _residency_refusals(name, component, loader, used)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,
             loader=path,
             residency=component.residency_mode,
-            attention=sites,
+            attention=tuple(
+                SitePlan(
+                    site=site,
+                    role=p.request.role,
+                    backend=p.selection.backend,
+                    provenance=p.selection.provenance,
+                    reason=p.selection.reason,
+                )
+                for site, p in (planned or {}).items()
+            ),
         ),
         refusals={guard: tuple(found) for guard, found in refusals.items()},
-        sites_known=loader.sites() is not None,
+        requests=requests,
+        planned=planned,
     )
 
 
@@ -185,7 +213,7 @@ def device_refusals(spec: PipelineSpec) -> list[Refusal]:
         return []
     return [
         Refusal(
-            code="loader.unavailable",
+            code=RefusalCode.LOADER_UNAVAILABLE,
             component=spec.name,
             message='device = "cuda" was asked for, but this process sees no CUDA device',
             hint='set device = "auto" (CUDA where present, else the CPU) or "cpu", or run '
@@ -198,7 +226,7 @@ def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
     """Return a ``parallel.invalid_layout`` refusal for each broken layout invariant."""
     return [
         Refusal(
-            code="parallel.invalid_layout",
+            code=RefusalCode.INVALID_LAYOUT,
             component=spec.name,
             message=problem,
             hint="set [parallel] sp_degree = ulysses_degree x ring_degree x "
@@ -248,36 +276,16 @@ def _declared_bytes(loader: ComponentLoader) -> int | None:
         return None  # a missing or broken weights file is the loader path's refusal
 
 
-def native_fallback_refusals(
-    name: str, component: ComponentSpec, spec: PipelineSpec, loader: ComponentLoader
-) -> list[Refusal]:
-    """Return why ``name`` may not fall back to its native path (DESIGN.md §5.1)."""
-    return [
-        *native_layout_refusals(name, component, spec, loader),
-        *native_backend_refusals(name, component),
-    ]
-
-
-class BackendRequests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the spec asks of one component's attention: the scope's arguments.
-
-    Admission plans each site from these, and loading builds the component's
-    ``attention.component_attention_scope`` from the very same values.
-    """
-
-    component_backend: BackendChoice | None
-    role_backends: dict[AttentionRole, BackendChoice]
-    global_backend: BackendChoice | None
-    allow_global_fallback: bool
-    ring: bool
-
-
 def backend_requests(
-    spec: PipelineSpec, component: ComponentSpec, loader: ComponentLoader
-) -> BackendRequests:
-    """Return the attention requests the spec makes for one component (all explicit)."""
-    written = component.role_backends()
-    return BackendRequests(
+    spec: PipelineSpec,
+    name: str,
+    loader: ComponentLoader,
+    options: Mapping[str, msgspec.Struct],
+) -> ComponentRequests:
+    """Return what the spec asks of component ``name``'s attention (every request explicit)."""
+    written = spec.components[name].role_backends()
+    return ComponentRequests(
+        component=name,
         component_backend=_explicit(written.get(ALL_ROLES)),
         role_backends={
             role: BackendChoice(name=written[role.value], provenance=Provenance.EXPLICIT)
@@ -286,8 +294,8 @@ def backend_requests(
         },
         global_backend=_explicit(spec.attention.backend),
         allow_global_fallback=loader.allows_global_fallback,
-        # ring attention applies to the self-attention of kinds that split sequences
         ring=spec.parallel.ring_degree > 1 and loader.sequence_parallel,
+        backend_options=dict(options),
     )
 
 
@@ -295,14 +303,6 @@ def _explicit(name: str | UnsetType | None) -> BackendChoice | None:
     if name is None or isinstance(name, UnsetType):
         return None
     return BackendChoice(name=name, provenance=Provenance.EXPLICIT)
-
-
-def backend_options(spec: PipelineSpec) -> dict[str, msgspec.Struct]:
-    """Return each configured backend's options, validated by its backend."""
-    return {
-        name: msgspec.convert(raw, backends.get(name).options_type)
-        for name, raw in spec.attention.backend_options.items()
-    }
 
 
 def _choose_path(
@@ -314,7 +314,7 @@ def _choose_path(
             return component.loader
         found.append(
             Refusal(
-                code="loader.unavailable",
+                code=RefusalCode.LOADER_UNAVAILABLE,
                 component=name,
                 message=f"loader = '{component.loader}' was asked for, but {reason}",
                 hint=f"remove components.{name}.loader to let the kind choose, or "
@@ -330,7 +330,7 @@ def _choose_path(
         return "native"
     found.append(
         Refusal(
-            code="loader.unavailable",
+            code=RefusalCode.LOADER_UNAVAILABLE,
             component=name,
             message=f"no loading path can build kind '{component.kind}' here: "
             f"{custom_reason}; {native_reason}",
@@ -354,7 +354,7 @@ def native_layout_refusals(
     )
     return [
         Refusal(
-            code="loader.native_parallel_layout",
+            code=RefusalCode.NATIVE_PARALLEL_LAYOUT,
             component=name,
             message=f"component '{name}' would load natively{why}, and a native path "
             f"cannot honour the parallel layout ({', '.join(asked)})",
@@ -368,7 +368,7 @@ def native_backend_refusals(name: str, component: ComponentSpec) -> list[Refusal
     """Refuse a native path for a component with explicit attention backends."""
     return [
         Refusal(
-            code="loader.native_explicit_backend",
+            code=RefusalCode.NATIVE_EXPLICIT_BACKEND,
             component=name,
             message=f"backend '{backend}' was requested for component '{name}' "
             f"({'component-wide' if key == ALL_ROLES else key + '-attention'}), but it "
@@ -380,91 +380,49 @@ def native_backend_refusals(name: str, component: ComponentSpec) -> list[Refusal
 
 
 def _plan_sites(
-    name: str,
-    component: ComponentSpec,
-    spec: PipelineSpec,
-    loader: ComponentLoader,
+    requests: ComponentRequests,
     declared: tuple[AttentionSite, ...],
     platform: Platform,
-    refusals: Mapping[str, list[Refusal]],
-) -> tuple[SitePlan, ...]:
-    asked = backend_requests(spec, component, loader)
-    planned = []
+    refused: list[Refusal],
+) -> dict[str, PlannedSelection]:
+    """Select a backend for each declared site; file a refusal for each that has none."""
+    planned = {}
     for site in declared:
-        request = BackendRequest(
-            component=name,
-            site=site.name,
-            role=site.role,
+        request = requests.for_site(
+            site.name,
+            site.role,
             requirements=site.requirements,
             supported=site.supported,
-            layer_default=site.default,
-            role_override=asked.role_backends.get(site.role),
-            component_override=asked.component_backend,
-            global_backend=asked.global_backend,
-            allow_global_fallback=asked.allow_global_fallback,
-            ring=asked.ring and site.role is AttentionRole.SELF,
+            default=site.default,
         )
         try:
-            selection = select_backend(request, platform)
+            planned[site.name] = PlannedSelection(
+                request=request, selection=select_backend(request, platform)
+            )
         except BackendSelectionError as err:
-            refusals[ATTENTION_PLAN].append(
-                Refusal(code=err.code, component=name, message=err.message, hint=err.hint)
-            )
-            continue
-        planned.append(
-            SitePlan(
-                site=site.name,
-                role=site.role,
-                backend=selection.backend,
-                provenance=selection.provenance,
-                reason=selection.reason,
-            )
-        )
-    return tuple(planned)
+            refused.append(_refusal(err))
+    return planned
 
 
 def _unconsumed(
-    name: str, component: ComponentSpec, declared: tuple[AttentionSite, ...]
+    requests: ComponentRequests,
+    declared: tuple[AttentionSite, ...],
+    planned: Mapping[str, PlannedSelection],
 ) -> list[Refusal]:
     """Refuse explicit backends that would govern no layer the component builds.
 
-    A role key governs its role; ``all`` governs the roles no role key names.
+    Sites whose selection was refused still count as built: their backend is the
+    attention plan's refusal, not this one.
     """
-    written = component.role_backends()
-    built = {site.role.value for site in declared}
-    found = []
-    for key, backend in written.items():
-        governed = (
-            {role.value for role in AttentionRole} - set(written) if key == ALL_ROLES else {key}
-        )
-        if governed & built:
-            continue
-        if not declared:
-            message = (
-                f"backend '{backend}' was requested for component '{name}', but that "
-                "component constructs no attention layers"
-            )
-        else:
-            roles = " or ".join(f"{role}-attention" for role in sorted(governed)) or "no"
-            message = (
-                f"backend '{backend}' was requested for the {roles} layers of component "
-                f"'{name}' ({key}), but it builds none "
-                f"(only {', '.join(sorted(built))}-attention"
-                + (
-                    ", and the role keys replace 'all' for every other role)"
-                    if key == ALL_ROLES
-                    else ")"
-                )
-            )
-        found.append(
-            Refusal(
-                code="attention.backend_not_consumed",
-                component=name,
-                message=message,
-                hint=f"remove the '{key}' backend from components.{name}.attention_backend",
-            )
-        )
-    return found
+    records = [SelectionRecord.of(p.request, p.selection) for p in planned.values()]
+    problem = unconsumed(requests, records, built_roles=(site.role for site in declared))
+    return [] if problem is None else [_refusal(problem)]
+
+
+def _refusal(err: BackendSelectionError) -> Refusal:
+    return Refusal(
+        code=RefusalCode[err.code.name], component=err.component, message=err.message, hint=err.hint
+    )
 
 
 def _head_refusals(
@@ -474,7 +432,7 @@ def _head_refusals(
         return []  # its custom path replicates the component on every rank
     return [
         Refusal(
-            code="parallel.invalid_layout",
+            code=RefusalCode.INVALID_LAYOUT,
             component=name,
             message=f"site '{site.name}': {problem}",
             hint="pick tp_size and ulysses_degree whose product divides the head count",
@@ -489,20 +447,12 @@ def _residency_refusals(
 ) -> list[Refusal]:
     mode = component.residency_mode
     found = []
-    if mode is ResidencyMode.LAYERWISE_OFFLOAD and loader.block_stack is None:
-        found.append(
-            Refusal(
-                code="residency.not_offloadable",
-                component=name,
-                message=f"component '{name}' asks for layerwise_offload, but kind "
-                f"'{component.kind}' declares no block stack to stream",
-                hint=f'use residency = "component_offload" for {name}',
-            )
-        )
+    if mode is ResidencyMode.LAYERWISE_OFFLOAD:
+        found += _layerwise_refusals(name, component, loader)
     if not used and mode is not ResidencyMode.RESIDENT:
         found.append(
             Refusal(
-                code="residency.undeclared_use",
+                code=RefusalCode.UNDECLARED_USE,
                 component=name,
                 message=f"component '{name}' is explicitly {mode.value}, but no stage uses "
                 "it, so nothing would ever onload it",
@@ -511,3 +461,38 @@ def _residency_refusals(
             )
         )
     return found
+
+
+def _layerwise_refusals(
+    name: str, component: ComponentSpec, loader: ComponentLoader
+) -> list[Refusal]:
+    blocks = loader.block_count()
+    if loader.block_stack is None or blocks is None:
+        return [
+            Refusal(
+                code=RefusalCode.NOT_OFFLOADABLE,
+                component=name,
+                message=f"component '{name}' asks for layerwise_offload, but kind "
+                f"'{component.kind}' declares no block stack to stream",
+                hint=f'use residency = "component_offload" for {name}',
+            )
+        ]
+    config = component.layerwise_config
+    problems = layerwise_problems(
+        blocks, prefetch=config.prefetch, resident_layers=config.resident_layers
+    )
+    return (
+        [
+            Refusal(
+                code=RefusalCode.INVALID_LAYERWISE,
+                component=name,
+                message=f"component '{name}' streams {blocks} block{'s' if blocks != 1 else ''} "
+                f"(kind '{component.kind}'), and its layerwise settings cannot be honoured: "
+                f"{'; '.join(problems)}",
+                hint=f"change [components.{name}.layerwise] to fit {blocks} "
+                f"block{'s' if blocks != 1 else ''}",
+            )
+        ]
+        if problems
+        else []
+    )

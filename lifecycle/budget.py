@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from lifecycle.refusals import Refusal
+from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.sizes import format_bytes
 
 
@@ -58,7 +58,7 @@ def plan_onload(
     pinned = sorted(set(resident) - set(evictable))
     return BudgetDecision(
         refusal=Refusal(
-            code="residency.memory_budget",
+            code=RefusalCode.MEMORY_BUDGET,
             component=component,
             message=f"onloading '{component}' needs {format_bytes(needed)} on device, "
             f"{format_bytes(max(budget - used, 0))} free of a {format_bytes(budget)} "
@@ -86,7 +86,7 @@ def stage_fits(
         return None
     parts = ", ".join(f"{name} {format_bytes(sizes[name])}" for name in together)
     return Refusal(
-        code="residency.memory_budget",
+        code=RefusalCode.MEMORY_BUDGET,
         component=uses[0],
         message=f"stage '{stage}' needs {format_bytes(needed)} on device at once "
         f"({parts}), more than the {format_bytes(budget)} budget",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -243,8 +244,15 @@ class _UniqueKeyYamlLoader(yaml.SafeLoader):
 
 
 def _convert(raw: object, type_: type[_T], at: str) -> _T:
-    try:
+    with _decoding_at(at):
         return msgspec.convert(raw, type_, dec_hook=_dec_hook)
+
+
+@contextmanager
+def _decoding_at(at: str) -> Iterator[None]:
+    """Turn a msgspec validation error inside into a ConfigError at its full key path."""
+    try:
+        yield
     except msgspec.ValidationError as err:
         message, _, path = str(err).partition(" - at `")
         path = at + path.rstrip("`").removeprefix("$") if path else at
@@ -339,7 +347,8 @@ def _check_attention(spec: PipelineSpec) -> None:
     for backend, options in spec.attention.backend_options.items():
         at = f"$.attention.backend_options.{backend}"
         _check_backend(backend, at)
-        _convert(options, registry.get(backend).options_type, at)
+        with _decoding_at(at):
+            registry.decode_options(backend, options)
 
 
 def _check_components(spec: PipelineSpec) -> None:

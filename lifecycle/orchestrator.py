@@ -20,16 +20,11 @@ import structlog
 import torch
 from torch import nn
 
-from attention import (
-    Attention,
-    Platform,
-    Selection,
-    component_attention_scope,
-)
+from attention import Platform
 from components import ResidencyMode
-from components.loader import PathUnavailable
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
+from lifecycle.loading import Loading, launch_refusals
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
     AdmissionPlan,
@@ -38,7 +33,13 @@ from lifecycle.plan import (
     PipelineSnapshot,
     RefusalReport,
 )
-from lifecycle.refusals import AdmissionRefused, InvalidTransition, Refusal, TransitionRefused
+from lifecycle.refusals import (
+    AdmissionRefused,
+    InvalidTransition,
+    Refusal,
+    RefusalCode,
+    TransitionRefused,
+)
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import MoveObserver, Residency
 from lifecycle.slots import ComponentSlot
@@ -89,6 +90,7 @@ class Orchestrator:
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
         self._residency = Residency(spec, self._slots, self.device, observer)
+        self._loading = Loading(self._slots, self.platform, self._residency)
         self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
         for name, component in spec.components.items():
@@ -134,18 +136,19 @@ class Orchestrator:
             admission = adm.admit_pipeline(self.spec, self.platform, loaders)
             self._admission = admission
             for name, slot in self._slots.items():
-                slot.plan = admission.components[name].plan
+                slot.admission = admission.components[name]
             refusals = admission.refusals()
             if refusals:
-                log.warning(
-                    "lifecycle.refused",
-                    component=self.spec.name,
-                    trigger="admit",
-                    source=ComponentState.CONFIGURED.value,
-                    codes=[r.code for r in refusals],
-                    messages=[r.message for r in refusals],
-                    request_id=None,
-                )
+                for component, found in _by_component(refusals).items():
+                    log.warning(
+                        "lifecycle.refused",
+                        component=component,
+                        trigger="admit",
+                        source=ComponentState.CONFIGURED.value,
+                        codes=[r.code.value for r in found],
+                        messages=[r.message for r in found],
+                        request_id=None,
+                    )
                 raise AdmissionRefused(self.spec.name, refusals)
             for slot in self._slots.values():
                 slot.lifecycle.admit()
@@ -169,7 +172,9 @@ class Orchestrator:
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            self._check_world()
+            refused = launch_refusals(self.spec)
+            if refused:
+                raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refused)
             self._check_split()
             for slot in self._slots.values():
                 if slot.lifecycle.state is ComponentState.ADMITTED:
@@ -338,95 +343,23 @@ class Orchestrator:
             adm.LOADER_PATH: admitted(adm.LOADER_PATH),
             adm.RESIDENCY_USE: admitted(adm.RESIDENCY_USE),
             adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
-            "plan_honoured": lambda context: self._plan_honoured(name),
+            "plan_honoured": lambda context: self._loading.plan_honoured(name),
             "memory_budget": lambda context: residency.memory_budget(name, context),
             "offloadable": lambda context: residency.offloadable(name, context),
             "use_declared": lambda context: residency.use_declared(name, context),
             "not_in_use": lambda context: residency.not_in_use(name, context),
         }
 
-    def _plan_honoured(self, name: str) -> list[Refusal]:
-        slot = self._slot(name)
-        assert slot.module is not None
-        assert slot.plan is not None
-        if slot.plan.loader == "custom" and slot.loader.sites() is None:
-            return []  # a generic kind's sites are unknown: its scope enforced its requests
-        built = {
-            layer.site: layer.backend_name
-            for layer in slot.module.modules()
-            if isinstance(layer, Attention)
-        }
-        expected = {site.site: site.backend for site in slot.plan.attention}
-        if built == expected:
-            return []
-        return [
-            Refusal(
-                code="attention.plan_diverged",
-                component=name,
-                message=f"the {slot.plan.loader} path of kind '{slot.spec.kind}' built "
-                f"attention sites {built or 'none'}, but the admitted plan is "
-                f"{expected or 'none'}",
-                hint=f"make kind '{slot.spec.kind}' declare exactly the attention sites "
-                "it builds on each path",
-            )
-        ]
-
     # -- work (side effects, each with its undo) ----------------------------
 
     def _work(self, name: str) -> dict[str, Work]:
         residency = self._residency
         return {
-            "load": lambda context: self._load(name, context),
+            "load": lambda context: self._loading.load(name, context),
             "onload": lambda context: residency.onload(name, context),
             "offload": lambda context: residency.offload(name, context),
             "release": lambda context: residency.release(name, context),
         }
-
-    def _load(self, name: str, context: TransitionContext) -> None:
-        slot = self._slot(name)
-        plan = slot.plan
-        assert plan is not None
-        assert plan.loader is not None
-        try:
-            module = self._build(slot, plan)
-        except PathUnavailable as unavailable:
-            module = self._build_native_fallback(slot, unavailable)
-            slot.plan = msgspec.structs.replace(plan, loader="native", attention=())
-            context.on_rollback(lambda: setattr(slot, "plan", plan))
-        slot.module = module
-        slot.footprint = self._residency.footprint(slot)
-        context.on_rollback(slot.forget)
-
-    def _build(self, slot: ComponentSlot, plan: ComponentPlan) -> nn.Module:
-        if plan.loader == "native":
-            return slot.loader.build("native")
-        planned = None
-        if slot.loader.sites() is not None:
-            planned = {
-                s.site: Selection(backend=s.backend, reason=s.reason, provenance=s.provenance)
-                for s in plan.attention
-            }
-        with component_attention_scope(
-            slot.name,
-            **msgspec.structs.asdict(adm.backend_requests(self.spec, slot.spec, slot.loader)),
-            plan=planned,
-            platform=self.platform,
-            backend_options=adm.backend_options(self.spec),
-        ):
-            return slot.loader.build("custom")
-
-    def _build_native_fallback(
-        self, slot: ComponentSlot, unavailable: PathUnavailable
-    ) -> nn.Module:
-        """Fall back to the native path at load time, under the admission rules."""
-        if isinstance(slot.spec.loader, str) or not slot.loader.has_path("native"):
-            raise unavailable
-        refusals = adm.native_fallback_refusals(slot.name, slot.spec, self.spec, slot.loader)
-        if refusals:
-            raise TransitionRefused(
-                slot.name, "load", ComponentState.ADMITTED, refusals
-            ) from unavailable
-        return slot.loader.build("native")
 
     # -- helpers ---------------------------------------------------------------
 
@@ -452,34 +385,10 @@ class Orchestrator:
         if refusals:
             raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refusals)
 
-    def _check_world(self) -> None:
-        launched = (
-            torch.distributed.get_world_size()
-            if torch.distributed.is_available() and torch.distributed.is_initialized()
-            else 1
-        )
-        needed = self.spec.parallel.world_size
-        if needed != launched:
-            raise TransitionRefused(
-                self.spec.name,
-                "load",
-                ComponentState.ADMITTED,
-                [
-                    Refusal(
-                        code="parallel.invalid_layout",
-                        component=self.spec.name,
-                        message=f"the parallel layout needs {needed} processes, but "
-                        f"{launched} {'was' if launched == 1 else 'were'} launched",
-                        hint=f"launch {needed} processes (torchrun --nproc-per-node "
-                        f"{needed}), or shrink [parallel] to {launched}",
-                    )
-                ],
-            )
-
 
 def _split_refusal(name: str, kind: str, asked: tuple[str, ...]) -> Refusal:
     return Refusal(
-        code="parallel.invalid_layout",
+        code=RefusalCode.INVALID_LAYOUT,
         component=name,
         message=f"kind '{kind}' plans its attention for the layout ({', '.join(asked)}), but "
         "its custom path does not split the model across ranks yet: every rank would run "
@@ -487,6 +396,13 @@ def _split_refusal(name: str, kind: str, asked: tuple[str, ...]) -> Refusal:
         hint="run with [parallel] tp, sp and ring degrees of 1 (dp_size and cfg_parallel "
         "replicate, and work)",
     )
+
+
+def _by_component(refusals: tuple[Refusal, ...]) -> dict[str, list[Refusal]]:
+    grouped: dict[str, list[Refusal]] = {}
+    for refusal in refusals:
+        grouped.setdefault(refusal.component, []).append(refusal)
+    return grouped
 
 
 def _platform_for(spec: PipelineSpec) -> Platform:

@@ -7,6 +7,7 @@ import msgspec
 from attention import AttentionRole, Provenance
 from components import ResidencyMode
 from components.loader import LoaderPath
+from lifecycle.refusals import RefusalCode
 from lifecycle.states import ComponentState
 
 
@@ -68,7 +69,7 @@ class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     component: str
     trigger: str
-    code: str
+    code: RefusalCode
     message: str
     hint: str
 

@@ -7,73 +7,144 @@ work ran and was rolled back. Both leave the component in its source state.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from types import MappingProxyType
 
 import msgspec
 
+from attention import SelectionCode
 from lifecycle.states import ComponentState
+
+
+class RefusalCode(StrEnum):
+    """Every stable refusal code (DESIGN §7), one closed set; the docs derive from it.
+
+    Each member's docstring says what it means; ``from_spec`` says whether admission
+    can produce it from a spec of the built-in kinds alone (``examples/refused/`` holds
+    one such spec per code), as opposed to only while a transition runs.
+    """
+
+    from_spec: bool
+
+    def __new__(cls, value: str, from_spec: bool, doc: str) -> RefusalCode:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.from_spec = from_spec
+        member.__doc__ = doc
+        return member
+
+    CAPABILITY_MISSING = (
+        SelectionCode.CAPABILITY_MISSING.value,
+        True,
+        "an attention site requires a capability (packed varlen, softmax LSE, masks) "
+        "that the backend it may use does not implement",
+    )
+    UNSUPPORTED_BACKEND = (
+        SelectionCode.UNSUPPORTED_BACKEND.value,
+        True,
+        "the backend is outside the set an attention layer supports, and the request "
+        "may not fall back",
+    )
+    UNAVAILABLE_BACKEND = (
+        SelectionCode.UNAVAILABLE_BACKEND.value,
+        True,
+        "the backend cannot run on this platform (not installed, or needs a GPU)",
+    )
+    NO_BACKEND = (
+        SelectionCode.NO_BACKEND.value,
+        False,
+        "no candidate backend was accepted for an attention site (only a kind whose "
+        "supported set the platform cannot serve at all gets here)",
+    )
+    BACKEND_NOT_CONSUMED = (
+        SelectionCode.BACKEND_NOT_CONSUMED.value,
+        True,
+        "an explicit component or per-role backend has no attention layer to apply to, "
+        "or backend options were given for a backend no planned site runs",
+    )
+    PLAN_DIVERGED = (
+        SelectionCode.PLAN_DIVERGED.value,
+        False,
+        "a loader built attention layers that differ from the admitted plan (an "
+        "undeclared site, a declared site not built, or a layer unlike its site)",
+    )
+    RING_REQUIRES_LSE = (
+        SelectionCode.RING_REQUIRES_LSE.value,
+        True,
+        "ring attention needs a backend that exposes the softmax log-sum-exp",
+    )
+    NATIVE_PARALLEL_LAYOUT = (
+        "loader.native_parallel_layout",
+        True,
+        "the component would load through a native path that cannot honour the "
+        "requested parallel layout (tp, sp, ulysses, ring, kv_gather > 1 or FSDP)",
+    )
+    NATIVE_EXPLICIT_BACKEND = (
+        "loader.native_explicit_backend",
+        True,
+        "the component would load through a native path, which cannot consume its "
+        "explicit attention backend",
+    )
+    LOADER_UNAVAILABLE = (
+        "loader.unavailable",
+        True,
+        "no loading path can build the component here: an explicit path the kind lacks "
+        "or cannot import, a missing weights file, or a CUDA device that is not there",
+    )
+    UNDECLARED_USE = (
+        "residency.undeclared_use",
+        True,
+        "an explicit non-resident component is used by no stage, so nothing would onload it",
+    )
+    MEMORY_BUDGET = (
+        "residency.memory_budget",
+        True,
+        "onloading would exceed memory.device_budget; admission refuses a stage that can "
+        "never fit",
+    )
+    IN_USE = (
+        "residency.in_use",
+        False,
+        "the component is in use by an open request",
+    )
+    NOT_OFFLOADABLE = (
+        "residency.not_offloadable",
+        True,
+        "the component cannot be offloaded the way asked: an offload of a component "
+        "kept resident, or layerwise offload of a kind with no block stack",
+    )
+    INVALID_LAYERWISE = (
+        "residency.invalid_layerwise",
+        True,
+        "the layerwise settings ask for more than the component's block stack has",
+    )
+    INVALID_LAYOUT = (
+        "parallel.invalid_layout",
+        True,
+        "the parallel layout breaks an invariant across its keys, or cannot run here",
+    )
+
+
+REFUSAL_CODES: Mapping[str, str] = MappingProxyType(
+    {code.value: code.__doc__ or "" for code in RefusalCode}
+)
+"""Each code's value mapped to what it means (derived from ``RefusalCode``)."""
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One reason a transition was refused.
 
     Attributes:
-        code: a stable dotted code from ``REFUSAL_CODES``.
+        code: a stable dotted code.
         component: the component the reason is about.
         message: what is wrong, with the numbers.
         hint: what to change to make it pass.
     """
 
-    code: str
+    code: RefusalCode
     component: str
     message: str
     hint: str
-
-
-REFUSAL_CODES: Mapping[str, str] = {
-    "attention.capability_missing": (
-        "an attention site requires a capability (packed varlen, softmax LSE, masks) "
-        "that the backend it may use does not implement"
-    ),
-    "attention.unsupported_backend": (
-        "the backend is outside the set an attention layer supports, and the request "
-        "may not fall back"
-    ),
-    "attention.unavailable_backend": (
-        "the backend cannot run on this platform (not installed, or needs a GPU)"
-    ),
-    "attention.no_backend": "no candidate backend was accepted for an attention site",
-    "attention.backend_not_consumed": (
-        "an explicit component or per-role backend has no attention layer to apply to"
-    ),
-    "attention.plan_diverged": (
-        "a loader built attention layers that differ from the admitted plan (an "
-        "undeclared site, a declared site not built, or another backend)"
-    ),
-    "loader.native_parallel_layout": (
-        "the component would load through a native path that cannot honour the "
-        "requested parallel layout (tp, sp, ulysses, ring, kv_gather > 1 or FSDP)"
-    ),
-    "loader.native_explicit_backend": (
-        "the component would load through a native path, which cannot consume its "
-        "explicit attention backend"
-    ),
-    "loader.unavailable": (
-        "an explicit loader choice names a path the kind does not have or cannot import"
-    ),
-    "residency.undeclared_use": (
-        "an explicit non-resident component is used by no stage, so nothing would onload it"
-    ),
-    "residency.memory_budget": "onloading would exceed memory.device_budget",
-    "residency.in_use": "the component is in use by an open request",
-    "residency.not_offloadable": (
-        "the component cannot be offloaded the way asked: an offload of a component "
-        "kept resident, or layerwise offload of a kind with no block stack"
-    ),
-    "parallel.invalid_layout": "the parallel layout breaks an invariant across its keys",
-    "parallel.ring_requires_lse": (
-        "ring attention needs a backend that exposes the softmax log-sum-exp"
-    ),
-}
 
 
 class TransitionRefused(Exception):
@@ -101,7 +172,7 @@ class TransitionRefused(Exception):
         super().__init__(message or self._describe())
 
     @property
-    def codes(self) -> tuple[str, ...]:
+    def codes(self) -> tuple[RefusalCode, ...]:
         """Return the refusal codes, in the order they were found."""
         return tuple(r.code for r in self.refusals)
 

@@ -27,7 +27,7 @@ from components.offload import DiskStore, HostStore, LayerwiseStore, WeightStore
 from lifecycle.budget import plan_onload
 from lifecycle.config import PipelineSpec
 from lifecycle.machine import TransitionContext
-from lifecycle.refusals import Refusal
+from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.timeline import Timeline
@@ -122,7 +122,7 @@ class Residency:
             return []
         return [
             Refusal(
-                code="residency.not_offloadable",
+                code=RefusalCode.NOT_OFFLOADABLE,
                 component=name,
                 message=f"component '{name}' is explicitly resident: it is never offloaded",
                 hint=f'set components.{name}.residency = "component_offload" to let it move',
@@ -135,7 +135,7 @@ class Residency:
             return []
         return [
             Refusal(
-                code="residency.undeclared_use",
+                code=RefusalCode.UNDECLARED_USE,
                 component=name,
                 message=f"component '{name}' is used by no stage, so nothing would onload it",
                 hint=f"add '{name}' to the uses of the stage that needs it",
@@ -149,7 +149,7 @@ class Residency:
             return []
         return [
             Refusal(
-                code="residency.in_use",
+                code=RefusalCode.IN_USE,
                 component=name,
                 message=f"component '{name}' is in use by request(s) {', '.join(sorted(holders))}",
                 hint="wait for those requests' stages to end, or cancel the requests",

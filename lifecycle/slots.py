@@ -11,6 +11,7 @@ from components import ResidencyMode
 from components import registry as kinds
 from components.loader import ComponentLoader
 from components.offload import WeightStore
+from lifecycle.admission import ComponentAdmission
 from lifecycle.config import ComponentSpec
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
@@ -24,7 +25,7 @@ class ComponentSlot:
         spec: what the pipeline spec says of it.
         lifecycle: its place on the lifecycle machine.
         loader: its kind's loader, with validated options.
-        plan: what admission decided (None before admission).
+        admission: what admission found for it (None before admission).
         module: the built module, from LOADED until RELEASED.
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
@@ -38,12 +39,17 @@ class ComponentSlot:
         self.spec = spec
         self.lifecycle = lifecycle
         self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
-        self.plan: ComponentPlan | None = None
+        self.admission: ComponentAdmission | None = None
         self.module: nn.Module | None = None
         self.store: WeightStore | None = None
         self.footprint = 0
         self.holders: Counter[str] = Counter()
         self.reserved = False
+
+    @property
+    def plan(self) -> ComponentPlan | None:
+        """Return what admission decided, None before admission."""
+        return None if self.admission is None else self.admission.plan
 
     @property
     def mode(self) -> ResidencyMode:

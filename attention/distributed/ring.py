@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from attention import registry
 from attention.distributed.local import LocalAttention, LocalKernel
-from attention.errors import BackendSelectionError
+from attention.errors import BackendSelectionError, SelectionCode
 from attention.layer import Attention
-from attention.selection import RING_REQUIRES_LSE
 
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
@@ -140,7 +139,7 @@ def _requires_lse(kernel: LocalKernel) -> BackendSelectionError:
     name = kernel.backend_name
     capable = ", ".join(n for n in registry.names() if registry.get(n).supports_lse())
     return BackendSelectionError(
-        RING_REQUIRES_LSE,
+        SelectionCode.RING_REQUIRES_LSE,
         kernel.component,
         f"backend '{name}' does not implement softmax LSE, which ring attention on "
         f"{kernel.where} requires to merge the partial results of its K/V blocks",

@@ -328,6 +328,10 @@ class MiniLmLoader(ComponentLoader):
             ),
         )
 
+    def block_count(self) -> int:
+        """Return the number of blocks layerwise offload streams."""
+        return LAYERS
+
     def parameter_count(self) -> int:
         """Count the checkpoint's weights: embeddings, layers, pooler."""
         embeddings = (VOCAB_SIZE + MAX_POSITIONS + TYPE_VOCAB_SIZE) * WIDTH + norm(WIDTH)

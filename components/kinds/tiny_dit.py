@@ -347,6 +347,10 @@ class TinyDitLoader(ComponentLoader):
             AttentionSite(name="cross", role=AttentionRole.CROSS, heads=opts.heads),
         )
 
+    def block_count(self) -> int:
+        """Return the number of blocks layerwise offload streams."""
+        return self.options.layers
+
     def parameter_count(self) -> int:
         """Count the weights from the options: stem, blocks, final modulation, head."""
         o = self.options

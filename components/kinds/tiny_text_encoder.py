@@ -167,6 +167,10 @@ class TinyTextEncoderLoader(ComponentLoader):
             ),
         )
 
+    def block_count(self) -> int:
+        """Return the number of blocks layerwise offload streams."""
+        return self.options.layers
+
     def parameter_count(self) -> int:
         """Count the weights from the options: embeddings, layers, final norm."""
         o = self.options

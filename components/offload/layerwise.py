@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from components.offload.base import Group, OffloadError, Slot, WeightStore
 from components.offload.disk import DiskFile, DiskGroup
 from components.offload.host import HostGroup, copy_stream
+from components.offload.layerwise_limits import layerwise_problems
 from components.residency import OffloadTarget
 
 
@@ -220,10 +221,7 @@ def _check_arguments(
         problems.append("target 'disk' needs a path for its safetensors file")
     if target == "host" and path is not None:
         problems.append("target 'host' takes no path; drop it or use target 'disk'")
-    if prefetch < 0:
-        problems.append(f"prefetch is {prefetch}; use 0 or more blocks")
-    if not 0 <= resident_layers <= len(blocks):
-        problems.append(f"resident_layers is {resident_layers}; use 0 to {len(blocks)}")
+    problems += layerwise_problems(len(blocks), prefetch=prefetch, resident_layers=resident_layers)
     if not any(child is blocks for child in module.modules()):
         problems.append(f"blocks are not a submodule of {type(module).__name__}; pass its own list")
     if problems:

@@ -17,7 +17,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from attention import Attention, AttentionRole, Platform, component_attention_scope, registry
+from attention import (
+    Attention,
+    AttentionRole,
+    ComponentRequests,
+    Platform,
+    component_attention_scope,
+    registry,
+)
 from attention.distributed import (
     LocalAttention,
     kv_gather_attention,
@@ -57,7 +64,8 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 def layer(backend: str, *, ring: bool = False) -> Attention:
     """Build an armed self-attention layer of component 'transformer' running ``backend``."""
     with component_attention_scope(
-        "transformer", component_backend=explicit(backend), ring=ring, platform=Platform("cpu")
+        ComponentRequests(component="transformer", component_backend=explicit(backend), ring=ring),
+        platform=Platform("cpu"),
     ):
         built = Attention("self", AttentionRole.SELF)
     built.arm()

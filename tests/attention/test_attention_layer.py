@@ -14,6 +14,7 @@ from attention import (
     AttentionRequirements,
     AttentionRole,
     BackendSelectionError,
+    ComponentRequests,
     NotResidentError,
     Platform,
     arm_layers,
@@ -33,7 +34,8 @@ ALL = AttentionRequirements(packed_varlen=True, softmax_lse=True, attention_mask
 def built(backend: str, requirements: AttentionRequirements = ALL) -> Attention:
     """Build an armed layer of component 'transformer' running ``backend``."""
     with component_attention_scope(
-        "transformer", component_backend=explicit(backend), platform=CPU
+        ComponentRequests(component="transformer", component_backend=explicit(backend)),
+        platform=CPU,
     ):
         layer = Attention("self", SELF, requirements=requirements)
     layer.arm()
@@ -54,7 +56,7 @@ class TestAttention:
 
     def test_starts_disarmed_and_refuses_to_run(self, inputs: RandomInputs) -> None:
         """A new layer is disarmed; its forward raises NotResidentError naming the component."""
-        with component_attention_scope("vae", platform=CPU):
+        with component_attention_scope(ComponentRequests(component="vae"), platform=CPU):
             layer = Attention("mid", SELF)
         q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float32)
         assert layer.is_armed is False
@@ -89,7 +91,7 @@ class TestAttention:
 
     def test_arm_and_disarm_a_module_tree(self) -> None:
         """arm_layers and disarm_layers reach every nested layer and count them."""
-        with component_attention_scope("transformer", platform=CPU):
+        with component_attention_scope(ComponentRequests(component="transformer"), platform=CPU):
             block = Block()
         assert arm_layers(block) == 2
         assert block.attn.is_armed
@@ -122,7 +124,7 @@ class TestAttention:
 
     def test_scale_is_passed_to_the_kernel(self, inputs: RandomInputs) -> None:
         """A layer's scale reaches its kernel."""
-        with component_attention_scope("t", platform=CPU):
+        with component_attention_scope(ComponentRequests(component="t"), platform=CPU):
             layer = Attention("self", SELF, scale=0.3)
             ref = Attention("self", SELF, backend="reference", scale=0.3)
         arm_layers(layer)
@@ -146,7 +148,9 @@ class TestAttention:
 
     def test_ring_layer_may_ask_for_the_lse(self, inputs: RandomInputs) -> None:
         """Under ring attention a self layer may call forward_with_lse undeclared."""
-        with component_attention_scope("transformer", ring=True, platform=CPU):
+        with component_attention_scope(
+            ComponentRequests(component="transformer", ring=True), platform=CPU
+        ):
             layer = Attention("self", SELF)
         layer.arm()
         q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float64)
@@ -168,14 +172,15 @@ class TestAttention:
         with (
             pytest.raises(BackendSelectionError, match="of component 'vae' requires"),
             component_attention_scope(
-                "vae", component_backend=explicit("torch_sdpa"), platform=CPU
+                ComponentRequests(component="vae", component_backend=explicit("torch_sdpa")),
+                platform=CPU,
             ),
         ):
             Attention("mid", SELF, requirements=AttentionRequirements(softmax_lse=True))
 
     def test_repr_shows_backend_and_arming(self) -> None:
         """The module repr shows site, role, backend and whether it is armed."""
-        with component_attention_scope("t", platform=CPU):
+        with component_attention_scope(ComponentRequests(component="t"), platform=CPU):
             layer = Attention("self", CROSS)
         assert (
             repr(layer) == "Attention(site='self', role=cross, backend='torch_sdpa', armed=False)"

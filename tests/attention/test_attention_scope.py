@@ -15,6 +15,8 @@ from attention import (
     AttentionRequirements,
     AttentionRole,
     BackendSelectionError,
+    ComponentRequests,
+    PlannedSelection,
     Platform,
     Provenance,
     Selection,
@@ -46,7 +48,7 @@ class TestComponentAttentionScope:
 
     def test_records_every_selection_for_after_exit(self) -> None:
         """The scope's records list each layer's site, role, source and selection."""
-        with component_attention_scope("vae", platform=CPU) as scope:
+        with component_attention_scope(ComponentRequests(component="vae"), platform=CPU) as scope:
             Attention("mid", SELF)
             Attention("mid", SELF, requirements=AttentionRequirements(packed_varlen=True))
         assert current_scope() is None
@@ -57,7 +59,10 @@ class TestComponentAttentionScope:
 
     def test_summary_line_lists_backends_with_reasons(self) -> None:
         """One attention.summary event lists each backend once, with its fallback reason."""
-        with capture_logs() as logs, component_attention_scope("vae", platform=CPU):
+        with (
+            capture_logs() as logs,
+            component_attention_scope(ComponentRequests(component="vae"), platform=CPU),
+        ):
             Attention("mid", SELF)
             Attention("mid", SELF, requirements=AttentionRequirements(packed_varlen=True))
             Attention("mid", SELF)
@@ -80,7 +85,8 @@ class TestComponentAttentionScope:
             capture_logs(processors=[scope_at_log_time]) as logs,
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "vae", component_backend=explicit("torch_flash"), platform=CPU
+                ComponentRequests(component="vae", component_backend=explicit("torch_flash")),
+                platform=CPU,
             ),
         ):
             pass
@@ -101,7 +107,8 @@ class TestComponentAttentionScope:
         with (
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "vae", role_backends={CROSS: explicit("torch_flash")}, platform=CPU
+                ComponentRequests(component="vae", role_backends={CROSS: explicit("torch_flash")}),
+                platform=CPU,
             ),
         ):
             Attention("mid", SELF)
@@ -116,9 +123,11 @@ class TestComponentAttentionScope:
         with (
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "transformer",
-                component_backend=explicit("reference"),
-                role_backends={SELF: explicit("torch_sdpa"), CROSS: explicit("torch_sdpa")},
+                ComponentRequests(
+                    component="transformer",
+                    component_backend=explicit("reference"),
+                    role_backends={SELF: explicit("torch_sdpa"), CROSS: explicit("torch_sdpa")},
+                ),
                 platform=CPU,
             ),
         ):
@@ -136,7 +145,8 @@ class TestComponentAttentionScope:
         with (
             pytest.raises(OSError, match="weights unreadable") as err,
             component_attention_scope(
-                "vae", component_backend=explicit("torch_flash"), platform=CPU
+                ComponentRequests(component="vae", component_backend=explicit("torch_flash")),
+                platform=CPU,
             ),
         ):
             raise boom
@@ -148,7 +158,10 @@ class TestComponentAttentionScope:
         with (
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "transformer", component_backend=explicit("torch_sdpa"), platform=CPU
+                ComponentRequests(
+                    component="transformer", component_backend=explicit("torch_sdpa")
+                ),
+                platform=CPU,
             ),
         ):
             Attention("self", SELF, requirements=AttentionRequirements(packed_varlen=True))
@@ -158,7 +171,8 @@ class TestComponentAttentionScope:
     def test_automatic_backend_is_exempt(self) -> None:
         """An automatic component backend with no layer built is no error."""
         with component_attention_scope(
-            "upsampler", component_backend=automatic("torch_flash"), platform=CPU
+            ComponentRequests(component="upsampler", component_backend=automatic("torch_flash")),
+            platform=CPU,
         ) as scope:
             pass
         assert scope.records == ()
@@ -166,7 +180,8 @@ class TestComponentAttentionScope:
     def test_global_backend_is_not_checked(self) -> None:
         """An explicit global backend that no layer used blocks nothing."""
         with component_attention_scope(
-            "upsampler", global_backend=explicit("torch_flash"), platform=CPU
+            ComponentRequests(component="upsampler", global_backend=explicit("torch_flash")),
+            platform=CPU,
         ):
             pass
 
@@ -175,7 +190,10 @@ class TestComponentAttentionScope:
         with (
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "transformer", component_backend=explicit("torch_flash"), platform=CPU
+                ComponentRequests(
+                    component="transformer", component_backend=explicit("torch_flash")
+                ),
+                platform=CPU,
             ),
         ):
             build_self_and_coded_cross()
@@ -189,8 +207,9 @@ class TestComponentAttentionScope:
     def test_reasoned_fallback_is_tolerated(self) -> None:
         """A sparse role override that became dense on cross-attention counts as consumed."""
         with component_attention_scope(
-            "transformer",
-            component_backend=explicit("sliding_window"),
+            ComponentRequests(
+                component="transformer", component_backend=explicit("sliding_window")
+            ),
             platform=CPU,
         ) as scope:
             Attention("self", SELF)
@@ -203,9 +222,11 @@ class TestComponentAttentionScope:
     def test_role_override_beats_component_wide_in_scope(self) -> None:
         """Layers of the overridden role take the role backend, the others the component one."""
         with component_attention_scope(
-            "transformer",
-            component_backend=explicit("reference"),
-            role_backends={CROSS: explicit("torch_flash")},
+            ComponentRequests(
+                component="transformer",
+                component_backend=explicit("reference"),
+                role_backends={CROSS: explicit("torch_flash")},
+            ),
             platform=CPU,
         ) as scope:
             Attention("self", SELF)
@@ -217,8 +238,10 @@ class TestComponentAttentionScope:
 
     def test_nested_scopes_restore_the_outer_one(self) -> None:
         """A scope inside another applies to its own layers and restores the outer on exit."""
-        with component_attention_scope("outer", platform=CPU) as outer:
-            with component_attention_scope("inner", platform=CPU) as inner:
+        with component_attention_scope(ComponentRequests(component="outer"), platform=CPU) as outer:
+            with component_attention_scope(
+                ComponentRequests(component="inner"), platform=CPU
+            ) as inner:
                 assert current_scope() is inner
                 Attention("a", SELF)
             assert current_scope() is outer
@@ -229,54 +252,66 @@ class TestComponentAttentionScope:
     def test_scope_is_not_visible_from_another_thread(self) -> None:
         """The scope is context-local: a thread started inside it sees none."""
         seen: list[object] = []
-        with component_attention_scope("vae", platform=CPU):
+        with component_attention_scope(ComponentRequests(component="vae"), platform=CPU):
             thread = threading.Thread(target=lambda: seen.append(current_scope()))
             thread.start()
             thread.join()
         assert seen == [None]
 
-    def test_plan_is_followed(self) -> None:
-        """A layer built under a plan that agrees with it takes the planned backend."""
-        plan = {
-            "self": Selection(backend="torch_flash", reason=None, provenance=Provenance.DEFAULT)
-        }
-        with component_attention_scope("transformer", platform=CPU, plan=plan):
+    def test_plan_is_followed_without_selecting_again(self) -> None:
+        """A layer built as its planned site takes the planned Selection object itself."""
+        requests = ComponentRequests(component="transformer")
+        planned = PlannedSelection(
+            request=requests.for_site("self", SELF, default="torch_flash"),
+            # not what select_backend would choose: only the plan can hand this out
+            selection=Selection(backend="reference", reason=None, provenance=Provenance.DEFAULT),
+        )
+        with component_attention_scope(requests, platform=CPU, plan={"self": planned}):
             layer = Attention("self", SELF, default="torch_flash")
-        assert layer.backend_name == "torch_flash"
+        assert layer.backend_name == "reference"
+        assert layer.selection is planned.selection
 
     def test_plan_divergence_fails(self) -> None:
-        """A layer whose selection differs from the admitted plan raises plan_diverged."""
-        plan = {
-            "self": Selection(backend="torch_flash", reason=None, provenance=Provenance.DEFAULT)
-        }
+        """A layer unlike the site its plan was made from raises plan_diverged, naming why."""
+        requests = ComponentRequests(component="transformer")
+        planned = PlannedSelection(
+            request=requests.for_site("self", SELF, default="torch_flash"),
+            selection=Selection(backend="torch_flash", reason=None, provenance=Provenance.DEFAULT),
+        )
         with (
             pytest.raises(BackendSelectionError) as err,
-            component_attention_scope("transformer", platform=CPU, plan=plan),
+            component_attention_scope(requests, platform=CPU, plan={"self": planned}),
         ):
             Attention("self", SELF)
         assert err.value.code == "attention.plan_diverged"
         assert err.value.message == (
-            "layer 'self' (self) of component 'transformer' selected backend 'torch_sdpa', but "
-            "the admitted plan chose 'torch_flash' for that site"
+            "layer 'self' (self) of component 'transformer' differs from the site the plan "
+            "was made from: layer_default None (planned 'torch_flash')"
         )
 
     def test_undeclared_site_fails_under_a_plan(self) -> None:
         """A layer for a site the plan does not know raises plan_diverged."""
-        plan = {"self": Selection(backend="torch_sdpa", reason=None, provenance=Provenance.DEFAULT)}
+        requests = ComponentRequests(component="transformer")
+        planned = PlannedSelection(
+            request=requests.for_site("self", SELF),
+            selection=Selection(backend="torch_sdpa", reason=None, provenance=Provenance.DEFAULT),
+        )
         with (
             pytest.raises(
                 BackendSelectionError, match=r"not in the admitted plan \(planned sites: self\)"
             ),
-            component_attention_scope("transformer", platform=CPU, plan=plan),
+            component_attention_scope(requests, platform=CPU, plan={"self": planned}),
         ):
             Attention("cross", CROSS)
 
     def test_backend_options_reach_the_kernel(self, inputs: RandomInputs) -> None:
         """The scope's options for a backend configure that backend's kernels."""
         with component_attention_scope(
-            "transformer",
-            component_backend=explicit("sliding_window"),
-            backend_options={"sliding_window": SlidingWindowOptions(window=3)},
+            ComponentRequests(
+                component="transformer",
+                component_backend=explicit("sliding_window"),
+                backend_options={"sliding_window": SlidingWindowOptions(window=3)},
+            ),
             platform=CPU,
         ):
             layer = Attention("self", SELF)
@@ -289,7 +324,9 @@ class TestComponentAttentionScope:
 
     def test_ring_applies_to_self_attention_only(self) -> None:
         """With ring attention, self layers need softmax LSE and cross layers do not."""
-        with component_attention_scope("transformer", ring=True, platform=CPU) as scope:
+        with component_attention_scope(
+            ComponentRequests(component="transformer", ring=True), platform=CPU
+        ) as scope:
             Attention("self", SELF)
             Attention("cross", CROSS)
         assert [r.selection.backend for r in scope.records] == ["torch_flash", "torch_sdpa"]
@@ -299,7 +336,10 @@ class TestComponentAttentionScope:
         with (
             capture_logs() as logs,
             component_attention_scope(
-                "transformer", role_backends={CROSS: explicit("sliding_window")}, platform=CPU
+                ComponentRequests(
+                    component="transformer", role_backends={CROSS: explicit("sliding_window")}
+                ),
+                platform=CPU,
             ),
         ):
             Attention("cross", CROSS)

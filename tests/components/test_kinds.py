@@ -21,12 +21,12 @@ from attention import (
     AttentionRequirements,
     AttentionRole,
     BackendChoice,
-    BackendRequest,
     BackendSelectionError,
+    ComponentRequests,
     NotResidentError,
+    PlannedSelection,
     Platform,
     Provenance,
-    Selection,
     arm_layers,
     component_attention_scope,
     select_backend,
@@ -122,24 +122,21 @@ def kernel_calls(module: nn.Module) -> Iterator[Counter[str]]:
             del layer.forward_varlen
 
 
-def plan_for(loader: ComponentLoader, component: str, **requests: Any) -> dict[str, Selection]:
+def plan_for(loader: ComponentLoader, requests: ComponentRequests) -> dict[str, PlannedSelection]:
     """Plan every declared site as admission does: ``select_backend`` on the CPU platform."""
-    return {
-        site.name: select_backend(
-            BackendRequest(
-                component=component,
-                site=site.name,
-                role=site.role,
-                requirements=site.requirements,
-                supported=site.supported,
-                layer_default=site.default,
-                allow_global_fallback=loader.allows_global_fallback,
-                **requests,
-            ),
-            CPU,
+    planned = {}
+    for site in loader.sites() or ():
+        request = requests.for_site(
+            site.name,
+            site.role,
+            requirements=site.requirements,
+            supported=site.supported,
+            default=site.default,
         )
-        for site in loader.sites() or ()
-    }
+        planned[site.name] = PlannedSelection(
+            request=request, selection=select_backend(request, CPU)
+        )
+    return planned
 
 
 def explicit(name: str) -> BackendChoice:
@@ -273,14 +270,13 @@ class TestTinyTextEncoder:
     def test_explicit_backend_in_the_orchestrator_scope(self) -> None:
         """Built in its scope with an explicit torch_flash, every layer takes it as planned."""
         loader = loader_of("tiny_text_encoder")
-        choice = explicit("torch_flash")
-        plan = plan_for(loader, "text_encoder", component_override=choice)
-        with component_attention_scope(
-            "text_encoder",
-            component_backend=choice,
+        requests = ComponentRequests(
+            component="text_encoder",
+            component_backend=explicit("torch_flash"),
             allow_global_fallback=loader.allows_global_fallback,
-            plan=plan,
-            platform=CPU,
+        )
+        with component_attention_scope(
+            requests, plan=plan_for(loader, requests), platform=CPU
         ) as scope:
             module = loader.build("custom")
         assert [(r.site, r.selection.backend) for r in scope.records] == [
@@ -384,12 +380,11 @@ class TestTinyDit:
     def test_built_in_the_orchestrator_scope(self) -> None:
         """In its scope with its plan, self takes a varlen fallback and cross the default."""
         loader = loader_of("tiny_dit")
-        plan = plan_for(loader, "transformer")
+        requests = ComponentRequests(
+            component="transformer", allow_global_fallback=loader.allows_global_fallback
+        )
         with component_attention_scope(
-            "transformer",
-            allow_global_fallback=loader.allows_global_fallback,
-            plan=plan,
-            platform=CPU,
+            requests, plan=plan_for(loader, requests), platform=CPU
         ) as scope:
             module = loader.build("custom")
         chosen = {(r.site, r.selection.backend, r.selection.reason) for r in scope.records}
@@ -406,7 +401,10 @@ class TestTinyDit:
         with (
             pytest.raises(BackendSelectionError) as err,
             component_attention_scope(
-                "transformer", component_backend=explicit("torch_sdpa"), platform=CPU
+                ComponentRequests(
+                    component="transformer", component_backend=explicit("torch_sdpa")
+                ),
+                platform=CPU,
             ),
         ):
             loader.build("custom")
@@ -416,7 +414,8 @@ class TestTinyDit:
         """Without packing, an explicit torch_sdpa serves both sites."""
         loader = loader_of("tiny_dit", packed_sequences=False)
         with component_attention_scope(
-            "transformer", component_backend=explicit("torch_sdpa"), platform=CPU
+            ComponentRequests(component="transformer", component_backend=explicit("torch_sdpa")),
+            platform=CPU,
         ) as scope:
             module = loader.build("custom")
         assert {r.selection.backend for r in scope.records} == {"torch_sdpa"}
@@ -483,14 +482,13 @@ class TestTinyVae:
     def test_explicit_global_backend_falls_back(self) -> None:
         """An explicit global backend outside the supported set falls back to the default."""
         loader = loader_of("tiny_vae")
-        choice = explicit("reference")
-        plan = plan_for(loader, "vae", global_backend=choice)
-        with component_attention_scope(
-            "vae",
-            global_backend=choice,
+        requests = ComponentRequests(
+            component="vae",
+            global_backend=explicit("reference"),
             allow_global_fallback=loader.allows_global_fallback,
-            plan=plan,
-            platform=CPU,
+        )
+        with component_attention_scope(
+            requests, plan=plan_for(loader, requests), platform=CPU
         ) as scope:
             loader.build("custom")
         (record,) = scope.records
@@ -522,7 +520,9 @@ class TestTinyUpsampler:
         """The kind declares no site, builds no layer, records nothing in its scope."""
         loader = loader_of("tiny_upsampler")
         assert loader.sites() == ()
-        with component_attention_scope("upsampler", plan={}, platform=CPU) as scope:
+        with component_attention_scope(
+            ComponentRequests(component="upsampler"), plan={}, platform=CPU
+        ) as scope:
             module = loader.build("custom")
         assert scope.records == ()
         assert not layers_of(module)

@@ -14,7 +14,14 @@ from safetensors import safe_open
 from structlog.testing import capture_logs
 from torch import nn
 
-from attention import Attention, AttentionRole, Platform, arm_layers, component_attention_scope
+from attention import (
+    Attention,
+    AttentionRole,
+    ComponentRequests,
+    Platform,
+    arm_layers,
+    component_attention_scope,
+)
 from attention.testing import explicit
 from components.accounting import module_bytes
 from components.batch import Batch
@@ -104,9 +111,11 @@ def custom_encoder(loader: MiniLmLoader, backend: str) -> nn.Module:
     with (
         capture_logs(),
         component_attention_scope(
-            "text_encoder",
-            component_backend=explicit(backend),
-            allow_global_fallback=True,
+            ComponentRequests(
+                component="text_encoder",
+                component_backend=explicit(backend),
+                allow_global_fallback=True,
+            ),
             platform=CPU,
         ),
     ):

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention import Platform, Provenance
+from attention import Platform, Provenance, SelectionCode
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused
+from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,14 +48,22 @@ class TestExamples:
 
     def test_refused_examples_cover_every_admission_code(self) -> None:
         """Every code admission can raise from a spec has an example that teaches it."""
-        runtime_only = {
-            "attention.no_backend",
-            "attention.plan_diverged",
-            "residency.in_use",
-            "residency.memory_budget",
-            "residency.not_offloadable",
-        }
-        assert {expected_code(p) for p in REFUSED} == set(REFUSAL_CODES) - runtime_only
+        from_spec = {code for code in RefusalCode if code.from_spec}
+        assert sorted(expected_code(p) for p in REFUSED) == sorted(from_spec)
+
+
+class TestRefusalCodes:
+    def test_attention_codes_are_refusal_codes(self) -> None:
+        """Each code attention raises is the RefusalCode of the same name and value."""
+        for code in SelectionCode:
+            assert RefusalCode[code.name].value == code.value
+
+    def test_codes_are_dotted_and_documented(self) -> None:
+        """Every code is wing.snake_case and says what it means."""
+        for code in RefusalCode:
+            assert re.fullmatch(r"[a-z]+\.[a-z_]+", code.value)
+            assert code.__doc__
+            assert REFUSAL_CODES[code.value] == code.__doc__
 
 
 class TestPlan:
@@ -113,7 +121,42 @@ kind = "tiny_dit"
         )
         (refusal,) = admit_pipeline(spec, CPU).refusals()
         assert refusal.code == "attention.backend_not_consumed"
-        assert "the role keys replace 'all'" in refusal.message
+        assert refusal.message == (
+            "backend 'torch_sdpa' was requested for component 'vae', but that component "
+            "constructed no cross-attention layers (only self), and per-role overrides "
+            "replace it for self-attention layers"
+        )
+
+    def test_component_backend_replaced_for_every_role(self) -> None:
+        """A component-wide backend that role keys replace for every role says so plainly."""
+        spec = decode_spec(
+            'name = "p"\n[components.dit]\nkind = "tiny_dit"\n'
+            "[components.dit.options]\npacked_sequences = false\n"
+            "[components.dit.attention_backend]\n"
+            'all = "reference"\nself = "torch_sdpa"\ncross = "torch_sdpa"\n'
+        )
+        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        assert refusal.code is RefusalCode.BACKEND_NOT_CONSUMED
+        assert refusal.message == (
+            "backend 'reference' was requested for component 'dit', but per-role "
+            "overrides replace it for every role"
+        )
+
+    def test_layerwise_settings_the_stack_cannot_honour(self) -> None:
+        """resident_layers beyond the declared blocks is refused by check, naming the key."""
+        spec = decode_spec(
+            'name = "p"\n[components.te]\nkind = "tiny_text_encoder"\n'
+            'residency = "layerwise_offload"\n[components.te.layerwise]\nresident_layers = 5\n'
+            '[[stages]]\nname = "s"\nuses = ["te"]\n'
+        )
+        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        assert refusal.code is RefusalCode.INVALID_LAYERWISE
+        assert refusal.component == "te"
+        assert refusal.message == (
+            "component 'te' streams 2 blocks (kind 'tiny_text_encoder'), and its layerwise "
+            "settings cannot be honoured: resident_layers is 5; use 0 to 2"
+        )
+        assert refusal.hint == "change [components.te.layerwise] to fit 2 blocks"
 
     def test_options_of_a_backend_nobody_runs_are_refused(self) -> None:
         """Backend options that no planned site would use are not dropped in silence."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lifecycle import diagrams
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
+from lifecycle.refusals import RefusalCode
 from lifecycle.states import TRANSITIONS, ComponentState
 from tests.lifecycle.test_machine import passing_checks
 
@@ -24,6 +25,20 @@ class TestDiagrams:
         block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
         assert block is not None
         assert block.group(1) == diagrams.mermaid()
+
+    def test_readme_embeds_the_generated_refusal_table(self) -> None:
+        """The README's refusal-code table is the one drawn from RefusalCode, verbatim."""
+        readme = (ROOT / "README.md").read_text(encoding="utf-8")
+        assert diagrams.refusal_table() in readme
+
+    def test_refusal_table_lists_every_code_once(self) -> None:
+        """Each RefusalCode has exactly one row, saying whether check can refuse with it."""
+        rows = diagrams.refusal_table().splitlines()[2:]
+        assert [row.split("`")[1] for row in rows] == [code.value for code in RefusalCode]
+        assert all(
+            ("| yes |" in row) == code.from_spec
+            for row, code in zip(rows, RefusalCode, strict=True)
+        )
 
     def test_every_table_row_is_drawn_with_its_guards(self) -> None:
         """Each (source, trigger) of the table appears once, labelled with its guards."""
@@ -54,7 +69,11 @@ class TestDiagrams:
     def test_write_then_check(self, tmp_path: Path) -> None:
         """Written diagrams check clean; an edited one is reported stale."""
         written = diagrams.write_diagrams(tmp_path)
-        assert {p.name for p in written} == {"component_lifecycle.mmd", "component_lifecycle.dot"}
+        assert {p.name for p in written} == {
+            "component_lifecycle.mmd",
+            "component_lifecycle.dot",
+            "refusal_codes.md",
+        }
         assert diagrams.stale_diagrams(tmp_path) == []
         (tmp_path / "component_lifecycle.dot").write_text("digraph {}\n")
         assert diagrams.stale_diagrams(tmp_path) == [tmp_path / "component_lifecycle.dot"]

@@ -1,4 +1,4 @@
-"""The orchestrator: admission all-or-nothing, loading, native fallback, snapshots."""
+"""The orchestrator: admission all-or-nothing, loading along the plan, snapshots."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from attention import Attention, NotResidentError, Platform
 from components import registry as kinds
-from components.loader import ComponentLoader
+from components.loader import ComponentLoader, PathUnavailable
 from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import (
@@ -133,7 +133,7 @@ class TestAdmissionIsAllOrNothing:
 class TestAdmitThenLoad:
     def test_second_admit_is_invalid_and_changes_nothing(self) -> None:
         """Admitting a loaded pipeline again is refused; its plan and states stay."""
-        orch = orchestrator(one_component("test_native_only"))
+        orch = orchestrator(one_component("tiny_vae"))
         orch.load()
         plan = orch.component("c").plan
         with pytest.raises(InvalidTransition):
@@ -176,40 +176,22 @@ class TestLoading:
         gc.collect()
         assert built() is None
 
-    def test_native_fallback_at_load_when_the_custom_path_is_missing(self) -> None:
-        """A custom path unavailable at load falls back to native when no rule forbids it."""
-        orch = orchestrator(one_component("test_native_only"))
-        orch.load()
-        assert NativeOnlyKind.native_builds == ["built"]
-        assert orch.state("c") is ComponentState.RESIDENT
-        view = orch.component("c")
-        assert view.plan is not None
-        assert view.plan.loader == "native"
-
-    def test_native_fallback_refused_before_native_code_runs(self) -> None:
-        """With an explicit backend the load-time native fallback is refused; native never ran."""
-        orch = orchestrator(one_component("test_native_only", 'attention_backend = "torch_sdpa"'))
-        orch.admit()
+    @pytest.mark.parametrize(
+        "extra",
+        ["", 'attention_backend = "torch_sdpa"', '[parallel]\nfsdp = ["c"]'],
+        ids=["plain", "explicit-backend", "fsdp"],
+    )
+    def test_path_unavailable_at_load_fails_without_replanning(self, extra: str) -> None:
+        """A custom path found unavailable at load fails the load; native never runs instead."""
+        orch = orchestrator(one_component("test_native_only", extra))
+        plan = orch.admit().components["c"]
         with pytest.raises(TransitionFailed) as err:
             orch.load()
-        cause = err.value.__cause__
-        assert isinstance(cause, TransitionRefused)
-        assert cause.codes == ("loader.native_explicit_backend",)
+        assert isinstance(err.value.__cause__, PathUnavailable)
         assert NativeOnlyKind.native_builds == []
         assert orch.state("c") is ComponentState.ADMITTED
-
-    def test_layout_refuses_the_load_time_native_fallback(self) -> None:
-        """Under FSDP the load-time native fallback is refused; native code never ran."""
-        orch = orchestrator(one_component("test_native_only") + '[parallel]\nfsdp = ["c"]\n')
-        orch.admit()
-        with pytest.raises(TransitionFailed) as err:
-            orch.load()
-        cause = err.value.__cause__
-        assert isinstance(cause, TransitionRefused)
-        assert cause.codes == ("loader.native_parallel_layout",)
-        assert "(fsdp)" in cause.refusals[0].message
-        assert NativeOnlyKind.native_builds == []
-        assert orch.state("c") is ComponentState.ADMITTED
+        assert orch.component("c").plan == plan
+        assert plan.loader == "custom"
 
     def test_layout_refuses_native_fallback_at_admission(self) -> None:
         """A kind with only a native path under tensor parallelism is refused at admission."""

@@ -1,0 +1,118 @@
+"""Loading: the work of ``load`` (build a component along its admitted plan) and its check.
+
+The plan never changes after admission: a component is built through the path
+admission chose, its attention layers take the planned backends from its scope,
+and a path that turns out to be unavailable at load fails the transition (rolled
+back) rather than re-planning the component.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from attention import Attention, Platform, component_attention_scope
+from lifecycle.admission import ComponentAdmission
+from lifecycle.config import PipelineSpec
+from lifecycle.machine import TransitionContext
+from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.residency import Residency
+from lifecycle.slots import ComponentSlot
+
+
+class Loading:
+    """Build admitted components and check that what was built is what was planned.
+
+    Args:
+        slots: the orchestrator's components by name.
+        platform: where the attention layers will run.
+        residency: sizes a built component for the budget.
+    """
+
+    def __init__(
+        self, slots: Mapping[str, ComponentSlot], platform: Platform, residency: Residency
+    ) -> None:
+        self.slots = slots
+        self.platform = platform
+        self.residency = residency
+
+    def load(self, name: str, context: TransitionContext) -> None:
+        """Build ``name`` through its admitted path; undone by forgetting the module."""
+        slot = self.slots[name]
+        admitted = _admitted(slot)
+        if admitted.plan.loader == "native":
+            module = slot.loader.build("native")
+        else:
+            with component_attention_scope(
+                admitted.requests, plan=admitted.planned, platform=self.platform
+            ):
+                module = slot.loader.build("custom")
+        slot.module = module
+        slot.footprint = self.residency.footprint(slot)
+        context.on_rollback(slot.forget)
+
+    def plan_honoured(self, name: str) -> list[Refusal]:
+        """Refuse a build whose attention sites differ from the admitted plan.
+
+        Each layer built in the scope already took its site's planned backend; this
+        catches a declared site that was never built, and layers built outside the
+        scope (a native path that constructs ``attention.Attention`` after all).
+        """
+        slot = self.slots[name]
+        admitted = _admitted(slot)
+        module = slot.module
+        assert module is not None, "plan_honoured runs after load built the module"
+        if admitted.plan.loader == "custom" and admitted.planned is None:
+            return []  # a generic kind's sites are unknown: its scope enforced its requests
+        built = _built_sites(module)
+        expected = {site.site: site.backend for site in admitted.plan.attention}
+        if built == expected:
+            return []
+        return [
+            Refusal(
+                code=RefusalCode.PLAN_DIVERGED,
+                component=name,
+                message=f"the {admitted.plan.loader} path of kind '{slot.spec.kind}' built "
+                f"attention sites {built or 'none'}, but the admitted plan is "
+                f"{expected or 'none'}",
+                hint=f"make kind '{slot.spec.kind}' declare exactly the attention sites "
+                "it builds on each path",
+            )
+        ]
+
+
+def launch_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Refuse a layout whose world size differs from the processes launched (1 without
+    torch.distributed)."""
+    launched = (
+        torch.distributed.get_world_size()
+        if torch.distributed.is_available() and torch.distributed.is_initialized()
+        else 1
+    )
+    needed = spec.parallel.world_size
+    if needed == launched:
+        return []
+    return [
+        Refusal(
+            code=RefusalCode.INVALID_LAYOUT,
+            component=spec.name,
+            message=f"the parallel layout needs {needed} processes, but "
+            f"{launched} {'was' if launched == 1 else 'were'} launched",
+            hint=f"launch {needed} processes (torchrun --nproc-per-node "
+            f"{needed}), or shrink [parallel] to {launched}",
+        )
+    ]
+
+
+def _admitted(slot: ComponentSlot) -> ComponentAdmission:
+    if slot.admission is None:
+        raise RuntimeError(f"component '{slot.name}' was never admitted; admit() it first")
+    return slot.admission
+
+
+def _built_sites(module: nn.Module) -> dict[str, str]:
+    return {
+        layer.site: layer.backend_name for layer in module.modules() if isinstance(layer, Attention)
+    }
