@@ -30,3 +30,9 @@ def root() -> Path:
 def cpu() -> Platform:
     """A CPU platform built explicitly, so selection does not depend on this machine."""
     return Platform("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fixed_seed() -> None:
+    """Seed torch's global generator before each test, so implicit draws (layer init) repeat."""
+    torch.manual_seed(0)
