@@ -3,13 +3,60 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
-from safetensors.torch import load_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_model
 from torch import nn
+
+# Bits per element of each safetensors dtype, under the format's own names.
+_DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+
+class _TensorInfo(Protocol):
+    """What ``safe_open(...).get_slice`` tells of a tensor without reading it."""
+
+    def get_dtype(self) -> str: ...
+
+    def get_shape(self) -> list[int]: ...
+
+
+class _SafetensorsFile(Protocol):
+    """The part of an open ``safe_open`` file used here (safetensors ships it untyped)."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_slice(self, name: str) -> _TensorInfo: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
 
 
 def seed_weights(module: nn.Module, seed: int) -> None:
@@ -50,9 +97,12 @@ def load_weights(module: nn.Module, path: Path) -> None:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file's tensors do not match the module's names or shapes.
+        ValueError: the file is not safetensors, or its tensors do not match the
+            module's names or shapes.
     """
-    tensors = load_file(str(path))
+    with _open(path) as file:
+        names = file.keys()  # an open file is not iterable itself
+        tensors = {name: file.get_tensor(name) for name in names}
     own = module.state_dict(keep_vars=True)
     missing = sorted(
         name
@@ -94,13 +144,37 @@ def stored_bytes(path: Path) -> int:
         OSError: the file cannot be read.
         ValueError: the file is not safetensors.
     """
-    with path.open("rb") as file:
-        prefix = file.read(8)
-        if len(prefix) != 8:
-            raise ValueError(f"{path} is not a safetensors file (no header length)")
-        header = json.loads(file.read(int.from_bytes(prefix, "little")))
-    return sum(
-        entry["data_offsets"][1] - entry["data_offsets"][0]
-        for name, entry in header.items()
-        if name != "__metadata__"
-    )
+    total = 0
+    with _open(path) as file:
+        names = file.keys()
+        for name in names:
+            tensor = file.get_slice(name)
+            dtype = tensor.get_dtype()
+            if dtype not in _DTYPE_BITS:
+                raise ValueError(
+                    f"weights file {path}: tensor '{name}' has dtype {dtype}, which this "
+                    "version cannot size; store it as one of "
+                    f"{', '.join(sorted(_DTYPE_BITS))}"
+                )
+            bits = math.prod(tensor.get_shape()) * _DTYPE_BITS[dtype]
+            total += (bits + 7) // 8  # each tensor starts on a byte
+    return total
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[_SafetensorsFile]:
+    """Open the safetensors file at ``path``; a malformed file is a ValueError naming it.
+
+    safetensors validates the whole header when the file opens (its JSON, each tensor's
+    offsets against the file's length) and refuses a header longer than 100 MB, so a
+    corrupt length never makes us allocate it.
+    """
+    try:
+        file = safe_open(path, framework="pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"weights file {path} is not a valid safetensors file ({err}); write it with "
+            "safetensors (save_file or save_model), or point options.weights at another file"
+        ) from err
+    with file:
+        yield cast("_SafetensorsFile", file)

@@ -9,14 +9,12 @@ import pytest
 
 from lifecycle import ComponentState, Orchestrator
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     """Every ```python block of the README executes from the repository root."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.DOTALL)
     assert blocks
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(root)
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)

@@ -27,15 +27,14 @@ from attention.testing import TOLERANCE, RandomInputs, explicit, rel_err
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 SELF, CROSS = AttentionRole.SELF, AttentionRole.CROSS
-CPU = Platform("cpu")
 ALL = AttentionRequirements(packed_varlen=True, softmax_lse=True, attention_mask=True)
 
 
-def built(backend: str, requirements: AttentionRequirements = ALL) -> Attention:
-    """Build an armed layer of component 'transformer' running ``backend``."""
+def built(backend: str, platform: Platform, requirements: AttentionRequirements = ALL) -> Attention:
+    """Build an armed layer of component 'transformer' running ``backend`` on ``platform``."""
     with component_attention_scope(
         ComponentRequests(component="transformer", component_backend=explicit(backend)),
-        platform=CPU,
+        platform=platform,
     ):
         layer = Attention("self", SELF, requirements=requirements)
     layer.arm()
@@ -54,9 +53,9 @@ class Block(nn.Module):
 class TestAttention:
     """The layer's construction, arming and forward paths."""
 
-    def test_starts_disarmed_and_refuses_to_run(self, inputs: RandomInputs) -> None:
+    def test_starts_disarmed_and_refuses_to_run(self, cpu: Platform, inputs: RandomInputs) -> None:
         """A new layer is disarmed; its forward raises NotResidentError naming the component."""
-        with component_attention_scope(ComponentRequests(component="vae"), platform=CPU):
+        with component_attention_scope(ComponentRequests(component="vae"), platform=cpu):
             layer = Attention("mid", SELF)
         q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float32)
         assert layer.is_armed is False
@@ -68,9 +67,11 @@ class TestAttention:
         )
         assert err.value.component == "vae"
 
-    def test_armed_layer_runs_and_disarmed_again_refuses(self, inputs: RandomInputs) -> None:
+    def test_armed_layer_runs_and_disarmed_again_refuses(
+        self, cpu: Platform, inputs: RandomInputs
+    ) -> None:
         """Armed, forward equals the kernel; disarmed again, it refuses once more."""
-        layer = built("torch_sdpa", AttentionRequirements())
+        layer = built("torch_sdpa", cpu, AttentionRequirements())
         q, k, v = inputs.qkv(2, 4, 2, 6, 9, 8, dtype=torch.float64)
         direct = registry.get("torch_sdpa").make_impl().forward(q, k, v, is_causal=True, scale=None)
         assert torch.equal(layer(q, k, v, is_causal=True), direct)
@@ -78,9 +79,9 @@ class TestAttention:
         with pytest.raises(NotResidentError):
             layer(q, k, v)
 
-    def test_every_path_refuses_when_disarmed(self, inputs: RandomInputs) -> None:
+    def test_every_path_refuses_when_disarmed(self, cpu: Platform, inputs: RandomInputs) -> None:
         """forward_varlen and forward_with_lse are guarded like forward."""
-        layer = built("reference")
+        layer = built("reference", cpu)
         layer.disarm()
         q = inputs.tensor(5, 2, 8)
         cu = torch.tensor([0, 5])
@@ -89,9 +90,9 @@ class TestAttention:
         with pytest.raises(NotResidentError):
             layer.forward_with_lse(q[None], q[None], q[None])
 
-    def test_arm_and_disarm_a_module_tree(self) -> None:
+    def test_arm_and_disarm_a_module_tree(self, cpu: Platform) -> None:
         """arm_layers and disarm_layers reach every nested layer and count them."""
-        with component_attention_scope(ComponentRequests(component="transformer"), platform=CPU):
+        with component_attention_scope(ComponentRequests(component="transformer"), platform=cpu):
             block = Block()
         assert arm_layers(block) == 2
         assert block.attn.is_armed
@@ -99,9 +100,9 @@ class TestAttention:
         assert not any(m.is_armed for m in block.modules() if isinstance(m, Attention))
         assert arm_layers(nn.Linear(2, 2)) == 0
 
-    def test_paths_match_the_reference(self, inputs: RandomInputs) -> None:
+    def test_paths_match_the_reference(self, cpu: Platform, inputs: RandomInputs) -> None:
         """Masked, varlen and LSE paths of a torch_flash layer match the reference."""
-        layer, ref = built("torch_flash"), built("reference")
+        layer, ref = built("torch_flash", cpu), built("reference", cpu)
         q, k, v = inputs.qkv(1, 4, 2, 10, 10, 16, dtype=torch.float64)
         mask = inputs.keep_mask(10, 10)
         assert (
@@ -122,9 +123,9 @@ class TestAttention:
             < TOLERANCE[torch.float64]
         )
 
-    def test_scale_is_passed_to_the_kernel(self, inputs: RandomInputs) -> None:
+    def test_scale_is_passed_to_the_kernel(self, cpu: Platform, inputs: RandomInputs) -> None:
         """A layer's scale reaches its kernel."""
-        with component_attention_scope(ComponentRequests(component="t"), platform=CPU):
+        with component_attention_scope(ComponentRequests(component="t"), platform=cpu):
             layer = Attention("self", SELF, scale=0.3)
             ref = Attention("self", SELF, backend="reference", scale=0.3)
         arm_layers(layer)
@@ -132,9 +133,9 @@ class TestAttention:
         q, k, v = inputs.qkv(1, 2, 2, 5, 5, 8, dtype=torch.float64)
         assert rel_err(layer(q, k, v), ref(q, k, v)) < TOLERANCE[torch.float64]
 
-    def test_undeclared_paths_are_refused(self, inputs: RandomInputs) -> None:
+    def test_undeclared_paths_are_refused(self, cpu: Platform, inputs: RandomInputs) -> None:
         """A mask, packed input or LSE the layer did not declare raises, naming the flag."""
-        layer = built("reference", AttentionRequirements())
+        layer = built("reference", cpu, AttentionRequirements())
         q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float64)
         with pytest.raises(
             ValueError, match=r"declare AttentionRequirements\(attention_mask=True\)"
@@ -146,10 +147,10 @@ class TestAttention:
         with pytest.raises(ValueError, match=r"AttentionRequirements\(softmax_lse=True\)"):
             layer.forward_with_lse(q, k, v)
 
-    def test_ring_layer_may_ask_for_the_lse(self, inputs: RandomInputs) -> None:
+    def test_ring_layer_may_ask_for_the_lse(self, cpu: Platform, inputs: RandomInputs) -> None:
         """Under ring attention a self layer may call forward_with_lse undeclared."""
         with component_attention_scope(
-            ComponentRequests(component="transformer", ring=True), platform=CPU
+            ComponentRequests(component="transformer", ring=True), platform=cpu
         ):
             layer = Attention("self", SELF)
         layer.arm()
@@ -167,20 +168,20 @@ class TestAttention:
         )
         assert [e["event"] for e in logs] == ["attention.selected"]
 
-    def test_selection_error_at_construction(self) -> None:
+    def test_selection_error_at_construction(self, cpu: Platform) -> None:
         """A layer no backend may serve fails at construction, naming its component."""
         with (
             pytest.raises(BackendSelectionError, match="of component 'vae' requires"),
             component_attention_scope(
                 ComponentRequests(component="vae", component_backend=explicit("torch_sdpa")),
-                platform=CPU,
+                platform=cpu,
             ),
         ):
             Attention("mid", SELF, requirements=AttentionRequirements(softmax_lse=True))
 
-    def test_repr_shows_backend_and_arming(self) -> None:
+    def test_repr_shows_backend_and_arming(self, cpu: Platform) -> None:
         """The module repr shows site, role, backend and whether it is armed."""
-        with component_attention_scope(ComponentRequests(component="t"), platform=CPU):
+        with component_attention_scope(ComponentRequests(component="t"), platform=cpu):
             layer = Attention("self", CROSS)
         assert (
             repr(layer) == "Attention(site='self', role=cross, backend='torch_sdpa', armed=False)"

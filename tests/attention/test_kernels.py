@@ -13,8 +13,10 @@ from attention.testing import TOLERANCE, RandomInputs, count_attention_flops, re
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
-CPU = Platform("cpu")
-DENSE = [n for n in registry.names() if CPU.is_available(n) and not registry.get(n).is_sparse]
+# parametrize lists are made at collection, before any fixture exists
+DENSE = [
+    n for n in registry.names() if Platform("cpu").is_available(n) and not registry.get(n).is_sparse
+]
 MASKED = [n for n in DENSE if registry.get(n).supports_mask()]
 VARLEN = [n for n in DENSE if registry.get(n).supports_varlen()]
 LSE = [n for n in DENSE if registry.get(n).supports_lse()]
@@ -343,9 +345,9 @@ class TestSlidingWindow:
 class TestFlashAttn:
     """flash_attn is optional: unavailable here with a reason, real where CUDA has it."""
 
-    def test_unavailable_on_cpu_with_reason(self) -> None:
+    def test_unavailable_on_cpu_with_reason(self, cpu: Platform) -> None:
         """On a CPU platform it says it needs a CUDA device."""
-        assert CPU.unavailable_reason("flash_attn") == (
+        assert cpu.unavailable_reason("flash_attn") == (
             "flash_attn needs a CUDA device, this platform is cpu"
         )
 

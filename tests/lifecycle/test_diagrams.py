@@ -11,24 +11,22 @@ from lifecycle.refusals import RefusalCode
 from lifecycle.states import TRANSITIONS, ComponentState
 from tests.lifecycle.test_machine import passing_checks
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 class TestDiagrams:
-    def test_committed_diagrams_are_current(self) -> None:
+    def test_committed_diagrams_are_current(self, root: Path) -> None:
         """The files under diagrams/ equal what the machine draws now."""
-        assert diagrams.stale_diagrams(ROOT / "diagrams") == []
+        assert diagrams.stale_diagrams(root / "diagrams") == []
 
-    def test_readme_embeds_the_generated_mermaid(self) -> None:
+    def test_readme_embeds_the_generated_mermaid(self, root: Path) -> None:
         """The README's lifecycle diagram is the generated Mermaid text, verbatim."""
-        readme = (ROOT / "README.md").read_text(encoding="utf-8")
+        readme = (root / "README.md").read_text(encoding="utf-8")
         block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
         assert block is not None
         assert block.group(1) == diagrams.mermaid()
 
-    def test_readme_embeds_the_generated_refusal_table(self) -> None:
+    def test_readme_embeds_the_generated_refusal_table(self, root: Path) -> None:
         """The README's refusal-code table is the one drawn from RefusalCode, verbatim."""
-        readme = (ROOT / "README.md").read_text(encoding="utf-8")
+        readme = (root / "README.md").read_text(encoding="utf-8")
         assert diagrams.refusal_table() in readme
 
     def test_refusal_table_lists_every_code_once(self) -> None:

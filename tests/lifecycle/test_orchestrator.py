@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -14,7 +13,7 @@ import torch
 from attention import Attention, NotResidentError, Platform
 from components import registry as kinds
 from components.loader import ComponentLoader, PathUnavailable
-from lifecycle.config import decode_spec, load_spec
+from lifecycle.config import decode_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import (
     AdmissionRefused,
@@ -26,8 +25,6 @@ from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import BrokenKind, NativeOnlyKind, UndeclaredSiteKind
 
-ROOT = Path(__file__).resolve().parents[2]
-CPU = Platform("cpu")
 TEST_KINDS: tuple[type[ComponentLoader], ...] = (NativeOnlyKind, BrokenKind, UndeclaredSiteKind)
 
 
@@ -43,9 +40,10 @@ def test_kinds() -> Iterator[None]:
         kinds.unregister_kind(kind.kind)
 
 
-def orchestrator(text: str) -> Orchestrator:
-    """Return an orchestrator for the TOML spec ``text`` on a CPU platform."""
-    return Orchestrator(decode_spec(text), platform=CPU)
+@pytest.fixture
+def orchestrator(cpu: Platform) -> Callable[[str], Orchestrator]:
+    """Make an orchestrator for a TOML spec text on the CPU platform."""
+    return lambda text: Orchestrator(decode_spec(text), platform=cpu)
 
 
 def one_component(kind: str, extra: str = "") -> str:
@@ -62,18 +60,18 @@ uses = ["c"]
 
 
 class TestReferencePipeline:
-    def test_load_places_every_component(self) -> None:
+    def test_load_places_every_component(self, reference_orchestrator: Orchestrator) -> None:
         """load() leaves resident components RESIDENT and offloaded ones OFFLOADED."""
-        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             assert orch.state("transformer") is ComponentState.RESIDENT
             assert orch.state("text_encoder") is ComponentState.OFFLOADED
             assert orch.state("vae") is ComponentState.OFFLOADED
         assert orch.state("vae") is ComponentState.RELEASED
 
-    def test_attention_runs_only_while_resident(self) -> None:
+    def test_attention_runs_only_while_resident(self, reference_orchestrator: Orchestrator) -> None:
         """An offloaded component's layers refuse to run; after onload they run."""
-        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             vae = orch.module("vae")
             layer = next(m for m in vae.modules() if isinstance(m, Attention))
@@ -85,11 +83,11 @@ class TestReferencePipeline:
             assert torch.isfinite(layer(q, q, q)).all()
             assert orch.module("vae") is vae
 
-    def test_transitions_are_logged(self) -> None:
+    def test_transitions_are_logged(self, reference_orchestrator: Orchestrator) -> None:
         """Every transition of load() is one lifecycle.transition event; moves are logged."""
         with (
             capture_events() as events,
-            Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch,
+            reference_orchestrator as orch,
         ):
             orch.load()
         triples = [
@@ -106,9 +104,9 @@ class TestReferencePipeline:
         }
         assert all(e["bytes"] > 0 and e["request_id"] is None for e in moved)
 
-    def test_snapshot_encodes_to_json(self) -> None:
+    def test_snapshot_encodes_to_json(self, reference_orchestrator: Orchestrator) -> None:
         """The snapshot names each component's state, loader and backends as JSON."""
-        with Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             data = msgspec.json.decode(msgspec.json.encode(orch.snapshot()))
         assert data["admitted"] is True
@@ -117,7 +115,9 @@ class TestReferencePipeline:
 
 
 class TestAdmissionIsAllOrNothing:
-    def test_refused_pipeline_leaves_everything_configured(self) -> None:
+    def test_refused_pipeline_leaves_everything_configured(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """One refused component keeps every other one CONFIGURED too."""
         orch = orchestrator(
             one_component("tiny_dit")
@@ -131,7 +131,9 @@ class TestAdmissionIsAllOrNothing:
 
 
 class TestAdmitThenLoad:
-    def test_second_admit_is_invalid_and_changes_nothing(self) -> None:
+    def test_second_admit_is_invalid_and_changes_nothing(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """Admitting a loaded pipeline again is refused; its plan and states stay."""
         orch = orchestrator(one_component("tiny_vae"))
         orch.load()
@@ -141,7 +143,9 @@ class TestAdmitThenLoad:
         assert orch.component("c").plan == plan
         assert orch.state("c") is ComponentState.RESIDENT
 
-    def test_load_after_a_refused_admit_refuses_again(self) -> None:
+    def test_load_after_a_refused_admit_refuses_again(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """load() after a refused admission does not pass silently: it is refused again."""
         orch = orchestrator(one_component("tiny_vae", 'attention_backend = "reference"'))
         with pytest.raises(AdmissionRefused):
@@ -150,7 +154,9 @@ class TestAdmitThenLoad:
             orch.load()
         assert orch.state("c") is ComponentState.CONFIGURED
 
-    def test_layout_the_kind_cannot_split_is_refused_at_load(self) -> None:
+    def test_layout_the_kind_cannot_split_is_refused_at_load(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """FSDP over the DiT, whose custom path does not split yet, is refused at load."""
         orch = orchestrator(one_component("tiny_dit") + '[parallel]\nfsdp = ["c"]\n')
         orch.admit()
@@ -162,7 +168,9 @@ class TestAdmitThenLoad:
 
 
 class TestLoading:
-    def test_failing_loader_keeps_admitted_and_retains_nothing(self) -> None:
+    def test_failing_loader_keeps_admitted_and_retains_nothing(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """A loader that raises leaves the component ADMITTED and frees what it built."""
         orch = orchestrator(one_component("test_broken"))
         orch.admit()
@@ -181,7 +189,9 @@ class TestLoading:
         ["", 'attention_backend = "torch_sdpa"', '[parallel]\nfsdp = ["c"]'],
         ids=["plain", "explicit-backend", "fsdp"],
     )
-    def test_path_unavailable_at_load_fails_without_replanning(self, extra: str) -> None:
+    def test_path_unavailable_at_load_fails_without_replanning(
+        self, orchestrator: Callable[[str], Orchestrator], extra: str
+    ) -> None:
         """A custom path found unavailable at load fails the load; native never runs instead."""
         orch = orchestrator(one_component("test_native_only", extra))
         plan = orch.admit().components["c"]
@@ -193,14 +203,18 @@ class TestLoading:
         assert orch.component("c").plan == plan
         assert plan.loader == "custom"
 
-    def test_layout_refuses_native_fallback_at_admission(self) -> None:
+    def test_layout_refuses_native_fallback_at_admission(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """A kind with only a native path under tensor parallelism is refused at admission."""
         spec = one_component("tiny_text_encoder", 'loader = "native"') + "[parallel]\ntp_size = 2\n"
         with pytest.raises(AdmissionRefused) as err:
             orchestrator(spec).admit()
         assert err.value.codes == ("loader.native_parallel_layout",)
 
-    def test_world_size_must_match_the_launch(self) -> None:
+    def test_world_size_must_match_the_launch(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """An admitted layout of 2 processes is refused at load in a single process."""
         orch = orchestrator(one_component("tiny_dit") + "[parallel]\ntp_size = 2\n")
         orch.admit()
@@ -210,7 +224,9 @@ class TestLoading:
         assert "needs 2 processes, but 1 was launched" in str(err.value)
         assert orch.state("c") is ComponentState.ADMITTED
 
-    def test_undeclared_site_fails_the_plan_postcondition(self) -> None:
+    def test_undeclared_site_fails_the_plan_postcondition(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """A layer built for a site the kind never declared fails load with plan_diverged."""
         orch = orchestrator(one_component("test_undeclared_site"))
         orch.admit()
@@ -223,14 +239,18 @@ class TestLoading:
 class TestGenericLoader:
     FACTORY = 'factory = "tests.lifecycle.kinds_for_tests:make_generic_module"'
 
-    def test_unknown_kind_loads_through_its_factory(self) -> None:
+    def test_unknown_kind_loads_through_its_factory(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """An unregistered kind builds from its factory; its layer selects strictly at load."""
         orch = orchestrator(one_component("my_model", f"options = {{ {self.FACTORY} }}"))
         orch.load()
         layer = next(m for m in orch.module("c").modules() if isinstance(m, Attention))
         assert (layer.component, layer.backend_name) == ("c", "torch_sdpa")
 
-    def test_unconsumed_backend_fails_the_load(self) -> None:
+    def test_unconsumed_backend_fails_the_load(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
         """An explicit cross backend on a generic module with none fails its load, rolled back."""
         plain = 'factory = "tests.lifecycle.kinds_for_tests:make_plain_module"'
         orch = orchestrator(

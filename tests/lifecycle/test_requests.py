@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -13,28 +12,15 @@ from safetensors.torch import load_file
 
 from attention import Attention, Platform
 from components.batch import Batch
-from lifecycle.config import PipelineSpec, decode_spec, load_spec
+from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
 from lifecycle.residency import Move
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.conftest import ReferenceSpec
 
-ROOT = Path(__file__).resolve().parents[2]
-CPU = Platform("cpu")
 STAGES = ("encode", "denoise", "decode")
-
-
-def reference_spec(
-    tmp_path: Path, target: str = "host", **components: dict[str, Any]
-) -> PipelineSpec:
-    """Return the reference spec with ``target`` offload under ``tmp_path`` and overrides."""
-    spec = load_spec(ROOT / "examples" / "tiny_t2i.toml")
-    raw = msgspec.to_builtins(spec)
-    raw["memory"].update(offload_target=target, offload_dir=str(tmp_path / "offload"))
-    for name, changes in components.items():
-        raw["components"][name].update(changes)
-    return msgspec.convert(raw, PipelineSpec)
 
 
 def generate(orch: Orchestrator, seed: int = 0) -> torch.Tensor:
@@ -48,31 +34,33 @@ def generate(orch: Orchestrator, seed: int = 0) -> torch.Tensor:
 
 
 class TestOffloadTargets:
-    def test_outputs_equal_across_residency(self, tmp_path: Path) -> None:
+    def test_outputs_equal_across_residency(
+        self, reference_spec: ReferenceSpec, cpu: Platform, tmp_path: Path
+    ) -> None:
         """Resident, host, disk and layerwise runs produce bit-identical images."""
         resident = {"residency": "resident"}
         layerwise = {"residency": "layerwise_offload", "layerwise": {"prefetch": 1}}
         configurations = {
-            "resident": reference_spec(tmp_path, text_encoder=resident, vae=resident),
-            "host": reference_spec(tmp_path),
-            "disk": reference_spec(tmp_path, "disk"),
-            "layerwise": reference_spec(
-                tmp_path, "disk", text_encoder=layerwise, transformer=layerwise
-            ),
-            "layerwise host": reference_spec(tmp_path, text_encoder=layerwise, vae=resident),
+            "resident": reference_spec(text_encoder=resident, vae=resident),
+            "host": reference_spec(),
+            "disk": reference_spec("disk"),
+            "layerwise": reference_spec("disk", text_encoder=layerwise, transformer=layerwise),
+            "layerwise host": reference_spec(text_encoder=layerwise, vae=resident),
         }
         images = {}
         for label, spec in configurations.items():
-            with Orchestrator(spec, platform=CPU) as orch:
+            with Orchestrator(spec, platform=cpu) as orch:
                 orch.load()
                 images[label] = [generate(orch, seed) for seed in (0, 1)]
         for label in ("host", "disk", "layerwise", "layerwise host"):
             for got, want in zip(images[label], images["resident"], strict=True):
                 assert torch.equal(got, want), label
 
-    def test_disk_offload_frees_the_weights(self, tmp_path: Path) -> None:
+    def test_disk_offload_frees_the_weights(
+        self, reference_spec: ReferenceSpec, cpu: Platform, tmp_path: Path
+    ) -> None:
         """Offloaded to disk, every tensor is an empty placeholder and the file holds it all."""
-        with Orchestrator(reference_spec(tmp_path, "disk"), platform=CPU) as orch:
+        with Orchestrator(reference_spec("disk"), platform=cpu) as orch:
             orch.load()
             encoder = orch.module("text_encoder")
             assert all(t.numel() == 0 for t in encoder.state_dict().values())
@@ -83,13 +71,15 @@ class TestOffloadTargets:
             assert set(stored) <= set(weights)
             assert all(torch.equal(stored[name], weights[name]) for name in stored)
 
-    def test_failed_first_offload_leaves_nothing_armed(self, tmp_path: Path) -> None:
+    def test_failed_first_offload_leaves_nothing_armed(
+        self, reference_spec: ReferenceSpec, cpu: Platform, tmp_path: Path
+    ) -> None:
         """When load()'s first offload fails, the component stays LOADED and disarmed."""
         blocker = tmp_path / "not-a-folder"
         blocker.write_text("a file where the offload folder should go")
-        raw = msgspec.to_builtins(reference_spec(tmp_path, "disk"))
+        raw = msgspec.to_builtins(reference_spec("disk"))
         raw["memory"]["offload_dir"] = str(blocker)
-        with Orchestrator(msgspec.convert(raw, PipelineSpec), platform=CPU) as orch:
+        with Orchestrator(msgspec.convert(raw, PipelineSpec), platform=cpu) as orch:
             with pytest.raises(TransitionFailed) as err:
                 orch.load()
             assert err.value.component == "text_encoder"
@@ -98,9 +88,11 @@ class TestOffloadTargets:
             assert layers
             assert not any(layer.is_armed for layer in layers)
 
-    def test_host_offload_keeps_accounting_exact(self, tmp_path: Path) -> None:
+    def test_host_offload_keeps_accounting_exact(
+        self, reference_orchestrator: Orchestrator
+    ) -> None:
         """With the host target the resident bytes follow the states exactly."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             transformer = orch.component("transformer")
             assert transformer.state is ComponentState.RESIDENT
@@ -113,10 +105,12 @@ class TestOffloadTargets:
 
 
 class TestOffloadFolders:
-    def test_two_workers_never_share_files(self, tmp_path: Path) -> None:
+    def test_two_workers_never_share_files(
+        self, reference_spec: ReferenceSpec, cpu: Platform, tmp_path: Path
+    ) -> None:
         """Two orchestrators of one spec offload apart; closing one spares the other."""
-        spec = reference_spec(tmp_path, "disk")
-        first, second = Orchestrator(spec, platform=CPU), Orchestrator(spec, platform=CPU)
+        spec = reference_spec("disk")
+        first, second = Orchestrator(spec, platform=cpu), Orchestrator(spec, platform=cpu)
         first.load()
         second.load()
         assert len(list((tmp_path / "offload").glob("tiny-t2i-*/text_encoder.safetensors"))) == 2
@@ -127,9 +121,9 @@ class TestOffloadFolders:
 
 
 class TestStages:
-    def test_components_move_around_their_stage(self, tmp_path: Path) -> None:
+    def test_components_move_around_their_stage(self, reference_orchestrator: Orchestrator) -> None:
         """A stage onloads its offloaded components and offloads them after their last use."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with orch.request("r1") as request, request.stage("encode") as modules:
                 assert orch.state("text_encoder") is ComponentState.RESIDENT
@@ -137,9 +131,11 @@ class TestStages:
             assert orch.state("text_encoder") is ComponentState.OFFLOADED
             assert orch.state("transformer") is ComponentState.RESIDENT
 
-    def test_in_use_component_cannot_be_moved_or_released(self, tmp_path: Path) -> None:
+    def test_in_use_component_cannot_be_moved_or_released(
+        self, reference_orchestrator: Orchestrator
+    ) -> None:
         """Offload and release of a component a request is using are refused."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with orch.request("r1") as request, request.stage("decode"):
                 for action in (orch.offload, orch.release):
@@ -149,18 +145,22 @@ class TestStages:
                     assert "in use by request(s) r1" in err.value.refusals[0].message
                 assert orch.state("vae") is ComponentState.RESIDENT
 
-    def test_resident_component_is_never_offloaded_by_hand(self, tmp_path: Path) -> None:
+    def test_resident_component_is_never_offloaded_by_hand(
+        self, reference_spec: ReferenceSpec, cpu: Platform
+    ) -> None:
         """Offloading an explicitly resident component is refused with the fix."""
-        spec = reference_spec(tmp_path, transformer={"residency": "resident"})
-        with Orchestrator(spec, platform=CPU) as orch:
+        spec = reference_spec(transformer={"residency": "resident"})
+        with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
             with pytest.raises(TransitionRefused) as err:
                 orch.offload("transformer")
             assert err.value.codes == ("residency.not_offloadable",)
 
-    def test_exception_in_a_stage_puts_everything_back(self, tmp_path: Path) -> None:
+    def test_exception_in_a_stage_puts_everything_back(
+        self, reference_orchestrator: Orchestrator
+    ) -> None:
         """An error inside a stage propagates, the plan is restored, and the next request runs."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             seen: list[ComponentState] = []
 
@@ -176,7 +176,7 @@ class TestStages:
             assert orch.snapshot().components["vae"].state is ComponentState.OFFLOADED
             assert generate(orch).shape == (1, 3, 16, 16)
 
-    def test_adjacent_stages_share_one_interval(self) -> None:
+    def test_adjacent_stages_share_one_interval(self, cpu: Platform) -> None:
         """A component used by two stages in a row moves in once and out once."""
         spec = decode_spec(
             """
@@ -193,7 +193,7 @@ uses = ["vae"]
 """
         )
         moves: list[Move] = []
-        with Orchestrator(spec, platform=CPU, observer=moves.append) as orch:
+        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
             orch.load()
             moves.clear()
             with orch.request("r1") as request:
@@ -205,9 +205,9 @@ uses = ["vae"]
             ("offload", "r1"),
         ]
 
-    def test_request_events(self, tmp_path: Path) -> None:
+    def test_request_events(self, reference_orchestrator: Orchestrator) -> None:
         """A request logs begin and end with its stages; its moves carry its id."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with capture_events() as events:
                 generate(orch)
@@ -225,9 +225,9 @@ uses = ["vae"]
             ("vae", "offload"),
         }
 
-    def test_duplicate_open_request_id(self, tmp_path: Path) -> None:
+    def test_duplicate_open_request_id(self, reference_orchestrator: Orchestrator) -> None:
         """Two open requests may not share an id."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with (
                 orch.request("r1"),
@@ -270,11 +270,11 @@ VAE_BYTES = 248588  # tiny_vae with default options
 
 
 class TestMemoryBudget:
-    def test_evicts_the_furthest_next_use_not_the_least_recent(self) -> None:
+    def test_evicts_the_furthest_next_use_not_the_least_recent(self, cpu: Platform) -> None:
         """Onloading c evicts b (next used at s4), not a (used at s3), though a is older."""
         spec = decode_spec(BUDGET_SPEC.format(budget=2 * VAE_BYTES + 1000))
         moves: list[Move] = []
-        with Orchestrator(spec, platform=CPU, observer=moves.append) as orch:
+        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
             orch.load()
             moves.clear()
             with orch.request("r1") as request:
@@ -290,10 +290,10 @@ class TestMemoryBudget:
         ]
         assert sequence.count(("a", "onload")) == 1  # a stayed resident for s3
 
-    def test_refusal_carries_the_numbers(self) -> None:
+    def test_refusal_carries_the_numbers(self, cpu: Platform) -> None:
         """When the only eviction candidate is in use, onload is refused with the numbers."""
         spec = decode_spec(BUDGET_SPEC.format(budget=VAE_BYTES + 1000))
-        with Orchestrator(spec, platform=CPU) as orch:
+        with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
             with (
                 orch.request("r1") as first,
@@ -310,10 +310,10 @@ class TestMemoryBudget:
             assert orch.state("b") is ComponentState.OFFLOADED
             assert orch.state("a") is ComponentState.OFFLOADED
 
-    def test_admission_refuses_a_stage_that_cannot_fit(self) -> None:
+    def test_admission_refuses_a_stage_that_cannot_fit(self, cpu: Platform) -> None:
         """A budget smaller than one stage's components is refused before anything loads."""
         spec = decode_spec(BUDGET_SPEC.format(budget=1000))
-        with Orchestrator(spec, platform=CPU) as orch:
+        with Orchestrator(spec, platform=cpu) as orch:
             with pytest.raises(TransitionRefused) as err:
                 orch.admit()
             assert set(err.value.codes) == {"residency.memory_budget"}
@@ -322,16 +322,18 @@ class TestMemoryBudget:
 
 class TestThreads:
     @pytest.mark.parametrize("layerwise", [False, True], ids=["component", "layerwise-disk"])
-    def test_concurrent_requests_keep_counts_right(self, tmp_path: Path, layerwise: bool) -> None:
+    def test_concurrent_requests_keep_counts_right(
+        self, reference_spec: ReferenceSpec, cpu: Platform, layerwise: bool
+    ) -> None:
         """Requests from four threads run every stage; counts end at zero, states as planned."""
         errors: list[BaseException] = []
         streamed = {"residency": "layerwise_offload"}
         spec = (
-            reference_spec(tmp_path, "disk", text_encoder=streamed, transformer=streamed)
+            reference_spec("disk", text_encoder=streamed, transformer=streamed)
             if layerwise
-            else reference_spec(tmp_path)
+            else reference_spec()
         )
-        with Orchestrator(spec, platform=CPU) as orch:
+        with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
             reference = generate(orch, 0)
 
@@ -352,9 +354,11 @@ class TestThreads:
             assert orch.state("text_encoder") is ComponentState.OFFLOADED
             assert orch.state("vae") is ComponentState.OFFLOADED
 
-    def test_in_use_is_visible_while_a_stage_runs(self, tmp_path: Path) -> None:
+    def test_in_use_is_visible_while_a_stage_runs(
+        self, reference_orchestrator: Orchestrator
+    ) -> None:
         """While a request holds a stage, the view names it; afterwards nobody."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with orch.request("r9") as request, request.stage("decode"):
                 assert orch.component("vae").in_use_by == ("r9",)
@@ -362,17 +366,19 @@ class TestThreads:
 
 
 class TestPrefetch:
-    def test_no_prefetch_on_cpu(self, tmp_path: Path) -> None:
+    def test_no_prefetch_on_cpu(self, reference_orchestrator: Orchestrator) -> None:
         """On a CPU the host is the device: nothing is prefetched or reserved."""
-        with Orchestrator(reference_spec(tmp_path), platform=CPU) as orch:
+        with reference_orchestrator as orch:
             orch.load()
             with orch.request() as request, request.stage("denoise"):
                 assert orch.component("vae").prefetching is False
 
     @pytest.mark.cuda
-    def test_next_stage_is_prefetched_and_completed_by_onload(self, tmp_path: Path) -> None:
+    def test_next_stage_is_prefetched_and_completed_by_onload(
+        self, reference_spec: ReferenceSpec
+    ) -> None:
         """On CUDA the next stage's offloaded component is prefetched, then onloaded, equal."""
-        spec = msgspec.structs.replace(reference_spec(tmp_path), device="cuda")
+        spec = msgspec.structs.replace(reference_spec(), device="cuda")
         with Orchestrator(spec) as orch:
             orch.load()
             batch = Batch(generator=torch.Generator().manual_seed(0), steps=2)
@@ -386,9 +392,11 @@ class TestPrefetch:
             assert batch.images is not None
 
     @pytest.mark.cuda
-    def test_unused_prefetch_is_given_up_at_request_end(self, tmp_path: Path) -> None:
+    def test_unused_prefetch_is_given_up_at_request_end(
+        self, reference_spec: ReferenceSpec
+    ) -> None:
         """A prefetch the request never onloaded is cancelled when the request ends."""
-        spec = msgspec.structs.replace(reference_spec(tmp_path), device="cuda")
+        spec = msgspec.structs.replace(reference_spec(), device="cuda")
         with Orchestrator(spec) as orch:
             orch.load()
             with orch.request() as request, request.stage("denoise"):
