@@ -18,10 +18,9 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
 
-ROOT = Path(__file__).resolve().parents[2]
-CPU = Platform("cpu")
-REFUSED = sorted((ROOT / "examples" / "refused").glob("*.toml"))
-ADMITTED = sorted((ROOT / "examples").glob("*.toml"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REFUSED = sorted((EXAMPLES / "refused").glob("*.toml"))
+ADMITTED = sorted(EXAMPLES.glob("*.toml"))
 
 
 def expected_code(path: Path) -> str:
@@ -33,15 +32,15 @@ def expected_code(path: Path) -> str:
 
 class TestExamples:
     @pytest.mark.parametrize("path", ADMITTED, ids=lambda p: p.name)
-    def test_every_example_is_admitted(self, path: Path) -> None:
-        """Each runnable example spec is admitted on a CPU platform."""
-        admission = admit_pipeline(load_spec(path), CPU)
+    def test_every_example_is_admitted(self, cpu: Platform, path: Path) -> None:
+        """Each runnable example spec is admitted on a cpu platform."""
+        admission = admit_pipeline(load_spec(path), cpu)
         assert admission.refusals() == ()
 
     @pytest.mark.parametrize("path", REFUSED, ids=lambda p: p.stem)
-    def test_each_refused_example_gives_its_code(self, path: Path) -> None:
+    def test_each_refused_example_gives_its_code(self, cpu: Platform, path: Path) -> None:
         """Each example under examples/refused/ is refused with exactly the code it names."""
-        admission = admit_pipeline(load_spec(path), CPU)
+        admission = admit_pipeline(load_spec(path), cpu)
         codes = {r.code for r in admission.refusals()}
         assert codes == {expected_code(path)}
         assert all(r.hint for r in admission.refusals())
@@ -67,23 +66,23 @@ class TestRefusalCodes:
 
 
 class TestPlan:
-    def test_reference_plan(self) -> None:
+    def test_reference_plan(self, cpu: Platform, root: Path) -> None:
         """The reference pipeline's plan says which backend each site runs, and why."""
-        plan = Orchestrator(load_spec(ROOT / "examples" / "tiny_t2i.toml"), platform=CPU).admit()
+        plan = Orchestrator(load_spec(root / "examples" / "tiny_t2i.toml"), platform=cpu).admit()
         vae = plan.components["vae"]
         assert (vae.loader, [(s.site, s.backend, s.reason) for s in vae.attention]) == (
             "custom",
             [("mid", "torch_sdpa", None)],
         )
         sites = {s.site: s for s in plan.components["transformer"].attention}
-        # torch_sdpa, the CPU default, has no varlen kernel: the packed DiT falls back
+        # torch_sdpa, the cpu default, has no varlen kernel: the packed DiT falls back
         assert sites["self"].backend == "torch_flash"
         assert sites["self"].reason == "platform default fallback"
         assert sites["self"].provenance is Provenance.DEFAULT
         assert sites["cross"].backend == "torch_sdpa"
         assert sites["cross"].reason is None
 
-    def test_explicit_global_backend_falls_back_where_allowed(self) -> None:
+    def test_explicit_global_backend_falls_back_where_allowed(self, cpu: Platform) -> None:
         """A global backend the VAE cannot serve falls back to its default; the DiT takes it."""
         spec = decode_spec(
             """
@@ -96,7 +95,7 @@ kind = "tiny_vae"
 kind = "tiny_dit"
 """
         )
-        plan = Orchestrator(spec, platform=CPU).admit()
+        plan = Orchestrator(spec, platform=cpu).admit()
         (mid,) = plan.components["vae"].attention
         assert (mid.backend, mid.reason, mid.provenance) == (
             "torch_sdpa",
@@ -113,13 +112,13 @@ kind = "tiny_dit"
         assert [r.code for r in admission.refusals()] == ["loader.unavailable"]
         assert "sees no CUDA device" in admission.refusals()[0].message
 
-    def test_all_shadowed_by_role_keys_is_not_consumed(self) -> None:
+    def test_all_shadowed_by_role_keys_is_not_consumed(self, cpu: Platform) -> None:
         """An ``all`` backend that role keys replace for every role the VAE builds is refused."""
         spec = decode_spec(
             'name = "p"\n[components.vae]\nkind = "tiny_vae"\n'
             'attention_backend = { all = "torch_sdpa", self = "torch_flash" }\n'
         )
-        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
         assert refusal.code == "attention.backend_not_consumed"
         assert refusal.message == (
             "backend 'torch_sdpa' was requested for component 'vae', but that component "
@@ -127,7 +126,7 @@ kind = "tiny_dit"
             "replace it for self-attention layers"
         )
 
-    def test_component_backend_replaced_for_every_role(self) -> None:
+    def test_component_backend_replaced_for_every_role(self, cpu: Platform) -> None:
         """A component-wide backend that role keys replace for every role says so plainly."""
         spec = decode_spec(
             'name = "p"\n[components.dit]\nkind = "tiny_dit"\n'
@@ -135,21 +134,21 @@ kind = "tiny_dit"
             "[components.dit.attention_backend]\n"
             'all = "reference"\nself = "torch_sdpa"\ncross = "torch_sdpa"\n'
         )
-        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
         assert refusal.code is RefusalCode.BACKEND_NOT_CONSUMED
         assert refusal.message == (
             "backend 'reference' was requested for component 'dit', but per-role "
             "overrides replace it for every role"
         )
 
-    def test_layerwise_settings_the_stack_cannot_honour(self) -> None:
+    def test_layerwise_settings_the_stack_cannot_honour(self, cpu: Platform) -> None:
         """resident_layers beyond the declared blocks is refused by check, naming the key."""
         spec = decode_spec(
             'name = "p"\n[components.te]\nkind = "tiny_text_encoder"\n'
             'residency = "layerwise_offload"\n[components.te.layerwise]\nresident_layers = 5\n'
             '[[stages]]\nname = "s"\nuses = ["te"]\n'
         )
-        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
         assert refusal.code is RefusalCode.INVALID_LAYERWISE
         assert refusal.component == "te"
         assert refusal.message == (
@@ -158,17 +157,17 @@ kind = "tiny_dit"
         )
         assert refusal.hint == "change [components.te.layerwise] to fit 2 blocks"
 
-    def test_options_of_a_backend_nobody_runs_are_refused(self) -> None:
+    def test_options_of_a_backend_nobody_runs_are_refused(self, cpu: Platform) -> None:
         """Backend options that no planned site would use are not dropped in silence."""
         spec = decode_spec(
             'name = "p"\n[attention.backend_options.sliding_window]\nwindow = 64\n'
             '[components.vae]\nkind = "tiny_vae"\n'
         )
-        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
         assert refusal.code == "attention.backend_not_consumed"
         assert "[attention.backend_options.sliding_window]" in refusal.message
 
-    def test_options_of_a_planned_backend_pass(self) -> None:
+    def test_options_of_a_planned_backend_pass(self, cpu: Platform) -> None:
         """Options for the backend a site will run are admitted."""
         spec = decode_spec(
             'name = "p"\n[attention.backend_options.sliding_window]\nwindow = 64\n'
@@ -176,16 +175,16 @@ kind = "tiny_dit"
             'attention_backend = { self = "sliding_window" }\n'
             "options = { packed_sequences = false }\n"
         )
-        assert admit_pipeline(spec, CPU).refusals() == ()
+        assert admit_pipeline(spec, cpu).refusals() == ()
 
-    def test_missing_weights_file_is_refused(self, tmp_path: Path) -> None:
+    def test_missing_weights_file_is_refused(self, cpu: Platform, tmp_path: Path) -> None:
         """A weights file that does not exist is a loader refusal, also under a budget."""
         missing = tmp_path / "absent.safetensors"
         spec = decode_spec(
             f'name = "p"\nmemory.device_budget = "1GiB"\n[components.vae]\nkind = "tiny_vae"\n'
             f'options = {{ weights = "{missing}" }}\n'
         )
-        (refusal,) = admit_pipeline(spec, CPU).refusals()
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
         assert refusal.code == "loader.unavailable"
         assert f"its weights file '{missing}' does not exist" in refusal.message
 
@@ -215,9 +214,9 @@ attention_backend = "reference"
 kind = "tiny_upsampler"
 """
 
-    def test_every_reason_of_every_component_at_once(self) -> None:
+    def test_every_reason_of_every_component_at_once(self, cpu: Platform) -> None:
         """One admission reports the layout, the native path and the VAE's two problems."""
-        orchestrator = Orchestrator(decode_spec(self.SPEC), platform=CPU)
+        orchestrator = Orchestrator(decode_spec(self.SPEC), platform=cpu)
         with pytest.raises(AdmissionRefused) as err:
             orchestrator.admit()
         by_component = sorted((r.component, r.code) for r in err.value.refusals)
@@ -230,9 +229,9 @@ kind = "tiny_upsampler"
         ]
         assert all(orchestrator.state(n) is ComponentState.CONFIGURED for n in ("vae", "upsampler"))
 
-    def test_check_json_reports_them(self) -> None:
+    def test_check_json_reports_them(self, root: Path) -> None:
         """``lifecycle check --json`` prints the contract's object with every refusal, exit 1."""
-        path = ROOT / "examples" / "refused" / "unsupported_backend.toml"
+        path = root / "examples" / "refused" / "unsupported_backend.toml"
         result = subprocess.run(
             [sys.executable, "-m", "lifecycle", "check", "--json", str(path)],
             capture_output=True,

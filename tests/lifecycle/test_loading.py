@@ -20,7 +20,6 @@ from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import SelfAttentionNet
 
-CPU = Platform("cpu")
 SELF = AttentionRole.SELF
 DECLARED = AttentionSite(name="self", role=AttentionRole.SELF, heads=2, default="torch_flash")
 
@@ -70,9 +69,9 @@ def one_component(kind: str, extra: str = "") -> str:
 
 
 class TestLoadAlongThePlan:
-    def test_layer_unlike_its_declared_site_fails_the_load(self) -> None:
+    def test_layer_unlike_its_declared_site_fails_the_load(self, cpu: Platform) -> None:
         """A layer built unlike the site admission planned fails load with plan_diverged."""
-        orch = Orchestrator(decode_spec(one_component("test_divergent_site")), platform=CPU)
+        orch = Orchestrator(decode_spec(one_component("test_divergent_site")), platform=cpu)
         orch.admit()
         with pytest.raises(TransitionFailed) as err:
             orch.load()
@@ -81,18 +80,18 @@ class TestLoadAlongThePlan:
         assert "layer_default None (planned 'torch_flash')" in str(cause)
         assert orch.state("c") is ComponentState.ADMITTED
 
-    def test_declared_site_never_built_breaches_the_postcondition(self) -> None:
+    def test_declared_site_never_built_breaches_the_postcondition(self, cpu: Platform) -> None:
         """A declared site the loader never builds breaches plan_honoured, rolled back."""
-        orch = Orchestrator(decode_spec(one_component("test_missing_site")), platform=CPU)
+        orch = Orchestrator(decode_spec(one_component("test_missing_site")), platform=cpu)
         orch.admit()
         with pytest.raises(TransitionFailed) as err:
             orch.load()
         assert getattr(err.value.__cause__, "codes", None) == (RefusalCode.PLAN_DIVERGED,)
         assert orch.state("c") is ComponentState.ADMITTED
 
-    def test_layers_take_the_planned_selection(self) -> None:
+    def test_layers_take_the_planned_selection(self, cpu: Platform) -> None:
         """Every layer of a planned component runs the backend admission planned for its site."""
-        orch = Orchestrator(decode_spec(one_component("tiny_dit")), platform=CPU)
+        orch = Orchestrator(decode_spec(one_component("tiny_dit")), platform=cpu)
         orch.admit()
         orch.load()
         plan = orch.component("c").plan
@@ -104,7 +103,7 @@ class TestLoadAlongThePlan:
 
 
 class TestAdmissionRecords:
-    def test_requests_are_made_once_and_carry_decoded_options(self) -> None:
+    def test_requests_are_made_once_and_carry_decoded_options(self, cpu: Platform) -> None:
         """A component's requests hold the backend options decoded once, as a Struct."""
         spec = decode_spec(
             one_component(
@@ -114,21 +113,21 @@ class TestAdmissionRecords:
             )
             + "[attention.backend_options.sliding_window]\nwindow = 8\n"
         )
-        admitted = admit_pipeline(spec, CPU).components["c"]
+        admitted = admit_pipeline(spec, cpu).components["c"]
         options = admitted.requests.backend_options["sliding_window"]
         assert getattr(options, "window", None) == 8
         assert admitted.planned is not None
         assert admitted.planned["self"].request == admitted.requests.for_site("self", SELF)
         assert admitted.planned["self"].selection.backend == "sliding_window"
 
-    def test_refused_admission_logs_one_event_per_component(self) -> None:
+    def test_refused_admission_logs_one_event_per_component(self, cpu: Platform) -> None:
         """lifecycle.refused names each refused component, each with its own codes."""
         spec = decode_spec(
             'name = "p"\n[components.vae]\nkind = "tiny_vae"\nattention_backend = "reference"\n'
             '[components.up]\nkind = "tiny_upsampler"\nattention_backend = "torch_sdpa"\n'
         )
         with capture_events() as events, pytest.raises(AdmissionRefused):
-            Orchestrator(spec, platform=CPU).admit()
+            Orchestrator(spec, platform=cpu).admit()
         refused = {e["component"]: e["codes"] for e in events_named(events, "lifecycle.refused")}
         assert refused == {
             "vae": ["attention.unsupported_backend"],
