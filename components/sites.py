@@ -6,7 +6,13 @@ from typing import Annotated
 
 import msgspec
 
-from attention import Attention, AttentionRequirements, AttentionRole
+from attention import (
+    Attention,
+    AttentionRequirements,
+    AttentionRole,
+    BackendRequest,
+    ComponentRequests,
+)
 
 NO_REQUIREMENTS = AttentionRequirements()
 
@@ -33,6 +39,19 @@ class AttentionSite(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     requirements: AttentionRequirements = NO_REQUIREMENTS
     supported: frozenset[str] | None = None
     default: str | None = None
+
+    def request_in(self, requests: ComponentRequests) -> BackendRequest:
+        """Return this site's selection problem under a component's ``requests``.
+
+        A layer built by ``build_layer`` inside that component's scope poses the same one.
+        """
+        return requests.for_site(
+            self.name,
+            self.role,
+            requirements=self.requirements,
+            supported=self.supported,
+            default=self.default,
+        )
 
     def build_layer(self) -> Attention:
         """Construct one attention layer of this site, exactly as declared.

@@ -388,13 +388,7 @@ def _plan_sites(
     """Select a backend for each declared site; file a refusal for each that has none."""
     planned = {}
     for site in declared:
-        request = requests.for_site(
-            site.name,
-            site.role,
-            requirements=site.requirements,
-            supported=site.supported,
-            default=site.default,
-        )
+        request = site.request_in(requests)
         try:
             planned[site.name] = PlannedSelection(
                 request=request, selection=select_backend(request, platform)

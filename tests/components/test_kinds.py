@@ -162,19 +162,13 @@ def plan_for(
     loader: ComponentLoader, requests: ComponentRequests, platform: Platform
 ) -> dict[str, PlannedSelection]:
     """Plan every declared site as admission does: ``select_backend`` on ``platform``."""
-    planned = {}
-    for site in loader.sites() or ():
-        request = requests.for_site(
-            site.name,
-            site.role,
-            requirements=site.requirements,
-            supported=site.supported,
-            default=site.default,
+    return {
+        site.name: PlannedSelection(
+            request=(request := site.request_in(requests)),
+            selection=select_backend(request, platform),
         )
-        planned[site.name] = PlannedSelection(
-            request=request, selection=select_backend(request, platform)
-        )
-    return planned
+        for site in loader.sites() or ()
+    }
 
 
 def explicit(name: str) -> BackendChoice:
