@@ -36,9 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from components.offload.base import OffloadError, Slot
+from components.offload.base import OffloadError, Slot, StoreOptions
 from components.offload.whole import WholeStore
-from components.residency import OffloadVerify
+from components.residency import OffloadTarget, OffloadVerify
 
 _HEADER_LIMIT = 100 * 2**20
 """safetensors' own bound on the JSON header; anything larger is not such a file."""
@@ -456,6 +456,13 @@ class DiskStore(WholeStore):
         self.path = Path(path)
         self._file = DiskFile(self.path, self._slots, verify)
         self._group = DiskGroup(self._slots, self._file, self.device, resident=resident)
+
+    @classmethod
+    def from_options(
+        cls, module: nn.Module, target: OffloadTarget, options: StoreOptions, *, resident: bool
+    ) -> DiskStore:
+        """Build a disk store whose file is ``options.file()``."""
+        return cls(module, options.file(), options.device, resident=resident, verify=options.verify)
 
     def close(self) -> None:
         """Delete the file; an offloaded module keeps its placeholders.

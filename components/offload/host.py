@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.offload.base import Slot
+from components.offload.base import Slot, StoreOptions
 from components.offload.whole import WholeStore
+from components.residency import OffloadTarget
 
 
 class HostGroup:
@@ -141,3 +142,10 @@ class HostStore(WholeStore):
         self._group = HostGroup(self._slots, self.device, copy_stream(self.device))
         if resident:
             self._group.onload()
+
+    @classmethod
+    def from_options(
+        cls, module: nn.Module, target: OffloadTarget, options: StoreOptions, *, resident: bool
+    ) -> HostStore:
+        """Build a host store on ``options.device``."""
+        return cls(module, options.device, resident=resident)
