@@ -20,6 +20,7 @@ next onload refuses such a file before mapping it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import mmap
@@ -162,6 +163,23 @@ class DiskFile:
         if self.verify == "checksum":
             self._check_data(slots, tensors, self._written)
         return tensors
+
+    def advise(self, slots: list[Slot]) -> None:
+        """Ask the kernel to start reading ``slots``' pages into the page cache, and return.
+
+        A hint: a file that cannot be opened is left for the read to report.
+        """
+        if self._written is None:
+            return
+        spans = [self._written.span(slot) for slot in slots]
+        first = min((begin for begin, _ in spans), default=0)
+        last = max((end for _, end in spans), default=0)
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def read_later(self, slots: list[Slot], device: torch.device) -> Future[list[torch.Tensor]]:
         """Start :meth:`read` on the file's reader thread, so it overlaps compute."""
@@ -348,7 +366,7 @@ class DiskGroup:
     device, so the memory is really freed while the Parameter object (and any
     tie through it) stays. Starts as loaded (materialised on the host), then
     moves to the device (``resident``) or offloads. ``prefetch`` starts the
-    read on the file's reader thread; ``onload`` completes it.
+    read early; ``onload`` completes it.
     """
 
     def __init__(
@@ -366,8 +384,18 @@ class DiskGroup:
             self.offload()
 
     def prefetch(self) -> int:
-        """Start reading the slots in the background; return the bytes it will hold."""
+        """Start bringing the slots in; return the device bytes it will hold (0 if none).
+
+        On a CPU device the map costs next to nothing and a reader thread only
+        competes with compute for the cores (``benchmarks/disk_offload.py``):
+        the kernel is asked to read the pages ahead instead, and 0 is returned.
+        Elsewhere the slots are read into staging memory on the file's reader
+        thread, and ``onload`` copies them.
+        """
         if self.is_resident or self._pending is not None:
+            return 0
+        if self._device.type == "cpu":
+            self._file.advise(self.slots)
             return 0
         self._pending = self._file.read_later(self.slots, self._device)
         return self.nbytes

@@ -33,11 +33,11 @@ class LayerwiseStore(WeightStore):
     A weight used both inside a block and elsewhere (or by two blocks) counts
     as non-block. With target ``host`` on CUDA a prefetch is an asynchronous
     copy on the store's copy stream; on a CPU device with ``host`` nothing
-    moves. With ``disk`` a prefetch reads (and verifies) the block on the
-    file's reader thread while the running block computes: on a CPU device the
-    read maps the file and, with ``verify = "checksum"``, touches every page,
-    so with a cold page cache it is the disk read that overlaps; on CUDA it is
-    the read into pinned memory. ``prefetch()`` of the whole component is not
+    moves. With ``disk`` on CUDA a prefetch reads (and verifies) the block
+    into pinned memory on the file's reader thread while the running block
+    computes; on a CPU device, where onload only maps the file, it asks the
+    kernel to read the block's pages ahead (a reader thread measured slower
+    there: it competes with compute for the cores). ``prefetch()`` of the whole component is not
     supported (it returns 0): its onload is the small non-block part. Run one
     forward of ``module`` at a time.
 

@@ -159,25 +159,37 @@ class TestVerifiedFile:
 
 
 class TestReadAhead:
-    def test_next_block_is_read_on_the_reader_thread(self, tmp_path: Path) -> None:
-        """With prefetch, a layerwise disk forward reads ahead on the file's reader thread."""
+    def test_read_later_reads_on_the_reader_thread(self, tmp_path: Path) -> None:
+        """A read started early (off a CPU device) runs on the file's own thread, verified."""
         path = tmp_path / "ahead.safetensors"
-        model = build()
-        store = LayerwiseStore(model, model.blocks, target="disk", path=path, device="cpu")
-        store.onload()
-        output = run(model)
-        readers = [t for t in threading.enumerate() if t.name.startswith(f"read {path.name}")]
-        assert readers
-        assert torch.equal(output, run(build()))
-        store.close()
+        slots = collect_slots(build())
+        file = DiskFile(path, slots)
+        file.ensure_written()
+        pending = file.read_later(slots, torch.device("meta"))
+        assert any(t.name.startswith(f"read {path.name}") for t in threading.enumerate())
+        for slot, tensor in zip(slots, pending.result(), strict=True):
+            assert torch.equal(tensor, slot.tensor), slot.key
+        file.remove()
         assert not any(t.name.startswith(f"read {path.name}") for t in threading.enumerate())
 
-    def test_without_prefetch_nothing_reads_ahead(self, tmp_path: Path) -> None:
-        """With prefetch 0 every block is read in the forward's own thread."""
+    def test_failed_early_read_reports_the_missing_file(self, tmp_path: Path) -> None:
+        """A read started early on a file deleted since raises the missing-file error."""
+        path = tmp_path / "gone.safetensors"
+        slots = collect_slots(build())
+        file = DiskFile(path, slots)
+        file.ensure_written()
+        path.unlink()
+        with pytest.raises(OffloadError, match="is missing"):
+            file.read_later(slots, torch.device("meta")).result()
+        file.remove()
+
+    @pytest.mark.parametrize("prefetch", [0, 1])
+    def test_cpu_layerwise_reads_in_line(self, tmp_path: Path, prefetch: int) -> None:
+        """On a CPU device a layerwise disk forward starts no reader thread, prefetch or not."""
         path = tmp_path / "inline.safetensors"
         model = build()
         store = LayerwiseStore(
-            model, model.blocks, target="disk", path=path, device="cpu", prefetch=0
+            model, model.blocks, target="disk", path=path, device="cpu", prefetch=prefetch
         )
         store.onload()
         output = run(model)
