@@ -8,6 +8,7 @@ arms or disarms its attention, registering an undo for each step.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -286,7 +287,8 @@ class Residency:
         """
         folder, self._folder = self._folder, None
         if folder is not None:
-            shutil.rmtree(folder)
+            with contextlib.suppress(FileNotFoundError):  # already gone is what close wants
+                shutil.rmtree(folder)
 
     def _record(
         self,
