@@ -24,6 +24,7 @@ Run: ``python -m benchmarks.offload``.
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import tempfile
 import time
@@ -38,6 +39,7 @@ from components.offload import DiskStore
 
 LAYERS, WIDTH = 16, 2048
 ROUNDS = 7
+THREADS = 1
 
 
 def read_plain(path: Path, buffer: bytearray | None = None) -> bytearray:
@@ -71,6 +73,7 @@ def onload_touched(store: DiskStore, module: nn.Module) -> float:
 
 def main() -> None:
     """Print the throughput table."""
+    torch.set_num_threads(THREADS)
     generator = torch.Generator().manual_seed(0)
     layers = [nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)]
     with torch.no_grad():
@@ -107,7 +110,10 @@ def main() -> None:
     print(f"### Disk onload vs sequential read ({store.nbytes / 2**20:.0f} MiB, warm page cache)")
     print()
     threads = torch.get_num_threads()
-    print(f"{ROUNDS} rounds, interleaved; torch {torch.__version__}, {threads} threads")
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {ROUNDS} rounds, "
+        f"interleaved; torch {torch.__version__}, {threads} thread(s)"
+    )
     print()
     print("| method | best s | median s | best GB/s | vs plain read |")
     print("|---|---:|---:|---:|---:|")
