@@ -387,15 +387,19 @@ class DiskGroup:
         """Start bringing the slots in; return the device bytes it will hold (0 if none).
 
         On a CPU device the map costs next to nothing and a reader thread only
-        competes with compute for the cores (``benchmarks/disk_offload.py``):
-        the kernel is asked to read the pages ahead instead, and 0 is returned.
-        Elsewhere the slots are read into staging memory on the file's reader
-        thread, and ``onload`` copies them.
+        competes with compute for the cores, so nothing is held and 0 is
+        returned; with ``checksum`` verification the kernel is asked to read the
+        pages ahead, which pays with a cold page cache (the onload then hashes
+        pages already read), while with ``stat`` it made cold forwards slower
+        (``benchmarks/disk_offload.py``), so nothing is done. Elsewhere the
+        slots are read into staging memory on the file's reader thread, and
+        ``onload`` copies them.
         """
         if self.is_resident or self._pending is not None:
             return 0
         if self._device.type == "cpu":
-            self._file.advise(self.slots)
+            if self._file.verify == "checksum":
+                self._file.advise(self.slots)
             return 0
         self._pending = self._file.read_later(self.slots, self._device)
         return self.nbytes

@@ -36,8 +36,9 @@ class LayerwiseStore(WeightStore):
     moves. With ``disk`` on CUDA a prefetch reads (and verifies) the block
     into pinned memory on the file's reader thread while the running block
     computes; on a CPU device, where onload only maps the file, it asks the
-    kernel to read the block's pages ahead (a reader thread measured slower
-    there: it competes with compute for the cores). ``prefetch()`` of the whole component is not
+    kernel to read the block's pages ahead when ``verify`` is ``checksum``
+    and does nothing with ``stat`` (see ``DiskGroup.prefetch`` for the
+    measurements behind both). ``prefetch()`` of the whole component is not
     supported (it returns 0): its onload is the small non-block part. Run one
     forward of ``module`` at a time.
 
