@@ -128,7 +128,7 @@ class LayerwiseStore(WeightStore):
 
     @classmethod
     def footprint_of(cls, module: nn.Module, options: StoreOptions) -> int:
-        """Return the non-block bytes plus ``resident_layers + prefetch + 1`` largest blocks."""
+        """Return the non-block bytes + (``resident_layers + prefetch + 1``) x the largest block."""
         blocks = options.blocks
         if blocks is None:
             return super().footprint_of(module, options)
@@ -149,7 +149,7 @@ class LayerwiseStore(WeightStore):
 
     @property
     def footprint(self) -> int:
-        """Return the non-block bytes plus ``resident_layers + prefetch + 1`` largest blocks."""
+        """Return the non-block bytes + (``resident_layers + prefetch + 1``) x the largest block."""
         return _bound(
             self._rest.nbytes,
             [group.nbytes for group in self._blocks],
@@ -268,7 +268,7 @@ class LayerwiseStore(WeightStore):
 
 
 def _bound(rest: int, blocks: list[int], streamed: int) -> int:
-    """Return the most bytes resident at once: the rest plus ``streamed`` largest blocks."""
+    """Return the most bytes resident at once: the rest + ``streamed`` x the largest block."""
     return rest + min(len(blocks), streamed) * max(blocks, default=0)
 
 
