@@ -21,3 +21,8 @@ class ResidencyMode(StrEnum):
 
 OffloadTarget: TypeAlias = Literal["host", "disk"]
 """Where offloaded weights go: host memory, or safetensors files on disk."""
+
+
+OffloadVerify: TypeAlias = Literal["checksum", "stat"]
+"""How a disk-offload file is verified at onload: a checksum of the data read, or only
+its size, mtime and inode."""

@@ -254,11 +254,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
         and (size := _declared_bytes(loaders[name])) is not None
     }
     pinned = tuple(
-        name
-        for name, component in spec.components.items()
-        if name in sizes
-        and not isinstance(component.residency, UnsetType)
-        and component.residency_mode is ResidencyMode.RESIDENT
+        name for name, component in spec.components.items() if name in sizes and component.is_pinned
     )
     found = []
     for stage in spec.stages:

@@ -22,7 +22,7 @@ import yaml
 from msgspec import UNSET, UnsetType
 
 from attention import AttentionRole, registry
-from components import OffloadTarget, ParallelLayout, ResidencyMode
+from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMode
 from components import registry as kinds
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
@@ -72,11 +72,16 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         device_budget: the most bytes resident on the device at once.
         offload_target: where offloaded weights go.
         offload_dir: the folder of the safetensors files for the disk target.
+        verify_offload: how a disk-offload file is verified at each onload:
+            ``checksum`` (its data against the checksums taken when it was
+            written) or ``stat`` (its size, mtime and inode only: cheaper,
+            since a mapped onload otherwise touches no page).
     """
 
     device_budget: ByteSize | UnsetType = UNSET
     offload_target: OffloadTarget = "host"
     offload_dir: str = ".lifecycle/offload"
+    verify_offload: OffloadVerify = "checksum"
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +120,11 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     def residency_mode(self) -> ResidencyMode:
         """Return the residency mode, ``RESIDENT`` when none was written."""
         return ResidencyMode.RESIDENT if isinstance(self.residency, UnsetType) else self.residency
+
+    @property
+    def is_pinned(self) -> bool:
+        """Tell whether it is explicitly resident: never offloaded, never evicted."""
+        return self.residency is ResidencyMode.RESIDENT
 
     @property
     def layerwise_config(self) -> LayerwiseConfig:

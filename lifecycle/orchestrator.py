@@ -307,12 +307,32 @@ class Orchestrator:
         )
 
     def close(self) -> None:
-        """Release every component that is not released yet, and remove offload files."""
+        """Release every component it can and remove the offload folder, then report failures.
+
+        Best effort: a failure does not stop the rest.
+
+        Raises:
+            ExceptionGroup: one error listing every component that could not be
+                released and a folder that could not be removed.
+        """
+        failures: list[Exception] = []
         with self._machine.lock:
             for slot in self._slots.values():
                 if slot.lifecycle.state is not ComponentState.RELEASED:
-                    slot.lifecycle.release()
-            self._residency.close()
+                    try:
+                        slot.lifecycle.release()
+                    except Exception as err:  # reported below, after the others are released
+                        failures.append(err)
+            try:
+                self._residency.close()
+            except OSError as err:
+                failures.append(err)
+        if failures:
+            raise ExceptionGroup(
+                f"closing pipeline {self.spec.name!r} left {len(failures)} failure(s): "
+                + "; ".join(str(failure) for failure in failures),
+                failures,
+            )
 
     def __enter__(self) -> Orchestrator:
         return self

@@ -8,8 +8,8 @@ arms or disarms its attention, registering an undo for each step.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -22,8 +22,8 @@ from torch import nn
 
 from attention import arm_layers, disarm_layers
 from components import ResidencyMode
-from components.accounting import module_bytes
-from components.offload import DiskStore, HostStore, LayerwiseStore, WeightStore
+from components.offload import StoreOptions, WeightStore, device_footprint, make_store
+from lifecycle import offload_folder
 from lifecycle.budget import plan_onload
 from lifecycle.config import PipelineSpec
 from lifecycle.machine import TransitionContext
@@ -203,7 +203,8 @@ class Residency:
     def prefetch(self, names: Iterable[str]) -> None:
         """Start onloading ``names`` early where the copy can overlap compute.
 
-        Only a host store on CUDA overlaps (its copy stream); each prefetch
+        Only on CUDA, where a store whose target allows it overlaps the copy
+        (a host store's copy stream, a disk store's reader thread); each prefetch
         reserves the component's footprint in the budget and never evicts. The
         onload transition completes it; ``cancel_prefetch`` gives it up.
         """
@@ -214,7 +215,7 @@ class Residency:
             if (
                 slot.reserved
                 or slot.lifecycle.state is not ComponentState.OFFLOADED
-                or not isinstance(slot.store, HostStore)
+                or slot.store is None
                 or not self._fits(slot)
             ):
                 continue
@@ -244,58 +245,50 @@ class Residency:
         return sum(self._held().values()) + slot.footprint <= budget
 
     def footprint(self, slot: ComponentSlot) -> int:
-        """Return the bytes ``slot`` holds on the device while resident.
-
-        A layerwise component holds its non-block weights plus at most
-        ``resident_layers + prefetch + 1`` blocks at once.
-        """
-        module = _module_of(slot)
-        blocks = _blocks(slot)
-        if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD or blocks is None:
-            return module_bytes(module)
-        sizes = [module_bytes(block) for block in blocks]
-        config = slot.spec.layerwise_config
-        streamed = min(len(sizes), config.resident_layers + config.prefetch + 1)
-        return module_bytes(module) - sum(sizes) + streamed * max(sizes, default=0)
+        """Return the most bytes ``slot`` holds on the device, as its store reports it."""
+        if slot.store is not None:
+            return slot.store.footprint
+        target = self.spec.memory.offload_target
+        return device_footprint(_module_of(slot), slot.mode, target, self._store_options(slot))
 
     def _new_store(self, slot: ComponentSlot, *, resident: bool) -> WeightStore:
-        module = _module_of(slot)
         target = self.spec.memory.offload_target
-        path = self._offload_folder() / f"{slot.name}.safetensors"
-        blocks = _blocks(slot)
-        if slot.mode is ResidencyMode.LAYERWISE_OFFLOAD and blocks is not None:
-            config = slot.spec.layerwise_config
-            return LayerwiseStore(
-                module,
-                blocks,
-                target=target,
-                path=path if target == "disk" else None,
-                device=self.device,
-                prefetch=config.prefetch,
-                resident_layers=config.resident_layers,
-                resident=resident,
-            )
-        if target == "disk" and slot.mode is not ResidencyMode.RESIDENT:
-            return DiskStore(module, path, self.device, resident=resident)
-        return HostStore(module, self.device, resident=resident)
+        options = self._store_options(slot)
+        return make_store(_module_of(slot), slot.mode, target, options, resident=resident)
+
+    def _store_options(self, slot: ComponentSlot) -> StoreOptions:
+        config = slot.spec.layerwise_config
+        return StoreOptions(
+            device=self.device,
+            file=lambda: self._offload_folder() / f"{slot.name}.safetensors",
+            blocks=_blocks(slot),
+            prefetch=config.prefetch,
+            resident_layers=config.resident_layers,
+            verify=self.spec.memory.verify_offload,
+        )
 
     def _offload_folder(self) -> Path:
-        """Return this orchestrator's own folder under ``memory.offload_dir``.
+        """Return this orchestrator's own folder under ``memory.offload_dir``, made on first use.
 
         Each orchestrator gets a fresh one, so that workers serving the same spec
-        never share (or delete) each other's only copy of the weights.
+        never share (or delete) each other's only copy of the weights; folders
+        left by a dead orchestrator are reclaimed then.
         """
         if self._folder is None:
-            root = Path(self.spec.memory.offload_dir)
-            root.mkdir(parents=True, exist_ok=True)
-            self._folder = Path(tempfile.mkdtemp(prefix=f"{self.spec.name}-", dir=root))
+            self._folder = offload_folder.create(Path(self.spec.memory.offload_dir), self.spec.name)
         return self._folder
 
     def close(self) -> None:
-        """Remove this orchestrator's offload folder (its stores removed their files)."""
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        """Remove this orchestrator's offload folder (its stores removed their files).
+
+        Raises:
+            OSError: the folder could not be removed whole; what is left is
+                reclaimed by a later orchestrator once this process is gone.
+        """
+        folder, self._folder = self._folder, None
+        if folder is not None:
+            with contextlib.suppress(FileNotFoundError):  # already gone is what close wants
+                shutil.rmtree(folder)
 
     def _record(
         self,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from msgspec import UnsetType
 from torch import nn
 
 from components import ResidencyMode
@@ -64,7 +63,7 @@ class ComponentSlot:
     @property
     def may_be_evicted(self) -> bool:
         """Tell whether the budget may evict it: offloadable, or resident only by default."""
-        return self.mode is not ResidencyMode.RESIDENT or isinstance(self.spec.residency, UnsetType)
+        return not self.spec.is_pinned
 
     def forget(self) -> None:
         """Drop the module and its store (release, or a rolled-back load)."""

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from components.offload.base import OffloadError, WeightStore
+from components.offload.base import OffloadError, StoreOptions, WeightStore
 from components.offload.disk import DiskStore
+from components.offload.factory import device_footprint, make_store, store_type
 from components.offload.host import HostStore
 from components.offload.layerwise import LayerwiseStore
 
-__all__ = ["DiskStore", "HostStore", "LayerwiseStore", "OffloadError", "WeightStore"]
+__all__ = [
+    "DiskStore",
+    "HostStore",
+    "LayerwiseStore",
+    "OffloadError",
+    "StoreOptions",
+    "WeightStore",
+    "device_footprint",
+    "make_store",
+    "store_type",
+]

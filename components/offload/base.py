@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from components.residency import OffloadTarget
+from components.accounting import module_bytes
+from components.residency import OffloadTarget, OffloadVerify
 
 
 class OffloadError(RuntimeError):
@@ -129,6 +132,28 @@ class Group(Protocol):
         ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """What a store may need besides its module; each store type reads its own part.
+
+    Attributes:
+        device: the compute device.
+        file: returns the path of the store's safetensors file; called only by
+            a store that writes one, so a host target never touches the disk.
+        blocks: the module's block stack, or None when it has none.
+        prefetch: blocks read ahead of the one that runs (layerwise).
+        resident_layers: first blocks kept while resident (layerwise).
+        verify: how a disk file is verified at onload.
+    """
+
+    device: torch.device
+    file: Callable[[], Path]
+    blocks: nn.ModuleList | None = None
+    prefetch: int = 1
+    resident_layers: int = 0
+    verify: OffloadVerify = "checksum"
+
+
 class WeightStore(ABC):
     """Where one module's weights live while the module is not on the compute device.
 
@@ -169,6 +194,26 @@ class WeightStore(ABC):
     @abstractmethod
     def is_resident(self) -> bool:
         """Whether the module's weights are usable on the compute device."""
+
+    @classmethod
+    @abstractmethod
+    def from_options(
+        cls, module: nn.Module, target: OffloadTarget, options: StoreOptions, *, resident: bool
+    ) -> WeightStore:
+        """Build a store of this type for ``module`` from what the factory was given."""
+
+    @classmethod
+    def footprint_of(cls, module: nn.Module, options: StoreOptions) -> int:
+        """Return the most device bytes a store of this type would hold for ``module``.
+
+        The default is every weight: the whole module is on the device while resident.
+        """
+        return module_bytes(module)
+
+    @property
+    def footprint(self) -> int:
+        """Return the most device bytes this store holds while resident."""
+        return self.nbytes
 
     def prefetch(self) -> int:
         """Start the onload early where the target allows; return the bytes to reserve.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.offload.base import Slot, WeightStore
+from components.offload.base import Slot, StoreOptions
+from components.offload.whole import WholeStore
+from components.residency import OffloadTarget
 
 
 class HostGroup:
@@ -115,7 +117,7 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
-class HostStore(WeightStore):
+class HostStore(WholeStore):
     """Offload to host memory: a host master copy makes offload a pointer swap.
 
     On CUDA the master copy is pinned; ``prefetch()`` starts the onload early
@@ -141,36 +143,9 @@ class HostStore(WeightStore):
         if resident:
             self._group.onload()
 
-    @property
-    def is_resident(self) -> bool:
-        """Whether the module's weights are usable on the compute device."""
-        return self._group.is_resident
-
-    def prefetch(self) -> int:
-        """Start the host-to-device copy; return the bytes it will hold (0 if nothing started).
-
-        The bytes are not counted by ``resident_bytes()`` until ``onload()``
-        completes the copy: reserve them meanwhile.
-        """
-        self._check_open()
-        return self._group.prefetch()
-
-    def onload(self) -> int:
-        """Complete or make the host-to-device copy; return the bytes moved."""
-        self._check_open()
-        return self._group.onload()
-
-    def offload(self) -> int:
-        """Point the module back at the host master; return the device bytes freed."""
-        self._check_open()
-        return self._group.offload()
-
-    def resident_bytes(self) -> int:
-        """Return the module's accounted bytes while resident, else 0."""
-        return self.nbytes if self._group.is_resident else 0
-
-    def close(self) -> None:
-        """Drop the host master copy."""
-        if not self._is_closed:
-            self._group.close()
-            self._is_closed = True
+    @classmethod
+    def from_options(
+        cls, module: nn.Module, target: OffloadTarget, options: StoreOptions, *, resident: bool
+    ) -> HostStore:
+        """Build a host store on ``options.device``."""
+        return cls(module, options.device, resident=resident)

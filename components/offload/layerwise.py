@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from components.offload.base import Group, OffloadError, Slot, WeightStore
+from components.offload.base import Group, OffloadError, Slot, StoreOptions, WeightStore
 from components.offload.disk import DiskFile, DiskGroup
 from components.offload.host import HostGroup, copy_stream
 from components.offload.layerwise_limits import layerwise_problems
-from components.residency import OffloadTarget
+from components.residency import OffloadTarget, OffloadVerify
 
 
 class LayerwiseStore(WeightStore):
@@ -33,10 +33,15 @@ class LayerwiseStore(WeightStore):
 
     A weight used both inside a block and elsewhere (or by two blocks) counts
     as non-block. With target ``host`` on CUDA a prefetch is an asynchronous
-    copy on the store's copy stream; with ``disk``, or on a CPU device, it is
-    done at once (there is no copy stream to overlap on). ``prefetch()`` of the
-    whole component is not supported (it returns 0): its onload is the small
-    non-block part. Run one forward of ``module`` at a time.
+    copy on the store's copy stream; on a CPU device with ``host`` nothing
+    moves. With ``disk`` on CUDA a prefetch reads (and verifies) the block
+    into pinned memory on the file's reader thread while the running block
+    computes; on a CPU device, where onload only maps the file, it asks the
+    kernel to read the block's pages ahead when ``verify`` is ``checksum``
+    and does nothing with ``stat`` (see ``DiskGroup.prefetch`` for the
+    measurements behind both). ``prefetch()`` of the whole component is not
+    supported (it returns 0): its onload is the small non-block part. Run one
+    forward of ``module`` at a time.
 
     Args:
         module: the component's module, materialised on the host CPU.
@@ -48,6 +53,7 @@ class LayerwiseStore(WeightStore):
         prefetch: how many blocks ahead of the running one to onload.
         resident_layers: how many of the first blocks stay while the component is resident.
         resident: start resident on ``device`` instead of offloaded.
+        verify: how each block read verifies the file of target ``disk``.
 
     Attributes:
         peak_bytes: the most bytes resident during the last forward of ``module``.
@@ -68,6 +74,7 @@ class LayerwiseStore(WeightStore):
         prefetch: int = 1,
         resident_layers: int = 0,
         resident: bool = False,
+        verify: OffloadVerify = "checksum",
     ) -> None:
         _check_arguments(module, blocks, target, path, prefetch, resident_layers)
         super().__init__(module, device)
@@ -75,7 +82,7 @@ class LayerwiseStore(WeightStore):
         self.path = None if path is None else Path(path)
         self.prefetch_blocks = prefetch
         self.resident_layers = resident_layers
-        self._file = None if self.path is None else DiskFile(self.path, self._slots)
+        self._file = None if self.path is None else DiskFile(self.path, self._slots, verify)
         if self._file is not None:
             # streaming blocks are out even while the component is resident
             self._file.ensure_written()
@@ -97,6 +104,58 @@ class LayerwiseStore(WeightStore):
             self._hooks.append(block.register_forward_pre_hook(partial(self._before_block, index)))
             self._hooks.append(block.register_forward_hook(partial(self._after_block, index)))
         self.peak_bytes = self.resident_bytes()
+
+    @classmethod
+    def from_options(
+        cls, module: nn.Module, target: OffloadTarget, options: StoreOptions, *, resident: bool
+    ) -> LayerwiseStore:
+        """Build a layerwise store over ``options.blocks`` (a file only for target ``disk``)."""
+        if options.blocks is None:
+            raise OffloadError(
+                f"cannot build a LayerwiseStore for {type(module).__name__}: it has no block "
+                "stack; use component_offload"
+            )
+        return cls(
+            module,
+            options.blocks,
+            target=target,
+            device=options.device,
+            path=options.file() if target == "disk" else None,
+            prefetch=options.prefetch,
+            resident_layers=options.resident_layers,
+            resident=resident,
+            verify=options.verify,
+        )
+
+    @classmethod
+    def footprint_of(cls, module: nn.Module, options: StoreOptions) -> int:
+        """Return the non-block bytes + (``resident_layers + prefetch + 1``) x the largest block."""
+        blocks = options.blocks
+        if blocks is None:
+            return super().footprint_of(module, options)
+        named: dict[int, Slot] = {}
+        for name, tensor in chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False),
+        ):
+            known = named.get(id(tensor))
+            names = (name,) if known is None else (*known.names, name)
+            named[id(tensor)] = Slot(names, tensor, tensor.shape, tensor.dtype)
+        rest, per_block = _partition(list(named.values()), blocks)
+        return _bound(
+            sum(slot.nbytes for slot in rest),
+            [sum(slot.nbytes for slot in slots) for slots in per_block],
+            options.resident_layers + options.prefetch + 1,
+        )
+
+    @property
+    def footprint(self) -> int:
+        """Return the non-block bytes + (``resident_layers + prefetch + 1``) x the largest block."""
+        return _bound(
+            self._rest.nbytes,
+            [group.nbytes for group in self._blocks],
+            self.resident_layers + self.prefetch_blocks + 1,
+        )
 
     @property
     def is_resident(self) -> bool:
@@ -145,15 +204,19 @@ class LayerwiseStore(WeightStore):
         return sum(group.held_bytes() for group in (self._rest, *self._blocks))
 
     def close(self) -> None:
-        """Remove the hooks and drop the host copies and the file."""
+        """Drop the file, then remove the hooks and drop the host copies.
+
+        Raises:
+            OSError: the file cannot be deleted; the store stays open and usable.
+        """
         if self._is_closed:
             return
+        if self._file is not None:
+            self._file.remove()
         for handle in self._hooks:
             handle.remove()
         for group in (self._rest, *self._blocks):
             group.close()
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
         self._is_closed = True
 
     def _group(self, slots: list[Slot], *, resident: bool) -> Group:
@@ -203,6 +266,11 @@ class LayerwiseStore(WeightStore):
     ) -> None:
         if index >= self.resident_layers:
             self._blocks[index].offload()
+
+
+def _bound(rest: int, blocks: list[int], streamed: int) -> int:
+    """Return the most bytes resident at once: the rest + ``streamed`` x the largest block."""
+    return rest + min(len(blocks), streamed) * max(blocks, default=0)
 
 
 def _check_arguments(
