@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from components.offload.base import Group, OffloadError, Slot, StoreOptions, WeightStore
-from components.offload.disk import DiskFile, DiskGroup
+from components.offload.disk import DiskGroup
+from components.offload.disk_file import DiskFile
 from components.offload.host import HostGroup, copy_stream
 from components.offload.layerwise_limits import layerwise_problems
 from components.residency import OffloadTarget, OffloadVerify

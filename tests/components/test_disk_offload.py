@@ -24,7 +24,7 @@ from components.offload import (
     make_store,
 )
 from components.offload.base import collect_slots
-from components.offload.disk import DiskFile
+from components.offload.disk_file import DiskFile
 from tests.components.test_offload import all_tensors, build, run
 
 

@@ -1,0 +1,357 @@
+"""The disk-offload file: written once, read-only, verified on each read, mapped or staged.
+
+On a CPU device onload memory-maps the file (copy-on-write), so the weights
+point into the page cache and nothing is copied; elsewhere the slots' bytes are
+read, adjacent tensors in one read, into one staging buffer (pinned on CUDA)
+and copied to the device. Either way the file is the only copy of offloaded
+weights and onload reads it: a deleted, truncated or changed file fails the
+onload and the module stays offloaded.
+
+Why a mapped file cannot be truncated under running weights (which would kill
+the process with SIGBUS on the next touch of a page past the new end): the
+file lives in a folder only its owner may enter (0700) and is read-only (0400)
+once written, so another user cannot open it for writing, and the store itself
+never rewrites a file in place (a rewrite is a new file renamed over the old
+name, so mapped pages keep the old inode alive). What remains is the owner, or
+root, deliberately making it writable again; ``tests/components/test_disk_mapping.py``
+shows that this does end the process with SIGBUS and that the stat check at the
+next onload refuses such a file before mapping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import mmap
+import os
+import stat
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from components.offload.base import OffloadError, Slot
+from components.residency import OffloadVerify
+
+_HEADER_LIMIT = 100 * 2**20
+"""safetensors' own bound on the JSON header; anything larger is not such a file."""
+
+_READ_ONLY = stat.S_IRUSR
+"""A written offload file's mode: only its owner may read it, nobody may write it."""
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """Return the xxh3 checksum of a contiguous tensor's bytes."""
+    return xxhash.xxh3_64_intdigest(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a :class:`DiskFile` wrote: the file's identity, its layout and each slot's checksum.
+
+    Attributes:
+        identity: device, inode, size and mtime (ns) of the file as written.
+        data_start: where the tensor data starts in the file.
+        header: the safetensors header's entries by tensor name.
+        checksums: each slot's xxh3 checksum by its key.
+    """
+
+    identity: tuple[int, int, int, int]
+    data_start: int
+    header: dict[str, Any]
+    checksums: dict[str, int]
+
+    def span(self, slot: Slot) -> tuple[int, int]:
+        """Return where ``slot``'s bytes start and end in the file."""
+        begin, end = self.header[slot.key]["data_offsets"]
+        return self.data_start + int(begin), self.data_start + int(end)
+
+
+def identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """Return the parts of a file's status that change when it is replaced or written."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+class DiskFile:
+    """The one safetensors file that holds every slot of a store, written once.
+
+    Every parameter and buffer is stored, non-persistent buffers too: they are
+    state the forward needs and no other copy is kept. Tied weights are one
+    slot, stored once under their first name. What was written is kept
+    (identity, layout, checksums; not the weights), so a read can tell the
+    file was changed under it.
+
+    Args:
+        path: the file this store owns.
+        slots: every slot of the store.
+        verify: ``checksum`` compares each slot's checksum with the one taken
+            at write time on every read (and the file's identity); ``stat``
+            compares only size, mtime and inode.
+    """
+
+    def __init__(self, path: Path, slots: list[Slot], verify: OffloadVerify = "checksum") -> None:
+        self.path = path
+        self.verify = verify
+        self._slots = slots
+        self._written: Written | None = None
+        self._reader: ThreadPoolExecutor | None = None
+
+    def ensure_written(self) -> None:
+        """Write the file unless this store already wrote it and it is still there.
+
+        Raises:
+            OffloadError: the file cannot be written, or it vanished while some
+                slots are placeholders, so it can no longer be written whole.
+        """
+        if self._written is not None and self.path.exists():
+            return
+        if self._written is not None:
+            lost = [slot.key for slot in self._slots if slot.nbytes and slot.tensor.numel() == 0]
+            if lost:
+                raise OffloadError(
+                    f"offload file {self.path} is missing while {len(lost)} tensors "
+                    f"({', '.join(lost[:3])}, ...) exist only in it, so it cannot be written "
+                    "again and nothing is offloaded; release the component and load it again, "
+                    "and keep the offload directory out of reach of cleaners"
+                )
+        self._write()
+
+    def read(self, slots: list[Slot], device: torch.device) -> list[torch.Tensor]:
+        """Return ``slots`` read from the file as host tensors, in slot order, verified.
+
+        On a CPU device they are views of a copy-on-write map of the file; on
+        another device they are read into one staging buffer (pinned on CUDA)
+        for the caller to copy.
+
+        Raises:
+            OffloadError: the file is missing, changed or truncated; nothing is swapped in.
+        """
+        if self._written is None:
+            raise OffloadError(
+                f"offload file {self.path} was never written, so there is nothing to onload; "
+                "offload the module before onloading it"
+            )
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError as err:
+            raise OffloadError(
+                f"offload file {self.path} is missing: it held the only copy of the offloaded "
+                "weights, so they cannot be onloaded and the module stays offloaded; release "
+                "the component and load it again to rewrite the file, and keep the offload "
+                "directory out of reach of cleaners"
+            ) from err
+        except OSError as err:
+            raise self._unreadable(err) from err
+        try:
+            size = self._check_identity(fd, slots, self._written)
+            if device.type == "cpu":
+                tensors = _map(fd, size, slots, self._written)
+            else:
+                tensors = self._stage(fd, slots, self._written, device)
+        except OSError as err:
+            raise self._unreadable(err) from err
+        finally:
+            os.close(fd)
+        if self.verify == "checksum":
+            self._check_data(slots, tensors, self._written)
+        return tensors
+
+    def advise(self, slots: list[Slot]) -> None:
+        """Ask the kernel to start reading ``slots``' pages into the page cache, and return.
+
+        A hint: a file that cannot be opened is left for the read to report.
+        """
+        if self._written is None:
+            return
+        spans = [self._written.span(slot) for slot in slots]
+        first = min((begin for begin, _ in spans), default=0)
+        last = max((end for _, end in spans), default=0)
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def read_later(self, slots: list[Slot], device: torch.device) -> Future[list[torch.Tensor]]:
+        """Start :meth:`read` on the file's reader thread, so it overlaps compute."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"read {self.path.name}")
+        return self._reader.submit(self.read, slots, device)
+
+    def remove(self) -> None:
+        """Delete the file, then stop the reader thread.
+
+        Raises:
+            OSError: the file cannot be deleted; the reader is left as it was.
+        """
+        self.path.unlink(missing_ok=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+    def _check_identity(self, fd: int, slots: list[Slot], written: Written) -> int:
+        """Return the file's size if it may hold ``slots`` as written; else refuse it.
+
+        The same identity passes at once. Another one is diagnosed from the
+        header and size; past those, ``checksum`` lets the data checks decide
+        (the slots' bytes may be intact) and ``stat`` refuses.
+        """
+        status = os.fstat(fd)
+        if identity(status) == written.identity:
+            return status.st_size
+        with io.FileIO(fd, "rb", closefd=False) as file:
+            data_start, header = _read_header(file, self.path)
+        changed = [slot.key for slot in slots if header.get(slot.key) != written.header[slot.key]]
+        if changed or data_start != written.data_start:
+            self._refuse_changed(f"{', '.join(changed[:3]) or 'its header'} differ")
+        cut = next((slot.key for slot in slots if written.span(slot)[1] > status.st_size), None)
+        if cut is not None:
+            raise OffloadError(
+                f"offload file {self.path} ends inside tensor '{cut}': it was truncated "
+                "after it was written, so the module stays offloaded; release the "
+                "component and load it again to rewrite the file"
+            )
+        if self.verify == "stat":
+            self._refuse_changed("its size, mtime or inode differ")
+        return status.st_size
+
+    def _check_data(self, slots: list[Slot], tensors: list[torch.Tensor], written: Written) -> None:
+        changed = [
+            slot.key
+            for slot, tensor in zip(slots, tensors, strict=True)
+            if digest(tensor) != written.checksums[slot.key]
+        ]
+        if changed:
+            self._refuse_changed(f"the data of {', '.join(changed[:3])} differ from its checksum")
+
+    def _refuse_changed(self, what: str) -> None:
+        raise OffloadError(
+            f"offload file {self.path} was changed after it was written ({what}), so it no "
+            "longer holds these weights and the module stays offloaded; give every store its "
+            "own file, then release the component and load it again"
+        )
+
+    def _unreadable(self, err: OSError) -> OffloadError:
+        return OffloadError(
+            f"cannot read offload file {self.path}: {err}; the module stays offloaded; "
+            "fix the file's permissions or storage and onload again"
+        )
+
+    def _stage(
+        self, fd: int, slots: list[Slot], written: Written, device: torch.device
+    ) -> list[torch.Tensor]:
+        """Read the slots into one staging buffer, each run of adjacent tensors in one read."""
+        runs: list[tuple[int, int, list[int]]] = []  # file start, file end, slot indices
+        for index in sorted(range(len(slots)), key=lambda index: written.span(slots[index])):
+            begin, end = written.span(slots[index])
+            if runs and runs[-1][1] == begin:
+                runs[-1] = (runs[-1][0], end, [*runs[-1][2], index])
+            else:
+                runs.append((begin, end, [index]))
+        staging = torch.empty(
+            sum(end - begin for begin, end, _ in runs),
+            dtype=torch.uint8,
+            pin_memory=device.type == "cuda",
+        )
+        buffer = staging.numpy().data
+        storage = staging.untyped_storage()
+        tensors: dict[int, torch.Tensor] = {}
+        placed = 0
+        for begin, end, indices in runs:
+            if not _pread_into(fd, buffer[placed : placed + end - begin], begin):
+                raise OffloadError(
+                    f"offload file {self.path} ends inside tensor '{slots[indices[-1]].key}': "
+                    "it was truncated while it was read, so the module stays offloaded; "
+                    "release the component and load it again to rewrite the file"
+                )
+            for index in indices:
+                offset = placed + written.span(slots[index])[0] - begin
+                tensors[index] = _tensor_at(storage, offset, slots[index])
+            placed += end - begin
+        return [tensors[index] for index in range(len(slots))]
+
+    def _write(self) -> None:
+        tensors = {slot.key: slot.tensor.detach().to("cpu").contiguous() for slot in self._slots}
+        checksums = {key: digest(tensor) for key, tensor in tensors.items()}
+        partial = self.path.with_name(self.path.name + ".partial")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            save_file(tensors, str(partial))
+            partial.chmod(_READ_ONLY)
+            # a reader never sees a half-written file under the final name, and a
+            # rewrite never touches the inode that running weights may still map
+            os.replace(partial, self.path)
+            with open(self.path, "rb") as file:
+                data_start, header = _read_header(file, self.path)
+                status = os.fstat(file.fileno())
+        except (OSError, SafetensorError) as err:
+            partial.unlink(missing_ok=True)
+            nbytes = sum(slot.nbytes for slot in self._slots)
+            raise OffloadError(
+                f"cannot write offload file {self.path}: {err}; nothing was offloaded; make its "
+                f"directory writable with at least {nbytes} bytes free, or choose another "
+                "memory.offload_dir"
+            ) from err
+        self._written = Written(identity(status), data_start, header, checksums)
+
+
+def _map(fd: int, size: int, slots: list[Slot], written: Written) -> list[torch.Tensor]:
+    """Return the slots as views of one copy-on-write map of the whole file."""
+    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    spans = [written.span(slot) for slot in slots]
+    first = min((begin for begin, _ in spans), default=0) // mmap.PAGESIZE * mmap.PAGESIZE
+    last = max((end for _, end in spans), default=0)
+    if last > first:
+        # start reading the slots' pages now, not one fault at a time during compute
+        mapped.madvise(mmap.MADV_WILLNEED, first, last - first)
+    storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+    return [_tensor_at(storage, begin, slot) for slot, (begin, _) in zip(slots, spans, strict=True)]
+
+
+def _tensor_at(storage: torch.UntypedStorage, begin: int, slot: Slot) -> torch.Tensor:
+    """Return ``slot``'s tensor over its own slice of ``storage`` from byte ``begin``.
+
+    A slice of its own (not a view of the whole buffer) keeps accounting per
+    tensor exact; the slice keeps the buffer alive.
+    """
+    if slot.nbytes == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype)
+    own: torch.UntypedStorage = storage[begin : begin + slot.nbytes]
+    return torch.empty(0, dtype=torch.uint8).set_(own).view(slot.dtype).reshape(slot.shape)
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> bool:
+    """Fill ``buffer`` from ``fd`` at ``offset``; return False when the file ends first."""
+    filled = 0
+    while filled < len(buffer):
+        count = os.preadv(fd, [buffer[filled:]], offset + filled)
+        if not count:
+            return False
+        filled += count
+    return True
+
+
+def _read_header(file: BinaryIO, path: Path) -> tuple[int, dict[str, Any]]:
+    """Return where the data starts and the header's entries of a safetensors file."""
+    prefix = file.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    try:
+        if not 0 < length <= _HEADER_LIMIT:
+            raise ValueError(f"header length {length}")
+        header = json.loads(file.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except ValueError as err:
+        raise OffloadError(
+            f"offload file {path} is not a safetensors file ({err}): it was overwritten after "
+            "it was written, so the module stays offloaded; release the component and load "
+            "it again to rewrite it"
+        ) from err
+    return 8 + length, header
