@@ -66,9 +66,9 @@ def loader_of(kind: str, **options: Any) -> ComponentLoader:
     return registry.get(kind).from_options(options)
 
 
-def buildable(kind: str, **options: Any) -> ComponentLoader:
+def buildable(kind: str) -> ComponentLoader:
     """Return the loader of ``kind``; skip the test where its custom path cannot build here."""
-    loader = loader_of(kind, **options)
+    loader = loader_of(kind)
     reason = loader.unavailable_reason("custom")
     if reason is not None:
         pytest.skip(reason)

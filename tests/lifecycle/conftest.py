@@ -38,6 +38,10 @@ def reference_spec(root: Path, tmp_path: Path) -> ReferenceSpec:
 
 @pytest.fixture
 def reference_orchestrator(reference_spec: ReferenceSpec, cpu: Platform) -> Iterator[Orchestrator]:
-    """An orchestrator of the reference pipeline on the CPU platform, closed after the test."""
+    """An orchestrator of the reference pipeline on the CPU platform, closed after the test.
+
+    A test that checks what closing does closes it sooner with ``with reference_orchestrator
+    as orch:``; closing twice is harmless.
+    """
     with Orchestrator(reference_spec(), platform=cpu) as orchestrator:
         yield orchestrator
