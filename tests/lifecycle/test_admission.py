@@ -48,13 +48,7 @@ class TestExamples:
 
     def test_refused_examples_cover_every_admission_code(self) -> None:
         """Every code admission can raise from a spec has an example that teaches it."""
-        runtime_only = {
-            "attention.no_backend",
-            "attention.plan_diverged",
-            "residency.in_use",
-            "residency.memory_budget",
-            "residency.not_offloadable",
-        }
+        runtime_only = {"attention.no_backend", "attention.plan_diverged", "residency.in_use"}
         assert {expected_code(p) for p in REFUSED} == set(REFUSAL_CODES) - runtime_only
 
 
