@@ -33,10 +33,11 @@ def run_command(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     except ConfigError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"path": err.path, "message": err.message})
+    problems = unrunnable_components(spec)
+    if problems:
+        text = "; ".join(problems)
+        return _bad_input(args, f"{args.spec}: {text}", {"message": text})
     try:
-        problems = unrunnable_components(spec)
-        if problems:
-            raise OutputPathError("; ".join(problems))
         if args.timeline is not None:
             prepare_file(args.timeline, "the timeline")
         if args.out is not None:
@@ -56,28 +57,35 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
     result: dict[str, object] = {}
     code = ExitCode.OK
     try:
-        orchestrator.load()
-        run_requests(
-            orchestrator,
-            outputs,
-            requests=args.requests,
-            steps=args.steps,
-            prompts=args.prompt,
-            out=args.out,
-            should_stop=stop.should_stop,
-            on_request=_Progress(args.requests),
-        )
+        try:
+            orchestrator.load()
+            run_requests(
+                orchestrator,
+                outputs,
+                requests=args.requests,
+                steps=args.steps,
+                prompts=args.prompt,
+                out=args.out,
+                should_stop=stop.should_stop,
+                on_request=_Progress(args.requests),
+            )
+        finally:
+            stop.settle()  # from here on a signal is only noted: reporting and cleanup finish
     except Abandoned:
         pass  # the request in flight is given up; what completed is reported below
     except TransitionRefused as refused:
-        print(format_refusals("run", spec.name, refused.refusals, spec.components), file=sys.stderr)
+        text = (
+            format_refusals("run", spec.name, refused.refusals, spec.components)
+            if refused.refusals
+            else f"lifecycle run: {args.spec}: {refused}"  # a trigger invalid from the state
+        )
+        print(text, file=sys.stderr)
         result["refusals"] = refused.refusals
         code = ExitCode.REFUSED
     except (TransitionFailed, OSError, MemoryError, RuntimeError) as err:
         result["error"] = {"message": _failed(args, err)}
         code = ExitCode.FAILED
     finally:
-        stop.settle()  # from here on a signal is only noted: cleanup must finish
         snapshot = orchestrator.snapshot()
         try:
             orchestrator.close()
@@ -93,7 +101,11 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
         stopped_by=None if stop.received is None else stop.received.name,
     )
     if args.timeline is not None and code is not ExitCode.REFUSED:
-        _write_timeline(args.timeline, spec, report.requests, tally)
+        try:
+            _write_timeline(args.timeline, spec, report.requests, tally)
+        except OSError as err:  # checked before the run; something changed it since
+            result["error"] = {"message": _failed(args, err, "writing the timeline failed: ")}
+            code = code or ExitCode.FAILED
     if args.json:
         _print_json({"summary": report, "snapshot": snapshot, **result})
     elif code is ExitCode.OK or report.requests:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -49,6 +50,8 @@ class StopOnSignal:
         self._may_abandon = False
 
     def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may handle signals; elsewhere none are caught
         for number in STOP_SIGNALS:
             self._previous[number] = signal.signal(number, self._handle)
         return self
