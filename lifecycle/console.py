@@ -56,7 +56,7 @@ def run_summary(report: RunReport) -> str:
     times = sorted(report.request_ms)
     head = (
         f"pipeline {report.pipeline!r}: {report.requests} request{'s' * (report.requests != 1)} "
-        f"x {report.steps} steps "
+        f"x {report.steps} step{'s' * (report.steps != 1)} "
         f"on {report.threads} thread{'s' * (report.threads != 1)}"
     )
     if times:
