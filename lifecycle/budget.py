@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import msgspec
 
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.sizes import format_bytes
+from lifecycle.sizes import format_sizes
 
 
 class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -56,17 +56,18 @@ def plan_onload(
         if used - freed + needed <= budget:
             return BudgetDecision(victims=tuple(victims))
     pinned = sorted(set(resident) - set(evictable))
+    at_least = used - freed + needed
+    needs, free, of, frees, raise_to = format_sizes(
+        needed, max(budget - used, 0), budget, freed, at_least
+    )
     return BudgetDecision(
         refusal=Refusal(
             code=RefusalCode.MEMORY_BUDGET,
             component=component,
-            message=f"onloading '{component}' needs {format_bytes(needed)} on device, "
-            f"{format_bytes(max(budget - used, 0))} free of a {format_bytes(budget)} "
-            f"budget, and evicting every idle offloadable component frees only "
-            f"{format_bytes(freed)}"
+            message=f"onloading '{component}' needs {needs} on device, {free} free of a {of} "
+            f"budget, and evicting every idle offloadable component frees only {frees}"
             + (f" ({', '.join(pinned)} cannot be evicted now)" if pinned else ""),
-            hint=f"raise memory.device_budget to at least "
-            f"{format_bytes(used - freed + needed)}, or give "
+            hint=f"raise memory.device_budget to at least {raise_to}, or give "
             f"{', '.join(pinned) or 'the other components'} an offload residency",
         )
     )
@@ -84,12 +85,13 @@ def stage_fits(
     needed = sum(sizes[name] for name in together)
     if needed <= budget:
         return None
-    parts = ", ".join(f"{name} {format_bytes(sizes[name])}" for name in together)
+    total, limit, *each = format_sizes(needed, budget, *(sizes[name] for name in together))
+    parts = ", ".join(f"{name} {size}" for name, size in zip(together, each, strict=True))
     return Refusal(
         code=RefusalCode.MEMORY_BUDGET,
         component=uses[0],
-        message=f"stage '{stage}' needs {format_bytes(needed)} on device at once "
-        f"({parts}), more than the {format_bytes(budget)} budget",
-        hint=f"raise memory.device_budget to at least {format_bytes(needed)}, or use "
+        message=f"stage '{stage}' needs {total} on device at once ({parts}), more than the "
+        f"{limit} budget",
+        hint=f"raise memory.device_budget to at least {total}, or use "
         "layerwise_offload for the largest component of that stage",
     )

@@ -1,7 +1,7 @@
-"""The ``lifecycle`` command: check a spec, draw the diagrams, print the schema.
+"""The ``lifecycle`` command: check a spec, run it, draw the diagrams, print the schema.
 
-Exit codes: 0 ok, 1 refused (or diagrams stale), 2 bad input. Results go to
-stdout, logs and errors to stderr; bad input is one line, never a traceback.
+Results go to stdout, logs and errors to stderr; bad input is one line, never
+a traceback. The exit codes are ``lifecycle.exits.ExitCode``.
 """
 
 from __future__ import annotations
@@ -9,70 +9,168 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import structlog
 from msgspec import UnsetType
 
-from lifecycle import diagrams
+from lifecycle import diagrams, exits
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
-from lifecycle.gantt import residency_gantt
-from lifecycle.logs import configure_logging
+from lifecycle.console import format_refusals, table
+from lifecycle.exits import ExitCode
+from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.plan import PipelineSnapshot, RefusalReport, SitePlan
-from lifecycle.refusals import AdmissionRefused, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
-from lifecycle.runner import RunReport, run_requests
-from lifecycle.sizes import format_bytes
+from lifecycle.paths import OutputPathError, prepare_folder
+from lifecycle.plan import PipelineSnapshot, SitePlan
+from lifecycle.refusals import AdmissionRefused
+from lifecycle.run_command import run_command
 
-EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LOG_LEVEL = "warning"
+DEFAULT_LOG_FORMAT = "auto"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    args = _parser().parse_args(argv)
-    if getattr(args, "json_logs", False):
-        configure_logging("json", "info")
-    else:
-        configure_logging(args.log_format, args.log_level)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a bad argument argparse reported
+        return done.code if isinstance(done.code, int) else ExitCode.BAD_INPUT
+    json_logs = getattr(args, "json_logs", False)
+    fmt: LogFormat = "json" if json_logs else args.log_format
+    level: str = "info" if json_logs else args.log_level
+    configure_logging(fmt, level)
+    if level == DEFAULT_LOG_LEVEL and _renders_console(fmt):
+        _hide_refusal_events()
     code: int = args.handler(args)
     return code
 
 
+def _renders_console(fmt: str) -> bool:
+    # the rule configure_logging follows: auto means a person when stderr is a terminal
+    return fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+
+
+def _hide_refusal_events() -> None:
+    """Leave refusals to the command's own formatted text on a person's terminal.
+
+    ``check`` and ``run`` print every refusal with its fix; at the default
+    level a console log line would say it a second time. JSON logs keep the
+    event, as does any more verbose level.
+    """
+    processors = structlog.get_config()["processors"]
+    structlog.configure(processors=[_drop_refusal_event, *processors])
+
+
+def _drop_refusal_event(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    if event_dict.get("event") == "lifecycle.refused":
+        raise structlog.DropEvent
+    return event_dict
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lifecycle", description="Lifecycle orchestrator for diffusion serving pipelines."
+        prog="lifecycle",
+        description="Lifecycle orchestrator for diffusion serving pipelines.",
+        epilog=exits.HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--log-format", choices=("json", "console", "auto"), default="auto", help="log rendering"
-    )
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _logging_options(parser, top_level=True)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    check = commands.add_parser("check", help="validate a pipeline spec (admission dry run)")
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=exits.HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _logging_options(sub, top_level=False)
+        return sub
+
+    check = command("check", "validate a pipeline spec (admission dry run)")
     check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(handler=_check)
 
-    run = commands.add_parser("run", help="run requests of a pipeline (the main job)")
+    run = command("run", "run requests of a pipeline (the main job)")
     run.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
-    run.add_argument("--requests", type=_positive, default=4, help="requests to run")
-    run.add_argument("--steps", type=_positive, default=8, help="denoising steps per request")
+    run.add_argument(
+        "--requests", type=_positive, default=4, help="requests to run (default: %(default)s)"
+    )
+    run.add_argument(
+        "--steps",
+        type=_positive,
+        default=8,
+        help="denoising steps per request (default: %(default)s)",
+    )
+    run.add_argument(
+        "--threads",
+        type=_positive,
+        help="torch intra-op threads (default: the physical cores this process may use)",
+    )
+    run.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a sentence every request carries (repeatable); a sentence encoder shows each "
+        "one's nearest neighbour (default: seeded sentences, one a request)",
+    )
+    run.add_argument("--out", type=Path, help="write each request's images there as PNG")
+    run.add_argument(
+        "--json", action="store_true", help="print one JSON object: summary and snapshot"
+    )
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
-    run.set_defaults(handler=_run)
+    run.set_defaults(handler=run_command)
 
-    diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
-    diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
+    diagram = command("diagram", "write the lifecycle diagrams")
+    diagram.add_argument(
+        "--out", type=Path, default=Path("diagrams"), help="output folder (default: %(default)s)"
+    )
     diagram.add_argument(
         "--check", action="store_true", help="exit 1 when the files differ from the machine"
     )
     diagram.set_defaults(handler=_diagram)
 
-    schema = commands.add_parser("schema", help="print the JSON Schema of the spec")
+    schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
     return parser
+
+
+def _logging_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """Add the logging options; after a subcommand they override those before it."""
+    # a subcommand's copy has no default of its own, so it never hides the top level's
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "console", "auto"),
+        default=DEFAULT_LOG_FORMAT if top_level else argparse.SUPPRESS,
+        help="log rendering; auto: console on a terminal, else JSON lines "
+        f"(default: {DEFAULT_LOG_FORMAT})",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=DEFAULT_LOG_LEVEL if top_level else argparse.SUPPRESS,
+        help=f"the least severe events logged (default: {DEFAULT_LOG_LEVEL})",
+    )
+
+
+def _version() -> str:
+    try:
+        return version("pipeline-lifecycle")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -83,7 +181,7 @@ def _check(args: argparse.Namespace) -> int:
             _print_json({"error": {"path": err.path, "message": err.message}})
         else:
             print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     orchestrator = Orchestrator(spec)
     with contextlib.suppress(AdmissionRefused):
         orchestrator.admit()
@@ -91,10 +189,10 @@ def _check(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(snapshot)
     elif snapshot.refusals:
-        print(format_refusals(spec.name, snapshot.refusals))
+        print(format_refusals("check", spec.name, snapshot.refusals, spec.components))
     else:
         print(_summary(spec, snapshot, orchestrator.platform.kind))
-    return EXIT_OK if snapshot.admitted else EXIT_REFUSED
+    return ExitCode.OK if snapshot.admitted else ExitCode.REFUSED
 
 
 def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> str:
@@ -115,7 +213,7 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
             )
         )
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
-    return "\n".join([head, *_table(rows), f"  stages: {timeline or '(none)'}"])
+    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}"])
 
 
 def _site_text(site: SitePlan) -> str:
@@ -123,127 +221,53 @@ def _site_text(site: SitePlan) -> str:
     return text + (f", {site.reason})" if site.reason else ")")
 
 
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-
-
-def format_refusals(pipeline: str, refusals: Sequence[Refusal | RefusalReport]) -> str:
-    """Return refusals the way a person reads them: what, then how to fix it."""
-    count = len(refusals)
-    lines = [f"lifecycle check: pipeline {pipeline!r} refused ({count} reason{'s' * (count != 1)})"]
-    name_width = max(len(r.component) for r in refusals)
-    code_width = max(len(r.code) for r in refusals)
-    for r in refusals:
-        lines.append(f"  {r.component.ljust(name_width)}  {r.code.ljust(code_width)}  {r.message}")
-        lines.append(f"  {' ' * name_width}  fix: {r.hint}")
-    return "\n".join(lines)
-
-
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a count >= 1, got {value}")
     return value
 
 
-def _run(args: argparse.Namespace) -> int:
-    try:
-        spec = load_spec(args.spec)
-    except ConfigError as err:
-        print(f"lifecycle run: {args.spec}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    moves: list[Move] = []
-    with Orchestrator(spec, observer=moves.append) as orchestrator:
-        try:
-            orchestrator.load()
-            progress = _Progress(args.requests)
-            report = run_requests(
-                orchestrator, moves, requests=args.requests, steps=args.steps, on_request=progress
-            )
-        except TransitionRefused as refused:
-            print(format_refusals(spec.name, refused.refusals), file=sys.stderr)
-            return EXIT_REFUSED
-        except TransitionFailed as failed:
-            print(f"lifecycle run: {args.spec}: {failed}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except NotImplementedError as err:
-            print(f"lifecycle run: {args.spec}: {err}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        snapshot = orchestrator.snapshot()
-        if args.timeline is not None:
-            args.timeline.parent.mkdir(parents=True, exist_ok=True)
-            args.timeline.write_text(
-                residency_gantt(
-                    f"Residency of {spec.name} over {args.requests} requests",
-                    list(spec.components),
-                    moves,
-                    end=moves[-1].at if moves else 0.0,
-                ),
-                encoding="utf-8",
-            )
-    print(_run_summary(report))
-    _print_json(snapshot)
-    return EXIT_OK
-
-
-class _Progress:
-    """A progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.shown = sys.stderr.isatty()
-
-    def __call__(self, done: int) -> None:
-        if self.shown:
-            filled = 30 * done // self.total
-            bar = "#" * filled + "." * (30 - filled)
-            end = "\n" if done == self.total else ""
-            print(f"\r[{bar}] {done}/{self.total} requests", end=end, file=sys.stderr)
-
-
-def _run_summary(report: RunReport) -> str:
-    times = sorted(report.request_ms)
-    head = (
-        f"pipeline {report.pipeline!r}: {report.requests} requests x {report.steps} steps, "
-        f"median {times[len(times) // 2]:.1f} ms per request (min {times[0]:.1f}, "
-        f"max {times[-1]:.1f})"
-    )
-    rows: list[tuple[str, ...]] = [
-        ("component", "state", "onloads", "offloads", "moved", "move time", "attention")
-    ]
-    rows += [
-        (
-            name,
-            c.state,
-            str(c.onloads),
-            str(c.offloads),
-            format_bytes(c.bytes_moved),
-            f"{c.move_seconds * 1e3:.1f} ms",
-            ", ".join(c.backends) or "-",
-        )
-        for name, c in report.components.items()
-    ]
-    return "\n".join([head, *_table(rows)])
-
-
 def _diagram(args: argparse.Namespace) -> int:
-    if args.check:
-        stale = diagrams.stale_diagrams(args.out)
-        for path in stale:
-            print(f"lifecycle diagram: {path} is stale; run `lifecycle diagram`", file=sys.stderr)
-        return EXIT_REFUSED if stale else EXIT_OK
-    for path in diagrams.write_diagrams(args.out):
+    try:
+        if args.check:
+            return _check_diagrams(args.out)
+        prepare_folder(args.out, "the diagram folder")
+        written = diagrams.write_diagrams(args.out)
+    except (OutputPathError, OSError) as err:
+        print(f"lifecycle diagram: {_os_error_text(err)}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    for path in written:
         print(path)
-    return EXIT_OK
+    return ExitCode.OK
+
+
+def _check_diagrams(folder: Path) -> int:
+    stale = diagrams.stale_diagrams(folder)
+    for path in stale:
+        if path.is_file():
+            print(f"lifecycle diagram: {path} is stale; run `lifecycle diagram`", file=sys.stderr)
+        else:
+            print(
+                f"lifecycle diagram: {path} is missing; run `lifecycle diagram --check` from "
+                "the repository's root, or give --out the folder that holds the diagrams",
+                file=sys.stderr,
+            )
+    return ExitCode.REFUSED if stale else ExitCode.OK
+
+
+def _os_error_text(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return str(err)
 
 
 def _schema(args: argparse.Namespace) -> int:
     _print_json(spec_schema())
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _print_json(value: object) -> None:

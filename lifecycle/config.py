@@ -46,7 +46,8 @@ class ConfigError(ValueError):
         self.message = message
         self.path = path
         self.source = source
-        super().__init__(f"{message} - at `{path}`")
+        # "at `$`" names no key: a file or syntax error stands alone
+        super().__init__(message if path == "$" else f"{message} - at `{path}`")
 
 
 class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,15 +1,28 @@
-"""The main job: run requests of a pipeline through the orchestrator and sum them up."""
+"""The main job: run requests of a pipeline through the orchestrator and sum them up.
+
+A run keeps running totals, never a record per move: memory stays flat however
+many requests run. Moves are kept only for a timeline, when one is asked for.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import torch
 
+from components import registry
 from components.batch import Batch
+from components.loader import ComponentLoader
+from lifecycle.config import PipelineSpec
+from lifecycle.neighbours import Neighbour, nearest_neighbours
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.plan import PipelineSnapshot
+from lifecycle.png import write_png
 from lifecycle.residency import Move
 
 
@@ -38,64 +51,170 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     Attributes:
         pipeline: the pipeline's name.
-        requests: how many requests ran.
+        requests: how many requests completed.
         steps: denoising steps per request.
-        request_ms: each request's wall time.
+        threads: torch's intra-op threads during the run.
+        request_ms: each completed request's wall time.
         components: what each component did.
+        neighbours: each embedded sentence's nearest neighbour (pipelines that embed).
+        images: the PNG files written (with an output folder).
+        stopped_by: the signal that stopped the run early, or None.
     """
 
     pipeline: str
     requests: int
     steps: int
+    threads: int
     request_ms: tuple[float, ...]
     components: dict[str, ComponentReport]
+    neighbours: tuple[Neighbour, ...] = ()
+    images: tuple[str, ...] = ()
+    stopped_by: str | None = None
 
 
-def run_requests(
-    orchestrator: Orchestrator,
-    moves: list[Move],
-    *,
-    requests: int,
-    steps: int,
-    on_request: Callable[[int], None] | None = None,
-) -> RunReport:
-    """Run ``requests`` requests through every stage, in declared order.
+@dataclass
+class _Totals:
+    onloads: int = 0
+    offloads: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
 
-    ``moves`` is the list the orchestrator's observer appends to; each request
-    starts from seeded inputs (seed = its index).
 
-    Raises:
-        NotImplementedError: a component's kind does not say how it runs.
-        TransitionRefused: a stage could not onload its components.
+class MoveTally:
+    """The orchestrator's move observer during a run: running totals per component.
+
+    Args:
+        components: the pipeline's components.
+        keep_moves: also keep every move, in order (for a timeline); memory then
+            grows with the run.
     """
-    durations = []
-    for index in range(requests):
-        started = time.perf_counter()
-        batch = Batch(generator=torch.Generator().manual_seed(index), steps=steps)
-        with orchestrator.request(f"r{index + 1}") as request:
-            for stage in orchestrator.spec.stages:
-                request.run(stage.name, batch)
-        durations.append(round((time.perf_counter() - started) * 1e3, 3))
-        if on_request is not None:
-            on_request(index + 1)
-    snapshot = orchestrator.snapshot()
-    return RunReport(
-        pipeline=orchestrator.spec.name,
-        requests=requests,
-        steps=steps,
-        request_ms=tuple(durations),
-        components={
+
+    def __init__(self, components: Iterable[str], *, keep_moves: bool) -> None:
+        self._totals = {name: _Totals() for name in components}
+        self.moves: list[Move] | None = [] if keep_moves else None
+
+    def __call__(self, move: Move) -> None:
+        totals = self._totals[move.component]
+        if move.direction == "onload":
+            totals.onloads += 1
+        else:
+            totals.offloads += 1
+        totals.bytes += move.bytes
+        totals.seconds += move.seconds
+        if self.moves is not None:
+            self.moves.append(move)
+
+    def report(self, snapshot: PipelineSnapshot) -> dict[str, ComponentReport]:
+        """Return each component's totals with its state and backends from ``snapshot``."""
+        return {
             name: ComponentReport(
                 state=component.state.value,
                 backends=tuple(
                     f"{s.site}={s.backend}" + (f" ({s.reason})" if s.reason else "")
                     for s in component.attention
                 ),
-                onloads=sum(m.direction == "onload" for m in moves if m.component == name),
-                offloads=sum(m.direction == "offload" for m in moves if m.component == name),
-                bytes_moved=sum(m.bytes for m in moves if m.component == name),
-                move_seconds=round(sum(m.seconds for m in moves if m.component == name), 6),
+                onloads=self._totals[name].onloads,
+                offloads=self._totals[name].offloads,
+                bytes_moved=self._totals[name].bytes,
+                move_seconds=round(self._totals[name].seconds, 6),
             )
             for name, component in snapshot.components.items()
-        },
+        }
+
+
+@dataclass
+class RunOutputs:
+    """What the completed requests of a run produced, kept as they complete.
+
+    Attributes:
+        request_ms: each completed request's wall time (8 bytes a request).
+        sentences: each distinct embedded sentence with its vector.
+        images: the PNG files written.
+    """
+
+    request_ms: array[float] = field(default_factory=lambda: array("d"))
+    sentences: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)
+
+    def record(self, request_id: str, batch: Batch, out: Path | None) -> None:
+        """Keep the embeddings of ``batch`` and write its images into ``out``."""
+        if batch.sentence_embeddings is not None and batch.prompts is not None:
+            for sentence, vector in zip(batch.prompts, batch.sentence_embeddings, strict=True):
+                self.sentences.setdefault(sentence, vector.detach().cpu())
+        if out is not None and batch.images is not None:
+            for index, image in enumerate(batch.images):
+                self.images.append(str(write_png(image, out / f"{request_id}-{index}.png")))
+
+
+def unrunnable_components(spec: PipelineSpec) -> list[str]:
+    """Return a sentence for each component whose kind does not say how it runs a request."""
+    return [
+        f"component '{name}' of kind '{component.kind}' does not say how it runs in a "
+        "request; implement ComponentLoader.run for that kind to drive it with `lifecycle run`"
+        for name, component in spec.components.items()
+        if registry.get(component.kind).run is ComponentLoader.run
+    ]
+
+
+def run_requests(
+    orchestrator: Orchestrator,
+    outputs: RunOutputs,
+    *,
+    requests: int,
+    steps: int,
+    prompts: Sequence[str] = (),
+    out: Path | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_request: Callable[[int], None] | None = None,
+) -> None:
+    """Run up to ``requests`` requests through every stage, in declared order.
+
+    Each request starts from seeded inputs (seed = its index) and carries
+    ``prompts`` when given (one image or embedding each). ``should_stop`` is
+    asked before each request; a request that started always completes.
+
+    Raises:
+        TransitionRefused: a stage could not onload its components.
+        TransitionFailed: moving a component failed (rolled back).
+    """
+    for index in range(requests):
+        if should_stop():
+            return
+        started = time.perf_counter()
+        batch = Batch(
+            generator=torch.Generator().manual_seed(index),
+            steps=steps,
+            size=len(prompts) or 1,
+            prompts=list(prompts) or None,
+        )
+        request_id = f"r{index + 1}"
+        with orchestrator.request(request_id) as request:
+            for stage in orchestrator.spec.stages:
+                request.run(stage.name, batch)
+        outputs.request_ms.append(round((time.perf_counter() - started) * 1e3, 3))
+        outputs.record(request_id, batch, out)
+        if on_request is not None:
+            on_request(index + 1)
+
+
+def summarise(
+    snapshot: PipelineSnapshot,
+    tally: MoveTally,
+    outputs: RunOutputs,
+    *,
+    steps: int,
+    threads: int,
+    stopped_by: str | None = None,
+) -> RunReport:
+    """Return the report of the requests that completed."""
+    return RunReport(
+        pipeline=snapshot.pipeline,
+        requests=len(outputs.request_ms),
+        steps=steps,
+        threads=threads,
+        request_ms=tuple(outputs.request_ms),
+        components=tally.report(snapshot),
+        neighbours=nearest_neighbours(outputs.sentences),
+        images=tuple(outputs.images),
+        stopped_by=stopped_by,
     )

@@ -43,11 +43,26 @@ class ByteSize(int):
         return format_bytes(self)
 
 
-def format_bytes(count: int) -> str:
+def format_bytes(count: int, digits: int = 1) -> str:
     """Return ``count`` bytes in the largest binary unit that keeps it >= 1."""
     size = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(size) < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.{digits}f} {unit}"
         size /= 1024
-    return f"{size:.1f} TiB"
+    return f"{size:.{digits}f} TiB"
+
+
+def format_sizes(*counts: int) -> tuple[str, ...]:
+    """Return each of ``counts`` formatted with the fewest digits that keep different sizes apart.
+
+    A message that compares sizes ("needs 242.84 KiB, more than the 242.81 KiB
+    budget") must never print two different sizes as the same text; when even
+    four digits do not separate them, exact byte counts do.
+    """
+    distinct = len(set(counts))
+    for digits in range(1, 5):
+        texts = tuple(format_bytes(count, digits) for count in counts)
+        if len(set(texts)) == distinct:
+            return texts
+    return tuple(f"{count} B" for count in counts)

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from lifecycle import ComponentState, Orchestrator
 
 
-def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
-    """Every ```python block of the README executes from the repository root."""
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    """Put structlog's configuration back after the tour configured it."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restore_structlog")
+def test_python_tour_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], root: Path
+) -> None:
+    """Every ```python block of the README executes from the repository root, logging to stderr."""
     blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.DOTALL)
     assert blocks
     monkeypatch.chdir(root)
@@ -21,3 +34,6 @@ def test_python_tour_runs(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     pipeline = namespace["pipeline"]
     assert isinstance(pipeline, Orchestrator)
     assert pipeline.state("vae") is ComponentState.RELEASED
+    stdout = capsys.readouterr().out
+    assert "lifecycle.transition" not in stdout
+    assert "SitePlan(site='self'" in stdout  # what the tour prints on purpose

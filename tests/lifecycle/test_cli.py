@@ -1,21 +1,58 @@
-"""The ``lifecycle`` command, run for real in a subprocess."""
+"""The ``lifecycle`` command, called in-process through ``cli.main``; one subprocess smoke test."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar, NamedTuple, TypeAlias
+
+import pytest
+import structlog
+from torch import nn
+
+from components import registry
+from components.loader import ComponentLoader
+from lifecycle import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
+REFUSED = ROOT / "examples" / "refused"
 
 
-def lifecycle(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lifecycle`` with ``args`` and capture its output."""
+class Result(NamedTuple):
+    """What one call of the command returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Lifecycle: TypeAlias = Callable[..., Result]
+"""Call the command with these arguments (str or Path)."""
+
+
+@pytest.fixture
+def lifecycle(capsys: pytest.CaptureFixture[str]) -> Iterator[Lifecycle]:
+    """Call ``cli.main`` with arguments; put the logging configuration back afterwards."""
+    saved = structlog.get_config()
+
+    def call(*args: str | Path) -> Result:
+        code = cli.main([str(arg) for arg in args])
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    yield call
+    structlog.configure(**saved)
+
+
+def subprocess_lifecycle(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lifecycle`` with ``args`` in a real process."""
     return subprocess.run(
         [sys.executable, "-m", "lifecycle", *map(str, args)],
-        cwd=cwd,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -31,7 +68,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 class TestCheck:
-    def test_good_spec_exits_zero_with_the_plan(self) -> None:
+    def test_good_spec_exits_zero_with_the_plan(self, lifecycle: Lifecycle) -> None:
         """An admissible spec prints its plan on stdout and exits 0."""
         result = lifecycle("check", EXAMPLE)
         assert result.returncode == 0, result.stderr
@@ -42,7 +79,7 @@ class TestCheck:
         assert "component_offload (explicit)" in result.stdout
         assert "encode [text_encoder] -> denoise [transformer] -> decode [vae]" in result.stdout
 
-    def test_good_spec_as_json(self) -> None:
+    def test_good_spec_as_json(self, lifecycle: Lifecycle) -> None:
         """``--json`` prints the snapshot: every component admitted with its sites."""
         result = lifecycle("check", "--json", EXAMPLE)
         assert result.returncode == 0
@@ -66,7 +103,7 @@ class TestCheck:
             ],
         }
 
-    def test_bad_key_is_one_line_and_exit_two(self, tmp_path: Path) -> None:
+    def test_bad_key_is_one_line_and_exit_two(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """A bad value gives exit 2 and one stderr line with the key path, no traceback."""
         spec = write(
             tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="tiny_vae"\nresidency="offlaod"\n'
@@ -79,7 +116,7 @@ class TestCheck:
         assert result.stderr.startswith(f"lifecycle check: {spec}: Expected `resident | ")
         assert "- at `$.components.a.residency`" in result.stderr
 
-    def test_bad_key_as_json(self, tmp_path: Path) -> None:
+    def test_bad_key_as_json(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """With ``--json`` a bad key is an error object with path and message, exit 2."""
         spec = write(
             tmp_path, "bad.toml", 'name="x"\n[components.a]\nkind="tiny_vae"\nloader="cstom"\n'
@@ -92,21 +129,26 @@ class TestCheck:
             "message": "Expected `custom | native`, got 'cstom'",
         }
 
-    def test_missing_file(self, tmp_path: Path) -> None:
-        """A missing file is exit 2 with one line naming it."""
+    def test_missing_file(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A missing file is exit 2 with one line naming it, and no key path."""
         result = lifecycle("check", tmp_path / "absent.toml")
         assert result.returncode == 2
-        assert "No such file or directory" in result.stderr
-        assert "Traceback" not in result.stderr
+        assert result.stderr == (
+            f"lifecycle check: {tmp_path / 'absent.toml'}: cannot read the spec: "
+            "No such file or directory\n"
+        )
 
-    def test_broken_syntax(self, tmp_path: Path) -> None:
-        """A file that is not TOML is exit 2 with one line."""
+    def test_broken_syntax(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A file that is not TOML is exit 2 with one line that does not end in "at `$`"."""
         result = lifecycle("check", write(tmp_path, "broken.toml", "name = [\n"))
         assert result.returncode == 2
         assert "invalid TOML" in result.stderr
         assert result.stderr.count("\n") == 1
+        assert not result.stderr.rstrip().endswith("at `$`")
 
-    def test_refused_layout_exits_one_with_the_fix(self, tmp_path: Path) -> None:
+    def test_refused_layout_exits_one_with_the_fix(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
         """A layout breaking an invariant is refused (exit 1) with its code and fix."""
         spec = write(
             tmp_path,
@@ -119,25 +161,125 @@ class TestCheck:
         assert "parallel.invalid_layout" in result.stdout
         assert "fix: set [parallel] sp_degree" in result.stdout
 
+    def test_pipeline_refusal_shows_pipeline_column(self, lifecycle: Lifecycle) -> None:
+        """A refusal about the whole pipeline shows ``(pipeline)`` in the component column."""
+        result = lifecycle("check", REFUSED / "invalid_layout.toml")
+        assert result.returncode == 1
+        assert "\n  (pipeline)  parallel.invalid_layout  sp_degree is 4" in result.stdout
+
+    def test_refusal_is_shown_once_on_a_console(self, lifecycle: Lifecycle) -> None:
+        """At the default level a person sees each refusal once: the text, no log line."""
+        result = lifecycle("check", "--log-format", "console", REFUSED / "undeclared_use.toml")
+        assert result.returncode == 1
+        assert (result.stdout + result.stderr).count("residency.undeclared_use") == 1
+
+    def test_refusal_event_still_reaches_json_logs(self, lifecycle: Lifecycle) -> None:
+        """JSON logs keep the ``lifecycle.refused`` event beside the printed text."""
+        result = lifecycle("check", "--log-format", "json", REFUSED / "undeclared_use.toml")
+        events = [json.loads(line) for line in result.stderr.splitlines()]
+        assert [e["codes"] for e in events if e["event"] == "lifecycle.refused"] == [
+            ["residency.undeclared_use"]
+        ]
+        assert result.stdout.count("residency.undeclared_use") == 1
+
+
+class TestOptions:
+    def test_logging_options_after_the_subcommand(self, lifecycle: Lifecycle) -> None:
+        """``--log-level`` and ``--log-format`` work after the subcommand too."""
+        result = lifecycle(
+            "run", EXAMPLE, "--requests", "1", "--steps", "1", "--log-level", "info",
+            "--log-format", "json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        events = {json.loads(line)["event"] for line in result.stderr.splitlines()}
+        assert {"request.begin", "request.end"} <= events
+
+    def test_logging_options_before_the_subcommand(self, lifecycle: Lifecycle) -> None:
+        """Options before the subcommand still apply when none follow it."""
+        result = lifecycle("--log-level", "INFO", "--log-format", "json", "check", EXAMPLE)
+        assert result.returncode == 0
+        assert all(json.loads(line) for line in result.stderr.splitlines())
+
+    def test_version(self, lifecycle: Lifecycle) -> None:
+        """``--version`` prints the package version and exits 0."""
+        result = lifecycle("--version")
+        assert (result.returncode, result.stdout) == (0, "lifecycle 0.1.0\n")
+
+    def test_help_shows_defaults_and_exit_codes(self, lifecycle: Lifecycle) -> None:
+        """``run --help`` shows each default and what every exit code means."""
+        result = lifecycle("run", "--help")
+        assert result.returncode == 0
+        text = " ".join(result.stdout.split())
+        assert "requests to run (default: 4)" in text
+        assert "denoising steps per request (default: 8)" in text
+        assert "(default: warning)" in text
+        assert "3 failed while running" in text
+        assert "130, 143 `run` stopped by SIGINT, SIGTERM" in text
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ("--log-level", "foo", "check", str(EXAMPLE)),
+            ("check", str(EXAMPLE), "--log-format", "xml"),
+            ("run", str(EXAMPLE), "--requests", "many"),
+            ("run", str(EXAMPLE), "--threads", "0"),
+            ("frobnicate",),
+        ],
+        ids=["log-level", "log-format", "requests", "threads", "command"],
+    )
+    def test_bad_argument_is_exit_two(self, lifecycle: Lifecycle, args: tuple[str, ...]) -> None:
+        """A bad argument is a usage line and exit 2, never a traceback."""
+        result = lifecycle(*args)
+        assert result.returncode == 2
+        assert "error: argument" in result.stderr or "invalid choice" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+class _NoRunKind(ComponentLoader):
+    """A kind that builds a module but does not say how it runs in a request."""
+
+    kind: ClassVar[str] = "test_no_run"
+
+    def build_custom(self) -> nn.Module:
+        """Build one linear layer."""
+        return nn.Linear(4, 4)
+
 
 class TestRunCommand:
-    def test_runs_requests_and_reports(self, tmp_path: Path) -> None:
-        """``run`` serves N requests, prints the summary and the snapshot, writes the timeline."""
+    def test_runs_requests_and_reports(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """``run`` serves N requests, prints the human summary only, writes the timeline."""
         timeline = tmp_path / "out" / "timeline.mmd"
         result = lifecycle(
-            "run", EXAMPLE, "--requests", "2", "--steps", "2", "--timeline", timeline
-        )
+            "run", EXAMPLE, "--requests", "2", "--steps", "2", "--threads", "1",
+            "--timeline", timeline,
+        )  # fmt: skip
         assert result.returncode == 0, result.stderr
-        summary, _, snapshot = result.stdout.partition("\n{")
-        assert summary.startswith("pipeline 'tiny-t2i': 2 requests x 2 steps, median ")
-        encoder = next(line for line in summary.splitlines() if "text_encoder" in line)
+        assert result.stdout.startswith(
+            "pipeline 'tiny-t2i': 2 requests x 2 steps on 1 thread, median "
+        )
+        assert "{" not in result.stdout
+        encoder = next(line for line in result.stdout.splitlines() if "text_encoder" in line)
         assert encoder.split()[1:4] == ["offloaded", "2", "3"]  # onloads, offloads (+ load)
-        assert json.loads("{" + snapshot)["components"]["vae"]["state"] == "offloaded"
         chart = timeline.read_text()
         assert chart.startswith("gantt\n")
         assert chart.count("resident (r") == 4  # encoder and VAE, one interval per request
 
-    def test_json_logs_go_to_stderr(self, tmp_path: Path) -> None:
+    def test_json_is_one_object(self, lifecycle: Lifecycle) -> None:
+        """``run --json`` prints one JSON object: summary, per-request times, snapshot."""
+        result = lifecycle("run", EXAMPLE, "--requests", "2", "--steps", "1", "--json")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert set(report) == {"summary", "snapshot"}
+        summary = report["summary"]
+        assert (summary["pipeline"], summary["requests"], len(summary["request_ms"])) == (
+            "tiny-t2i",
+            2,
+            2,
+        )
+        assert summary["components"]["vae"]["onloads"] == 2
+        assert report["snapshot"]["components"]["vae"]["state"] == "offloaded"
+
+    def test_json_logs_go_to_stderr(self, lifecycle: Lifecycle) -> None:
         """With ``--json-logs`` every stderr line is a JSON event; stdout stays the result."""
         result = lifecycle("run", EXAMPLE, "--requests", "1", "--steps", "1", "--json-logs")
         assert result.returncode == 0
@@ -147,19 +289,106 @@ class TestRunCommand:
         )
         assert "lifecycle.transition" in events
 
-    def test_refused_spec_exits_one(self) -> None:
-        """A spec admission refuses is exit 1 with every reason on stderr."""
-        result = lifecycle("run", ROOT / "examples" / "refused" / "unsupported_backend.toml")
+    def test_refused_spec_exits_one(self, lifecycle: Lifecycle) -> None:
+        """A spec admission refuses is exit 1 with every reason on stderr, as ``run``."""
+        result = lifecycle("run", REFUSED / "unsupported_backend.toml", "--log-format", "console")
         assert result.returncode == 1
+        assert result.stderr.startswith(
+            "lifecycle run: pipeline 'unsupported-backend' refused (1 reason)\n"
+        )
         assert "attention.unsupported_backend" in result.stderr
+
+    def test_kind_without_run_is_named(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A kind that cannot run a request is named, exit 2, before anything loads."""
+        registry.register_kind(_NoRunKind)
+        try:
+            spec = write(tmp_path, "k.toml", 'name="k"\n[components.a]\nkind="test_no_run"\n')
+            result = lifecycle("run", spec)
+        finally:
+            registry.unregister_kind("test_no_run")
+        assert result.returncode == 2
+        assert result.stderr == (
+            f"lifecycle run: {spec}: component 'a' of kind 'test_no_run' does not say how it "
+            "runs in a request; implement ComponentLoader.run for that kind to drive it with "
+            "`lifecycle run`\n"
+        )
+
+    @pytest.mark.parametrize("option", ["--timeline", "--out"])
+    def test_impossible_output_path_is_refused_first(
+        self, lifecycle: Lifecycle, tmp_path: Path, option: str
+    ) -> None:
+        """An output path that cannot be written is exit 2 before any request runs."""
+        blocker = write(tmp_path, "file", "")
+        result = lifecycle("run", EXAMPLE, option, blocker / "sub" / "x", "--json-logs")
+        assert result.returncode == 2
+        assert "Not a directory" in result.stderr
+        assert "request.begin" not in result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_failure_while_running_is_exit_three(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """A transition that fails at run time (disk offload into a file) is exit 3."""
+        blocker = write(tmp_path, "file", "")
+        spec = write(
+            tmp_path,
+            "disk.toml",
+            f'name="d"\ndevice="cpu"\n[memory]\noffload_target="disk"\noffload_dir="{blocker}"\n'
+            '[components.a]\nkind="tiny_vae"\nresidency="component_offload"\n'
+            '[[stages]]\nname="s"\nuses=["a"]\n',
+        )
+        result = lifecycle("run", spec, "--requests", "1")
+        assert result.returncode == 3
+        assert "offload of 'a' failed and was rolled back" in result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_out_writes_pngs_of_the_declared_size(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``--out`` writes each request's image as a PNG of the VAE's size (4x the latents)."""
+        result = lifecycle(
+            "run", EXAMPLE, "--requests", "2", "--steps", "1", "--out", tmp_path / "png"
+        )
+        assert result.returncode == 0, result.stderr
+        files = sorted((tmp_path / "png").iterdir())
+        assert [f.name for f in files] == ["r1-0.png", "r2-0.png"]
+        for file in files:
+            data = file.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n"
+            assert (int.from_bytes(data[16:20]), int.from_bytes(data[20:24])) == (16, 16)
+        assert f"2 PNG files written to {tmp_path / 'png'}" in result.stdout
+
+    def test_minilm_shows_neighbours_of_given_prompts(self, lifecycle: Lifecycle) -> None:
+        """The MiniLM example shows each prompt's nearest neighbour with its cosine."""
+        pytest.importorskip("tokenizers")
+        result = lifecycle(
+            "run", ROOT / "examples" / "minilm_embed.toml", "--requests", "1", "--json",
+            "--prompt", "A cat sleeps on the sofa.",
+            "--prompt", "A kitten naps on the couch.",
+            "--prompt", "The stock market fell sharply today.",
+        )  # fmt: skip
+        if result.returncode == 1 and "loader.unavailable" in result.stderr:
+            pytest.skip("the MiniLM weights package is not installed")
+        assert result.returncode == 0, result.stderr
+        neighbours = {
+            n["sentence"]: (n["neighbour"], n["cosine"])
+            for n in json.loads(result.stdout)["summary"]["neighbours"]
+        }
+        cat, cosine = neighbours["A kitten naps on the couch."]
+        assert cat == "A cat sleeps on the sofa."
+        assert 0.5 < cosine <= 1.0
+        assert neighbours["A cat sleeps on the sofa."][0] == "A kitten naps on the couch."
 
 
 class TestDiagramCommand:
-    def test_check_passes_on_the_committed_diagrams(self) -> None:
+    def test_check_passes_on_the_committed_diagrams(
+        self, lifecycle, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """``diagram --check`` exits 0 on the repository's diagrams."""
+        monkeypatch.chdir(ROOT)
         assert lifecycle("diagram", "--check").returncode == 0
 
-    def test_check_fails_on_a_stale_file(self, tmp_path: Path) -> None:
+    def test_check_fails_on_a_stale_file(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """``diagram --check`` exits 1 and names the file when one is stale."""
         assert lifecycle("diagram", "--out", tmp_path).returncode == 0
         (tmp_path / "component_lifecycle.mmd").write_text("stateDiagram-v2\n")
@@ -167,11 +396,40 @@ class TestDiagramCommand:
         assert result.returncode == 1
         assert "component_lifecycle.mmd is stale" in result.stderr
 
+    def test_check_outside_a_checkout_says_missing(
+        self, lifecycle: Lifecycle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Outside a checkout the diagrams are reported missing, not stale."""
+        monkeypatch.chdir(tmp_path)
+        result = lifecycle("diagram", "--check")
+        assert result.returncode == 1
+        assert "diagrams/component_lifecycle.mmd is missing" in result.stderr
+        assert "stale" not in result.stderr
+
+    def test_out_into_an_impossible_path(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """``diagram --out`` under a file is exit 2 with one line, no traceback."""
+        blocker = write(tmp_path, "file", "")
+        result = lifecycle("diagram", "--out", blocker / "d")
+        assert result.returncode == 2
+        assert result.stderr == (
+            f"lifecycle diagram: cannot create the diagram folder {blocker / 'd'}: "
+            "Not a directory\n"
+        )
+
 
 class TestSchemaCommand:
-    def test_schema_is_json(self) -> None:
+    def test_schema_is_json(self, lifecycle: Lifecycle) -> None:
         """``schema`` prints the JSON Schema of the spec."""
         result = lifecycle("schema")
         assert result.returncode == 0
         schema = json.loads(result.stdout)
         assert "PipelineSpec" in schema["$defs"]
+
+
+class TestSmoke:
+    def test_run_json_in_a_process(self) -> None:
+        """``python -m lifecycle run --json`` prints one JSON object and no log lines."""
+        result = subprocess_lifecycle("run", EXAMPLE, "--requests", "1", "--steps", "1", "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["summary"]["requests"] == 1
+        assert result.stderr == ""

@@ -1,0 +1,97 @@
+"""What the ``lifecycle`` command prints for a person: tables, refusals, run summaries."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+from lifecycle.plan import RefusalReport
+from lifecycle.refusals import Refusal
+from lifecycle.runner import RunReport
+from lifecycle.sizes import format_bytes
+
+PIPELINE_COLUMN = "(pipeline)"
+"""The component column of a refusal about the whole pipeline (a layout, a stage)."""
+
+
+def table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Return ``rows`` as aligned, indented lines; the first row is the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def format_refusals(
+    command: str,
+    pipeline: str,
+    refusals: Sequence[Refusal | RefusalReport],
+    components: Collection[str],
+) -> str:
+    """Return refusals the way a person reads them: what, then how to fix it.
+
+    Args:
+        command: the subcommand that was refused (``check``, ``run``).
+        pipeline: the pipeline's name.
+        refusals: every reason.
+        components: the pipeline's components; a refusal about anything else is
+            about the whole pipeline and shows ``(pipeline)``.
+    """
+    count = len(refusals)
+    names = [r.component if r.component in components else PIPELINE_COLUMN for r in refusals]
+    lines = [
+        f"lifecycle {command}: pipeline {pipeline!r} refused ({count} reason{'s' * (count != 1)})"
+    ]
+    name_width = max(map(len, names))
+    code_width = max(len(r.code) for r in refusals)
+    for name, r in zip(names, refusals, strict=True):
+        lines.append(f"  {name.ljust(name_width)}  {r.code.ljust(code_width)}  {r.message}")
+        lines.append(f"  {' ' * name_width}  fix: {r.hint}")
+    return "\n".join(lines)
+
+
+def run_summary(report: RunReport) -> str:
+    """Return a run's summary: request times, each component's moves, the results."""
+    times = sorted(report.request_ms)
+    head = (
+        f"pipeline {report.pipeline!r}: {report.requests} request{'s' * (report.requests != 1)} "
+        f"x {report.steps} step{'s' * (report.steps != 1)} "
+        f"on {report.threads} thread{'s' * (report.threads != 1)}"
+    )
+    if times:
+        head += (
+            f", median {times[len(times) // 2]:.1f} ms per request (min {times[0]:.1f}, "
+            f"max {times[-1]:.1f})"
+        )
+    if report.stopped_by is not None:
+        head += f"; stopped by {report.stopped_by}"
+    rows: list[tuple[str, ...]] = [
+        ("component", "state", "onloads", "offloads", "moved", "move time", "attention")
+    ]
+    rows += [
+        (
+            name,
+            c.state,
+            str(c.onloads),
+            str(c.offloads),
+            format_bytes(c.bytes_moved),
+            f"{c.move_seconds * 1e3:.1f} ms",
+            ", ".join(c.backends) or "-",
+        )
+        for name, c in report.components.items()
+    ]
+    lines = [head, *table(rows)]
+    if report.neighbours:
+        lines.append("  nearest neighbour of each sentence (cosine similarity):")
+        lines += table(
+            [
+                ("sentence", "neighbour", "cosine"),
+                *((n.sentence, n.neighbour, f"{n.cosine:.3f}") for n in report.neighbours),
+            ]
+        )
+    if report.images:
+        count = len(report.images)
+        folder = Path(report.images[0]).parent
+        lines.append(f"  images: {count} PNG file{'s' * (count != 1)} written to {folder}")
+    return "\n".join(lines)
