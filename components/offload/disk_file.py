@@ -117,7 +117,8 @@ class DiskFile:
                 raise OffloadError(
                     f"offload file {self.path} is missing while {len(lost)} tensors "
                     f"({', '.join(lost[:3])}, ...) exist only in it, so it cannot be written "
-                    "again and nothing is offloaded; release the component and load it again, "
+                    "again and nothing is offloaded; close the pipeline and load it afresh in a "
+                    "new orchestrator, "
                     "and keep the offload directory out of reach of cleaners"
                 )
         self._write()
@@ -142,8 +143,9 @@ class DiskFile:
         except FileNotFoundError as err:
             raise OffloadError(
                 f"offload file {self.path} is missing: it held the only copy of the offloaded "
-                "weights, so they cannot be onloaded and the module stays offloaded; release "
-                "the component and load it again to rewrite the file, and keep the offload "
+                "weights, so they cannot be onloaded and the module stays offloaded; close "
+                "the pipeline and load it afresh in a new orchestrator to rewrite the file, and "
+                "keep the offload "
                 "directory out of reach of cleaners"
             ) from err
         except OSError as err:
@@ -215,8 +217,8 @@ class DiskFile:
         if cut is not None:
             raise OffloadError(
                 f"offload file {self.path} ends inside tensor '{cut}': it was truncated "
-                "after it was written, so the module stays offloaded; release the "
-                "component and load it again to rewrite the file"
+                "after it was written, so the module stays offloaded; close the "
+                "pipeline and load it afresh in a new orchestrator to rewrite the file"
             )
         if self.verify == "stat":
             self._refuse_changed("its size, mtime or inode differ")
@@ -235,7 +237,7 @@ class DiskFile:
         raise OffloadError(
             f"offload file {self.path} was changed after it was written ({what}), so it no "
             "longer holds these weights and the module stays offloaded; give every store its "
-            "own file, then release the component and load it again"
+            "own file, then close the pipeline and load it afresh in a new orchestrator"
         )
 
     def _unreadable(self, err: OSError) -> OffloadError:
@@ -269,7 +271,8 @@ class DiskFile:
                 raise OffloadError(
                     f"offload file {self.path} ends inside tensor '{slots[indices[-1]].key}': "
                     "it was truncated while it was read, so the module stays offloaded; "
-                    "release the component and load it again to rewrite the file"
+                    "close the pipeline and load it afresh in a new orchestrator to rewrite the "
+                    "file"
                 )
             for index in indices:
                 offset = placed + written.span(slots[index])[0] - begin

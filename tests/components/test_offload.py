@@ -163,9 +163,9 @@ class TestDiskStore:
             store.onload()
         assert str(err.value) == (
             f"offload file {path} is missing: it held the only copy of the offloaded weights, "
-            "so they cannot be onloaded and the module stays offloaded; release the component "
-            "and load it again to rewrite the file, and keep the offload directory out of "
-            "reach of cleaners"
+            "so they cannot be onloaded and the module stays offloaded; close the pipeline "
+            "and load it afresh in a new orchestrator to rewrite the file, and keep the offload "
+            "directory out of reach of cleaners"
         )
         assert not store.is_resident
         assert store.resident_bytes() == 0
