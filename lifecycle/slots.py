@@ -7,6 +7,8 @@ from collections import Counter
 from msgspec import UnsetType
 from torch import nn
 
+from attention import Attention
+from attention.layer import find_layers
 from components import ResidencyMode
 from components import registry as kinds
 from components.loader import ComponentLoader
@@ -26,6 +28,9 @@ class ComponentSlot:
         loader: its kind's loader, with validated options.
         plan: what admission decided (None before admission).
         module: the built module, from LOADED until RELEASED.
+        layers: the module's attention layers, found once whenever a module is
+            set (a rebuilt module gets its own), so that a move arms them
+            without walking the module.
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
         holders: open requests using it now, with how many stages each.
@@ -39,11 +44,22 @@ class ComponentSlot:
         self.lifecycle = lifecycle
         self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
         self.plan: ComponentPlan | None = None
-        self.module: nn.Module | None = None
+        self._module: nn.Module | None = None
+        self.layers: tuple[Attention, ...] = ()
         self.store: WeightStore | None = None
         self.footprint = 0
         self.holders: Counter[str] = Counter()
         self.reserved = False
+
+    @property
+    def module(self) -> nn.Module | None:
+        """Return the built module, or None when not loaded."""
+        return self._module
+
+    @module.setter
+    def module(self, module: nn.Module | None) -> None:
+        self._module = module
+        self.layers = () if module is None else find_layers(module)
 
     @property
     def mode(self) -> ResidencyMode:
