@@ -194,10 +194,9 @@ class ComponentLifecycle:
 
 def _context_of(event_data: EventData) -> TransitionContext:
     """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
-    if event_data.args:
-        context = next(iter(event_data.args))
-        if isinstance(context, TransitionContext):
-            return context
+    args = event_data.args
+    if args and isinstance(args[0], TransitionContext):
+        return args[0]
     model = _component_of(event_data)
     return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
 
@@ -210,30 +209,23 @@ def _component_of(event_data: EventData) -> ComponentLifecycle:
 
 
 class LifecycleState(State):
-    """A state whose name is read once, and whose entry and exit log nothing.
+    """A state whose name is read once (an Enum member's name is a slow lookup).
 
-    ``transitions`` logs every state entry and exit at info level and reads an
-    Enum's name on each; the lifecycle logs one event per transition instead.
+    Lifecycle states take no entry or exit callbacks: the lifecycle logs one
+    event per transition, and ``GuardedTransition`` enters the destination
+    without walking callback lists.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.on_enter or self.on_exit:
+            raise ValueError("lifecycle states take no entry or exit callbacks; use the work")
         self._plain_name: str = super().name
 
     @property
     def name(self) -> str:
         """The state's name (the Enum member's name)."""
         return self._plain_name
-
-    def enter(self, event_data: EventData) -> None:
-        """Run the entry callbacks, if any."""
-        if self.on_enter:
-            event_data.machine.callbacks(self.on_enter, event_data)
-
-    def exit(self, event_data: EventData) -> None:
-        """Run the exit callbacks, if any."""
-        if self.on_exit:
-            event_data.machine.callbacks(self.on_exit, event_data)
 
 
 class GuardCondition(Condition):
@@ -271,6 +263,14 @@ class GuardedTransition(Transition):
         self._run_work(event_data)
         self._change_state(event_data)
         return True
+
+    def _change_state(self, event_data: EventData) -> None:
+        # Lifecycle states carry no entry or exit callbacks and none is final:
+        # entering the destination is setting it on the model and on the event.
+        machine = event_data.machine
+        dest = machine.get_state(self.dest)
+        setattr(event_data.model, machine.model_attribute, dest.value)
+        event_data.state = dest
 
     @property
     def guard_names(self) -> tuple[str, ...]:
