@@ -12,7 +12,7 @@ from lifecycle.logs import configure_logging
 
 
 def main(argv: list[str]) -> None:
-    """Run the named benchmark modules, or all of them: each pins its threads and prints its table."""
+    """Run the named benchmark modules, or all: each pins its threads and prints its table."""
     configure_logging("json", "error")
     names = argv or sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
     for name in names:

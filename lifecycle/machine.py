@@ -220,9 +220,9 @@ class ComponentLifecycle:
 
 def _context_of(event_data: EventData) -> TransitionContext:
     """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
-    args = event_data.args
-    if args and isinstance(args[0], TransitionContext):
-        return args[0]
+    first = next(iter(event_data.args), None)
+    if isinstance(first, TransitionContext):
+        return first
     model = _component_of(event_data)
     return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
 
@@ -294,6 +294,7 @@ class GuardedTransition(Transition):
         # Lifecycle states carry no entry or exit callbacks and none is final:
         # entering the destination is setting it on the model and on the event.
         machine = event_data.machine
+        assert self.dest is not None  # every row of the table names its destination
         dest = machine.get_state(self.dest)
         setattr(event_data.model, machine.model_attribute, dest.value)
         event_data.state = dest
