@@ -51,13 +51,40 @@ def configuration_changed() -> None:
     _Generation.value += 1
 
 
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "exception": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
 class StdlibEventLogger(structlog.stdlib.BoundLogger):
-    """A structlog logger over a standard ``logging`` logger that can say if a level is on."""
+    """A structlog logger over a standard ``logging`` logger that can say if a level is on.
+
+    While ``filter_by_level`` leads the processors (always, except while a test
+    captures events), an event below the standard logger's level is dropped
+    before its event dictionary is even built: the same decision, taken first.
+    """
 
     def is_enabled_for(self, level: int) -> bool:
         """Tell whether the standard logger would handle an event at ``level``."""
         logger: logging.Logger = self._logger
         return logger.isEnabledFor(level)
+
+    def _proxy_to_logger(
+        self, method_name: str, event: str | None = None, *event_args: str, **event_kw: Any
+    ) -> Any:
+        level = _LEVELS.get(method_name)
+        if (
+            level is not None
+            and next(iter(self._processors), None) is structlog.stdlib.filter_by_level
+            and not self.is_enabled_for(level)
+        ):
+            return None
+        return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
 
 
 def _always(level: int) -> bool:
