@@ -150,14 +150,6 @@ def get_logger(name: str) -> EventLogger:
     return EventLogger(name)
 
 
-def _stdlib_processors() -> list[Processor]:
-    return [
-        structlog.stdlib.filter_by_level,
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.LogfmtRenderer(key_order=["event"], drop_missing=True),
-    ]
-
-
 def _route_to_stdlib() -> None:
     """Send every structlog event to the standard ``logging`` logger of its name.
 
@@ -165,7 +157,11 @@ def _route_to_stdlib() -> None:
     effective level is dropped before any field is rendered.
     """
     structlog.configure(
-        processors=_stdlib_processors(),
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.LogfmtRenderer(key_order=["event"], drop_missing=True),
+        ],
         wrapper_class=StdlibEventLogger,
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
@@ -180,7 +176,8 @@ def configure_logging(
 
     ``auto`` renders for a person when the stream is a terminal and as JSON
     lines otherwise. Tracebacks never carry frame locals, which may hold
-    secrets.
+    secrets. Loggers are cached on first use: the project's own follow a later
+    call, but call it before the first event so that every other does too.
 
     Raises:
         ValueError: ``level`` is not a logging level name.

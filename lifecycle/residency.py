@@ -172,7 +172,7 @@ class Residency:
             self.slots[victim].lifecycle.offload(eviction=True)
             context.on_rollback(self.slots[victim].lifecycle.onload)
         slot = self.slots[name]
-        _module_of(slot)
+        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
         if slot.store is None:
             slot.store = self._new_store(slot, resident=True)
@@ -188,7 +188,7 @@ class Residency:
     def offload(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and take its weights off the device."""
         slot = self.slots[name]
-        _module_of(slot)
+        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
         layers = slot.layers
         disarm_all(layers)
@@ -241,10 +241,6 @@ class Residency:
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
                 self._unhold(slot)
-
-    def held_bytes(self) -> int:
-        """Return the footprints of every component resident or reserved (a running total)."""
-        return self._held_total
 
     def _hold(self, slot: ComponentSlot) -> None:
         """Count ``slot``'s footprint in the running total (once, however often called)."""
