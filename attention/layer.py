@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -185,17 +187,36 @@ class Attention(nn.Module):
         )
 
 
-def arm_layers(module: nn.Module) -> int:
-    """Arm every ``Attention`` layer under ``module`` (itself included); return how many."""
-    layers = [m for m in module.modules() if isinstance(m, Attention)]
+def find_layers(module: nn.Module) -> tuple[Attention, ...]:
+    """Return every ``Attention`` layer under ``module`` (itself included), in module order.
+
+    Walking a module costs a visit per submodule: find its layers once per built
+    module, then arm and disarm that tuple on every move (``arm_all``, ``disarm_all``).
+    """
+    return tuple(m for m in module.modules() if isinstance(m, Attention))
+
+
+def arm_all(layers: Iterable[Attention]) -> None:
+    """Arm each of ``layers``."""
     for layer in layers:
         layer.arm()
+
+
+def disarm_all(layers: Iterable[Attention]) -> None:
+    """Disarm each of ``layers``."""
+    for layer in layers:
+        layer.disarm()
+
+
+def arm_layers(module: nn.Module) -> int:
+    """Arm every ``Attention`` layer under ``module`` (itself included); return how many."""
+    layers = find_layers(module)
+    arm_all(layers)
     return len(layers)
 
 
 def disarm_layers(module: nn.Module) -> int:
     """Disarm every ``Attention`` layer under ``module`` (itself included); return how many."""
-    layers = [m for m in module.modules() if isinstance(m, Attention)]
-    for layer in layers:
-        layer.disarm()
+    layers = find_layers(module)
+    disarm_all(layers)
     return len(layers)

@@ -21,8 +21,6 @@ from attention.errors import UnknownBackendError
 
 ENTRY_POINT_GROUP = "pipeline_lifecycle.backends"
 
-_log = structlog.get_logger("attention")
-
 
 class BackendRegistry:
     """Hold the built-in backends and the out-of-tree ones, loading entry points once.
@@ -112,7 +110,7 @@ class BackendRegistry:
                     self.register(entry.load())
                 except Exception as err:  # a broken plugin must not hide the working ones
                     self._failed[entry.name] = f"{type(err).__name__}: {err}"
-                    _log.warning(
+                    structlog.get_logger("attention").warning(
                         "attention.backend_load_failed",
                         entry_point=entry.name,
                         value=entry.value,

@@ -31,8 +31,10 @@ from attention.selection import select_backend
 UNSCOPED = "<unscoped>"
 _PLANNED_FIELDS = ("role", "requirements", "supported", "layer_default", "layer_backend")
 
-_log = structlog.get_logger("attention")
 _current: ContextVar[AttentionScope | None] = ContextVar("attention_scope", default=None)
+# Loggers are fetched per event, never held from import: structlog caches a logger on
+# first use, and an application may configure logging after importing this package.
+# These events come once per layer built, so the lookup costs nothing that matters.
 
 
 class AttentionScope:
@@ -82,7 +84,7 @@ class AttentionScope:
         else:
             selection = self._planned(self.plan, request)
         self._records.append(SelectionRecord.of(request, selection))
-        _log.info(
+        structlog.get_logger("attention").info(
             "attention.selected",
             component=self.component,
             site=request.site,
@@ -163,7 +165,7 @@ def component_attention_scope(
         _current.reset(token)
         backends = scope.summary()
         component = requests.component
-        _log.info(
+        structlog.get_logger("attention").info(
             "attention.summary",
             component=component,
             layers=len(scope.records),

@@ -7,17 +7,19 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from benchmarks._environment import announce
 from lifecycle.logs import configure_logging
 
 
 def main(argv: list[str]) -> None:
-    """Run the named benchmark modules, or all of them, printing each one's table."""
+    """Run the named benchmark modules, or all: each pins its threads and prints its table."""
     configure_logging("json", "error")
     names = argv or sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
     for name in names:
         if name.startswith("_"):
             continue
-        print(f"\n## {name}\n", flush=True)
+        print()
+        announce(name)
         importlib.import_module(f"benchmarks.{name}").main()
 
 

@@ -35,6 +35,7 @@ from attention import (
 )
 from attention.requirements import NO_REQUIREMENTS
 from attention.testing import explicit
+from benchmarks._environment import announce
 
 # B batch, H heads, S seq, D head dim
 
@@ -121,4 +122,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    announce("attention_overhead")
     main()

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from attention import AttentionRequirements
+from benchmarks._environment import announce
 from benchmarks.attention_overhead import armed_layer, interleaved, one_thread
 
 # B batch, H heads, S seq, D head dim, T packed tokens, N sequences
@@ -79,4 +80,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    announce("attention_varlen")
     main()

@@ -1,14 +1,28 @@
-"""Structured logs: JSON lines for ops, a readable console for people.
+"""Structured logs: quiet by default, into the standard ``logging`` module when embedded.
 
-Every module logs through ``structlog.get_logger(...)`` with a constant event
-name and data fields (DESIGN.md §9); this module only decides how those
-events are rendered and where they go (stderr: stdout carries results).
+Every module logs with a constant event name and data fields (DESIGN.md §9);
+this module only decides how those events are rendered and where they go.
+
+- Unconfigured (a program embeds the orchestrator and configures nothing):
+  importing ``lifecycle`` routes structlog into the standard ``logging``
+  module, named loggers ``lifecycle`` and ``attention``. Nothing reaches
+  stdout; where the application configured ``logging``, its handlers receive
+  every event as one logfmt line at the event's level, and with no handler
+  at all Python's last-resort handler writes warnings and errors to stderr.
+- ``configure_logging`` (the CLI, the benchmarks): JSON lines or a console
+  renderer on stderr, filtered at a level.
+
+The project's hot paths log through ``get_logger``: an ``EventLogger`` keeps
+its assembled structlog logger until the configuration changes, and answers
+``is_enabled_for`` so that a call site builds its fields only when the event
+will be written.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, Literal, TextIO, TypeAlias
 
 import msgspec
@@ -26,6 +40,135 @@ def _encode_json(event: Any, **_: Any) -> str:
     return _ENCODER.encode(event).decode()
 
 
+class _Generation:
+    """Counts configuration changes, so that cached loggers know when to reassemble."""
+
+    value = 0
+
+
+def configuration_changed() -> None:
+    """Make every ``EventLogger`` assemble its logger again from structlog's configuration."""
+    _Generation.value += 1
+
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "exception": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+class StdlibEventLogger(structlog.stdlib.BoundLogger):
+    """A structlog logger over a standard ``logging`` logger that can say if a level is on.
+
+    While ``filter_by_level`` leads the processors (always, except while a test
+    captures events), an event below the standard logger's level is dropped
+    before its event dictionary is even built: the same decision, taken first.
+    """
+
+    def is_enabled_for(self, level: int) -> bool:
+        """Tell whether the standard logger would handle an event at ``level``."""
+        logger: logging.Logger = self._logger
+        return logger.isEnabledFor(level)
+
+    def _proxy_to_logger(
+        self, method_name: str, event: str | None = None, *event_args: str, **event_kw: Any
+    ) -> Any:
+        level = _LEVELS.get(method_name)
+        if (
+            level is not None
+            and next(iter(self._processors), None) is structlog.stdlib.filter_by_level
+            and not self.is_enabled_for(level)
+        ):
+            return None
+        return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
+
+
+def _always(level: int) -> bool:
+    return True
+
+
+class EventLogger:
+    """A named event logger whose filtered events cost one level check.
+
+    The assembled structlog logger is cached on first use and assembled again
+    after ``configure_logging``, ``capture_events`` or ``configuration_changed``
+    (as with structlog's own
+    ``cache_logger_on_first_use``, an application that calls
+    ``structlog.configure`` should do so before the first event).
+
+    Args:
+        name: the standard ``logging`` name events go to when unconfigured.
+    """
+
+    __slots__ = ("_enabled", "_generation", "_logger", "_name")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._generation = -1
+        self._logger: Any = None
+        self._enabled: Callable[[int], bool] = _always
+
+    def is_enabled_for(self, level: int) -> bool:
+        """Tell whether an event at ``level`` would be written: build costly fields only then."""
+        if self._generation != _Generation.value:
+            self._assemble()
+        return self._enabled(level)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at debug level."""
+        if self.is_enabled_for(logging.DEBUG):
+            self._logger.debug(event, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at info level."""
+        if self.is_enabled_for(logging.INFO):
+            self._logger.info(event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at warning level."""
+        if self.is_enabled_for(logging.WARNING):
+            self._logger.warning(event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at error level."""
+        if self.is_enabled_for(logging.ERROR):
+            self._logger.error(event, **fields)
+
+    def _assemble(self) -> None:
+        self._logger = structlog.get_logger(self._name).bind()
+        check = getattr(self._logger, "is_enabled_for", None)
+        self._enabled = _always if check is None else check
+        self._generation = _Generation.value
+
+
+def get_logger(name: str) -> EventLogger:
+    """Return an event logger for the project module family ``name`` (e.g. ``lifecycle``)."""
+    return EventLogger(name)
+
+
+def _route_to_stdlib() -> None:
+    """Send every structlog event to the standard ``logging`` logger of its name.
+
+    Levels and handlers are the application's: an event below its logger's
+    effective level is dropped before any field is rendered.
+    """
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.LogfmtRenderer(key_order=["event"], drop_missing=True),
+        ],
+        wrapper_class=StdlibEventLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=True,
+    )
+    configuration_changed()
+
+
 def configure_logging(
     fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None
 ) -> None:
@@ -33,7 +176,8 @@ def configure_logging(
 
     ``auto`` renders for a person when the stream is a terminal and as JSON
     lines otherwise. Tracebacks never carry frame locals, which may hold
-    secrets.
+    secrets. Loggers are cached on first use: the project's own follow a later
+    call, but call it before the first event so that every other does too.
 
     Raises:
         ValueError: ``level`` is not a logging level name.
@@ -66,5 +210,11 @@ def configure_logging(
         processors=[*shared, *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=out),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
+    configuration_changed()
+
+
+if not structlog.is_configured():
+    # structlog's own default prints to stdout, which carries results (DESIGN §9).
+    _route_to_stdlib()

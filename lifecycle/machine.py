@@ -16,18 +16,22 @@ component by whoever owns the component (the orchestrator).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 import structlog
-from transitions.core import Condition, Event, EventData, Machine, Transition
+from transitions.core import Condition, Event, EventData, Machine, State, Transition
 
+from lifecycle.logs import get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState, rule_for
+from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
+
+_DESTS = {rule.trigger: rule.dest for rule in TRANSITIONS}
 
 
 class TransitionContext:
@@ -39,7 +43,9 @@ class TransitionContext:
         source: the state the component is in.
         dest: the state it will be in if the transition completes.
         params: the keyword arguments given to the trigger.
-        request_id: the request the transition happens for, if any.
+        request_id: the request the transition happens for, if any: the
+            ``request_id`` parameter when the caller gave one, else the
+            ``request_id`` bound in structlog's context variables.
         decisions: what the guards decided for the work to carry out (e.g.
             which components an onload must evict first).
     """
@@ -66,9 +72,13 @@ class TransitionContext:
         self.component = component
         self.trigger = trigger
         self.source = source
-        self.dest = rule_for(trigger).dest
+        self.dest = _DESTS[trigger]
         self.params = params
-        request_id = structlog.contextvars.get_contextvars().get("request_id")
+        request_id = (
+            params["request_id"]
+            if "request_id" in params
+            else structlog.contextvars.get_contextvars().get("request_id")
+        )
         self.request_id: str | None = None if request_id is None else str(request_id)
         self.refusals: list[Refusal] = []
         self.decisions: dict[str, object] = {}
@@ -181,13 +191,38 @@ class ComponentLifecycle:
         """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
+    # transitions also binds one state test per state; declaring them keeps it from
+    # warning, per model and state, that it skipped them (noise in an embedder's logs)
+    def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)
+        """Return whether the component is CONFIGURED."""
+        raise NotImplementedError
+
+    def is_ADMITTED(self) -> bool:  # noqa: N802
+        """Return whether the component is ADMITTED."""
+        raise NotImplementedError
+
+    def is_LOADED(self) -> bool:  # noqa: N802
+        """Return whether the component is LOADED."""
+        raise NotImplementedError
+
+    def is_RESIDENT(self) -> bool:  # noqa: N802
+        """Return whether the component is RESIDENT."""
+        raise NotImplementedError
+
+    def is_OFFLOADED(self) -> bool:  # noqa: N802
+        """Return whether the component is OFFLOADED."""
+        raise NotImplementedError
+
+    def is_RELEASED(self) -> bool:  # noqa: N802
+        """Return whether the component is RELEASED."""
+        raise NotImplementedError
+
 
 def _context_of(event_data: EventData) -> TransitionContext:
     """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
-    if event_data.args:
-        context = next(iter(event_data.args))
-        if isinstance(context, TransitionContext):
-            return context
+    first = next(iter(event_data.args), None)
+    if isinstance(first, TransitionContext):
+        return first
     model = _component_of(event_data)
     return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
 
@@ -199,26 +234,70 @@ def _component_of(event_data: EventData) -> ComponentLifecycle:
     return model
 
 
+class LifecycleState(State):
+    """A state whose name is read once (an Enum member's name is a slow lookup).
+
+    Lifecycle states take no entry or exit callbacks: the lifecycle logs one
+    event per transition, and ``GuardedTransition`` enters the destination
+    without walking callback lists.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.on_enter or self.on_exit:
+            raise ValueError("lifecycle states take no entry or exit callbacks; use the work")
+        self._plain_name: str = super().name
+
+    @property
+    def name(self) -> str:
+        """The state's name (the Enum member's name)."""
+        return self._plain_name
+
+
 class GuardCondition(Condition):
     """A named guard; passing means it returned no refusal, which it records."""
 
     def check(self, event_data: EventData) -> bool:
         """Run the guard and record what it refused."""
         context = _context_of(event_data)
-        refusals = list(_component_of(event_data).checks[str(self.func)](context))
-        context.refusals.extend(refusals)
+        name = self.func
+        assert isinstance(name, str)  # the table names its guards
+        refusals = tuple(_component_of(event_data).checks[name](context))
+        if refusals:
+            context.refusals.extend(refusals)
         return not refusals
 
 
 class GuardedTransition(Transition):
-    """A transition that checks every guard and runs its work atomically."""
+    """A transition that checks every guard and runs its work atomically.
+
+    The work is the transition's one side effect: the lifecycle registers no
+    ``transitions`` prepare, before or after callbacks, so ``execute`` does not
+    walk those (empty) lists on every move.
+    """
 
     condition_cls = GuardCondition
 
     def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.postcondition = postcondition
-        self.before.append(self._run_work)
+
+    def execute(self, event_data: EventData) -> bool:
+        """Check every guard; when all pass, run the work, then enter the destination."""
+        if not self._eval_conditions(event_data):
+            return False
+        self._run_work(event_data)
+        self._change_state(event_data)
+        return True
+
+    def _change_state(self, event_data: EventData) -> None:
+        # Lifecycle states carry no entry or exit callbacks and none is final:
+        # entering the destination is setting it on the model and on the event.
+        machine = event_data.machine
+        assert self.dest is not None  # every row of the table names its destination
+        dest = machine.get_state(self.dest)
+        setattr(event_data.model, machine.model_attribute, dest.value)
+        event_data.state = dest
 
     @property
     def guard_names(self) -> tuple[str, ...]:
@@ -266,16 +345,19 @@ class RefusingEvent(Event):
             context = TransitionContext(model.name, self.name, model.state, kwargs)
             started = time.perf_counter()
             try:
-                if model.state.name not in self.transitions:
+                state = machine.get_model_state(model)
+                if state.name not in self.transitions:
                     raise InvalidTransition(
                         model.name,
                         self.name,
                         model.state,
                         (ComponentState[source].value for source in self.transitions),
                     )
-                super().trigger(model, context)
+                # The lock above serialises triggers and the machine registers no queue,
+                # exception or finalize callbacks: process the event directly.
+                self._process(EventData(state, self, machine, model, (context,), {}))
             except TransitionRefused as refused:
-                log.warning(
+                log.warning(  # a refusal is rare: its fields are built whatever the level
                     "lifecycle.refused",
                     component=model.name,
                     trigger=self.name,
@@ -295,19 +377,25 @@ class RefusingEvent(Event):
                     request_id=context.request_id,
                 )
                 raise
-            log.info(
-                "lifecycle.transition",
-                component=model.name,
-                trigger=self.name,
-                source=context.source.value,
-                dest=context.dest.value,
-                duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                request_id=context.request_id,
-            )
+            if log.is_enabled_for(logging.INFO):
+                log.info(
+                    "lifecycle.transition",
+                    component=model.name,
+                    trigger=self.name,
+                    source=context.source.value,
+                    dest=context.dest.value,
+                    duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                    request_id=context.request_id,
+                )
             return True
 
     def _process(self, event_data: EventData) -> bool:
-        super()._process(event_data)
+        # The machine registers no prepare_event callbacks: try the transitions directly.
+        for transition in self.transitions[event_data.state.name]:
+            event_data.transition = transition
+            if transition.execute(event_data):
+                event_data.result = True
+                break
         if not event_data.result:
             context = _context_of(event_data)
             raise TransitionRefused(
@@ -324,6 +412,7 @@ class LifecycleMachine(Machine):
     e.g. an onload that evicts).
     """
 
+    state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
 
@@ -338,6 +427,12 @@ class LifecycleMachine(Machine):
             name=name,
         )
         self.lock = threading.RLock()
+        # transitions keys states by Enum name; reading a member's name costs an Enum lookup
+        self._by_key = {
+            key: self.states[member.name]
+            for member in ComponentState
+            for key in (member, member.name)
+        }
         for rule in TRANSITIONS:
             self.add_transition(
                 rule.trigger,
@@ -346,6 +441,17 @@ class LifecycleMachine(Machine):
                 conditions=list(rule.guards),
                 postcondition=rule.postcondition,
             )
+
+    _by_key: Mapping[object, State] = {}
+
+    def get_state(self, state: Any) -> State:
+        """Return the State object of a ComponentState or its name, in one dictionary lookup."""
+        found = self._by_key.get(state)
+        return super().get_state(state) if found is None else found
+
+    def get_model_state(self, model: Any) -> State:
+        """Return the State object of ``model``'s current state."""
+        return self.get_state(model.state)
 
     def add_component(self, component: ComponentLifecycle) -> None:
         """Attach ``component`` in the initial state; its triggers become live."""

@@ -16,9 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import structlog
+from lifecycle.logs import get_logger
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 OWNER_FILE = "owner.lock"
 """The file in each orchestrator folder that names the process owning it."""

@@ -25,6 +25,7 @@ from components import ResidencyMode
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.loading import Loading, launch_refusals
+from lifecycle.logs import get_logger
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
     AdmissionPlan,
@@ -45,7 +46,7 @@ from lifecycle.residency import MoveObserver, Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 
 class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

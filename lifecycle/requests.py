@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -54,19 +54,16 @@ class StageKeeper:
             try:
                 for name in uses:
                     if self.slots[name].lifecycle.state is not ComponentState.RESIDENT:
-                        self.slots[name].lifecycle.onload(position=position)
+                        self.slots[name].lifecycle.onload(position=position, request_id=request_id)
             except BaseException:
                 self.leave(request_id, position)
                 raise
-            self.residency.prefetch(self.next_uses(position))
+            self.residency.prefetch(self.timeline.added_next(position))
             return {name: _module(self.slots[name]) for name in uses}
 
     def next_uses(self, position: int) -> tuple[str, ...]:
         """Return the components the stage after ``position`` adds, if there is one."""
-        if position + 1 >= len(self.timeline.stages):
-            return ()
-        current = self.timeline.stages[position].uses
-        return tuple(n for n in self.timeline.stages[position + 1].uses if n not in current)
+        return self.timeline.added_next(position)
 
     def leave(self, request_id: str, position: int) -> None:
         """Drop ``request_id``'s hold on the stage; offload what saw its last use."""
@@ -77,24 +74,24 @@ class StageKeeper:
                 holders[request_id] -= 1
                 if holders[request_id] <= 0:
                     del holders[request_id]
-            self._put_back(name for name in uses if self.timeline.next_use(name, position) is None)
+            self._put_back(self.timeline.last_uses(position), request_id)
 
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.discard(request_id)
             self.residency.cancel_prefetch(sorted(touched))
-            self._put_back(sorted(touched))
+            self._put_back(sorted(touched), request_id)
 
-    def _put_back(self, names: Iterator[str] | list[str]) -> None:
+    def _put_back(self, names: Iterable[str], request_id: str) -> None:
         for name in names:
             slot = self.slots[name]
             if (
                 slot.is_idle
-                and slot.mode is not ResidencyMode.RESIDENT
                 and slot.lifecycle.state is ComponentState.RESIDENT
+                and slot.mode is not ResidencyMode.RESIDENT
             ):
-                slot.lifecycle.offload()
+                slot.lifecycle.offload(request_id=request_id)
 
 
 class Request:

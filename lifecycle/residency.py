@@ -9,6 +9,7 @@ arms or disarms its attention, registering an undo for each step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -16,23 +17,23 @@ from pathlib import Path
 from typing import Literal, TypeAlias
 
 import msgspec
-import structlog
 import torch
 from torch import nn
 
-from attention import arm_layers, disarm_layers
+from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from lifecycle import offload_folder
 from lifecycle.budget import plan_onload
 from lifecycle.config import PipelineSpec
+from lifecycle.logs import get_logger
 from lifecycle.machine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.timeline import Timeline
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 Direction: TypeAlias = Literal["onload", "offload"]
 
@@ -87,6 +88,9 @@ class Residency:
         self.observer = observer
         self._started = time.perf_counter()
         self._folder: Path | None = None
+        # the budget's running total: what each resident or reserved component holds
+        self._held: dict[str, int] = {}
+        self._held_total = 0
 
     # -- guards ----------------------------------------------------------------
 
@@ -95,19 +99,21 @@ class Residency:
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return []
+        needed = self.slots[name].footprint
+        if self._held_total - self._held.get(name, 0) + needed <= budget:
+            return []  # fits: no need to look at anyone else
         position = context.params.get("position", -1)
         after = position if isinstance(position, int) else -1
-        resident = {other: size for other, size in self._held().items() if other != name}
+        resident = {other: size for other, size in self._held.items() if other != name}
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
-            for other, slot in self.slots.items()
-            if other in resident
-            and slot.lifecycle.state is ComponentState.RESIDENT
+            for other in resident
+            if (slot := self.slots[other]).lifecycle.state is ComponentState.RESIDENT
             and slot.is_idle
             and slot.may_be_evicted
             and self.timeline.is_used(other)
         }
-        decision = plan_onload(name, self.slots[name].footprint, budget, resident, evictable)
+        decision = plan_onload(name, needed, budget, resident, evictable)
         if decision.refusal is not None:
             return [decision.refusal]
         context.decisions["evict"] = decision.victims
@@ -166,7 +172,7 @@ class Residency:
             self.slots[victim].lifecycle.offload(eviction=True)
             context.on_rollback(self.slots[victim].lifecycle.onload)
         slot = self.slots[name]
-        module = _module_of(slot)
+        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
         if slot.store is None:
             slot.store = self._new_store(slot, resident=True)
@@ -174,31 +180,35 @@ class Residency:
         else:
             moved = slot.store.onload()
         slot.reserved = False
-        arm_layers(module)
-        context.on_rollback(lambda: _stow(slot))
+        arm_all(slot.layers)
+        context.on_rollback(lambda: self._stow(slot))
+        self._hold(slot)
         self._record(slot, "onload", moved, started, context)
 
     def offload(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and take its weights off the device."""
         slot = self.slots[name]
-        module = _module_of(slot)
+        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
-        disarm_layers(module)
+        layers = slot.layers
+        disarm_all(layers)
         if context.source is ComponentState.RESIDENT:
-            context.on_rollback(lambda: arm_layers(module))
+            context.on_rollback(lambda: arm_all(layers))
         if slot.store is None:
             slot.store = self._new_store(slot, resident=False)
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
+        if self._unhold(slot):
+            context.on_rollback(lambda: self._hold(slot))
         self._record(slot, "offload", moved, started, context)
 
     def release(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and drop its module, its store and any offload file."""
         slot = self.slots[name]
-        if slot.module is not None:
-            disarm_layers(slot.module)
+        disarm_all(slot.layers)
         slot.forget()
+        self._unhold(slot)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start onloading ``names`` early where the copy can overlap compute.
@@ -220,6 +230,8 @@ class Residency:
             ):
                 continue
             slot.reserved = slot.store.prefetch() > 0
+            if slot.reserved:
+                self._hold(slot)
 
     def cancel_prefetch(self, names: Iterable[str]) -> None:
         """Give up the prefetches of ``names`` that no onload completed."""
@@ -229,20 +241,34 @@ class Residency:
                 assert slot.store is not None
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
+                self._unhold(slot)
 
-    def _held(self) -> dict[str, int]:
-        """Return the footprint of every component on the device or reserved for it."""
-        return {
-            name: slot.footprint
-            for name, slot in self.slots.items()
-            if slot.lifecycle.state is ComponentState.RESIDENT or slot.reserved
-        }
+    def _hold(self, slot: ComponentSlot) -> None:
+        """Count ``slot``'s footprint in the running total (once, however often called)."""
+        if slot.name not in self._held:
+            self._held[slot.name] = slot.footprint
+            self._held_total += slot.footprint
+
+    def _unhold(self, slot: ComponentSlot) -> bool:
+        """Take ``slot`` out of the running total; tell whether it was in it."""
+        held = self._held.pop(slot.name, None)
+        if held is None:
+            return False
+        self._held_total -= held
+        return True
+
+    def _stow(self, slot: ComponentSlot) -> None:
+        """Undo an onload: disarm and take the weights back off the device."""
+        disarm_all(slot.layers)
+        if slot.store is not None:
+            slot.store.offload()
+        self._unhold(slot)
 
     def _fits(self, slot: ComponentSlot) -> bool:
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return True
-        return sum(self._held().values()) + slot.footprint <= budget
+        return self._held_total + slot.footprint <= budget
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the most bytes ``slot`` holds on the device, as its store reports it."""
@@ -298,6 +324,9 @@ class Residency:
         started: float,
         context: TransitionContext,
     ) -> None:
+        logged = log.is_enabled_for(logging.INFO)
+        if self.observer is None and not logged:
+            return  # nobody reads the move: build nothing
         finished = time.perf_counter()
         assert slot.store is not None  # every move goes through the store
         move = Move(
@@ -309,15 +338,16 @@ class Residency:
             request_id=context.request_id,
             at=round(finished - self._started, 6),
         )
-        log.info(
-            "residency.moved",
-            component=move.component,
-            direction=move.direction,
-            target=move.target,
-            bytes=move.bytes,
-            seconds=move.seconds,
-            request_id=move.request_id,
-        )
+        if logged:
+            log.info(
+                "residency.moved",
+                component=move.component,
+                direction=move.direction,
+                target=move.target,
+                bytes=move.bytes,
+                seconds=move.seconds,
+                request_id=move.request_id,
+            )
         if self.observer is not None:
             self.observer(move)
 
@@ -332,11 +362,3 @@ def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
     attribute = slot.loader.block_stack
     blocks = None if attribute is None else getattr(slot.module, attribute, None)
     return blocks if isinstance(blocks, nn.ModuleList) else None
-
-
-def _stow(slot: ComponentSlot) -> None:
-    """Undo an onload: disarm and take the weights back off the device."""
-    if slot.module is not None:
-        disarm_layers(slot.module)
-    if slot.store is not None:
-        slot.store.offload()

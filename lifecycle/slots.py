@@ -6,6 +6,8 @@ from collections import Counter
 
 from torch import nn
 
+from attention import Attention
+from attention.layer import find_layers
 from components import ResidencyMode
 from components import registry as kinds
 from components.loader import ComponentLoader
@@ -26,6 +28,9 @@ class ComponentSlot:
         loader: its kind's loader, with validated options.
         admission: what admission found for it (None before admission).
         module: the built module, from LOADED until RELEASED.
+        layers: the module's attention layers, found once whenever a module is
+            set (a rebuilt module gets its own), so that a move arms them
+            without walking the module.
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
         holders: open requests using it now, with how many stages each.
@@ -39,7 +44,8 @@ class ComponentSlot:
         self.lifecycle = lifecycle
         self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
         self.admission: ComponentAdmission | None = None
-        self.module: nn.Module | None = None
+        self._module: nn.Module | None = None
+        self.layers: tuple[Attention, ...] = ()
         self.store: WeightStore | None = None
         self.footprint = 0
         self.holders: Counter[str] = Counter()
@@ -49,6 +55,16 @@ class ComponentSlot:
     def plan(self) -> ComponentPlan | None:
         """Return what admission decided, None before admission."""
         return None if self.admission is None else self.admission.plan
+
+    @property
+    def module(self) -> nn.Module | None:
+        """Return the built module, or None when not loaded."""
+        return self._module
+
+    @module.setter
+    def module(self, module: nn.Module | None) -> None:
+        self._module = module
+        self.layers = () if module is None else find_layers(module)
 
     @property
     def mode(self) -> ResidencyMode:

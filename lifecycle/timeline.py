@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -12,12 +13,29 @@ class Timeline:
     """The stages of a request in declared order, and the uses they make.
 
     A request may enter any declared stage in any order; the declared order is
-    what "next use" and "last use" are measured against.
+    what "next use" and "last use" are measured against. Every answer is read
+    from tables built once here, so that a move costs the same whatever the
+    number of stages and components.
     """
 
     def __init__(self, stages: Sequence[StageSpec]) -> None:
         self.stages = tuple(stages)
         self._index = {stage.name: i for i, stage in enumerate(self.stages)}
+        positions: dict[str, list[int]] = {}
+        for position, stage in enumerate(self.stages):
+            for name in dict.fromkeys(stage.uses):
+                positions.setdefault(name, []).append(position)
+        self._positions = {name: tuple(found) for name, found in positions.items()}
+        self._last_uses = tuple(
+            tuple(n for n in dict.fromkeys(stage.uses) if self.next_use(n, p) is None)
+            for p, stage in enumerate(self.stages)
+        )
+        self._added_next = tuple(
+            tuple(n for n in self.stages[p + 1].uses if n not in stage.uses)
+            if p + 1 < len(self.stages)
+            else ()
+            for p, stage in enumerate(self.stages)
+        )
 
     def index(self, stage: str) -> int:
         """Return the position of ``stage``.
@@ -33,10 +51,9 @@ class Timeline:
 
     def next_use(self, component: str, after: int) -> int | None:
         """Return the position of the first stage after ``after`` that uses ``component``."""
-        for position in range(after + 1, len(self.stages)):
-            if component in self.stages[position].uses:
-                return position
-        return None
+        positions = self._positions.get(component, ())
+        found = bisect.bisect_right(positions, after)
+        return positions[found] if found < len(positions) else None
 
     def distance_to_next_use(self, component: str, after: int) -> float:
         """Return how many stages away the next use is; infinite when there is none."""
@@ -45,4 +62,12 @@ class Timeline:
 
     def is_used(self, component: str) -> bool:
         """Tell whether any stage uses ``component``."""
-        return any(component in stage.uses for stage in self.stages)
+        return component in self._positions
+
+    def last_uses(self, position: int) -> tuple[str, ...]:
+        """Return the components the stage at ``position`` uses for the last time."""
+        return self._last_uses[position]
+
+    def added_next(self, position: int) -> tuple[str, ...]:
+        """Return the components the stage after ``position`` adds to it (none after the last)."""
+        return self._added_next[position]

@@ -4,21 +4,62 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
 
-from lifecycle.logs import configure_logging
+from lifecycle.logs import configuration_changed, configure_logging, get_logger
 from lifecycle.states import ComponentState
+from lifecycle.testing import capture_events, events_named
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# An embedding program: it serves one request and meets one refusal. PRELUDE is what
+# the application did about logging before that.
+EMBEDDER = """
+import sys
+{prelude}
+import torch
+from attention import Platform
+from components.batch import Batch
+from lifecycle import Orchestrator, TransitionRefused
+
+with Orchestrator.from_file("examples/tiny_t2i.toml", platform=Platform("cpu")) as orch:
+    orch.load()
+    batch = Batch(generator=torch.Generator().manual_seed(0), steps=1)
+    with orch.request("r1") as request:
+        for stage in ("encode", "denoise", "decode"):
+            request.run(stage, batch)
+    try:
+        orch.offload("transformer")
+    except TransitionRefused:
+        pass
+"""
+
+
+def embed(prelude: str) -> subprocess.CompletedProcess[str]:
+    """Run the embedding program after ``prelude``; return what it wrote."""
+    return subprocess.run(
+        [sys.executable, "-c", EMBEDDER.format(prelude=prelude)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    )
 
 
 @pytest.fixture(autouse=True)
 def restore_structlog() -> Iterator[None]:
-    """Put structlog's configuration back after each test."""
+    """Put structlog's configuration back after each test, and let cached loggers see it."""
     saved = structlog.get_config()
     yield
     structlog.configure(**saved)
+    configuration_changed()
 
 
 class TestConfigureLogging:
@@ -69,3 +110,62 @@ class TestConfigureLogging:
         """A level name that logging does not know is a clear error."""
         with pytest.raises(ValueError, match="unknown log level 'loud'"):
             configure_logging("json", "loud")
+
+
+class TestEmbedded:
+    def test_unconfigured_program_prints_nothing_to_stdout(self) -> None:
+        """A program that configures no logging gets no event on stdout, and refusals on stderr."""
+        done = embed("")
+        assert done.stdout == ""
+        assert "event=lifecycle.refused component=transformer trigger=offload" in done.stderr
+        assert "lifecycle.transition" not in done.stderr  # info is below the default level
+
+    def test_events_reach_the_applications_logging_handlers(self) -> None:
+        """Where the application configured ``logging``, its handler receives every event."""
+        done = embed(
+            "import logging\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout,"
+            " format='%(name)s|%(levelname)s|%(message)s')"
+        )
+        records = [line.split("|", 2) for line in done.stdout.splitlines()]
+        events = {(name, level, message.split()[0]) for name, level, message in records}
+        assert ("lifecycle", "INFO", "event=lifecycle.transition") in events
+        assert ("lifecycle", "INFO", "event=residency.moved") in events
+        assert ("lifecycle", "INFO", "event=request.end") in events
+        assert ("attention", "INFO", "event=attention.summary") in events
+        assert ("lifecycle", "WARNING", "event=lifecycle.refused") in events
+        assert "request_id=r1" in done.stdout
+
+    def test_the_applications_level_filters(self) -> None:
+        """Events below the level the application set never reach its handlers."""
+        done = embed(
+            "import logging\n"
+            "logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format='%(message)s')"
+        )
+        assert [line.split()[0] for line in done.stdout.splitlines()] == ["event=lifecycle.refused"]
+
+
+class TestCachedLoggers:
+    def test_capture_sees_loggers_cached_at_a_higher_level(self) -> None:
+        """capture_events collects info events from a logger first used under level error."""
+        stream = io.StringIO()
+        configure_logging("json", "error", stream)
+        log = get_logger("lifecycle")
+        log.info("quiet.before")  # assembles and caches the logger at level error
+        assert not log.is_enabled_for(20)
+        with capture_events() as events:
+            log.info("lifecycle.transition", component="vae")
+        assert [e["component"] for e in events_named(events, "lifecycle.transition")] == ["vae"]
+        log.info("quiet.after")
+        assert stream.getvalue() == ""
+
+    def test_reconfiguring_reaches_cached_loggers(self) -> None:
+        """A logger cached under one configure_logging writes to the stream of the next."""
+        first, second = io.StringIO(), io.StringIO()
+        configure_logging("json", "info", first)
+        log = get_logger("lifecycle")
+        log.info("lifecycle.first")
+        configure_logging("json", "info", second)
+        log.info("lifecycle.second")
+        assert json.loads(first.getvalue())["event"] == "lifecycle.first"
+        assert json.loads(second.getvalue())["event"] == "lifecycle.second"
