@@ -28,8 +28,10 @@ from attention import (
 )
 from components import ResidencyMode
 from components.loader import PathUnavailable
+from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
+from lifecycle.distributed import setup_parallel
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
     AdmissionPlan,
@@ -91,6 +93,7 @@ class Orchestrator:
         self._residency = Residency(spec, self._slots, self.device, observer)
         self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
+        self.parallel: ParallelMesh | None = None
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
@@ -169,8 +172,7 @@ class Orchestrator:
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            self._check_world()
-            self._check_split()
+            self.parallel = setup_parallel(self.spec, self._slots, self.device)
             for slot in self._slots.values():
                 if slot.lifecycle.state is ComponentState.ADMITTED:
                     slot.lifecycle.load()
@@ -438,55 +440,6 @@ class Orchestrator:
                 f"pipeline {self.spec.name!r} has no component {name!r}; "
                 f"components: {', '.join(self._slots)}"
             ) from None
-
-    def _check_split(self) -> None:
-        """Refuse a layout that splits a model whose kind only declares it can be split."""
-        refusals = [
-            _split_refusal(name, slot.spec.kind, asked)
-            for name, slot in self._slots.items()
-            if slot.plan is not None
-            and slot.plan.loader == "custom"
-            and slot.loader.sequence_parallel
-            and (asked := self.spec.parallel.splits(name))
-        ]
-        if refusals:
-            raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refusals)
-
-    def _check_world(self) -> None:
-        launched = (
-            torch.distributed.get_world_size()
-            if torch.distributed.is_available() and torch.distributed.is_initialized()
-            else 1
-        )
-        needed = self.spec.parallel.world_size
-        if needed != launched:
-            raise TransitionRefused(
-                self.spec.name,
-                "load",
-                ComponentState.ADMITTED,
-                [
-                    Refusal(
-                        code="parallel.invalid_layout",
-                        component=self.spec.name,
-                        message=f"the parallel layout needs {needed} processes, but "
-                        f"{launched} {'was' if launched == 1 else 'were'} launched",
-                        hint=f"launch {needed} processes (torchrun --nproc-per-node "
-                        f"{needed}), or shrink [parallel] to {launched}",
-                    )
-                ],
-            )
-
-
-def _split_refusal(name: str, kind: str, asked: tuple[str, ...]) -> Refusal:
-    return Refusal(
-        code="parallel.invalid_layout",
-        component=name,
-        message=f"kind '{kind}' plans its attention for the layout ({', '.join(asked)}), but "
-        "its custom path does not split the model across ranks yet: every rank would run "
-        "it whole",
-        hint="run with [parallel] tp, sp and ring degrees of 1 (dp_size and cfg_parallel "
-        "replicate, and work)",
-    )
 
 
 def _platform_for(spec: PipelineSpec) -> Platform:
