@@ -30,6 +30,7 @@ from components.loader import ComponentLoader, LoaderPath
 from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
+from lifecycle.parallel_admission import split_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal
 
@@ -108,6 +109,7 @@ def admit_pipeline(
         pipeline_refusals=(
             *device_refusals(spec),
             *layout_refusals(spec),
+            *split_refusals(spec, loaders, {n: c.plan.loader for n, c in components.items()}),
             *budget_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),

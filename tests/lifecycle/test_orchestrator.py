@@ -150,15 +150,14 @@ class TestAdmitThenLoad:
             orch.load()
         assert orch.state("c") is ComponentState.CONFIGURED
 
-    def test_layout_the_kind_cannot_split_is_refused_at_load(self) -> None:
-        """FSDP over the DiT, whose custom path does not split yet, is refused at load."""
+    def test_fsdp_in_a_replica_of_one_rank_is_refused_at_admission(self) -> None:
+        """FSDP over the DiT with nothing to shard with (one rank) is refused by admission."""
         orch = orchestrator(one_component("tiny_dit") + '[parallel]\nfsdp = ["c"]\n')
-        orch.admit()
-        with pytest.raises(TransitionRefused) as err:
-            orch.load()
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
         assert err.value.codes == ("parallel.invalid_layout",)
-        assert "does not split the model across ranks yet" in err.value.refusals[0].message
-        assert orch.state("c") is ComponentState.ADMITTED
+        assert "there is nothing to shard with" in err.value.refusals[0].message
+        assert orch.state("c") is ComponentState.CONFIGURED
 
 
 class TestLoading:
@@ -198,18 +197,14 @@ class TestLoading:
         assert NativeOnlyKind.native_builds == []
         assert orch.state("c") is ComponentState.ADMITTED
 
-    def test_layout_refuses_the_load_time_native_fallback(self) -> None:
-        """Under FSDP the load-time native fallback is refused; native code never ran."""
+    def test_layout_refuses_fsdp_before_any_native_fallback(self) -> None:
+        """FSDP in one process is refused at admission, so no native fallback ever runs."""
         orch = orchestrator(one_component("test_native_only") + '[parallel]\nfsdp = ["c"]\n')
-        orch.admit()
-        with pytest.raises(TransitionFailed) as err:
+        with pytest.raises(AdmissionRefused) as err:
             orch.load()
-        cause = err.value.__cause__
-        assert isinstance(cause, TransitionRefused)
-        assert cause.codes == ("loader.native_parallel_layout",)
-        assert "(fsdp)" in cause.refusals[0].message
+        assert err.value.codes == ("parallel.invalid_layout",)
         assert NativeOnlyKind.native_builds == []
-        assert orch.state("c") is ComponentState.ADMITTED
+        assert orch.state("c") is ComponentState.CONFIGURED
 
     def test_layout_refuses_native_fallback_at_admission(self) -> None:
         """A kind with only a native path under tensor parallelism is refused at admission."""
