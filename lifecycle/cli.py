@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 from msgspec import UnsetType
 
-from lifecycle import diagrams
+from lifecycle import diagrams, launch
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
 from lifecycle.gantt import residency_gantt
 from lifecycle.logs import configure_logging
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=_positive, default=8, help="denoising steps per request")
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
+    run.add_argument("--nproc", type=_positive, help="start N workers through torchrun")
     run.set_defaults(handler=_run)
 
     diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
@@ -151,6 +152,13 @@ def _positive(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return launch.spawn(args.nproc, launch.worker_argv(args))
+    with launch.worker():
+        return _run_here(args)
+
+
+def _run_here(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
     except ConfigError as err:
@@ -160,9 +168,10 @@ def _run(args: argparse.Namespace) -> int:
     with Orchestrator(spec, observer=moves.append) as orchestrator:
         try:
             orchestrator.load()
-            progress = _Progress(args.requests)
+            indices = launch.replica_requests(orchestrator.parallel, args.requests)
+            progress = _Progress(len(indices))
             report = run_requests(
-                orchestrator, moves, requests=args.requests, steps=args.steps, on_request=progress
+                orchestrator, moves, requests=indices, steps=args.steps, on_request=progress
             )
         except TransitionRefused as refused:
             print(format_refusals(spec.name, refused.refusals), file=sys.stderr)
@@ -185,8 +194,9 @@ def _run(args: argparse.Namespace) -> int:
                 ),
                 encoding="utf-8",
             )
-    print(_run_summary(report))
-    _print_json(snapshot)
+    if launch.is_main_rank():
+        print(_run_summary(report))
+        _print_json(snapshot)
     return EXIT_OK
 
 

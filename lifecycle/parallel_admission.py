@@ -26,8 +26,9 @@ def split_refusals(
 
     Tensor and sequence parallel split the custom-path components whose kind implements
     them and replicate the others, so they are refused only when no component's kind
-    implements them (a native path is ``loader.native_parallel_layout``). FSDP names components: each must be built by a custom path whose kind works
-    sharded, not split by tensor parallel too, in a replica of more than one rank.
+    implements them (a native path is ``loader.native_parallel_layout``). FSDP names
+    components: each must be built by a custom path whose kind works sharded, not split
+    by tensor parallel too, in a replica of more than one rank.
     """
     layout = spec.parallel
     if layout.check():

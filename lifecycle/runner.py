@@ -55,11 +55,11 @@ def run_requests(
     orchestrator: Orchestrator,
     moves: list[Move],
     *,
-    requests: int,
+    requests: int | range,
     steps: int,
     on_request: Callable[[int], None] | None = None,
 ) -> RunReport:
-    """Run ``requests`` requests through every stage, in declared order.
+    """Run ``requests`` requests (a count, or the indices to run) through every stage.
 
     ``moves`` is the list the orchestrator's observer appends to; each request
     starts from seeded inputs (seed = its index).
@@ -69,7 +69,8 @@ def run_requests(
         TransitionRefused: a stage could not onload its components.
     """
     durations = []
-    for index in range(requests):
+    indices = range(requests) if isinstance(requests, int) else requests
+    for index in indices:
         started = time.perf_counter()
         batch = Batch(generator=torch.Generator().manual_seed(index), steps=steps)
         with orchestrator.request(f"r{index + 1}") as request:
@@ -77,11 +78,11 @@ def run_requests(
                 request.run(stage.name, batch)
         durations.append(round((time.perf_counter() - started) * 1e3, 3))
         if on_request is not None:
-            on_request(index + 1)
+            on_request(len(durations))
     snapshot = orchestrator.snapshot()
     return RunReport(
         pipeline=orchestrator.spec.name,
-        requests=requests,
+        requests=len(indices),
         steps=steps,
         request_ms=tuple(durations),
         components={
