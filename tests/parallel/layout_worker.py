@@ -1,9 +1,11 @@
-"""The spawn target of the layout parity tests: load a spec on one rank and run the DiT.
+"""The spawn target of the layout parity tests: run many layouts on one process group.
 
-Each rank joins the process group through the environment torchrun would set, loads the
-spec through ``Orchestrator.load()`` (which builds the mesh and splits the components),
-runs the seeded example requests through the ``transformer`` and, on rank 0, saves what
-it produced; a failure is written to ``rank<r>.error`` for the parent to report.
+Each rank joins the gloo group through the environment torchrun would set, then runs
+every case: a spec loaded through ``Orchestrator.load()`` (which builds the mesh and
+splits the components) and driven on seeded inputs, or, for layouts whose ``DTensor``
+weights the offload stores cannot hold yet (tensor parallel, FSDP), the same loader,
+mesh and split built outside the lifecycle. Rank 0 saves each case's outputs; every rank
+writes the bytes it sent and any failure, for the parent to assert on.
 """
 
 from __future__ import annotations
@@ -16,40 +18,87 @@ from pathlib import Path
 import msgspec
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from attention import Platform, arm_layers, component_attention_scope
 from attention.distributed import count_traffic
-from components.kinds.tiny_dit import TinyDitLoader, TinyDitOptions, example_inputs
+from components import registry
+from components.batch import Batch
+from components.kinds.tiny_dit import TinyDitOptions, example_inputs
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
-from lifecycle.config import decode_spec
+from components.layout import ParallelLayout
+from lifecycle.config import PipelineSpec, decode_spec
 
 SEED = 20261130
-REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut requests 2 (and 1) apart
+REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1) apart
+TIMEOUT_S = 30
+
+Outputs = list[torch.Tensor]
 
 
-def run_spec(spec_text: str, out: Path) -> list[torch.Tensor]:
-    """Load ``spec_text`` here and return the DiT's predictions for the example requests."""
-    spec = decode_spec(spec_text)
-    options = TinyDitOptions(**spec.components["transformer"].options)
-    inputs = example_inputs(options, REQUESTS, torch.Generator().manual_seed(SEED))
-    with Orchestrator(spec) as orchestrator:
-        orchestrator.load()
-        with count_traffic() as traffic:
-            predictions: list[torch.Tensor] = orchestrator.module("transformer")(*inputs)
-    (out / f"traffic{dist.get_rank() if dist.is_initialized() else 0}.json").write_bytes(
-        msgspec.json.encode(traffic.sent)
-    )
-    return predictions
+class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One layout to run.
 
-
-def run_rank(
-    rank: int, world: int, port: int, spec_text: str, out_dir: str, direct: bool = False
-) -> None:
-    """Run ``spec_text`` as rank ``rank`` of ``world``; rank 0 saves the predictions.
-
-    ``direct`` builds the split DiT through its loader (``build_split``), not the lifecycle.
+    Attributes:
+        spec: the pipeline spec (TOML).
+        component: the component whose outputs are compared.
+        direct: build it through its loader outside the lifecycle (DTensor weights).
     """
+
+    spec: str
+    component: str = "transformer"
+    direct: bool = False
+
+
+def run_component(loader_module: nn.Module, kind: str, options: dict[str, object]) -> Outputs:
+    """Run a built component on seeded inputs: the DiT's example requests, else ``run``."""
+    if kind == "tiny_dit":
+        inputs = example_inputs(
+            TinyDitOptions(**options),  # type: ignore[arg-type]
+            REQUESTS,
+            torch.Generator().manual_seed(SEED),
+        )
+        outputs: Outputs = loader_module(*inputs)
+        return outputs
+    loader = registry.get(kind).from_options(options)
+    batch = Batch(generator=torch.Generator().manual_seed(SEED), size=2)
+    loader.run(loader_module, batch)
+    produced = [batch.images] if batch.images is not None else batch.context
+    assert produced is not None
+    return [t for t in produced if t is not None]
+
+
+def run_case(case: Case, spec: PipelineSpec | None = None) -> Outputs:
+    """Run ``case`` (or its ``spec`` as given) here; return the compared component's outputs."""
+    spec = spec or decode_spec(case.spec)
+    component = spec.components[case.component]
+    if not case.direct:
+        with Orchestrator(spec) as orchestrator:
+            orchestrator.load()
+            return run_component(
+                orchestrator.module(case.component), component.kind, component.options
+            )
+    loader = registry.get(component.kind).from_options(component.options)
+    mesh = ParallelMesh(spec.parallel, "cpu")
+    loader.parallel = mesh.for_component(
+        case.component,
+        sequence_parallel=loader.sequence_parallel,
+        tensor_parallel=loader.tensor_parallel,
+    )
+    with component_attention_scope(
+        case.component,
+        ring=spec.parallel.ring_degree > 1 and loader.sequence_parallel,
+        allow_global_fallback=loader.allows_global_fallback,
+        platform=Platform("cpu"),
+    ):
+        module = loader.build("custom")
+    arm_layers(module)
+    return run_component(module, component.kind, component.options)
+
+
+def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir: str) -> None:
+    """Run every case as rank ``rank`` of ``world``; write outputs, traffic and failures."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -58,41 +107,24 @@ def run_rank(
         MASTER_PORT=str(port),
     )
     out = Path(out_dir)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        predictions = build_split(spec_text, out) if direct else run_spec(spec_text, out)
-        if rank == 0:
-            torch.save(predictions, out / "predictions.pt")
-    except Exception:  # reported to the parent, which asserts on it
-        (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
+        for name, case in cases.items():
+            try:
+                with count_traffic() as traffic:
+                    outputs = run_case(case)
+            except Exception:  # reported to the parent, which asserts on it
+                (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
+                raise
+            if rank == 0:
+                torch.save(outputs, out / f"{name}.pt")
+            (out / f"{name}.rank{rank}.traffic.json").write_bytes(msgspec.json.encode(traffic.sent))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
-def build_split(spec_text: str, out: Path) -> list[torch.Tensor]:
-    """Build the DiT split by the spec's layout through its loader, outside the lifecycle.
-
-    For layouts whose ``DTensor`` weights the offload stores cannot hold yet (tensor
-    parallel, FSDP): the mesh, the loader's split and the forward are the same ones
-    ``Orchestrator.load()`` uses.
-    """
-    spec = decode_spec(spec_text)
-    component = spec.components["transformer"]
-    loader = TinyDitLoader.from_options(component.options)
-    options = loader.options
-    inputs = example_inputs(options, REQUESTS, torch.Generator().manual_seed(SEED))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.parallel.timeout_s))
-    mesh = ParallelMesh(spec.parallel, "cpu")
-    loader.parallel = mesh.for_component(
-        "transformer", sequence_parallel=True, tensor_parallel=True
-    )
-    with component_attention_scope(
-        "transformer", ring=spec.parallel.ring_degree > 1, platform=Platform("cpu")
-    ):
-        module = loader.build("custom")
-    arm_layers(module)
-    with count_traffic() as traffic:
-        predictions: list[torch.Tensor] = module(*inputs)
-    (out / f"traffic{dist.get_rank()}.json").write_bytes(msgspec.json.encode(traffic.sent))
-    return predictions
+def run_alone(case: Case) -> Outputs:
+    """Run ``case``'s spec with its ``[parallel]`` table dropped, in this process."""
+    spec = decode_spec(case.spec)
+    alone = msgspec.structs.replace(case, direct=False)
+    return run_case(alone, msgspec.structs.replace(spec, parallel=ParallelLayout()))
