@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Self, TypeAlias
 
 import msgspec
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from components.batch import Batch
 from components.mesh import ComponentParallel
@@ -195,7 +195,15 @@ class ComponentLoader:
                 self.parallelize(module, parallel)
             if parallel.fsdp is not None:
                 fully_shard(module, mesh=parallel.fsdp)
+                # FSDP keeps a root module gathered after forward, for a backward that
+                # inference never runs: shard it again so a rank holds 1/n between uses
+                module.register_forward_hook(_reshard)
         return module
+
+
+def _reshard(module: nn.Module, args: object, output: object) -> None:
+    assert isinstance(module, FSDPModule)
+    module.reshard()
 
 
 class PathUnavailable(RuntimeError):

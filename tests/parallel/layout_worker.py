@@ -23,11 +23,12 @@ from torch import nn
 from attention import Platform, arm_layers, component_attention_scope
 from attention.distributed import count_traffic
 from components import registry
+from components.accounting import module_bytes
 from components.batch import Batch
 from components.kinds.tiny_dit import TinyDitOptions, example_inputs
+from components.layout import ParallelLayout
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
-from components.layout import ParallelLayout
 from lifecycle.config import PipelineSpec, decode_spec
 
 SEED = 20261130
@@ -35,6 +36,18 @@ REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1)
 TIMEOUT_S = 30
 
 Outputs = list[torch.Tensor]
+
+
+class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one rank did in one case.
+
+    Attributes:
+        sent: the bytes its distributed attention sent, by collective.
+        held_bytes: the bytes of the compared component's weights it holds.
+    """
+
+    sent: dict[str, int]
+    held_bytes: int
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,16 +82,18 @@ def run_component(loader_module: nn.Module, kind: str, options: dict[str, object
     return [t for t in produced if t is not None]
 
 
-def run_case(case: Case, spec: PipelineSpec | None = None) -> Outputs:
-    """Run ``case`` (or its ``spec`` as given) here; return the compared component's outputs."""
+def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int]:
+    """Run ``case`` (or its ``spec`` as given) here.
+
+    Returns the compared component's outputs and the bytes of weights it holds here.
+    """
     spec = spec or decode_spec(case.spec)
     component = spec.components[case.component]
     if not case.direct:
         with Orchestrator(spec) as orchestrator:
             orchestrator.load()
-            return run_component(
-                orchestrator.module(case.component), component.kind, component.options
-            )
+            built = orchestrator.module(case.component)
+            return run_component(built, component.kind, component.options), module_bytes(built)
     loader = registry.get(component.kind).from_options(component.options)
     mesh = ParallelMesh(spec.parallel, "cpu")
     loader.parallel = mesh.for_component(
@@ -94,7 +109,7 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> Outputs:
     ):
         module = loader.build("custom")
     arm_layers(module)
-    return run_component(module, component.kind, component.options)
+    return run_component(module, component.kind, component.options), module_bytes(module)
 
 
 def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir: str) -> None:
@@ -112,18 +127,20 @@ def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir:
         for name, case in cases.items():
             try:
                 with count_traffic() as traffic:
-                    outputs = run_case(case)
+                    outputs, held = run_case(case)
             except Exception:  # reported to the parent, which asserts on it
                 (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
                 raise
             if rank == 0:
                 torch.save(outputs, out / f"{name}.pt")
-            (out / f"{name}.rank{rank}.traffic.json").write_bytes(msgspec.json.encode(traffic.sent))
+            (out / f"{name}.rank{rank}.json").write_bytes(
+                msgspec.json.encode(Sent(sent=traffic.sent, held_bytes=held))
+            )
     finally:
         dist.destroy_process_group()
 
 
-def run_alone(case: Case) -> Outputs:
+def run_alone(case: Case) -> tuple[Outputs, int]:
     """Run ``case``'s spec with its ``[parallel]`` table dropped, in this process."""
     spec = decode_spec(case.spec)
     alone = msgspec.structs.replace(case, direct=False)

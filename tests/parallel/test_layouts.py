@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.parallel.layout_worker import Case, Outputs, run_alone, run_cases
+from tests.parallel.layout_worker import Case, Outputs, Sent, run_alone, run_cases
 
 # Float32, max|split - alone| / max|alone| over every output. Measured: 0 for Ulysses and
 # K/V gather (the same kernels on the same rows), about 2e-7 for ring (LSE merge) and
@@ -145,18 +145,21 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int) -> None:
     """Assert rank 0's outputs of ``name`` equal one process's, and what each rank sent."""
     split: Outputs = torch.load(out_dir / f"{name}.pt")
-    alone = run_alone(case)
+    alone, alone_bytes = run_alone(case)
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape
         error = ((got - want).abs().max() / want.abs().max()).item()
         assert error < TOLERANCE, f"{name}: relative error {error}"
-    if name in SENT:
-        for rank in range(world):
-            path = out_dir / f"{name}.rank{rank}.traffic.json"
-            sent = msgspec.json.decode(path.read_bytes(), type=dict[str, int])
-            assert set(sent) == SENT[name], f"{name} rank {rank} sent {sent}"
-            assert all(count > 0 for count in sent.values())
+    for rank in range(world):
+        path = out_dir / f"{name}.rank{rank}.json"
+        did = msgspec.json.decode(path.read_bytes(), type=Sent)
+        if name in SENT:
+            assert set(did.sent) == SENT[name], f"{name} rank {rank} sent {did.sent}"
+            assert all(count > 0 for count in did.sent.values())
+        if name.startswith(("fsdp_", "tensor_parallel", "tp_")):
+            # each rank keeps about half: FSDP shards every weight, TP the attention and MLP
+            assert did.held_bytes < 0.75 * alone_bytes, f"{name} rank {rank} holds {did}"
 
 
 class TestTwoRanks:
