@@ -85,6 +85,8 @@ class ComponentLoader:
     a kind that says so implements ``parallelize``."""
     tensor_parallel: ClassVar[bool] = False
     """Whether the custom path splits heads over the ``tp`` ranks (in ``parallelize``)."""
+    guidance_parallel: ClassVar[bool] = False
+    """Whether ``run`` splits classifier-free guidance's two branches over the cfg ranks."""
     fully_shardable: ClassVar[bool] = False
     """Whether the custom path's module works sharded by FSDP2 ``fully_shard``: it is
     called only through its ``forward`` (where FSDP gathers the weights)."""

@@ -55,11 +55,14 @@ class ComponentParallel:
         sequence: the sequence-parallel groups (a kind that implements sequence parallel).
         tensor: the 1-D ``tp`` mesh (a kind that implements tensor parallel).
         fsdp: the 1-D ``replica`` mesh FSDP2 shards the weights over.
+        guidance: the ``cfg`` group whose two ranks run the conditional (cfg rank 0) and
+            unconditional (cfg rank 1) branches of classifier-free guidance.
     """
 
     sequence: SequenceGroups | None = None
     tensor: DeviceMesh | None = None
     fsdp: DeviceMesh | None = None
+    guidance: dist.ProcessGroup | None = None
 
 
 class ParallelMesh:
@@ -127,10 +130,16 @@ class ParallelMesh:
         )
 
     def for_component(
-        self, name: str, *, sequence_parallel: bool, tensor_parallel: bool
+        self,
+        name: str,
+        *,
+        sequence_parallel: bool,
+        tensor_parallel: bool,
+        guidance_parallel: bool = False,
     ) -> ComponentParallel:
         """Return how component ``name`` is split, given what its kind implements."""
         return ComponentParallel(
+            guidance=self.group("cfg") if guidance_parallel and self.layout.cfg_parallel else None,
             sequence=self.sequence_groups() if sequence_parallel else None,
             tensor=self.dim("tp") if tensor_parallel and self.layout.tp_size > 1 else None,
             fsdp=self.dim("replica") if name in self.layout.fsdp else None,

@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
     run.add_argument("--nproc", type=_positive, help="start N workers through torchrun")
+    run.add_argument("--guidance-scale", type=float, help="CFG scale (default: the spec's)")
     run.set_defaults(handler=_run)
 
     diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
@@ -171,7 +172,14 @@ def _run_here(args: argparse.Namespace) -> int:
             indices = launch.replica_requests(orchestrator.parallel, args.requests)
             progress = _Progress(len(indices))
             report = run_requests(
-                orchestrator, moves, requests=indices, steps=args.steps, on_request=progress
+                orchestrator,
+                moves,
+                requests=indices,
+                steps=args.steps,
+                guidance_scale=spec.guidance_scale
+                if args.guidance_scale is None
+                else args.guidance_scale,
+                on_request=progress,
             )
         except TransitionRefused as refused:
             print(format_refusals(spec.name, refused.refusals), file=sys.stderr)

@@ -76,5 +76,6 @@ def setup_parallel(
                 name,
                 sequence_parallel=slot.loader.sequence_parallel,
                 tensor_parallel=slot.loader.tensor_parallel,
+                guidance_parallel=slot.loader.guidance_parallel,
             )
     return mesh

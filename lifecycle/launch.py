@@ -79,6 +79,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--json-logs")
     if args.timeline is not None:
         argv += ["--timeline", str(args.timeline)]
+    if args.guidance_scale is not None:
+        argv += ["--guidance-scale", str(args.guidance_scale)]
     return argv
 
 

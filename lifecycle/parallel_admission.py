@@ -36,23 +36,29 @@ def split_refusals(
     custom = {name: loaders[name] for name, path in paths.items() if path == "custom"}
     # a native component under a split layout is already refused, for that very split
     native = any(path == "native" for path in paths.values())
+    kinds = ", ".join(sorted({component.kind for component in spec.components.values()}))
+    asked = (
+        (f"tp_size = {layout.tp_size}", "tp_size = 1", "heads (tensor parallel)", "tensor_parallel")
+        if layout.tp_size > 1
+        else None,
+        (f"sp_degree = {layout.sp_degree}", "sp_degree = 1", "sequences", "sequence_parallel")
+        if layout.sp_degree > 1
+        else None,
+        ("cfg_parallel = true", "cfg_parallel = false", "guidance branches", "guidance_parallel")
+        if layout.cfg_parallel
+        else None,
+    )
     found = [
         Refusal(
             code=INVALID_LAYOUT,
             component=spec.name,
-            message=f"[parallel] {key} = {degree} splits {what}, but no component of the "
-            f"pipeline has a kind that implements it (kinds: "
-            f"{', '.join(sorted({spec.components[n].kind for n in spec.components}))}): "
-            "every rank would run the whole model",
-            hint=f"set {key} = 1, or add a component whose kind implements {what}",
+            message=f"[parallel] {setting} splits {what}, but no component of the pipeline "
+            f"has a kind that implements it (kinds: {kinds}): every rank would run the "
+            "whole model",
+            hint=f"set {fix}, or add a component whose kind implements {what}",
         )
-        for key, degree, what, implements in (
-            ("tp_size", layout.tp_size, "heads (tensor parallel)", "tensor_parallel"),
-            ("sp_degree", layout.sp_degree, "sequences (sequence parallel)", "sequence_parallel"),
-        )
-        if degree > 1
-        and not native
-        and not any(getattr(loader, implements) for loader in loaders.values())
+        for setting, fix, what, implements in filter(None, asked)
+        if not native and not any(getattr(loader, implements) for loader in loaders.values())
     ]
     replica = layout.world_size // layout.dp_size
     for name in sorted(layout.fsdp):

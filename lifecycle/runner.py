@@ -57,6 +57,7 @@ def run_requests(
     *,
     requests: int | range,
     steps: int,
+    guidance_scale: float = 1.0,
     on_request: Callable[[int], None] | None = None,
 ) -> RunReport:
     """Run ``requests`` requests (a count, or the indices to run) through every stage.
@@ -72,7 +73,11 @@ def run_requests(
     indices = range(requests) if isinstance(requests, int) else requests
     for index in indices:
         started = time.perf_counter()
-        batch = Batch(generator=torch.Generator().manual_seed(index), steps=steps)
+        batch = Batch(
+            generator=torch.Generator().manual_seed(index),
+            steps=steps,
+            guidance_scale=guidance_scale,
+        )
         with orchestrator.request(f"r{index + 1}") as request:
             for stage in orchestrator.spec.stages:
                 request.run(stage.name, batch)

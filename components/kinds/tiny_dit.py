@@ -28,6 +28,7 @@ from torch.nn.functional import pad, silu
 
 from attention import AttentionRequirements, AttentionRole
 from attention.distributed import packed_sequence_attention
+from attention.distributed.traffic import record
 from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
@@ -436,6 +437,7 @@ class TinyDitLoader(ComponentLoader):
     allows_global_fallback = False
     sequence_parallel = True
     tensor_parallel = True
+    guidance_parallel = True
     fully_shardable = True
     block_stack = "blocks"
 
@@ -473,7 +475,13 @@ class TinyDitLoader(ComponentLoader):
         return stem + o.layers * block + head
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none."""
+        """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none.
+
+        With ``batch.guidance_scale`` other than 1 each step predicts with and without
+        the text (classifier-free guidance): in one packed pass, or, under
+        ``cfg_parallel``, the conditional branch on cfg rank 0 and the unconditional one
+        on cfg rank 1, which then exchange their predictions.
+        """
         h, w = batch.latent_size
         channels = self.options.in_channels
         device = device_of(module)
@@ -482,15 +490,40 @@ class TinyDitLoader(ComponentLoader):
             for x in batch.latents
             or [torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)]
         ]  # (N, C) each
-        context = [
-            c.to(device)
-            for c in batch.context or [torch.zeros(1, self.options.context_dim)] * batch.size
-        ]  # (L_i, E) each
+        empty = [torch.zeros(1, self.options.context_dim)] * batch.size
+        context = [c.to(device) for c in batch.context or empty]  # (L_i, E) each
+        negative = [c.to(device) for c in batch.negative_context or empty]
         for step in range(batch.steps):
             timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps), device=device)
-            predictions = module(latents, timesteps, context)
+            if batch.guidance_scale == 1:
+                predictions = module(latents, timesteps, context)
+            else:
+                cond, uncond = self._branches(module, latents, timesteps, context, negative)
+                scale = batch.guidance_scale
+                predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
         batch.latents = latents
+
+    def _branches(
+        self,
+        module: nn.Module,
+        latents: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        context: list[torch.Tensor],
+        negative: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Predict with the text and with the negative context: ``B x (N_i, C)`` each."""
+        group = None if self.parallel is None else self.parallel.guidance
+        if group is None:
+            both = module(latents + latents, timesteps.repeat(2), context + negative)
+            return both[: len(latents)], both[len(latents) :]
+        mine = module(latents, timesteps, negative if dist.get_rank(group) else context)
+        rows = torch.cat(mine)  # (sum N_i, C)
+        parts = [torch.empty_like(rows) for _ in range(2)]
+        record("guidance", rows)
+        dist.all_gather(parts, rows, group=group)  # [conditional, unconditional]
+        counts = [x.shape[0] for x in latents]
+        return list(torch.split(parts[0], counts)), list(torch.split(parts[1], counts))
 
     def build_custom(self) -> TinyDit:
         """Build the DiT on ``attention.Attention`` layers of sites ``self`` and ``cross``."""

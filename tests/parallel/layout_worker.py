@@ -57,11 +57,14 @@ class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         spec: the pipeline spec (TOML).
         component: the component whose outputs are compared.
         direct: build it through its loader outside the lifecycle (DTensor weights).
+        guidance: run the spec's ``denoise`` stage on text embeddings with this
+            classifier-free guidance scale, and compare the latents it leaves.
     """
 
     spec: str
     component: str = "transformer"
     direct: bool = False
+    guidance: float | None = None
 
 
 def run_component(loader_module: nn.Module, kind: str, options: dict[str, object]) -> Outputs:
@@ -89,6 +92,16 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int
     """
     spec = spec or decode_spec(case.spec)
     component = spec.components[case.component]
+    if case.guidance is not None:
+        generator = torch.Generator().manual_seed(SEED)
+        batch = Batch(generator=generator, size=3, steps=3, guidance_scale=case.guidance)
+        batch.context = [torch.randn(n, 32, generator=generator) for n in (2, 5, 3)]
+        with Orchestrator(spec) as orchestrator:
+            orchestrator.load()
+            with orchestrator.request() as request:
+                request.run("denoise", batch)
+            assert batch.latents is not None
+            return batch.latents, module_bytes(orchestrator.module(case.component))
     if not case.direct:
         with Orchestrator(spec) as orchestrator:
             orchestrator.load()

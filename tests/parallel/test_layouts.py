@@ -53,6 +53,9 @@ fsdp = ["text_encoder", "transformer", "vae", "upsampler"]
 """
 
 
+STAGE = '[[stages]]\nname = "denoise"\nuses = ["transformer"]\n'
+
+
 def dit(layout: str, *, packed: bool = True) -> str:
     """Return a one-DiT spec with ``layout`` lines added to its ``[parallel]`` table."""
     return DIT.format(packed=str(packed).lower()) + layout + "\n"
@@ -66,6 +69,7 @@ TWO = {
     "ulysses_dense": Case(spec=dit("sp_degree = 2\nulysses_degree = 2", packed=False)),
     "data_parallel": Case(spec=dit("dp_size = 2")),
     "tensor_parallel": Case(spec=dit("tp_size = 2"), direct=True),
+    "cfg_parallel": Case(spec=dit("cfg_parallel = true") + STAGE, guidance=4.0),
     **{
         f"fsdp_{name}": Case(spec=PIPELINE, component=name, direct=True)
         for name in ("text_encoder", "transformer", "vae", "upsampler")
@@ -84,6 +88,7 @@ SENT = {
     "ulysses_dense": {"all_to_all"},
     "data_parallel": set(),
     "tensor_parallel": set(),  # DTensor's all-reduce, not attention traffic
+    "cfg_parallel": {"guidance"},
     "fsdp_transformer": {"all_to_all"},
     "ulysses_x_ring": {"all_to_all", "ring"},
     "tp_x_ulysses": {"all_to_all"},
