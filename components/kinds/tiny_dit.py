@@ -423,7 +423,9 @@ class TinyDit(nn.Module):
 
 def _gather_rows(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather every rank's ``(T/P, C)`` rows of the group in rank order: ``(T, C)``."""
-    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(rows) for _ in range(world)]
+    record("output_gather", rows, world - 1)
     dist.all_gather(parts, rows.contiguous(), group=group)
     return torch.cat(parts)
 
@@ -498,13 +500,13 @@ class TinyDitLoader(ComponentLoader):
             if batch.guidance_scale == 1:
                 predictions = module(latents, timesteps, context)
             else:
-                cond, uncond = self._branches(module, latents, timesteps, context, negative)
+                cond, uncond = self.predict_branches(module, latents, timesteps, context, negative)
                 scale = batch.guidance_scale
                 predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
         batch.latents = latents
 
-    def _branches(
+    def predict_branches(
         self,
         module: nn.Module,
         latents: list[torch.Tensor],

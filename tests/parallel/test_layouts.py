@@ -81,17 +81,17 @@ FOUR = {
 }
 # What each rank sends, by collective: proof that the layout really split the work.
 SENT = {
-    "ulysses": {"all_to_all"},
-    "ring": {"ring"},
-    "kv_gather": {"all_gather"},
-    "ring_dense": {"ring"},
-    "ulysses_dense": {"all_to_all"},
+    "ulysses": {"all_to_all", "output_gather"},
+    "ring": {"ring", "output_gather"},
+    "kv_gather": {"all_gather", "output_gather"},
+    "ring_dense": {"ring", "output_gather"},
+    "ulysses_dense": {"all_to_all", "output_gather"},
     "data_parallel": set(),
     "tensor_parallel": set(),  # DTensor's all-reduce, not attention traffic
     "cfg_parallel": {"guidance"},
-    "fsdp_transformer": {"all_to_all"},
-    "ulysses_x_ring": {"all_to_all", "ring"},
-    "tp_x_ulysses": {"all_to_all"},
+    "fsdp_transformer": {"all_to_all", "output_gather"},
+    "ulysses_x_ring": {"all_to_all", "ring", "output_gather"},
+    "tp_x_ulysses": {"all_to_all", "output_gather"},
 }
 
 
