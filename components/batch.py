@@ -34,7 +34,8 @@ class Batch:
             similarity search).
         latents: latents, one ``(N, C)`` tensor per prompt, row-major over (h, w).
         guidance_scale: classifier-free guidance: a denoiser predicts
-            ``uncond + scale * (cond - uncond)``; 1 turns it off (one branch).
+            ``uncond + scale * (cond - uncond)``; 1 turns it off (one branch); None
+            takes the denoiser's own default (its ``guidance_scale`` option).
         negative_context: the unconditional branch's text embeddings, one ``(L_i, E)``
             tensor per prompt (embedded negative prompts); None means the empty prompt,
             one zero embedding.
@@ -50,5 +51,5 @@ class Batch:
     sentence_embeddings: torch.Tensor | None = None
     latents: list[torch.Tensor] | None = None
     images: torch.Tensor | None = field(default=None)
-    guidance_scale: float = 1.0
+    guidance_scale: float | None = None
     negative_context: list[torch.Tensor] | None = None

@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
     run.add_argument("--nproc", type=_positive, help="start N workers through torchrun")
-    run.add_argument("--guidance-scale", type=float, help="CFG scale (default: the spec's)")
+    run.add_argument(
+        "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
+    )
     run.set_defaults(handler=_run)
 
     diagram = commands.add_parser("diagram", help="write the lifecycle diagrams")
@@ -176,9 +178,7 @@ def _run_here(args: argparse.Namespace) -> int:
                 moves,
                 requests=indices,
                 steps=args.steps,
-                guidance_scale=spec.guidance_scale
-                if args.guidance_scale is None
-                else args.guidance_scale,
+                guidance_scale=args.guidance_scale,
                 on_request=progress,
             )
         except TransitionRefused as refused:

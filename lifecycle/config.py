@@ -152,8 +152,6 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         memory: the memory budget and offload target.
         components: the components by name.
         stages: the stages of a request, in timeline order.
-        guidance_scale: the classifier-free guidance scale of the requests
-            ``lifecycle run`` makes (1: off; ``--guidance-scale`` overrides it).
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -163,7 +161,6 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     parallel: ParallelLayout = msgspec.field(default_factory=ParallelLayout)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     stages: tuple[StageSpec, ...] = ()
-    guidance_scale: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
 
 def load_spec(path: str | Path) -> PipelineSpec:

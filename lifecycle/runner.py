@@ -57,7 +57,7 @@ def run_requests(
     *,
     requests: int | range,
     steps: int,
-    guidance_scale: float = 1.0,
+    guidance_scale: float | None = None,
     on_request: Callable[[int], None] | None = None,
 ) -> RunReport:
     """Run ``requests`` requests (a count, or the indices to run) through every stage.

@@ -54,6 +54,8 @@ class TinyDitOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fi
         context_dim: the width of the text embeddings (the text encoder's ``dim``).
         packed_sequences: pack requests into one sequence for self-attention (needs a
             packed-varlen backend); false runs one request at a time with no mask.
+        guidance_scale: the classifier-free guidance scale of a request that sets none
+            (1: off).
 
     Raises:
         ValueError: ``heads`` does not divide ``dim`` (a ``msgspec.ValidationError`` when
@@ -67,6 +69,7 @@ class TinyDitOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fi
     ffn_dim: Annotated[int, msgspec.Meta(ge=1)] = 64
     context_dim: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_DIM
     packed_sequences: bool = True
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -479,7 +482,8 @@ class TinyDitLoader(ComponentLoader):
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none.
 
-        With ``batch.guidance_scale`` other than 1 each step predicts with and without
+        With a guidance scale (the batch's, else the ``guidance_scale`` option) other than
+        1 each step predicts with and without
         the text (classifier-free guidance): in one packed pass, or, under
         ``cfg_parallel``, the conditional branch on cfg rank 0 and the unconditional one
         on cfg rank 1, which then exchange their predictions.
@@ -495,13 +499,15 @@ class TinyDitLoader(ComponentLoader):
         empty = [torch.zeros(1, self.options.context_dim)] * batch.size
         context = [c.to(device) for c in batch.context or empty]  # (L_i, E) each
         negative = [c.to(device) for c in batch.negative_context or empty]
+        scale = (
+            self.options.guidance_scale if batch.guidance_scale is None else batch.guidance_scale
+        )
         for step in range(batch.steps):
             timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps), device=device)
-            if batch.guidance_scale == 1:
+            if scale == 1:
                 predictions = module(latents, timesteps, context)
             else:
                 cond, uncond = self.predict_branches(module, latents, timesteps, context, negative)
-                scale = batch.guidance_scale
                 predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
         batch.latents = latents

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,7 +85,55 @@ class TestRun:
         assert {rid for rank, rid in begun if rank == 1} == {"r2", "r4"}
 
 
+class TestNodes:
+    def test_two_nodes_rendezvous_on_localhost(self) -> None:
+        """Two torchrun invocations of one worker each form one data-parallel run."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        job = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--requests", "2", "--steps", "2"]
+        nodes = [
+            subprocess.Popen(
+                [
+                    *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"],
+                    *["--node-rank", str(node), "--nproc-per-node", "1", "--max-restarts", "0"],
+                    *rendezvous,
+                    *job,
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for node in range(2)
+        ]
+        outputs = []
+        try:
+            outputs = [node.communicate(timeout=DEADLINE_S) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]
+        printed = [out.count("pipeline 'tiny-t2i-dp': 1 requests x 2 steps") for out, _ in outputs]
+        assert sorted(printed) == [0, 1]
+
+
 class TestFaults:
+    def test_a_refusal_on_every_rank_exits_one(self, tmp_path: Path) -> None:
+        """A 4-process layout started on 2 ranks is refused on each; exit 1 names them."""
+        spec = tmp_path / "four.toml"
+        spec.write_text(
+            ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4")
+        )
+        result = run("-m", "lifecycle", "run", spec, "--nproc", "2", "--requests", "1")
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.stderr.count("the parallel layout needs 4 processes, but 2 were") == 2
+        assert "lifecycle run: rank 0 failed: exit code 1" in result.stderr
+        assert "lifecycle run: rank 1 failed: exit code 1" in result.stderr
+
     def test_a_killed_rank_ends_the_run(self) -> None:
         """Killing one worker stops the other within the deadline, exit 3 naming the rank."""
         command = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--nproc", "2"]
