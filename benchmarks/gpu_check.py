@@ -40,7 +40,14 @@ from structlog.testing import capture_logs
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from attention import Attention, AttentionRole, Platform, component_attention_scope, registry
+from attention import (
+    Attention,
+    AttentionRole,
+    ComponentRequests,
+    Platform,
+    component_attention_scope,
+    registry,
+)
 from attention.testing import explicit
 from components.offload import HostStore, LayerwiseStore
 
@@ -177,7 +184,8 @@ def attention_layer(backend: str) -> Figures:
     with (
         capture_logs(),
         component_attention_scope(
-            "gpu-check", component_backend=explicit(backend), platform=Platform("cuda")
+            ComponentRequests(component="gpu-check", component_backend=explicit(backend)),
+            platform=Platform("cuda"),
         ),
     ):
         layer = Attention("self", AttentionRole.SELF)

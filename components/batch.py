@@ -33,6 +33,12 @@ class Batch:
         sentence_embeddings: ``(B, E)``, one unit-length row per prompt (for
             similarity search).
         latents: latents, one ``(N, C)`` tensor per prompt, row-major over (h, w).
+        guidance_scale: classifier-free guidance: a denoiser predicts
+            ``uncond + scale * (cond - uncond)``; 1 turns it off (one branch); None
+            takes the denoiser's own default (its ``guidance_scale`` option).
+        negative_context: the unconditional branch's text embeddings, one ``(L_i, E)``
+            tensor per prompt (embedded negative prompts); None means the empty prompt,
+            one zero embedding.
         images: images ``(B, 3, H, W)`` in [-1, 1].
     """
 
@@ -45,3 +51,5 @@ class Batch:
     sentence_embeddings: torch.Tensor | None = None
     latents: list[torch.Tensor] | None = None
     images: torch.Tensor | None = field(default=None)
+    guidance_scale: float | None = None
+    negative_context: list[torch.Tensor] | None = None

@@ -7,6 +7,7 @@ from typing import Annotated
 import msgspec
 
 Degree = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -21,6 +22,8 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         dp_size: data-parallel replicas.
         cfg_parallel: split the conditional and unconditional CFG branches.
         fsdp: names of the components whose weights are sharded with FSDP.
+        timeout_s: how long a collective waits for a peer before the process group fails
+            it (a dead or stuck rank ends the run after this, never hangs it).
     """
 
     tp_size: Degree = 1
@@ -31,6 +34,7 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     dp_size: Degree = 1
     cfg_parallel: bool = False
     fsdp: frozenset[str] = frozenset()
+    timeout_s: Seconds = 60.0
 
     @property
     def world_size(self) -> int:

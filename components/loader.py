@@ -15,8 +15,10 @@ from typing import Any, ClassVar, Literal, Self, TypeAlias
 
 import msgspec
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from components.batch import Batch
+from components.mesh import ComponentParallel
 from components.sites import AttentionSite
 from components.weights import load_weights, seed_weights, stored_bytes
 
@@ -79,10 +81,20 @@ class ComponentLoader:
     block_stack: ClassVar[str | None] = None
     """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
     sequence_parallel: ClassVar[bool] = False
-    """Whether the custom path splits sequences (ring attention applies to its self sites)."""
+    """Whether the custom path splits sequences (ring attention applies to its self sites);
+    a kind that says so implements ``parallelize``."""
+    tensor_parallel: ClassVar[bool] = False
+    """Whether the custom path splits heads over the ``tp`` ranks (in ``parallelize``)."""
+    guidance_parallel: ClassVar[bool] = False
+    """Whether ``run`` splits classifier-free guidance's two branches over the cfg ranks."""
+    fully_shardable: ClassVar[bool] = False
+    """Whether the custom path's module works sharded by FSDP2 ``fully_shard``: it is
+    called only through its ``forward`` (where FSDP gathers the weights)."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options
+        self.parallel: ComponentParallel | None = None
+        """How this component is split on this rank; set before ``build`` (None: whole)."""
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any]) -> Self:
@@ -135,6 +147,17 @@ class ComponentLoader:
         """Build the native implementation, which uses no ``attention.Attention``."""
         raise NotImplementedError
 
+    def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
+        """Split the custom path's ``module`` (with its weights) for sequence or tensor parallel.
+
+        Raises:
+            NotImplementedError: the kind declares a split it does not implement.
+        """
+        raise NotImplementedError(
+            f"kind '{self.kind}' declares sequence or tensor parallel but does not "
+            "implement ComponentLoader.parallelize"
+        )
+
     @classmethod
     def has_path(cls, path: LoaderPath) -> bool:
         """Tell whether this kind overrides the builder of ``path``."""
@@ -171,7 +194,22 @@ class ComponentLoader:
             seed_weights(module, self.options.seed_value)
         module.eval()
         module.requires_grad_(False)
+        parallel = self.parallel
+        if path == "custom" and parallel is not None:
+            # every rank made the same whole weights; the splits keep this rank's part
+            if parallel.sequence is not None or parallel.tensor is not None:
+                self.parallelize(module, parallel)
+            if parallel.fsdp is not None:
+                fully_shard(module, mesh=parallel.fsdp)
+                # FSDP keeps a root module gathered after forward, for a backward that
+                # inference never runs: shard it again so a rank holds 1/n between uses
+                module.register_forward_hook(_reshard)
         return module
+
+
+def _reshard(module: nn.Module, args: object, output: object) -> None:
+    assert isinstance(module, FSDPModule)
+    module.reshard()
 
 
 class PathUnavailable(RuntimeError):

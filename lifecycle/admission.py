@@ -34,6 +34,7 @@ from components.offload.layerwise_limits import layerwise_problems
 from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
+from lifecycle.parallel_admission import split_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 
@@ -126,6 +127,7 @@ def admit_pipeline(
         pipeline_refusals=(
             *device_refusals(spec),
             *layout_refusals(spec),
+            *split_refusals(spec, loaders, {n: c.plan.loader for n, c in components.items()}),
             *budget_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),

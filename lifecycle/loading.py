@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
 from attention import Attention, Platform, component_attention_scope
 from lifecycle.admission import ComponentAdmission
-from lifecycle.config import PipelineSpec
 from lifecycle.machine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.residency import Residency
@@ -81,29 +79,6 @@ class Loading:
                 "it builds on each path",
             )
         ]
-
-
-def launch_refusals(spec: PipelineSpec) -> list[Refusal]:
-    """Refuse a layout whose world size differs from the processes launched (1 without
-    torch.distributed)."""
-    launched = (
-        torch.distributed.get_world_size()
-        if torch.distributed.is_available() and torch.distributed.is_initialized()
-        else 1
-    )
-    needed = spec.parallel.world_size
-    if needed == launched:
-        return []
-    return [
-        Refusal(
-            code=RefusalCode.INVALID_LAYOUT,
-            component=spec.name,
-            message=f"the parallel layout needs {needed} processes, but "
-            f"{launched} {'was' if launched == 1 else 'were'} launched",
-            hint=f"launch {needed} processes (torchrun --nproc-per-node "
-            f"{needed}), or shrink [parallel] to {launched}",
-        )
-    ]
 
 
 def _admitted(slot: ComponentSlot) -> ComponentAdmission:

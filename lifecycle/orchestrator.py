@@ -22,9 +22,11 @@ from torch import nn
 
 from attention import Platform
 from components import ResidencyMode
+from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
-from lifecycle.loading import Loading, launch_refusals
+from lifecycle.distributed import setup_parallel
+from lifecycle.loading import Loading
 from lifecycle.logs import get_logger
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.plan import (
@@ -38,8 +40,6 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
-    RefusalCode,
-    TransitionRefused,
 )
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import MoveObserver, Residency
@@ -94,6 +94,7 @@ class Orchestrator:
         self._loading = Loading(self._slots, self.platform, self._residency)
         self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
+        self.parallel: ParallelMesh | None = None
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
@@ -173,10 +174,7 @@ class Orchestrator:
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            refused = launch_refusals(self.spec)
-            if refused:
-                raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refused)
-            self._check_split()
+            self.parallel = setup_parallel(self.spec, self._slots, self.device)
             for slot in self._slots.values():
                 if slot.lifecycle.state is ComponentState.ADMITTED:
                     slot.lifecycle.load()
@@ -392,31 +390,6 @@ class Orchestrator:
                 f"pipeline {self.spec.name!r} has no component {name!r}; "
                 f"components: {', '.join(self._slots)}"
             ) from None
-
-    def _check_split(self) -> None:
-        """Refuse a layout that splits a model whose kind only declares it can be split."""
-        refusals = [
-            _split_refusal(name, slot.spec.kind, asked)
-            for name, slot in self._slots.items()
-            if slot.plan is not None
-            and slot.plan.loader == "custom"
-            and slot.loader.sequence_parallel
-            and (asked := self.spec.parallel.splits(name))
-        ]
-        if refusals:
-            raise TransitionRefused(self.spec.name, "load", ComponentState.ADMITTED, refusals)
-
-
-def _split_refusal(name: str, kind: str, asked: tuple[str, ...]) -> Refusal:
-    return Refusal(
-        code=RefusalCode.INVALID_LAYOUT,
-        component=name,
-        message=f"kind '{kind}' plans its attention for the layout ({', '.join(asked)}), but "
-        "its custom path does not split the model across ranks yet: every rank would run "
-        "it whole",
-        hint="run with [parallel] tp, sp and ring degrees of 1 (dp_size and cfg_parallel "
-        "replicate, and work)",
-    )
 
 
 def _by_component(refusals: tuple[Refusal, ...]) -> dict[str, list[Refusal]]:

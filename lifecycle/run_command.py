@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from lifecycle import launch
 from lifecycle.config import ConfigError, PipelineSpec, load_spec
 from lifecycle.console import format_refusals, run_summary
 from lifecycle.cores import physical_cores
@@ -28,7 +29,18 @@ from lifecycle.signals import Abandoned, StopOnSignal
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Run ``args.requests`` requests of the spec at ``args.spec``; return the exit code."""
+    """Run ``args.requests`` requests of the spec at ``args.spec``; return the exit code.
+
+    With ``--nproc N`` start N workers of this same command through torchrun instead;
+    a worker (any ``lifecycle run`` torchrun started) runs its replica's share.
+    """
+    if args.nproc is not None:
+        return launch.spawn(args.nproc, launch.worker_argv(args))
+    with launch.worker():
+        return _run_here(args)
+
+
+def _run_here(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
     except ConfigError as err:
@@ -59,15 +71,17 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
     try:
         try:
             orchestrator.load()
+            share = launch.replica_requests(orchestrator.parallel, args.requests)
             run_requests(
                 orchestrator,
                 outputs,
-                requests=args.requests,
+                requests=share,
                 steps=args.steps,
+                guidance_scale=args.guidance_scale,
                 prompts=args.prompt,
-                out=args.out,
+                out=args.out if launch.is_main_rank() else None,
                 should_stop=stop.should_stop,
-                on_request=_Progress(args.requests),
+                on_request=_Progress(len(share)),
             )
         finally:
             stop.settle()  # from here on a signal is only noted: reporting and cleanup finish
@@ -106,7 +120,9 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
         except OSError as err:  # checked before the run; something changed it since
             result["error"] = {"message": _failed(args, err, "writing the timeline failed: ")}
             code = code or ExitCode.FAILED
-    if args.json:
+    if not launch.is_main_rank():
+        pass  # rank 0 prints the results of the run
+    elif args.json:
         _print_json({"summary": report, "snapshot": snapshot, **result})
     elif code is ExitCode.OK or report.requests:
         print(run_summary(report))

@@ -160,14 +160,15 @@ def run_requests(
     orchestrator: Orchestrator,
     outputs: RunOutputs,
     *,
-    requests: int,
+    requests: int | range,
     steps: int,
+    guidance_scale: float | None = None,
     prompts: Sequence[str] = (),
     out: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_request: Callable[[int], None] | None = None,
 ) -> None:
-    """Run up to ``requests`` requests through every stage, in declared order.
+    """Run up to ``requests`` requests (a count, or the indices to run) through every stage.
 
     Each request starts from seeded inputs (seed = its index) and carries
     ``prompts`` when given (one image or embedding each). ``should_stop`` is
@@ -177,13 +178,15 @@ def run_requests(
         TransitionRefused: a stage could not onload its components.
         TransitionFailed: moving a component failed (rolled back).
     """
-    for index in range(requests):
+    indices = range(requests) if isinstance(requests, int) else requests
+    for done, index in enumerate(indices, start=1):
         if should_stop():
             return
         started = time.perf_counter()
         batch = Batch(
             generator=torch.Generator().manual_seed(index),
             steps=steps,
+            guidance_scale=guidance_scale,
             size=len(prompts) or 1,
             prompts=list(prompts) or None,
         )
@@ -194,7 +197,7 @@ def run_requests(
         outputs.request_ms.append(round((time.perf_counter() - started) * 1e3, 3))
         outputs.record(request_id, batch, out)
         if on_request is not None:
-            on_request(index + 1)
+            on_request(done)
 
 
 def summarise(

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from attention.distributed.kv_gather import kv_gather_attention
 from attention.distributed.local import LocalAttention, LocalKernel
+from attention.distributed.packed import packed_sequence_attention
 from attention.distributed.ring import ring_attention
+from attention.distributed.traffic import Traffic, count_traffic
 from attention.distributed.ulysses import ulysses_attention
 
 __all__ = [
     "LocalAttention",
     "LocalKernel",
+    "Traffic",
+    "count_traffic",
     "kv_gather_attention",
+    "packed_sequence_attention",
     "ring_attention",
     "ulysses_attention",
 ]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from attention.distributed.local import LocalAttention, LocalKernel
+from attention.distributed.traffic import record
 
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
@@ -51,6 +52,7 @@ def kv_gather_attention(
     two, b, hk, shard, d = kv.shape
     # Concatenated along dim 0 (gloo takes no stacked output); rank r's block comes r-th.
     gathered = kv.new_empty((world * two, b, hk, shard, d))
+    record("all_gather", kv, world - 1)  # this rank's block goes to every other rank
     _all_gather_single(gathered, kv, group=group)
     full = gathered.view(world, two, b, hk, shard, d).permute(1, 2, 3, 0, 4, 5)
     full = full.reshape(two, b, hk, world * shard, d)  # (2, B, Hk, Sk, D)

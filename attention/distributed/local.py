@@ -83,6 +83,33 @@ class LocalKernel:
             return out
         return self.attend.forward(q, k, v, is_causal=is_causal, scale=self.scale)
 
+    def forward_varlen(
+        self,
+        q: torch.Tensor,  # (Tq, Hq, D)
+        k: torch.Tensor,  # (Tk, Hk, D)
+        v: torch.Tensor,  # (Tk, Hk, D)
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+    ) -> torch.Tensor:
+        """Attend each packed query sequence to its own keys, non-causal: ``(Tq, Hq, D)``."""
+        if isinstance(self.attend, Attention):
+            return self.attend.forward_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+            )
+        return self.attend.forward_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            is_causal=False,
+            scale=self.scale,
+        )
+
     def forward_with_lse(
         self,
         q: torch.Tensor,  # (B, Hq, Sq, D)

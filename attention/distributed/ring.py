@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from attention import registry
 from attention.distributed.local import LocalAttention, LocalKernel
+from attention.distributed.traffic import record
 from attention.errors import BackendSelectionError, SelectionCode
 from attention.layer import Attention
 
@@ -53,7 +54,7 @@ def ring_attention(
     """
     kernel = LocalKernel(attend, scale)
     if not kernel.supports_lse():
-        raise _requires_lse(kernel)
+        raise requires_lse(kernel)
     if isinstance(attend, Attention) and not attend.lse_allowed:
         raise ValueError(
             f"{kernel.where} may not return the softmax LSE: build it inside a "
@@ -66,7 +67,7 @@ def ring_attention(
             "along the same sequence"
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    ring = _Ring(group, rank, world)
+    ring = Ring(group, rank, world)
     kv = torch.stack((k, v))  # (2, B, Hk, S/P, D): one message per step
     if world > 1:
         ring.pass_on(kv)
@@ -102,7 +103,7 @@ def _merge(
     return out, merged
 
 
-class _Ring:
+class Ring:
     """Pass K/V blocks to the next rank of the group and receive the previous rank's.
 
     Args:
@@ -121,6 +122,7 @@ class _Ring:
     def pass_on(self, kv: torch.Tensor) -> None:
         """Start sending ``kv`` on and receiving the previous rank's block into a new buffer."""
         self._incoming = torch.empty_like(kv)
+        record("ring", kv)
         self._works = dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, kv, group=self.group, group_peer=self.next),
@@ -135,7 +137,7 @@ class _Ring:
         return self._incoming
 
 
-def _requires_lse(kernel: LocalKernel) -> BackendSelectionError:
+def requires_lse(kernel: LocalKernel) -> BackendSelectionError:
     name = kernel.backend_name
     capable = ", ".join(n for n in registry.names() if registry.get(n).supports_lse())
     return BackendSelectionError(

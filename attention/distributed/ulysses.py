@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from attention.distributed.local import LocalAttention, LocalKernel
+from attention.distributed.traffic import record
 
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
@@ -54,16 +55,16 @@ def ulysses_attention(
             f"of the ulysses degree (parallel.ulysses_degree), or use ring or K/V gather "
             "attention for this layer"
         )
-    repeat = _kv_repeat(hq, hk, world)
+    repeat = kv_repeat(hq, hk, world)
     if repeat > 1:
         k = k.repeat_interleave(repeat, dim=-3)  # (B, Hk*repeat, S/P, D)
         v = v.repeat_interleave(repeat, dim=-3)
-    qh, kh, vh = _shard_heads((q, k, v), world, group)  # (B, H/P, S, D) each
+    qh, kh, vh = shard_heads((q, k, v), world, group)  # (B, H/P, S, D) each
     out = kernel.forward(qh, kh, vh, is_causal=is_causal)  # (B, Hq/P, S, D)
-    return _shard_sequence(out, world, group)
+    return shard_sequence(out, world, group)
 
 
-def _kv_repeat(hq: int, hk: int, world: int) -> int:
+def kv_repeat(hq: int, hk: int, world: int) -> int:
     """Return the fewest copies of each K/V head that split evenly and keep the grouping.
 
     Repeating by ``r`` keeps query head ``i`` on a copy of K/V head ``i // (hq // hk)`` as
@@ -74,7 +75,7 @@ def _kv_repeat(hq: int, hk: int, world: int) -> int:
     return next(r for r in range(1, groups + 1) if groups % r == 0 and (hk * r) % world == 0)
 
 
-def _shard_heads(
+def shard_heads(
     parts: tuple[torch.Tensor, ...], world: int, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, ...]:
     """Turn each ``(B, H_i, S/P, D)`` into ``(B, H_i/P, S, D)`` with one all-to-all for all."""
@@ -86,12 +87,13 @@ def _shard_heads(
     )  # (B, P, sum H_i/P, S/P, D)
     send = send.movedim(1, 0).contiguous()  # (P, B, sum H_i/P, S/P, D)
     recv = torch.empty_like(send)
+    record("all_to_all", send, (world - 1) / world)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, my heads
     full = recv.permute(1, 2, 0, 3, 4).reshape(b, sum(heads), world * shard, d)
     return torch.split(full, heads, dim=1)
 
 
-def _shard_sequence(
+def shard_sequence(
     out: torch.Tensor,  # (B, H/P, S, D)
     world: int,
     group: dist.ProcessGroup | None,
@@ -100,5 +102,6 @@ def _shard_sequence(
     b, h, s, d = out.shape
     send = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)  # (P, B, H/P, S/P, D)
+    record("all_to_all", send, (world - 1) / world)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: head group j, my tokens
     return recv.movedim(0, 1).reshape(b, world * h, s // world, d)

@@ -10,20 +10,31 @@ requests run one at a time, dense, without a mask.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Annotated, ClassVar, NamedTuple
 
 import msgspec
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.functional import pad, silu
 
 from attention import AttentionRequirements, AttentionRole
+from attention.distributed import packed_sequence_attention
+from attention.distributed.traffic import record
 from components.batch import Batch, device_of
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
+from components.mesh import ComponentParallel, SequenceGroups
 from components.registry import register_kind
 from components.sites import NO_REQUIREMENTS, AttentionSite
 
@@ -43,6 +54,8 @@ class TinyDitOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fi
         context_dim: the width of the text embeddings (the text encoder's ``dim``).
         packed_sequences: pack requests into one sequence for self-attention (needs a
             packed-varlen backend); false runs one request at a time with no mask.
+        guidance_scale: the classifier-free guidance scale of a request that sets none
+            (1: off).
 
     Raises:
         ValueError: ``heads`` does not divide ``dim`` (a ``msgspec.ValidationError`` when
@@ -56,6 +69,7 @@ class TinyDitOptions(SeededOptions, frozen=True, kw_only=True, forbid_unknown_fi
     ffn_dim: Annotated[int, msgspec.Meta(ge=1)] = 64
     context_dim: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_DIM
     packed_sequences: bool = True
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,19 +88,46 @@ class DitInputs(NamedTuple):
 
 
 class Packing(NamedTuple):
-    """Where each request's tokens lie in a packed ``(T, E)`` sequence."""
+    """Where each request's tokens lie in the packed ``(T, E)`` rows this rank holds.
 
-    counts: list[int]  # N_i
-    repeats: torch.Tensor  # (B,) int64, N_i, to spread per-request values over tokens
-    cu_seqlens: torch.Tensor  # (B + 1,) int32 boundaries
+    Unsharded, the rows are the whole sequence. Under sequence parallel the sequence is
+    padded to a multiple of the shard count with a segment of its own, and a rank holds
+    one contiguous shard: ``counts`` are then the rows of each request on this rank
+    (possibly 0: requests straddle shard boundaries), ``padding`` the padding rows
+    after them, and ``bounds`` the boundaries of every segment of the whole sequence.
+    """
+
+    counts: list[int]  # rows of request i here
+    token_requests: torch.Tensor  # (T,) int64: the request of each row (padding: 0)
+    cu_seqlens: torch.Tensor  # (B + 1,) int32 boundaries (unsharded)
     max_seqlen: int
+    padding: int = 0
+    bounds: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, counts: list[int], device: torch.device) -> Packing:
         """Describe requests of ``counts`` tokens packed back to back."""
         repeats = torch.tensor(counts, dtype=torch.int64, device=device)
         cu_seqlens = pad(repeats.cumsum(0), (1, 0)).to(torch.int32)
-        return cls(counts, repeats, cu_seqlens, max(counts))
+        requests = torch.arange(len(counts), device=device).repeat_interleave(repeats)
+        return cls(counts, requests, cu_seqlens, max(counts))
+
+    @classmethod
+    def shard(cls, counts: list[int], shards: int, rank: int, device: torch.device) -> Packing:
+        """Describe shard ``rank`` of ``shards`` of the padded packed sequence."""
+        whole = cls.of(counts, device)
+        total = sum(counts)
+        padded = -(-total // shards) * shards
+        ends = whole.cu_seqlens.tolist()
+        bounds = (*ends, padded) if padded > total else tuple(ends)
+        lo, hi = rank * padded // shards, (rank + 1) * padded // shards
+        here = [max(0, min(b, hi) - max(a, lo)) for a, b in itertools.pairwise(ends)]
+        requests = pad(whole.token_requests, (0, padded - total))[lo:hi]  # (T/P,)
+        return cls(here, requests, whole.cu_seqlens, whole.max_seqlen, hi - lo - sum(here), bounds)
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Spread per-request ``values`` ``(B, ...)`` over this rank's rows: ``(T, ...)``."""
+        return values[self.token_requests]
 
 
 def sinusoid(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -119,14 +160,31 @@ class DitSelfAttention(MultiheadProjections):
         super().__init__(dim, site.heads)
         self.is_varlen = site.requirements.packed_varlen
         self.attn = site.build_layer()
+        self.sequence: SequenceGroups | None = None
 
     def attend(self, h: torch.Tensor, packing: Packing) -> torch.Tensor:
         """Attend each request's tokens to its own tokens: ``(T, E)`` to ``(T, E)``.
+
+        Under sequence parallel ``h`` is this rank's shard and the other shards take
+        part through ``attention.distributed`` (see ``packed_sequence_attention``).
 
         Raises:
             ValueError: several requests are packed but the site is not varlen.
         """
         q, k, v = self.project_qkv(h)  # (T, H, D)
+        if self.sequence is not None:
+            o = packed_sequence_attention(
+                q,
+                k,
+                v,
+                self.attn,
+                packing.bounds,
+                ulysses=self.sequence.ulysses,
+                ring=self.sequence.ring,
+                kv_gather=self.sequence.kv_gather,
+                varlen=self.is_varlen,
+            )  # (T, H, D)
+            return self.project_out(o)
         if self.is_varlen:
             o = self.attn.forward_varlen(
                 q,
@@ -164,13 +222,20 @@ class DitCrossAttention(MultiheadProjections):
     def attend(
         self, h: torch.Tensor, packing: Packing, context: list[torch.Tensor]
     ) -> torch.Tensor:
-        """Attend ``h`` ``(T, E)`` request by request to ``context``; returns ``(T, E)``."""
+        """Attend ``h`` ``(T, E)`` request by request to ``context``; returns ``(T, E)``.
+
+        Padding rows (sequence parallel) attend to nothing and get zeros.
+        """
         outs = []
-        for rows, text in zip(torch.split(h, packing.counts), context, strict=True):
+        requests = torch.split(h, [*packing.counts, packing.padding])[:-1]
+        for rows, text in zip(requests, context, strict=True):
+            if rows.shape[0] == 0:
+                continue  # this request has no tokens on this rank
             q = self.project_q(rows).transpose(0, 1)[None]  # (1, H, N_i, D)
             k, v = (t.transpose(0, 1)[None] for t in self.project_kv(text))  # (1, H, L_i, D)
             o = self.attn(q, k, v)  # (1, H, N_i, D)
             outs.append(self.project_out(o[0].transpose(0, 1)))  # (N_i, E)
+        outs.append(h.new_zeros(packing.padding, h.shape[1]))
         return torch.cat(outs)  # (T, E)
 
 
@@ -238,7 +303,7 @@ class DitBlock(nn.Module):
         self, x: torch.Tensor, cond: torch.Tensor, packing: Packing, context: list[torch.Tensor]
     ) -> torch.Tensor:
         """Update packed tokens ``x`` ``(T, E)`` given per-request ``cond`` ``(B, E)``."""
-        mod = self.modulation(silu(cond)).repeat_interleave(packing.repeats, dim=0)  # (T, 6E)
+        mod = packing.rows(self.modulation(silu(cond)))  # (T, 6E)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)  # (T, E) each
         h = modulate(self.norm1(x), shift1, scale1)
         x = x + gate1 * self.self_attn.attend(h, packing)
@@ -269,6 +334,7 @@ class TinyDit(nn.Module):
         self.final_norm = nn.LayerNorm(dim, elementwise_affine=False)
         self.final_modulation = nn.Linear(dim, 2 * dim)
         self.proj_out = nn.Linear(dim, options.in_channels)
+        self.sequence: SequenceGroups | None = None
 
     def forward(
         self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
@@ -303,18 +369,68 @@ class TinyDit(nn.Module):
     def _run(
         self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Run the requests as one packed sequence of ``T`` tokens."""
+        """Run the requests as one packed sequence of ``T`` tokens (this rank's shard of it)."""
         device = timesteps.device
-        packing = Packing.of([x.shape[0] for x in latents], device)
-        positions = torch.cat([torch.arange(n, device=device) for n in packing.counts])  # (T,)
-        x = self.proj_in(torch.cat(latents)) + sinusoid(positions, self.dim)  # (T, E)
+        counts = [x.shape[0] for x in latents]
+        sequence = self.sequence
+        if sequence is None:
+            packing = Packing.of(counts, device)
+        else:
+            packing = Packing.shard(counts, sequence.size, sequence.rank, device)
+        tokens = torch.cat(latents)  # (sum N_i, C)
+        positions = torch.cat([torch.arange(n, device=device) for n in counts])  # (sum N_i,)
+        if sequence is not None:
+            lo = sequence.rank * packing.token_requests.shape[0]
+            hi = lo + packing.token_requests.shape[0]
+            spare = max(0, hi - tokens.shape[0])
+            tokens = pad(tokens, (0, 0, 0, spare))[lo:hi]  # (T/P, C); padding rows are 0
+            positions = pad(positions, (0, spare))[lo:hi]
+        x = self.proj_in(tokens) + sinusoid(positions, self.dim)  # (T, E)
         cond = self.t_mlp(sinusoid(timesteps, self.dim))  # (B, E)
         for block in self.blocks:
             x = block(x, cond, packing, context)
-        final = self.final_modulation(silu(cond)).repeat_interleave(packing.repeats, dim=0)
-        shift, scale = final.chunk(2, dim=-1)  # (T, E) each
+        shift, scale = packing.rows(self.final_modulation(silu(cond))).chunk(2, dim=-1)  # (T, E)
         out = self.proj_out(modulate(self.final_norm(x), shift, scale))  # (T, C)
-        return list(torch.split(out, packing.counts))
+        if sequence is not None:
+            out = _gather_rows(out, sequence.sp)[: sum(counts)]  # (sum N_i, C) on every rank
+        return list(torch.split(out, counts))
+
+    def parallelize(self, parallel: ComponentParallel) -> None:
+        """Split this DiT over the ranks of ``parallel`` (sequence and tensor parallel).
+
+        Sequence parallel shards the packed tokens (each block's self-attention reaches the
+        other shards through ``attention.distributed``; cross-attention to the replicated
+        text and the MLPs run on local rows). Tensor parallel shards each block's
+        attention by heads and its MLP by hidden units with DTensor: q, k, v and the first
+        MLP layer column-wise, the output projections row-wise (DTensor all-reduces them).
+        """
+        self.sequence = parallel.sequence
+        for block in self.blocks:
+            assert isinstance(block, DitBlock)
+            if isinstance(block.self_attn, DitSelfAttention):
+                block.self_attn.sequence = parallel.sequence
+            if parallel.tensor is None:
+                continue
+            plan: dict[str, ParallelStyle] = {
+                "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel(),
+            }
+            for name in ("self_attn", "cross_attn"):
+                projections = getattr(block, name)
+                assert isinstance(projections, MultiheadProjections)
+                projections.split_for_tensor_parallel()
+                plan |= {f"{name}.{p}_proj": ColwiseParallel() for p in "qkv"}
+                plan[f"{name}.out_proj"] = RowwiseParallel()
+            parallelize_module(block, parallel.tensor, plan)
+
+
+def _gather_rows(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather every rank's ``(T/P, C)`` rows of the group in rank order: ``(T, C)``."""
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(rows) for _ in range(world)]
+    record("output_gather", rows, world - 1)
+    dist.all_gather(parts, rows.contiguous(), group=group)
+    return torch.cat(parts)
 
 
 @register_kind
@@ -324,9 +440,10 @@ class TinyDitLoader(ComponentLoader):
     kind: ClassVar[str] = "tiny_dit"
     options_type = TinyDitOptions
     allows_global_fallback = False
-    # Declaration only for now: admission plans ring attention (softmax LSE) for the
-    # self site from it, but the custom path does not split sequences across ranks yet.
     sequence_parallel = True
+    tensor_parallel = True
+    guidance_parallel = True
+    fully_shardable = True
     block_stack = "blocks"
 
     def __init__(self, options: TinyDitOptions) -> None:
@@ -367,7 +484,14 @@ class TinyDitLoader(ComponentLoader):
         return stem + o.layers * block + head
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none."""
+        """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none.
+
+        With a guidance scale (the batch's, else the ``guidance_scale`` option) other than
+        1 each step predicts with and without
+        the text (classifier-free guidance): in one packed pass, or, under
+        ``cfg_parallel``, the conditional branch on cfg rank 0 and the unconditional one
+        on cfg rank 1, which then exchange their predictions.
+        """
         h, w = batch.latent_size
         channels = self.options.in_channels
         device = device_of(module)
@@ -376,15 +500,42 @@ class TinyDitLoader(ComponentLoader):
             for x in batch.latents
             or [torch.randn(h * w, channels, generator=batch.generator) for _ in range(batch.size)]
         ]  # (N, C) each
-        context = [
-            c.to(device)
-            for c in batch.context or [torch.zeros(1, self.options.context_dim)] * batch.size
-        ]  # (L_i, E) each
+        empty = [torch.zeros(1, self.options.context_dim)] * batch.size
+        context = [c.to(device) for c in batch.context or empty]  # (L_i, E) each
+        negative = [c.to(device) for c in batch.negative_context or empty]
+        scale = (
+            self.options.guidance_scale if batch.guidance_scale is None else batch.guidance_scale
+        )
         for step in range(batch.steps):
             timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps), device=device)
-            predictions = module(latents, timesteps, context)
+            if scale == 1:
+                predictions = module(latents, timesteps, context)
+            else:
+                cond, uncond = self.predict_branches(module, latents, timesteps, context, negative)
+                predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
         batch.latents = latents
+
+    def predict_branches(
+        self,
+        module: nn.Module,
+        latents: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        context: list[torch.Tensor],
+        negative: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Predict with the text and with the negative context: ``B x (N_i, C)`` each."""
+        group = None if self.parallel is None else self.parallel.guidance
+        if group is None:
+            both = module(latents + latents, timesteps.repeat(2), context + negative)
+            return both[: len(latents)], both[len(latents) :]
+        mine = module(latents, timesteps, negative if dist.get_rank(group) else context)
+        rows = torch.cat(mine)  # (sum N_i, C)
+        parts = [torch.empty_like(rows) for _ in range(2)]
+        record("guidance", rows)
+        dist.all_gather(parts, rows, group=group)  # [conditional, unconditional]
+        counts = [x.shape[0] for x in latents]
+        return list(torch.split(parts[0], counts)), list(torch.split(parts[1], counts))
 
     def build_custom(self) -> TinyDit:
         """Build the DiT on ``attention.Attention`` layers of sites ``self`` and ``cross``."""
@@ -400,6 +551,11 @@ class TinyDitLoader(ComponentLoader):
             for _ in range(opts.layers)
         ]
         return TinyDit(opts, blocks, is_packed=opts.packed_sequences)
+
+    def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
+        """Shard the packed tokens (sp) and the heads and MLP units (tp) of the DiT."""
+        assert isinstance(module, TinyDit)
+        module.parallelize(parallel)
 
     def build_native(self) -> TinyDit:
         """Build the DiT on ``nn.MultiheadAttention``, one request at a time."""

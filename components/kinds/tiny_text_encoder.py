@@ -147,6 +147,7 @@ class TinyTextEncoderLoader(ComponentLoader):
     """Build ``tiny_text_encoder``; an auxiliary component, so global fallback is allowed."""
 
     kind: ClassVar[str] = "tiny_text_encoder"
+    fully_shardable = True
     options_type = TinyTextEncoderOptions
     allows_global_fallback = True
     block_stack = "layers"

@@ -64,6 +64,7 @@ class TinyUpsamplerLoader(ComponentLoader):
     """Build ``tiny_upsampler``; it builds no attention layer, so it declares no site."""
 
     kind: ClassVar[str] = "tiny_upsampler"
+    fully_shardable = True
     options_type = TinyUpsamplerOptions
 
     def __init__(self, options: TinyUpsamplerOptions) -> None:

@@ -159,6 +159,7 @@ class TinyVaeLoader(ComponentLoader):
     """Build ``tiny_vae``; an auxiliary component, so global fallback is allowed."""
 
     kind: ClassVar[str] = "tiny_vae"
+    fully_shardable = True
     options_type = TinyVaeOptions
     allows_global_fallback = True
 

@@ -154,17 +154,16 @@ class TestAdmitThenLoad:
             orch.load()
         assert orch.state("c") is ComponentState.CONFIGURED
 
-    def test_layout_the_kind_cannot_split_is_refused_at_load(
+    def test_fsdp_in_a_replica_of_one_rank_is_refused_at_admission(
         self, orchestrator: Callable[[str], Orchestrator]
     ) -> None:
-        """FSDP over the DiT, whose custom path does not split yet, is refused at load."""
+        """FSDP over the DiT with nothing to shard with (one rank) is refused by admission."""
         orch = orchestrator(one_component("tiny_dit") + '[parallel]\nfsdp = ["c"]\n')
-        orch.admit()
-        with pytest.raises(TransitionRefused) as err:
-            orch.load()
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
         assert err.value.codes == ("parallel.invalid_layout",)
-        assert "does not split the model across ranks yet" in err.value.refusals[0].message
-        assert orch.state("c") is ComponentState.ADMITTED
+        assert "there is nothing to shard with" in err.value.refusals[0].message
+        assert orch.state("c") is ComponentState.CONFIGURED
 
 
 class TestLoading:
@@ -186,8 +185,8 @@ class TestLoading:
 
     @pytest.mark.parametrize(
         "extra",
-        ["", 'attention_backend = "torch_sdpa"', '[parallel]\nfsdp = ["c"]'],
-        ids=["plain", "explicit-backend", "fsdp"],
+        ["", 'attention_backend = "torch_sdpa"'],
+        ids=["plain", "explicit-backend"],
     )
     def test_path_unavailable_at_load_fails_without_replanning(
         self, orchestrator: Callable[[str], Orchestrator], extra: str
@@ -202,6 +201,17 @@ class TestLoading:
         assert orch.state("c") is ComponentState.ADMITTED
         assert orch.component("c").plan == plan
         assert plan.loader == "custom"
+
+    def test_layout_refuses_fsdp_before_any_native_fallback(
+        self, orchestrator: Callable[[str], Orchestrator]
+    ) -> None:
+        """FSDP in one process is refused at admission, so no native fallback ever runs."""
+        orch = orchestrator(one_component("test_native_only") + '[parallel]\nfsdp = ["c"]\n')
+        with pytest.raises(AdmissionRefused) as err:
+            orch.load()
+        assert err.value.codes == ("parallel.invalid_layout",)
+        assert NativeOnlyKind.native_builds == []
+        assert orch.state("c") is ComponentState.CONFIGURED
 
     def test_layout_refuses_native_fallback_at_admission(
         self, orchestrator: Callable[[str], Orchestrator]

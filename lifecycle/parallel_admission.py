@@ -1,0 +1,87 @@
+"""Refuse a parallel layout that no component of the pipeline would honour (DESIGN §6).
+
+Pure: reads the spec, each component's loader declarations and its admitted loading
+path. Every check here runs at admission (``lifecycle check``), before any process
+group exists. The layout's own invariants are ``ParallelLayout.check``; the native
+path's refusal is ``loader.native_parallel_layout`` in ``lifecycle.admission``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from components.loader import ComponentLoader, LoaderPath
+from lifecycle.config import PipelineSpec
+from lifecycle.refusals import Refusal, RefusalCode
+
+
+def split_refusals(
+    spec: PipelineSpec,
+    loaders: Mapping[str, ComponentLoader],
+    paths: Mapping[str, LoaderPath | None],
+) -> list[Refusal]:
+    """Return a refusal for each split the layout asks for that nothing would carry out.
+
+    Tensor and sequence parallel split the custom-path components whose kind implements
+    them and replicate the others, so they are refused only when no component's kind
+    implements them (a native path is ``loader.native_parallel_layout``). FSDP names
+    components: each must be built by a custom path whose kind works sharded, not split
+    by tensor parallel too, in a replica of more than one rank.
+    """
+    layout = spec.parallel
+    if layout.check():
+        return []  # what the degrees mean is unclear until the invariants hold
+    custom = {name: loaders[name] for name, path in paths.items() if path == "custom"}
+    # a native component under a split layout is already refused, for that very split
+    native = any(path == "native" for path in paths.values())
+    kinds = ", ".join(sorted({component.kind for component in spec.components.values()}))
+    asked = (
+        (f"tp_size = {layout.tp_size}", "tp_size = 1", "heads (tensor parallel)", "tensor_parallel")
+        if layout.tp_size > 1
+        else None,
+        (f"sp_degree = {layout.sp_degree}", "sp_degree = 1", "sequences", "sequence_parallel")
+        if layout.sp_degree > 1
+        else None,
+        ("cfg_parallel = true", "cfg_parallel = false", "guidance branches", "guidance_parallel")
+        if layout.cfg_parallel
+        else None,
+    )
+    found = [
+        Refusal(
+            code=RefusalCode.INVALID_LAYOUT,
+            component=spec.name,
+            message=f"[parallel] {setting} splits {what}, but no component of the pipeline "
+            f"has a kind that implements it (kinds: {kinds}): every rank would run the "
+            "whole model",
+            hint=f"set {fix}, or add a component whose kind implements {what}",
+        )
+        for setting, fix, what, implements in filter(None, asked)
+        if not native and not any(getattr(loader, implements) for loader in loaders.values())
+    ]
+    replica = layout.world_size // layout.dp_size
+    for name in sorted(layout.fsdp):
+        loader = loaders[name]
+        problem = None
+        if replica == 1:
+            problem = (
+                f"FSDP shards '{name}' over the ranks of one replica (cfg x sp x tp), and "
+                f"this layout's replica has 1 rank: there is nothing to shard with"
+            )
+            hint = "raise tp_size, sp_degree or cfg_parallel, or drop it from fsdp"
+        elif name in custom and not loader.fully_shardable:
+            problem = (
+                f"kind '{loader.kind}' of '{name}' does not declare that its custom path "
+                "works sharded by FSDP"
+            )
+            hint = f"drop '{name}' from [parallel] fsdp"
+        elif name in custom and loader.tensor_parallel and layout.tp_size > 1:
+            problem = (
+                f"'{name}' is split by tensor parallel (tp_size = {layout.tp_size}); FSDP "
+                "over tensor-parallel shards (2-D) is not built"
+            )
+            hint = f"drop '{name}' from [parallel] fsdp, or set tp_size = 1"
+        if problem is not None:
+            found.append(
+                Refusal(code=RefusalCode.INVALID_LAYOUT, component=name, message=problem, hint=hint)
+            )
+    return found

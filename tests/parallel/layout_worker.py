@@ -1,0 +1,162 @@
+"""The spawn target of the layout parity tests: run many layouts on one process group.
+
+Each rank joins the gloo group through the environment torchrun would set, then runs
+every case: a spec loaded through ``Orchestrator.load()`` (which builds the mesh and
+splits the components) and driven on seeded inputs, or, for layouts whose ``DTensor``
+weights the offload stores cannot hold yet (tensor parallel, FSDP), the same loader,
+mesh and split built outside the lifecycle. Rank 0 saves each case's outputs; every rank
+writes the bytes it sent and any failure, for the parent to assert on.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
+from attention.distributed import count_traffic
+from components import registry
+from components.accounting import module_bytes
+from components.batch import Batch
+from components.kinds.tiny_dit import TinyDitOptions, example_inputs
+from components.layout import ParallelLayout
+from components.mesh import ParallelMesh
+from lifecycle import Orchestrator
+from lifecycle.config import PipelineSpec, decode_spec
+
+SEED = 20261130
+REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1) apart
+TIMEOUT_S = 30
+
+Outputs = list[torch.Tensor]
+
+
+class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one rank did in one case.
+
+    Attributes:
+        sent: the bytes its distributed attention sent, by collective.
+        held_bytes: the bytes of the compared component's weights it holds.
+    """
+
+    sent: dict[str, int]
+    held_bytes: int
+
+
+class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One layout to run.
+
+    Attributes:
+        spec: the pipeline spec (TOML).
+        component: the component whose outputs are compared.
+        direct: build it through its loader outside the lifecycle (DTensor weights).
+        guidance: run the spec's ``denoise`` stage on text embeddings with this
+            classifier-free guidance scale, and compare the latents it leaves.
+    """
+
+    spec: str
+    component: str = "transformer"
+    direct: bool = False
+    guidance: float | None = None
+
+
+def run_component(loader_module: nn.Module, kind: str, options: dict[str, object]) -> Outputs:
+    """Run a built component on seeded inputs: the DiT's example requests, else ``run``."""
+    if kind == "tiny_dit":
+        inputs = example_inputs(
+            TinyDitOptions(**options),  # type: ignore[arg-type]
+            REQUESTS,
+            torch.Generator().manual_seed(SEED),
+        )
+        outputs: Outputs = loader_module(*inputs)
+        return outputs
+    loader = registry.get(kind).from_options(options)
+    batch = Batch(generator=torch.Generator().manual_seed(SEED), size=2)
+    loader.run(loader_module, batch)
+    produced = [batch.images] if batch.images is not None else batch.context
+    assert produced is not None
+    return [t for t in produced if t is not None]
+
+
+def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int]:
+    """Run ``case`` (or its ``spec`` as given) here.
+
+    Returns the compared component's outputs and the bytes of weights it holds here.
+    """
+    spec = spec or decode_spec(case.spec)
+    component = spec.components[case.component]
+    if case.guidance is not None:
+        generator = torch.Generator().manual_seed(SEED)
+        batch = Batch(generator=generator, size=3, steps=3, guidance_scale=case.guidance)
+        batch.context = [torch.randn(n, 32, generator=generator) for n in (2, 5, 3)]
+        with Orchestrator(spec) as orchestrator:
+            orchestrator.load()
+            with orchestrator.request() as request:
+                request.run("denoise", batch)
+            assert batch.latents is not None
+            return batch.latents, module_bytes(orchestrator.module(case.component))
+    if not case.direct:
+        with Orchestrator(spec) as orchestrator:
+            orchestrator.load()
+            built = orchestrator.module(case.component)
+            return run_component(built, component.kind, component.options), module_bytes(built)
+    loader = registry.get(component.kind).from_options(component.options)
+    mesh = ParallelMesh(spec.parallel, "cpu")
+    loader.parallel = mesh.for_component(
+        case.component,
+        sequence_parallel=loader.sequence_parallel,
+        tensor_parallel=loader.tensor_parallel,
+    )
+    with component_attention_scope(
+        ComponentRequests(
+            component=case.component,
+            ring=spec.parallel.ring_degree > 1 and loader.sequence_parallel,
+            allow_global_fallback=loader.allows_global_fallback,
+        ),
+        platform=Platform("cpu"),
+    ):
+        module = loader.build("custom")
+    arm_layers(module)
+    return run_component(module, component.kind, component.options), module_bytes(module)
+
+
+def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir: str) -> None:
+    """Run every case as rank ``rank`` of ``world``; write outputs, traffic and failures."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    out = Path(out_dir)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        for name, case in cases.items():
+            try:
+                with count_traffic() as traffic:
+                    outputs, held = run_case(case)
+            except Exception:  # reported to the parent, which asserts on it
+                (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
+                raise
+            if rank == 0:
+                torch.save(outputs, out / f"{name}.pt")
+            (out / f"{name}.rank{rank}.json").write_bytes(
+                msgspec.json.encode(Sent(sent=traffic.sent, held_bytes=held))
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_alone(case: Case) -> tuple[Outputs, int]:
+    """Run ``case``'s spec with its ``[parallel]`` table dropped, in this process."""
+    spec = decode_spec(case.spec)
+    alone = msgspec.structs.replace(case, direct=False)
+    return run_case(alone, msgspec.structs.replace(spec, parallel=ParallelLayout()))

@@ -1,0 +1,116 @@
+"""Layout refusals come from admission or the world check, before any process group exists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from attention import Platform
+from components import registry
+from lifecycle import AdmissionRefused, ComponentState, Orchestrator, TransitionRefused
+from lifecycle.config import decode_spec
+from tests.lifecycle.kinds_for_tests import NativeOnlyKind
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = Platform("cpu")
+
+
+@pytest.fixture(autouse=True)
+def native_only_kind() -> Iterator[None]:
+    """Register the test kind ``test_native_only`` (no FSDP declared) for each test."""
+    registry.register_kind(NativeOnlyKind)
+    yield
+    registry.unregister_kind(NativeOnlyKind.kind)
+
+
+def orchestrator(text: str) -> Orchestrator:
+    """Build a CPU orchestrator of the spec ``text``."""
+    return Orchestrator(decode_spec(text), platform=CPU)
+
+
+class TestAdmission:
+    """What admission refuses in a layout, from real specs."""
+
+    def test_a_split_nothing_implements_is_refused(self) -> None:
+        """Tensor parallel over a VAE-only pipeline is refused: no kind splits heads."""
+        orch = orchestrator(
+            'name = "p"\n[parallel]\ntp_size = 2\n[components.vae]\nkind = "tiny_vae"\n'
+        )
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
+        (refusal,) = err.value.refusals
+        assert refusal.code == "parallel.invalid_layout"
+        assert refusal.message.startswith(
+            "[parallel] tp_size = 2 splits heads (tensor parallel), but no component of the "
+            "pipeline has a kind that implements it (kinds: tiny_vae)"
+        )
+        assert orch.state("vae") is ComponentState.CONFIGURED
+        assert not dist.is_initialized()
+
+    def test_fsdp_of_a_kind_that_does_not_shard_is_refused(self) -> None:
+        """FSDP naming a component whose kind does not declare it works sharded is refused."""
+        orch = orchestrator(
+            'name = "p"\n[parallel]\nsp_degree = 2\nulysses_degree = 2\nfsdp = ["g"]\n'
+            '[components.dit]\nkind = "tiny_dit"\n[components.g]\nkind = "test_native_only"\n'
+            'loader = "custom"\n'
+        )
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
+        codes = {(r.component, r.code) for r in err.value.refusals}
+        assert ("g", "parallel.invalid_layout") in codes
+        assert any("works sharded by FSDP" in r.message for r in err.value.refusals)
+
+    def test_fsdp_with_tensor_parallel_on_one_component_is_refused(self) -> None:
+        """FSDP over a component tensor parallel also splits (2-D) is refused: not built."""
+        orch = orchestrator(
+            'name = "p"\n[parallel]\ntp_size = 2\nfsdp = ["dit"]\n'
+            '[components.dit]\nkind = "tiny_dit"\n'
+        )
+        with pytest.raises(AdmissionRefused) as err:
+            orch.admit()
+        (refusal,) = err.value.refusals
+        assert "FSDP over tensor-parallel shards (2-D) is not built" in refusal.message
+
+    def test_an_implemented_split_is_admitted(self) -> None:
+        """Ulysses x ring with FSDP over the DiT and the VAE is admitted on one process."""
+        orch = orchestrator(
+            'name = "p"\n[parallel]\nsp_degree = 4\nulysses_degree = 2\nring_degree = 2\n'
+            'fsdp = ["dit", "vae"]\n[components.dit]\nkind = "tiny_dit"\n'
+            '[components.vae]\nkind = "tiny_vae"\n'
+        )
+        orch.admit()
+        assert orch.state("dit") is ComponentState.ADMITTED
+
+    def test_world_size_is_checked_before_any_process_group(self) -> None:
+        """Loading a 2-process layout in one process is refused and joins no process group."""
+        orch = orchestrator(
+            'name = "p"\n[parallel]\nsp_degree = 2\nulysses_degree = 2\n'
+            '[components.dit]\nkind = "tiny_dit"\n'
+        )
+        with pytest.raises(TransitionRefused) as err:
+            orch.load()
+        assert err.value.codes == ("parallel.invalid_layout",)
+        assert "needs 2 processes, but 1 was launched" in err.value.refusals[0].message
+        assert orch.state("dit") is ComponentState.ADMITTED
+        assert not dist.is_initialized()
+
+    def test_check_refuses_from_a_real_spec(self, tmp_path: Path) -> None:
+        """``lifecycle check`` refuses a layout nothing implements with exit 1 and the fix."""
+        spec = tmp_path / "split.toml"
+        spec.write_text('name = "x"\n[parallel]\ntp_size = 2\n[components.a]\nkind = "tiny_vae"\n')
+        result = subprocess.run(
+            [sys.executable, "-m", "lifecycle", "check", str(spec)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 1
+        assert "parallel.invalid_layout" in result.stdout
+        assert "fix: set tp_size = 1, or add a component whose kind implements" in result.stdout

@@ -1,0 +1,168 @@
+"""``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ULYSSES = ROOT / "examples" / "parallel" / "tiny_t2i_ulysses.toml"
+DATA_PARALLEL = ROOT / "examples" / "parallel" / "tiny_t2i_data_parallel.toml"
+DEADLINE_S = 180
+
+
+def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` from the repository root and capture its output."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+
+
+def events(stderr: str) -> list[dict[str, object]]:
+    """Return the JSON log events in ``stderr`` (torchrun's own lines are not JSON).
+
+    Two workers share the pipe, so one line may hold events of both ranks back to back.
+    """
+    decoder = json.JSONDecoder()
+    found = []
+    for line in stderr.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            event, at = decoder.raw_decode(line, at)
+            found.append(event)
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """Return the child processes of ``pid`` (Linux ``/proc``)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+class TestRun:
+    def test_nproc_starts_the_workers_through_torchrun(self) -> None:
+        """``--nproc 2`` runs Ulysses on two ranks; rank 0 alone prints; events carry rank."""
+        result = run(
+            "-m", "lifecycle", "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2",
+            "--json-logs", "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        (line,) = result.stdout.splitlines()  # rank 0 alone prints its one JSON object
+        printed = json.loads(line)
+        assert (printed["summary"]["pipeline"], printed["summary"]["requests"]) == (
+            "tiny-t2i-ulysses",
+            2,
+        )
+        assert printed["snapshot"]["components"]["transformer"]["state"] == "resident"
+        logged = events(result.stderr)
+        assert {event["rank"] for event in logged} == {0, 1}
+        assert all("rank" in event for event in logged)
+
+    def test_torchrun_splits_requests_across_data_parallel_replicas(self) -> None:
+        """Under torchrun with dp_size = 2, each replica runs every other request."""
+        result = run(
+            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "lifecycle", "run", DATA_PARALLEL, "--requests", "4", "--steps", "2",
+            "--json-logs",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "pipeline 'tiny-t2i-dp': 2 requests x 2 steps" in result.stdout
+        begun = {
+            (e["rank"], e["request_id"])
+            for e in events(result.stderr)
+            if e["event"] == "request.begin"
+        }
+        assert {rid for rank, rid in begun if rank == 0} == {"r1", "r3"}
+        assert {rid for rank, rid in begun if rank == 1} == {"r2", "r4"}
+
+
+class TestNodes:
+    def test_two_nodes_rendezvous_on_localhost(self) -> None:
+        """Two torchrun invocations of one worker each form one data-parallel run."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        job = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--requests", "2", "--steps", "2"]
+        nodes = [
+            subprocess.Popen(
+                [
+                    *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"],
+                    *["--node-rank", str(node), "--nproc-per-node", "1", "--max-restarts", "0"],
+                    *rendezvous,
+                    *job,
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for node in range(2)
+        ]
+        outputs = []
+        try:
+            outputs = [node.communicate(timeout=DEADLINE_S) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]
+        printed = [out.count("pipeline 'tiny-t2i-dp': 1 request x 2 steps") for out, _ in outputs]
+        assert sorted(printed) == [0, 1]
+
+
+class TestFaults:
+    def test_a_refusal_on_every_rank_exits_one(self, tmp_path: Path) -> None:
+        """A 4-process layout started on 2 ranks is refused on each; exit 1 names them."""
+        spec = tmp_path / "four.toml"
+        spec.write_text(
+            ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4")
+        )
+        result = run("-m", "lifecycle", "run", spec, "--nproc", "2", "--requests", "1")
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.stderr.count("the parallel layout needs 4 processes, but 2 were") == 2
+        assert "lifecycle run: rank 0 failed: exit code 1" in result.stderr
+        assert "lifecycle run: rank 1 failed: exit code 1" in result.stderr
+
+    def test_a_killed_rank_ends_the_run(self) -> None:
+        """Killing one worker stops the other within the deadline, exit 3 naming the rank."""
+        command = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--nproc", "2"]
+        command += ["--requests", "100000", "--steps", "4"]
+        process = subprocess.Popen(
+            [sys.executable, *command],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            workers: list[int] = []
+            while len(workers) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+                workers = children(process.pid)
+            assert len(workers) == 2, "torchrun did not start two workers"
+            time.sleep(20)  # let both load and start serving requests
+            os.kill(workers[1], signal.SIGKILL)
+            _, stderr = process.communicate(timeout=DEADLINE_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        assert process.returncode == 3
+        assert "lifecycle run: rank 1 failed: killed by signal 9" in stderr
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)

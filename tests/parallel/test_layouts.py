@@ -1,0 +1,185 @@
+"""Every parallel layout's output equals one process's, on real gloo process groups."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from tests.parallel.layout_worker import Case, Outputs, Sent, run_alone, run_cases
+
+# Float32, max|split - alone| / max|alone| over every output. Measured: 0 for Ulysses and
+# K/V gather (the same kernels on the same rows), about 2e-7 for ring (LSE merge) and
+# 3e-7 for tensor parallel (row-wise partial sums all-reduced); 1e-5 leaves room.
+TOLERANCE = 1e-5
+DEADLINE_S = {2: 240.0, 4: 360.0}
+
+DIT = """
+name = "dit"
+device = "cpu"
+[components.transformer]
+kind = "tiny_dit"
+options = {{ seed = 7, packed_sequences = {packed} }}
+[parallel]
+timeout_s = 30
+"""
+
+PIPELINE = """
+name = "t2i"
+device = "cpu"
+[components.text_encoder]
+kind = "tiny_text_encoder"
+options = { seed = 1 }
+[components.transformer]
+kind = "tiny_dit"
+options = { seed = 7 }
+[components.vae]
+kind = "tiny_vae"
+options = { seed = 2 }
+[components.upsampler]
+kind = "tiny_upsampler"
+options = { seed = 3 }
+[parallel]
+timeout_s = 30
+sp_degree = 2
+ulysses_degree = 2
+fsdp = ["text_encoder", "transformer", "vae", "upsampler"]
+"""
+
+
+STAGE = '[[stages]]\nname = "denoise"\nuses = ["transformer"]\n'
+
+
+def dit(layout: str, *, packed: bool = True) -> str:
+    """Return a one-DiT spec with ``layout`` lines added to its ``[parallel]`` table."""
+    return DIT.format(packed=str(packed).lower()) + layout + "\n"
+
+
+TWO = {
+    "ulysses": Case(spec=dit("sp_degree = 2\nulysses_degree = 2")),
+    "ring": Case(spec=dit("sp_degree = 2\nring_degree = 2")),
+    "kv_gather": Case(spec=dit("sp_degree = 2\nkv_gather_degree = 2")),
+    "ring_dense": Case(spec=dit("sp_degree = 2\nring_degree = 2", packed=False)),
+    "ulysses_dense": Case(spec=dit("sp_degree = 2\nulysses_degree = 2", packed=False)),
+    "data_parallel": Case(spec=dit("dp_size = 2")),
+    "tensor_parallel": Case(spec=dit("tp_size = 2"), direct=True),
+    "cfg_parallel": Case(spec=dit("cfg_parallel = true") + STAGE, guidance=4.0),
+    **{
+        f"fsdp_{name}": Case(spec=PIPELINE, component=name, direct=True)
+        for name in ("text_encoder", "transformer", "vae", "upsampler")
+    },
+}
+FOUR = {
+    "ulysses_x_ring": Case(spec=dit("sp_degree = 4\nulysses_degree = 2\nring_degree = 2")),
+    "tp_x_ulysses": Case(spec=dit("tp_size = 2\nsp_degree = 2\nulysses_degree = 2"), direct=True),
+}
+# What each rank sends, by collective: proof that the layout really split the work.
+SENT = {
+    "ulysses": {"all_to_all", "output_gather"},
+    "ring": {"ring", "output_gather"},
+    "kv_gather": {"all_gather", "output_gather"},
+    "ring_dense": {"ring", "output_gather"},
+    "ulysses_dense": {"all_to_all", "output_gather"},
+    "data_parallel": set(),
+    "tensor_parallel": set(),  # DTensor's all-reduce, not attention traffic
+    "cfg_parallel": {"guidance"},
+    "fsdp_transformer": {"all_to_all", "output_gather"},
+    "ulysses_x_ring": {"all_to_all", "ring", "output_gather"},
+    "tp_x_ulysses": {"all_to_all", "output_gather"},
+}
+
+
+def free_port() -> int:
+    """Return a TCP port nothing listens on now (for the gloo rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def spawn(world: int, cases: dict[str, Case], out_dir: Path) -> None:
+    """Run ``cases`` on ``world`` spawned ranks; fail with every rank's error if one fails."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=run_cases, args=(rank, world, port, cases, str(out_dir)))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + DEADLINE_S[world]
+    try:
+        running = list(processes)
+        while running and time.monotonic() < deadline:
+            wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode for p in processes):
+                break
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+    errors = "\n".join(path.read_text() for path in sorted(out_dir.glob("*.error")))
+    exits = [p.exitcode for p in processes]
+    assert exits == [0] * world, f"rank exit codes {exits}\n{errors}"
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The outputs of every two-rank case, from one spawn of two gloo processes."""
+    out_dir = tmp_path_factory.mktemp("two")
+    spawn(2, TWO, out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The outputs of every four-rank case, from one spawn of four gloo processes."""
+    out_dir = tmp_path_factory.mktemp("four")
+    spawn(4, FOUR, out_dir)
+    return out_dir
+
+
+def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int) -> None:
+    """Assert rank 0's outputs of ``name`` equal one process's, and what each rank sent."""
+    split: Outputs = torch.load(out_dir / f"{name}.pt")
+    alone, alone_bytes = run_alone(case)
+    assert len(split) == len(alone)
+    for got, want in zip(split, alone, strict=True):
+        assert got.shape == want.shape
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error < TOLERANCE, f"{name}: relative error {error}"
+    for rank in range(world):
+        path = out_dir / f"{name}.rank{rank}.json"
+        did = msgspec.json.decode(path.read_bytes(), type=Sent)
+        if name in SENT:
+            assert set(did.sent) == SENT[name], f"{name} rank {rank} sent {did.sent}"
+            assert all(count > 0 for count in did.sent.values())
+        if name.startswith(("fsdp_", "tensor_parallel", "tp_")):
+            # each rank keeps about half: FSDP shards every weight, TP the attention and MLP
+            assert did.held_bytes < 0.75 * alone_bytes, f"{name} rank {rank} holds {did}"
+
+
+class TestTwoRanks:
+    """Layouts of two processes against one process on the same seed and weights."""
+
+    @pytest.mark.parametrize("name", list(TWO))
+    def test_layout_equals_one_process(self, two: Path, name: str) -> None:
+        """The layout's output equals the one-process output within the float32 tolerance."""
+        assert_equal_to_alone(two, name, TWO[name], 2)
+
+
+class TestFourRanks:
+    """Layouts of four processes (two split dims) against one process."""
+
+    @pytest.mark.parametrize("name", list(FOUR))
+    def test_layout_equals_one_process(self, four: Path, name: str) -> None:
+        """The layout's output equals the one-process output within the float32 tolerance."""
+        assert_equal_to_alone(four, name, FOUR[name], 4)
