@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 from attention import AttentionRole, registry
 from components import OffloadTarget, ParallelLayout, ResidencyMode
 from components import registry as kinds
+from components.loader import ComponentLoader
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
@@ -95,7 +96,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     """One component of the pipeline.
 
     Attributes:
-        kind: the registered kind that builds it (unknown kinds load generically).
+        kind: the built-in or installed kind that builds it (never a module path).
         residency: how it is kept on the device; ``resident`` when absent.
         attention_backend: a backend for the whole component, or a table with
             any of ``all``, ``self``, ``cross`` (a role key beats ``all``).
@@ -361,7 +362,8 @@ def _check_components(spec: PipelineSpec) -> None:
                 f"with a letter or '_', got {name!r}",
                 at,
             )
-        _convert(component.options, kinds.get(component.kind).options_type, f"{at}.options")
+        loader = _kind(component.kind, f"{at}.kind")
+        _convert(component.options, loader.options_type, f"{at}.options")
         layerwise = ResidencyMode.LAYERWISE_OFFLOAD
         if not isinstance(component.layerwise, UnsetType) and component.residency != layerwise:
             raise ConfigError(
@@ -384,6 +386,19 @@ def _check_components(spec: PipelineSpec) -> None:
             if key not in role_keys:
                 raise ConfigError(f"Expected `{' | '.join(role_keys)}`, got {key!r}", key_at)
             _check_backend(backend, key_at)
+
+
+def _kind(name: str, at: str) -> type[ComponentLoader]:
+    try:
+        return kinds.get(name)
+    except kinds.UnknownKindError as err:
+        broken = "".join(f"; entry point '{n}' failed to load ({w})" for n, w in err.failed.items())
+        raise ConfigError(
+            f"Expected an installed component kind ({', '.join(err.known)}), got {name!r}"
+            f"{broken}; a package adds kinds through the entry-point group "
+            f"'{kinds.ENTRY_POINT_GROUP}'",
+            at,
+        ) from None
 
 
 def _check_stages(spec: PipelineSpec) -> None:

@@ -99,8 +99,7 @@ class RefusalCode(StrEnum):
     MEMORY_BUDGET = (
         "residency.memory_budget",
         True,
-        "onloading would exceed memory.device_budget; admission refuses a stage that can "
-        "never fit",
+        "onloading would exceed memory.device_budget; admission refuses a stage that can never fit",
     )
     IN_USE = (
         "residency.in_use",
