@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Literal, Self, TypeAlias
 import msgspec
 from torch import nn
 
-from components.batch import Batch
+from components.batch import Batch, Port
 from components.sites import AttentionSite
-from components.weights import load_weights, seed_weights, stored_bytes
+from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
 
 LoaderPath: TypeAlias = Literal["custom", "native"]
 FLOAT32_BYTES = 4
@@ -108,6 +108,13 @@ class ComponentLoader:
         count = self.parameter_count()
         return None if count is None else count * FLOAT32_BYTES
 
+    def tensors(self) -> DeclaredTensors | None:
+        """Return the tensors the module holds, by name, from the options; None if unknown.
+
+        A weights file is held to this from its header before anything is built.
+        """
+        return None
+
     def block_count(self) -> int | None:
         """Return how many blocks the block stack will hold, from the options; None if none."""
         return None
@@ -115,6 +122,14 @@ class ComponentLoader:
     def parameter_count(self) -> int | None:
         """Return how many weights the kind will hold, from its options; None if unknown."""
         return None
+
+    def reads(self) -> tuple[Port, ...]:
+        """Return the ``Batch`` fields ``run`` uses when an earlier stage wrote them."""
+        return ()
+
+    def writes(self) -> tuple[Port, ...]:
+        """Return the ``Batch`` fields ``run`` stores."""
+        return ()
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Run ``module`` on what ``batch`` carries and store what it produces there.

@@ -34,8 +34,10 @@ from components.offload.layerwise_limits import layerwise_problems
 from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
+from lifecycle.interfaces import interface_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.weight_files import weights_refusals
 
 ATTENTION_PLAN = "attention_plan"
 LOADER_PATH = "loader_path"
@@ -127,6 +129,7 @@ def admit_pipeline(
             *device_refusals(spec),
             *layout_refusals(spec),
             *budget_refusals(spec, loaders),
+            *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),
     )
@@ -175,6 +178,8 @@ def admit_component(
         BACKENDS_CONSUMABLE: [],
     }
     path = _choose_path(name, component, loader, refusals[LOADER_PATH])
+    if path is not None:
+        refusals[LOADER_PATH] += weights_refusals(name, loader)
     declared = loader.sites() if path == "custom" else None
     planned = None
     if path == "native":
