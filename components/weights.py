@@ -114,12 +114,18 @@ def load_weights(module: nn.Module, path: Path) -> None:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not safetensors, or its tensors do not match the
-            module's names or shapes.
+        ValueError: the file is not safetensors, its tensors do not match the
+            module's names or shapes, or one holds NaN or infinity.
     """
     with _open(path) as file:
         names = file.keys()  # an open file is not iterable itself
         tensors = {name: file.get_tensor(name) for name in names}
+    bad = nonfinite(tensors)
+    if bad:
+        raise ValueError(
+            f"weights in {path}: {_some(bad)} hold NaN or infinity; the file is corrupt "
+            "or was written from a diverged model"
+        )
     own = module.state_dict(keep_vars=True)
     missing = sorted(
         name
@@ -141,6 +147,21 @@ def load_weights(module: nn.Module, path: Path) -> None:
                     f"the module expects {tuple(own[name].shape)}"
                 )
             own[name].copy_(tensor)
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Return the names of the floating tensors that hold a NaN or an infinity, sorted."""
+    return sorted(
+        name
+        for name, tensor in tensors.items()
+        if tensor.is_floating_point() and not _finite(tensor)
+    )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # A NaN or an infinity anywhere makes the sum non-finite, so a finite sum settles it
+    # in one fast reduction; only a sum that overflowed needs the element-wise test.
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def header_problems(path: Path, declared: DeclaredTensors | None) -> list[str]:

@@ -10,11 +10,12 @@ from safetensors.torch import save_file
 
 from attention import Platform
 from components import registry
-from components.weights import save_weights
+from components.weights import nonfinite, save_weights
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import decode_spec
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.refusals import Refusal, RefusalCode, TransitionFailed
+from lifecycle.states import ComponentState
 
 
 def spec_text(weights: Path, options: str = "") -> str:
@@ -135,3 +136,25 @@ name = "s"
 uses = ["e"]
 """
         assert [r for r in refusals(text, cpu) if r.code is RefusalCode.WEIGHTS_MISMATCH] == []
+
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+    def test_nonfinite_weights_fail_the_load(
+        self, tmp_path: Path, good: dict[str, torch.Tensor], cpu: Platform, bad: float
+    ) -> None:
+        """A NaN or infinity in the data passes the header check and fails load, rolled back."""
+        good["conv_mid.bias"][3] = bad
+        path = tmp_path / "nan.safetensors"
+        save_file(good, str(path))
+        orchestrator = Orchestrator(decode_spec(spec_text(path)), platform=cpu)
+        orchestrator.admit()
+        with pytest.raises(TransitionFailed) as err:
+            orchestrator.load()
+        assert "'conv_mid.bias' hold NaN or infinity" in str(err.value)
+        assert orchestrator.state("up") is ComponentState.ADMITTED
+
+    def test_sum_overflow_is_not_mistaken_for_infinity(self) -> None:
+        """Huge finite weights whose sum overflows float32 are still found finite."""
+        huge = torch.full((4,), 3e38)
+        assert not torch.isfinite(huge.sum())
+        assert nonfinite({"w": huge}) == []
+        assert nonfinite({"w": torch.tensor([3e38, float("nan")])}) == ["w"]
