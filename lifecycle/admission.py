@@ -270,6 +270,16 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
         uses = tuple(name for name in stage.uses if name in sizes)
         if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
             found.append(refusal)
+    # load() onloads a resident component even when no stage uses it
+    staged = {name for stage in spec.stages for name in stage.uses}
+    for name, component in spec.components.items():
+        if (
+            name in sizes
+            and name not in staged
+            and component.residency_mode is ResidencyMode.RESIDENT
+            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget))
+        ):
+            found.append(refusal)
     return found
 
 
