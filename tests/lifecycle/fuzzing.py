@@ -24,19 +24,85 @@ BASES = [
     + sorted((ROOT / "examples" / "refused").glob("*.toml"))
 ]
 FORMATS = ("toml", "json", "yaml")
-KEYS = (
-    "name kind residency attention_backend loader layerwise options stages uses device "
-    "tp_size dp_size sp_degree ulysses_degree ring_degree kv_gather_degree cfg_parallel fsdp "
-    "device_budget offload_target context_dim in_channels latent_channels dim heads layers "
-    "ffn_dim channels groups seed weights prefetch resident_layers packed_sequences factory "
-    "backend backend_options window all self cross max_tokens tokenizer"
-).split()
-WORDS = (
-    "tiny_dit tiny_vae tiny_text_encoder tiny_upsampler minilm_text_encoder torch_sdpa "
-    "torch_flash reference sliding_window flash_attn resident component_offload "
-    "layerwise_offload host disk custom native cpu cuda auto 2GiB 64KiB 1e400 os:fork "
-    "../../x / transformer vae text_encoder encode denoise decode"
-).split()
+KEYS = [
+    "name",
+    "kind",
+    "residency",
+    "attention_backend",
+    "loader",
+    "layerwise",
+    "options",
+    "stages",
+    "uses",
+    "device",
+    "tp_size",
+    "dp_size",
+    "sp_degree",
+    "ulysses_degree",
+    "ring_degree",
+    "kv_gather_degree",
+    "cfg_parallel",
+    "fsdp",
+    "device_budget",
+    "offload_target",
+    "context_dim",
+    "in_channels",
+    "latent_channels",
+    "dim",
+    "heads",
+    "layers",
+    "ffn_dim",
+    "channels",
+    "groups",
+    "seed",
+    "weights",
+    "prefetch",
+    "resident_layers",
+    "packed_sequences",
+    "factory",
+    "backend",
+    "backend_options",
+    "window",
+    "all",
+    "self",
+    "cross",
+    "max_tokens",
+    "tokenizer",
+]
+WORDS = [
+    "tiny_dit",
+    "tiny_vae",
+    "tiny_text_encoder",
+    "tiny_upsampler",
+    "minilm_text_encoder",
+    "torch_sdpa",
+    "torch_flash",
+    "reference",
+    "sliding_window",
+    "flash_attn",
+    "resident",
+    "component_offload",
+    "layerwise_offload",
+    "host",
+    "disk",
+    "custom",
+    "native",
+    "cpu",
+    "cuda",
+    "auto",
+    "2GiB",
+    "64KiB",
+    "1e400",
+    "os:fork",
+    "../../x",
+    "/",
+    "transformer",
+    "vae",
+    "text_encoder",
+    "encode",
+    "denoise",
+    "decode",
+]
 WEIGHTS = str(ROOT / "examples" / "refused" / "weights" / "upsampler_4ch.safetensors")
 
 plausible = st.one_of(st.integers(1, 64), st.sampled_from(WORDS), st.booleans())
