@@ -89,3 +89,14 @@ class ClashingBackend(PluginBackend):
     """A backend that claims a built-in's name; the registry must refuse it."""
 
     name = "torch_sdpa"
+
+
+class NoForwardImpl(AttentionImpl):
+    """A kernel that forgot ``forward``."""
+
+
+class IncompleteBackend(AttentionBackend):
+    """A backend whose kernel cannot attend; the registry must refuse it."""
+
+    name = "plugin_incomplete"
+    impl_cls = NoForwardImpl

@@ -18,10 +18,13 @@ plugin_echo = tests.plugin.ext:EchoKind
 plugin_factory = tests.plugin.ext:make_plain
 plugin_missing = tests.plugin.no_such_module:Kind
 cwd_kind = cwd_plugin:make
+misnamed = tests.plugin.ext:EchoKind
+not_callable = tests.plugin.ext:SITE
 
 [pipeline_lifecycle.backends]
 plugin_sdpa = tests.plugin.ext:PluginBackend
 torch_sdpa_clash = tests.plugin.ext:ClashingBackend
+plugin_incomplete = tests.plugin.ext:IncompleteBackend
 """
 SPEC = """
 name = "plugged"
@@ -108,6 +111,10 @@ class TestEntryPoints:
         for kind in ("tiny_dit", "plugin_echo", "plugin_factory"):
             assert kind in error["message"]
         assert "entry point 'plugin_missing' failed to load" in error["message"]
+        assert (
+            "whose kind is 'plugin_echo'; name the entry point after the kind" in (error["message"])
+        )
+        assert "entry point 'not_callable' failed to load (TypeError" in error["message"]
 
     def test_the_working_directory_is_not_importable(
         self, lifecycle: Lifecycle, tmp_path: Path
@@ -124,7 +131,8 @@ class TestEntryPoints:
     def test_backend_rules_hold_for_installed_backends(
         self, lifecycle: Lifecycle, tmp_path: Path
     ) -> None:
-        """A plugin backend cannot take a built-in's name, and unknown names list it last."""
+        """Installed backends follow the registry's rules: listed after the built-ins, never
+        under a built-in's name, never without a kernel (each failure logged, the rest kept)."""
         spec = tmp_path / "work" / "bad_backend.toml"
         spec.write_text(SPEC.replace('"plugin_sdpa"', '"plugin_flash"'))
         result = lifecycle("check", "--json", str(spec))
@@ -137,3 +145,5 @@ class TestEntryPoints:
         )
         assert "attention.backend_load_failed" in result.stderr
         assert "name 'torch_sdpa' is taken by attention.backends" in result.stderr
+        assert "NoForwardImpl must implement forward" in result.stderr
+        assert "plugin_incomplete" not in error["message"]
