@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import yaml
 from hypothesis import strategies as st
 
@@ -210,10 +211,18 @@ class Outcome:
 
 
 def lifecycle(*argv: str) -> Outcome:
-    """Run the CLI's ``main`` in this process, capturing what it writes."""
+    """Run the CLI's ``main`` in this process, capturing what it writes.
+
+    ``main`` configures structlog for the process; the configuration it found is put
+    back, so that later tests capture their events as before.
+    """
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+    saved = structlog.get_config()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    finally:
+        structlog.configure(**saved)
     return Outcome(code, out.getvalue(), err.getvalue())
 
 
