@@ -10,12 +10,14 @@ from safetensors.torch import save_file
 
 from attention import Platform
 from components import registry
+from components.generic import GenericLoader
 from components.weights import nonfinite, save_weights
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import decode_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal, RefusalCode, TransitionFailed
 from lifecycle.states import ComponentState
+from lifecycle.weight_files import weights_refusals
 
 
 def spec_text(weights: Path, options: str = "") -> str:
@@ -158,3 +160,13 @@ uses = ["e"]
         assert not torch.isfinite(huge.sum())
         assert nonfinite({"w": huge}) == []
         assert nonfinite({"w": torch.tensor([3e38, float("nan")])}) == ["w"]
+
+    def test_factory_kind_files_must_be_floating(self, tmp_path: Path) -> None:
+        """A kind that declares no tensors still has integer weights refused from the header."""
+        kind = GenericLoader.for_factory("test_linear", lambda: torch.nn.Linear(2, 2))
+        path = tmp_path / "linear.safetensors"
+        save_file({"weight": torch.zeros(2, 2, dtype=torch.int32), "bias": torch.zeros(2)}, path)
+        (refusal,) = weights_refusals("c", kind.from_options({"weights": str(path)}))
+        assert refusal.code is RefusalCode.WEIGHTS_MISMATCH
+        assert "'weight' is stored as I32" in refusal.message
+        assert "bias" not in refusal.message
