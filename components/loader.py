@@ -17,10 +17,10 @@ import msgspec
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from components.batch import Batch
+from components.batch import Batch, Port
 from components.mesh import ComponentParallel
 from components.sites import AttentionSite
-from components.weights import load_weights, seed_weights, stored_bytes
+from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
 
 LoaderPath: TypeAlias = Literal["custom", "native"]
 FLOAT32_BYTES = 4
@@ -120,6 +120,13 @@ class ComponentLoader:
         count = self.parameter_count()
         return None if count is None else count * FLOAT32_BYTES
 
+    def tensors(self) -> DeclaredTensors | None:
+        """Return the tensors the module holds, by name, from the options; None if unknown.
+
+        A weights file is held to this from its header before anything is built.
+        """
+        return None
+
     def block_count(self) -> int | None:
         """Return how many blocks the block stack will hold, from the options; None if none."""
         return None
@@ -127,6 +134,14 @@ class ComponentLoader:
     def parameter_count(self) -> int | None:
         """Return how many weights the kind will hold, from its options; None if unknown."""
         return None
+
+    def reads(self) -> tuple[Port, ...]:
+        """Return the ``Batch`` fields ``run`` uses when an earlier stage wrote them."""
+        return ()
+
+    def writes(self) -> tuple[Port, ...]:
+        """Return the ``Batch`` fields ``run`` stores."""
+        return ()
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Run ``module`` on what ``batch`` carries and store what it produces there.

@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,6 +39,23 @@ _DTYPE_BITS = {
     "F6_E2M3": 6,
     "F6_E3M2": 6,
 }
+
+
+class DeclaredTensor(NamedTuple):
+    """A tensor a kind's module holds, as a weights file must store it.
+
+    Attributes:
+        shape: its shape.
+        floating: whether it holds floating-point values (a file must store it in a
+            floating dtype); False for an integer buffer the checkpoint carries.
+    """
+
+    shape: tuple[int, ...]
+    floating: bool = True
+
+
+DeclaredTensors: TypeAlias = dict[str, DeclaredTensor]
+_FLOATING = frozenset(d for d in _DTYPE_BITS if d.startswith(("F", "BF")))
 
 
 class _TensorInfo(Protocol):
@@ -97,12 +114,18 @@ def load_weights(module: nn.Module, path: Path) -> None:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not safetensors, or its tensors do not match the
-            module's names or shapes.
+        ValueError: the file is not safetensors, its tensors do not match the
+            module's names or shapes, or one holds NaN or infinity.
     """
     with _open(path) as file:
         names = file.keys()  # an open file is not iterable itself
         tensors = {name: file.get_tensor(name) for name in names}
+    bad = nonfinite(tensors)
+    if bad:
+        raise ValueError(
+            f"weights in {path}: {_some(bad)} hold NaN or infinity; the file is corrupt "
+            "or was written from a diverged model"
+        )
     own = module.state_dict(keep_vars=True)
     missing = sorted(
         name
@@ -124,6 +147,60 @@ def load_weights(module: nn.Module, path: Path) -> None:
                     f"the module expects {tuple(own[name].shape)}"
                 )
             own[name].copy_(tensor)
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Return the names of the floating tensors that hold a NaN or an infinity, sorted."""
+    return sorted(
+        name
+        for name, tensor in tensors.items()
+        if tensor.is_floating_point() and not _finite(tensor)
+    )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # A NaN or an infinity anywhere makes the sum non-finite, so a finite sum settles it
+    # in one fast reduction; only a sum that overflowed needs the element-wise test.
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def header_problems(path: Path, declared: DeclaredTensors | None) -> list[str]:
+    """Say how the weights file at ``path`` fails the declaration, from its header alone.
+
+    Every stored tensor must be floating point unless the kind declares it an integer
+    buffer; with a declaration, the names and shapes must be exactly the declared ones
+    (``declared`` None: a kind that cannot say, whose names are checked at load).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not safetensors (its message says so, naming the file).
+    """
+    with _open(path) as file:
+        names = file.keys()
+        stored = {name: file.get_slice(name) for name in names}
+        header = {n: (t.get_dtype(), tuple(t.get_shape())) for n, t in stored.items()}
+    problems = []
+    if declared is not None:
+        missing = sorted(declared.keys() - header.keys())
+        unexpected = sorted(header.keys() - declared.keys())
+        if missing:
+            problems.append(f"missing {_some(missing)}")
+        if unexpected:
+            problems.append(f"unexpected {_some(unexpected)}")
+    for name, (dtype, shape) in header.items():
+        want = declared.get(name) if declared is not None else None
+        if want is not None and shape != want.shape:
+            problems.append(
+                f"'{name}' has shape {list(shape)}, the kind declares {list(want.shape)}"
+            )
+        if (want is None or want.floating) and dtype not in _FLOATING:
+            problems.append(f"'{name}' is stored as {dtype}, not a floating-point dtype")
+    return problems
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + more
 
 
 def _storage_groups(tensors: dict[str, torch.Tensor]) -> dict[int, list[str]]:

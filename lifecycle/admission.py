@@ -34,9 +34,11 @@ from components.offload.layerwise_limits import layerwise_problems
 from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
+from lifecycle.interfaces import interface_refusals
 from lifecycle.parallel_admission import split_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.weight_files import weights_refusals
 
 ATTENTION_PLAN = "attention_plan"
 LOADER_PATH = "loader_path"
@@ -129,6 +131,7 @@ def admit_pipeline(
             *layout_refusals(spec),
             *split_refusals(spec, loaders, {n: c.plan.loader for n, c in components.items()}),
             *budget_refusals(spec, loaders),
+            *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),
     )
@@ -177,6 +180,8 @@ def admit_component(
         BACKENDS_CONSUMABLE: [],
     }
     path = _choose_path(name, component, loader, refusals[LOADER_PATH])
+    if path is not None:
+        refusals[LOADER_PATH] += weights_refusals(name, loader)
     declared = loader.sites() if path == "custom" else None
     planned = None
     if path == "native":
@@ -262,6 +267,16 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
     for stage in spec.stages:
         uses = tuple(name for name in stage.uses if name in sizes)
         if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
+            found.append(refusal)
+    # load() onloads a resident component even when no stage uses it
+    staged = {name for stage in spec.stages for name in stage.uses}
+    for name, component in spec.components.items():
+        if (
+            name in sizes
+            and name not in staged
+            and component.residency_mode is ResidencyMode.RESIDENT
+            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget))
+        ):
             found.append(refusal)
     return found
 

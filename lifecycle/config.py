@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 from attention import AttentionRole, registry
 from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMode
 from components import registry as kinds
+from components.loader import ComponentLoader
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
@@ -31,6 +32,15 @@ Device = Literal["cpu", "cuda", "auto"]
 ALL_ROLES = "all"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _T = TypeVar("_T")
+MAX_SPEC_BYTES = 1024 * 1024
+MAX_SPEC_DEPTH = 32
+MAX_SPEC_VALUES = 100_000
+_TOO_DEEP = f"the spec is nested deeper than {MAX_SPEC_DEPTH} levels; a pipeline spec needs a few"
+_TOO_LARGE = (
+    f"the spec is larger than {MAX_SPEC_BYTES // 1024} KiB; a pipeline spec is a few dozen "
+    "lines: is this the right file?"
+)
+_YAML_MERGE = "tag:yaml.org,2002:merge"
 
 
 class ConfigError(ValueError):
@@ -101,7 +111,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     """One component of the pipeline.
 
     Attributes:
-        kind: the registered kind that builds it (unknown kinds load generically).
+        kind: the built-in or installed kind that builds it (never a module path).
         residency: how it is kept on the device; ``resident`` when absent.
         attention_backend: a backend for the whole component, or a table with
             any of ``all``, ``self``, ``cross`` (a role key beats ``all``).
@@ -183,7 +193,11 @@ def load_spec(path: str | Path) -> PipelineSpec:
     """
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:
+            data = file.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise ConfigError(_TOO_LARGE, source=source)
+        text = data.decode("utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read the spec: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
@@ -201,7 +215,10 @@ def decode_spec(text: str, fmt: str = "toml") -> PipelineSpec:
         ConfigError: bad syntax, unknown keys, wrong types or values, unknown
             backend names, or a stage naming an undeclared component.
     """
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise ConfigError(_TOO_LARGE)
     raw = _parse(text, fmt)
+    _check_shape(raw)
     # msgspec writes a dict key as `[...]` in its error paths; converting each
     # component on its own lets the error name the component.
     if isinstance(raw, dict) and isinstance(raw.get("components"), dict):
@@ -225,13 +242,42 @@ def _parse(text: str, fmt: str) -> object:
             return json.loads(text, object_pairs_hook=_unique_json_object)
         if fmt in ("yaml", "yml"):
             return yaml.load(text, Loader=_UniqueKeyYamlLoader)
+    except ConfigError:
+        raise
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"invalid TOML: {err}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"invalid JSON: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"invalid YAML: {' '.join(str(err).split())}") from None
+    except RecursionError:
+        raise ConfigError(_TOO_DEEP) from None
+    except ValueError as err:  # e.g. an integer of more digits than Python converts
+        raise ConfigError(f"invalid {fmt.upper()}: {err}") from None
     raise ConfigError(f"Expected a .toml, .json, .yaml or .yml spec, got {fmt!r}")
+
+
+def _check_shape(raw: object) -> None:
+    """Refuse a parsed spec nested deeper, or holding more values, than any spec needs.
+
+    Counting values also bounds YAML aliases, which can make a small file a huge tree.
+    """
+    pending: list[tuple[object, int]] = [(raw, 1)]
+    values = 0
+    while pending:
+        value, depth = pending.pop()
+        values += 1
+        if depth > MAX_SPEC_DEPTH:
+            raise ConfigError(_TOO_DEEP)
+        if values > MAX_SPEC_VALUES:
+            raise ConfigError(
+                f"the spec holds more than {MAX_SPEC_VALUES} values (YAML aliases count each "
+                "time they are used); a pipeline spec needs far fewer"
+            )
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend((item, depth + 1) for item in value)
 
 
 def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -243,15 +289,32 @@ def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-class _UniqueKeyYamlLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key written twice in one mapping."""
+# libyaml's parser when PyYAML was built with it: five times faster than the Python one
+_YamlBase: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyYamlLoader(_YamlBase):  # type: ignore[valid-type,misc]
+    """A SafeLoader that refuses a key written twice in one mapping.
+
+    Merge keys (``<<: *base``) are allowed, and a key written beside them replaces the
+    merged one, as YAML says; only keys written twice by hand are refused.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
-        for key in keys:
-            if keys.count(key) > 1:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _YAML_MERGE:
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: the base class refuses it with a YAMLError
+                continue
+            if duplicate:
                 raise ConfigError(f"invalid YAML: the key {key!r} appears twice in one mapping")
-        return super().construct_mapping(node, deep=deep)
+            seen.add(key)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def _convert(raw: object, type_: type[_T], at: str) -> _T:
@@ -372,7 +435,8 @@ def _check_components(spec: PipelineSpec) -> None:
                 f"with a letter or '_', got {name!r}",
                 at,
             )
-        _convert(component.options, kinds.get(component.kind).options_type, f"{at}.options")
+        loader = _kind(component.kind, f"{at}.kind")
+        _convert(component.options, loader.options_type, f"{at}.options")
         layerwise = ResidencyMode.LAYERWISE_OFFLOAD
         if not isinstance(component.layerwise, UnsetType) and component.residency != layerwise:
             raise ConfigError(
@@ -395,6 +459,19 @@ def _check_components(spec: PipelineSpec) -> None:
             if key not in role_keys:
                 raise ConfigError(f"Expected `{' | '.join(role_keys)}`, got {key!r}", key_at)
             _check_backend(backend, key_at)
+
+
+def _kind(name: str, at: str) -> type[ComponentLoader]:
+    try:
+        return kinds.get(name)
+    except kinds.UnknownKindError as err:
+        broken = "".join(f"; entry point '{n}' failed to load ({w})" for n, w in err.failed.items())
+        raise ConfigError(
+            f"Expected an installed component kind ({', '.join(err.known)}), got {name!r}"
+            f"{broken}; a package adds kinds through the entry-point group "
+            f"'{kinds.ENTRY_POINT_GROUP}'",
+            at,
+        ) from None
 
 
 def _check_stages(spec: PipelineSpec) -> None:

@@ -89,9 +89,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 def spawn(nproc: int, argv: Sequence[str]) -> int:
     """Run ``lifecycle <argv>`` on ``nproc`` local workers through ``torch.distributed.run``.
 
-    Returns 0 when every worker succeeded; else the workers' common exit code when they
-    agree (1 refused, 2 bad input), else 3, after naming each failed rank and its cause
-    on stderr. torchrun stops the other workers as soon as one fails.
+    Returns 0 when every worker succeeded; else the common exit code of the workers that
+    failed on their own (1 refused, 2 bad input) when they agree, else 3, after naming
+    each failed rank and its cause on stderr. torchrun stops the other workers as soon
+    as one fails.
     """
     # torch leaves parse_args and run unannotated
     config = parse_args(  # type: ignore[no-untyped-call]
@@ -111,7 +112,9 @@ def spawn(nproc: int, argv: Sequence[str]) -> int:
     try:
         torchrun(config)  # type: ignore[no-untyped-call]
     except ChildFailedError as failed:
-        codes = {failure.exitcode for failure in failed.failures.values()}
+        # ranks torchrun stopped itself (SIGTERM) after a peer failed say nothing of the cause
+        stopped = (-signal.SIGTERM, SIGTERM_EXIT)
+        codes = {f.exitcode for f in failed.failures.values() if f.exitcode not in stopped}
         for failed_rank, failure in sorted(failed.failures.items()):
             cause = (
                 f"killed by signal {-failure.exitcode}"

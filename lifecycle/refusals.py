@@ -117,6 +117,18 @@ class RefusalCode(StrEnum):
         True,
         "the layerwise settings ask for more than the component's block stack has",
     )
+    INTERFACE_MISMATCH = (
+        "pipeline.interface_mismatch",
+        True,
+        "a component reads a Batch field (context, latents, images) at a width other "
+        "than the one the component before it in the stages writes",
+    )
+    WEIGHTS_MISMATCH = (
+        "loader.weights_mismatch",
+        True,
+        "the weights file's header does not match the kind's declared tensors: a missing "
+        "or unexpected name, another shape, or a dtype that is not floating point",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -16,6 +17,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+MAX_BYTES = 2**63  # 8 EiB: larger is a typo, and would not fit the counters it feeds
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"
 
@@ -29,15 +31,22 @@ class ByteSize(int):
 
         Raises:
             ValueError: ``value`` is not a non-negative int or a number with a
-                unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+                unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, or it exceeds 8 EiB.
         """
+        count: Decimal | int | None = None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return cls(value)
-        if isinstance(value, str):
+            count = value
+        elif isinstance(value, str):
             match = _SIZE.match(value)
             if match and match.group(2).lower() in _UNITS:
-                return cls(int(float(match.group(1)) * _UNITS[match.group(2).lower()]))
-        raise ValueError(f'Expected a size like "2GiB", "512MB" or a byte count, got {value!r}')
+                # Decimal, not float: exact, and no overflow however many digits
+                count = Decimal(match.group(1)) * _UNITS[match.group(2).lower()]
+        if count is None:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+            raise ValueError(f'Expected a size like "2GiB", "512MB" or a byte count, got {shown}')
+        if count > MAX_BYTES:
+            raise ValueError(f"Expected a size of at most 8 EiB ({MAX_BYTES} bytes), got more")
+        return cls(int(count))
 
     def __str__(self) -> str:
         return format_bytes(self)

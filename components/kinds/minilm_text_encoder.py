@@ -25,7 +25,8 @@ from torch.nn.functional import gelu, normalize
 
 from attention import AttentionRequirements, AttentionRole
 from attention.masks import additive_mask
-from components.batch import Batch, device_of
+from components.batch import Batch, Port, device_of
+from components.kinds import tensors
 from components.kinds.counting import linear, norm
 from components.kinds.minilm_files import (
     CONFIG_FILE,
@@ -39,6 +40,7 @@ from components.kinds.minilm_files import (
 from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
 from components.registry import register_kind
 from components.sites import AttentionSite
+from components.weights import DeclaredTensor, DeclaredTensors
 
 # B batch, H heads, S seq, D head dim, E model width, T real tokens of the batch
 
@@ -332,6 +334,30 @@ class MiniLmLoader(ComponentLoader):
         """Return the number of blocks layerwise offload streams."""
         return LAYERS
 
+    def tensors(self) -> DeclaredTensors:
+        """Declare the checkpoint's tensors, its integer ``position_ids`` buffer included."""
+        declared = {
+            **tensors.embedding("embeddings.word_embeddings", VOCAB_SIZE, WIDTH),
+            **tensors.embedding("embeddings.position_embeddings", MAX_POSITIONS, WIDTH),
+            **tensors.embedding("embeddings.token_type_embeddings", TYPE_VOCAB_SIZE, WIDTH),
+            **tensors.norm("embeddings.LayerNorm", WIDTH),
+            "embeddings.position_ids": DeclaredTensor((1, MAX_POSITIONS), floating=False),
+            **tensors.linear("pooler.dense", WIDTH, WIDTH),
+        }
+        for i in range(LAYERS):
+            at = f"encoder.layer.{i}"
+            declared |= {
+                **tensors.linear(f"{at}.attention.self.query", WIDTH, WIDTH),
+                **tensors.linear(f"{at}.attention.self.key", WIDTH, WIDTH),
+                **tensors.linear(f"{at}.attention.self.value", WIDTH, WIDTH),
+                **tensors.linear(f"{at}.attention.output.dense", WIDTH, WIDTH),
+                **tensors.norm(f"{at}.attention.output.LayerNorm", WIDTH),
+                **tensors.linear(f"{at}.intermediate.dense", WIDTH, FFN_WIDTH),
+                **tensors.linear(f"{at}.output.dense", FFN_WIDTH, WIDTH),
+                **tensors.norm(f"{at}.output.LayerNorm", WIDTH),
+            }
+        return declared
+
     def parameter_count(self) -> int:
         """Count the checkpoint's weights: embeddings, layers, pooler."""
         embeddings = (VOCAB_SIZE + MAX_POSITIONS + TYPE_VOCAB_SIZE) * WIDTH + norm(WIDTH)
@@ -376,6 +402,18 @@ class MiniLmLoader(ComponentLoader):
         self._require("custom")
         assert self.options.tokenizer is not None  # _require checked it
         return SentenceTokenizer(Path(self.options.tokenizer), self.options.max_tokens)
+
+    def reads(self) -> tuple[Port, ...]:
+        """Read the prompts."""
+        return (Port(field="prompts"),)
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write the prompts, the token context and the sentence vectors, ``WIDTH`` wide."""
+        return (
+            Port(field="prompts"),
+            Port(field="context", width=WIDTH),
+            Port(field="sentence_embeddings", width=WIDTH),
+        )
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Encode the request's prompts (seeded ones if none): token context, sentence vectors.

@@ -29,7 +29,8 @@ from torch.nn.functional import pad, silu
 from attention import AttentionRequirements, AttentionRole
 from attention.distributed import packed_sequence_attention
 from attention.distributed.traffic import record
-from components.batch import Batch, device_of
+from components.batch import Batch, Port, device_of
+from components.kinds import tensors
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
@@ -37,6 +38,7 @@ from components.loader import ComponentLoader, SeededOptions
 from components.mesh import ComponentParallel, SequenceGroups
 from components.registry import register_kind
 from components.sites import NO_REQUIREMENTS, AttentionSite
+from components.weights import DeclaredTensors
 
 # B requests, H heads, S seq, D head dim, E model width, C latent channels,
 # N_i / L_i tokens / text tokens of request i, T packed tokens (sum of N_i)
@@ -468,6 +470,28 @@ class TinyDitLoader(ComponentLoader):
         """Return the number of blocks layerwise offload streams."""
         return self.options.layers
 
+    def tensors(self) -> DeclaredTensors:
+        """Declare the stem, the blocks, the final modulation and the head."""
+        o = self.options
+        declared = {
+            **tensors.linear("proj_in", o.in_channels, o.dim),
+            **tensors.linear("t_mlp.0", o.dim, o.dim),
+            **tensors.linear("t_mlp.2", o.dim, o.dim),
+            **tensors.linear("final_modulation", o.dim, 2 * o.dim),
+            **tensors.linear("proj_out", o.dim, o.in_channels),
+        }
+        for i in range(o.layers):
+            at = f"blocks.{i}"
+            declared |= {
+                **tensors.attention_projections(f"{at}.self_attn", o.dim, o.dim),
+                **tensors.norm(f"{at}.norm2", o.dim),
+                **tensors.attention_projections(f"{at}.cross_attn", o.dim, o.context_dim),
+                **tensors.linear(f"{at}.mlp.0", o.dim, o.ffn_dim),
+                **tensors.linear(f"{at}.mlp.2", o.ffn_dim, o.dim),
+                **tensors.linear(f"{at}.modulation", o.dim, 6 * o.dim),
+            }
+        return declared
+
     def parameter_count(self) -> int:
         """Count the weights from the options: stem, blocks, final modulation, head."""
         o = self.options
@@ -482,6 +506,18 @@ class TinyDitLoader(ComponentLoader):
         stem = linear(o.in_channels, o.dim) + 2 * linear(o.dim, o.dim)
         head = linear(o.dim, 2 * o.dim) + linear(o.dim, o.in_channels)
         return stem + o.layers * block + head
+
+    def reads(self) -> tuple[Port, ...]:
+        """Read the context, ``context_dim`` wide, and latents of ``in_channels``."""
+        o = self.options
+        return (
+            Port(field="context", width=o.context_dim, option="context_dim"),
+            Port(field="latents", width=o.in_channels, option="in_channels"),
+        )
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write latents of ``in_channels``."""
+        return (Port(field="latents", width=self.options.in_channels, option="in_channels"),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none.

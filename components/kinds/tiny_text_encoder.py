@@ -15,12 +15,14 @@ from torch import nn
 from torch.nn.functional import gelu
 
 from attention import AttentionRequirements, AttentionRole
-from components.batch import Batch, device_of
+from components.batch import Batch, Port, device_of
+from components.kinds import tensors
 from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
+from components.weights import DeclaredTensors
 
 # B batch, H heads, S seq, D head dim, E model width (dim)
 
@@ -172,6 +174,25 @@ class TinyTextEncoderLoader(ComponentLoader):
         """Return the number of blocks layerwise offload streams."""
         return self.options.layers
 
+    def tensors(self) -> DeclaredTensors:
+        """Declare embeddings, layers (as ``nn.TransformerEncoderLayer`` names them), norm."""
+        o = self.options
+        declared = {
+            **tensors.embedding("tok_emb", o.vocab_size, o.dim),
+            **tensors.embedding("pos_emb", o.max_len, o.dim),
+            **tensors.norm("norm", o.dim),
+        }
+        for i in range(o.layers):
+            at = f"layers.{i}"
+            declared |= {
+                **tensors.attention_projections(f"{at}.self_attn", o.dim, o.dim),
+                **tensors.linear(f"{at}.linear1", o.dim, o.ffn_dim),
+                **tensors.linear(f"{at}.linear2", o.ffn_dim, o.dim),
+                **tensors.norm(f"{at}.norm1", o.dim),
+                **tensors.norm(f"{at}.norm2", o.dim),
+            }
+        return declared
+
     def parameter_count(self) -> int:
         """Count the weights from the options: embeddings, layers, final norm."""
         o = self.options
@@ -182,6 +203,10 @@ class TinyTextEncoderLoader(ComponentLoader):
             + 2 * norm(o.dim)
         )
         return (o.vocab_size + o.max_len) * o.dim + o.layers * layer + norm(o.dim)
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write the context, ``dim`` wide."""
+        return (Port(field="context", width=self.options.dim, option="dim"),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Encode seeded prompts; the context is each prompt's real tokens only."""

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 from torch.nn.functional import interpolate, silu
 
-from components.batch import Batch, device_of
+from components.batch import RGB, Batch, Port, device_of
+from components.kinds import tensors
 from components.kinds.counting import conv3x3
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
+from components.weights import DeclaredTensors
 
 # B batch, Ch channels, H height, W width
 
@@ -75,10 +77,27 @@ class TinyUpsamplerLoader(ComponentLoader):
         """Declare no attention site: the network is convolutions only."""
         return ()
 
+    def tensors(self) -> DeclaredTensors:
+        """Declare the three convolutions."""
+        ch = self.options.channels
+        return {
+            **tensors.conv3x3("conv_in", 3, ch),
+            **tensors.conv3x3("conv_mid", ch, ch),
+            **tensors.conv3x3("conv_out", ch, 3 * 4),
+        }
+
     def parameter_count(self) -> int:
         """Count the weights from the options: three 3x3 convolutions."""
         ch = self.options.channels
         return conv3x3(3, ch) + conv3x3(ch, ch) + conv3x3(ch, 3 * 4)
+
+    def reads(self) -> tuple[Port, ...]:
+        """Read RGB images."""
+        return (Port(field="images", width=RGB),)
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write RGB images, twice as large."""
+        return (Port(field="images", width=RGB),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Upsample the request's images (seeded ones if none) by two."""

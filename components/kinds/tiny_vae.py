@@ -14,11 +14,13 @@ from torch import nn
 from torch.nn.functional import interpolate, silu
 
 from attention import AttentionRole
-from components.batch import Batch, device_of
+from components.batch import RGB, Batch, Port, device_of
+from components.kinds import tensors
 from components.kinds.counting import conv3x3, linear, norm
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
+from components.weights import DeclaredTensors
 
 # B batch, H heads, S seq (h * w positions), D head dim, Ch channels
 
@@ -179,6 +181,32 @@ class TinyVaeLoader(ComponentLoader):
             ),
         )
 
+    def tensors(self) -> DeclaredTensors:
+        """Declare the stem, two residual blocks, the mid attention, upsampling and head."""
+        o = self.options
+        ch = o.channels
+        declared = {
+            **tensors.conv3x3("conv_in", o.latent_channels, ch),
+            **tensors.norm("mid.norm", ch),
+            **{
+                k: v
+                for q in ("q", "k", "v", "out")
+                for k, v in tensors.linear(f"mid.to_{q}", ch, ch).items()
+            },
+            **tensors.conv3x3("up.0.conv", ch, ch),
+            **tensors.conv3x3("up.1.conv", ch, ch),
+            **tensors.norm("norm_out", ch),
+            **tensors.conv3x3("conv_out", ch, 3),
+        }
+        for block in ("res1", "res2"):
+            declared |= {
+                **tensors.norm(f"{block}.norm1", ch),
+                **tensors.conv3x3(f"{block}.conv1", ch, ch),
+                **tensors.norm(f"{block}.norm2", ch),
+                **tensors.conv3x3(f"{block}.conv2", ch, ch),
+            }
+        return declared
+
     def parameter_count(self) -> int:
         """Count the weights from the options: stem, two residual blocks, mid, upsampling."""
         o = self.options
@@ -193,6 +221,16 @@ class TinyVaeLoader(ComponentLoader):
             + norm(ch)
             + conv3x3(ch, 3)
         )
+
+    def reads(self) -> tuple[Port, ...]:
+        """Read latents of ``latent_channels``."""
+        return (
+            Port(field="latents", width=self.options.latent_channels, option="latent_channels"),
+        )
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write RGB images."""
+        return (Port(field="images", width=RGB),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Decode the request's latents (seeded noise if none) into images."""

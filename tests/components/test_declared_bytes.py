@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+import torch
 
 from components import registry
 from components.accounting import module_bytes
+from components.generic import GenericLoader
 from components.loader import LoaderPath
 from components.weights import save_weights, stored_bytes
 
@@ -61,8 +63,6 @@ class TestDeclaredBytes:
         assert with_file.declared_bytes() == stored_bytes(path) == loader.declared_bytes()
 
     def test_unknown_size_for_a_generic_component(self) -> None:
-        """A component of unknown kind without a weights file has no declared size."""
-        loader = registry.get("nobody_registered_this").from_options(
-            {"factory": "torch.nn:Identity"}
-        )
+        """A factory kind (sites and size unknown) without a weights file has no declared size."""
+        loader = GenericLoader.for_factory("test_identity", torch.nn.Identity).from_options({})
         assert loader.declared_bytes() is None

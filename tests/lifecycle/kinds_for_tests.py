@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from attention import AttentionRole
+from components.generic import GenericLoader
 from components.loader import ComponentLoader, PathUnavailable
 from components.sites import AttentionSite
 
@@ -87,3 +88,8 @@ def make_generic_module() -> nn.Module:
 def make_plain_module() -> nn.Module:
     """Return a module without attention, for the generic loader's factory."""
     return SelfAttentionNet(None)
+
+
+# What the registry makes of an entry point that names a plain factory.
+GenericKind = GenericLoader.for_factory("test_generic", make_generic_module)
+PlainGenericKind = GenericLoader.for_factory("test_generic_plain", make_plain_module)

@@ -23,9 +23,21 @@ from lifecycle.refusals import (
 )
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
-from tests.lifecycle.kinds_for_tests import BrokenKind, NativeOnlyKind, UndeclaredSiteKind
+from tests.lifecycle.kinds_for_tests import (
+    BrokenKind,
+    GenericKind,
+    NativeOnlyKind,
+    PlainGenericKind,
+    UndeclaredSiteKind,
+)
 
-TEST_KINDS: tuple[type[ComponentLoader], ...] = (NativeOnlyKind, BrokenKind, UndeclaredSiteKind)
+TEST_KINDS: tuple[type[ComponentLoader], ...] = (
+    NativeOnlyKind,
+    BrokenKind,
+    UndeclaredSiteKind,
+    GenericKind,
+    PlainGenericKind,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -247,13 +259,9 @@ class TestLoading:
 
 
 class TestGenericLoader:
-    FACTORY = 'factory = "tests.lifecycle.kinds_for_tests:make_generic_module"'
-
-    def test_unknown_kind_loads_through_its_factory(
-        self, orchestrator: Callable[[str], Orchestrator]
-    ) -> None:
-        """An unregistered kind builds from its factory; its layer selects strictly at load."""
-        orch = orchestrator(one_component("my_model", f"options = {{ {self.FACTORY} }}"))
+    def test_factory_kind_loads_strictly(self, orchestrator: Callable[[str], Orchestrator]) -> None:
+        """A kind registered as a plain factory builds from it; its layer selects strictly."""
+        orch = orchestrator(one_component("test_generic"))
         orch.load()
         layer = next(m for m in orch.module("c").modules() if isinstance(m, Attention))
         assert (layer.component, layer.backend_name) == ("c", "torch_sdpa")
@@ -262,9 +270,8 @@ class TestGenericLoader:
         self, orchestrator: Callable[[str], Orchestrator]
     ) -> None:
         """An explicit cross backend on a generic module with none fails its load, rolled back."""
-        plain = 'factory = "tests.lifecycle.kinds_for_tests:make_plain_module"'
         orch = orchestrator(
-            one_component("my_model", f'attention_backend = "torch_flash"\noptions = {{ {plain} }}')
+            one_component("test_generic_plain", 'attention_backend = "torch_flash"')
         )
         orch.admit()
         with pytest.raises(TransitionFailed) as err:
@@ -272,11 +279,21 @@ class TestGenericLoader:
         assert getattr(err.value.__cause__, "code", None) == "attention.backend_not_consumed"
         assert orch.state("c") is ComponentState.ADMITTED
 
-    def test_missing_factory_is_a_config_error(self) -> None:
-        """An unknown kind without a factory is refused when the spec is decoded."""
+    def test_unknown_kind_is_a_config_error(self) -> None:
+        """An unknown kind is refused when the spec is decoded, listing the installed kinds."""
         from lifecycle.config import ConfigError
 
         with pytest.raises(ConfigError) as err:
             decode_spec(one_component("my_model"))
+        assert err.value.path == "$.components.c.kind"
+        assert "tiny_dit" in err.value.message
+        assert "'my_model'" in err.value.message
+
+    def test_a_spec_cannot_name_a_factory(self) -> None:
+        """``options.factory`` is an unknown option: a spec never names code to import."""
+        from lifecycle.config import ConfigError
+
+        with pytest.raises(ConfigError) as err:
+            decode_spec(one_component("test_generic", 'options = { factory = "os:fork" }'))
         assert err.value.path == "$.components.c.options"
         assert "factory" in err.value.message

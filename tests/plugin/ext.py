@@ -1,0 +1,102 @@
+"""What a third-party package would ship: a kind, a factory kind and an attention backend.
+
+Nothing here is imported by the project: ``tests/plugin/conftest.py`` installs it as a
+distribution whose entry points name these objects.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from attention import AttentionBackend, AttentionImpl, AttentionRole
+from components.batch import Batch, device_of
+from components.loader import ComponentLoader, SeededOptions
+from components.sites import AttentionSite
+
+# B batch, H heads, S seq, D head dim
+
+SITE = AttentionSite(name="self", role=AttentionRole.SELF, heads=2)
+
+
+class EchoNet(nn.Module):
+    """One projection and, when given a site, one self-attention layer over it."""
+
+    def __init__(self, site: AttentionSite | None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.attn = site.build_layer() if site is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Project ``x`` (B, S, 16) and attend over it with two heads."""
+        h = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)  # (B, H, S, D)
+        if self.attn is not None:
+            h = self.attn(h, h, h)
+        return h.transpose(1, 2).flatten(-2)
+
+
+class EchoKind(ComponentLoader):
+    """A plugin kind with one declared self-attention site and a seeded custom path."""
+
+    kind: ClassVar[str] = "plugin_echo"
+    options_type = SeededOptions
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare the one self-attention site."""
+        return (SITE,)
+
+    def build_custom(self) -> nn.Module:
+        """Build the network on an ``attention.Attention`` layer."""
+        return EchoNet(SITE)
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Attend over seeded tokens; nothing is handed on."""
+        x = torch.randn(batch.size, 4, 16, generator=batch.generator)  # (B, S, 16)
+        module(x.to(device_of(module)))
+
+
+def make_plain() -> nn.Module:
+    """Return a network without attention: a kind registered as a plain factory."""
+    return EchoNet(None)
+
+
+class PluginImpl(AttentionImpl):
+    """A dense kernel: SDPA, nothing else."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        is_causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend with SDPA."""
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
+class PluginBackend(AttentionBackend):
+    """A dense out-of-tree backend."""
+
+    name = "plugin_sdpa"
+    impl_cls = PluginImpl
+
+
+class ClashingBackend(PluginBackend):
+    """A backend that claims a built-in's name; the registry must refuse it."""
+
+    name = "torch_sdpa"
+
+
+class NoForwardImpl(AttentionImpl):
+    """A kernel that forgot ``forward``."""
+
+
+class IncompleteBackend(AttentionBackend):
+    """A backend whose kernel cannot attend; the registry must refuse it."""
+
+    name = "plugin_incomplete"
+    impl_cls = NoForwardImpl

@@ -1,0 +1,149 @@
+"""Out-of-tree kinds and backends reach a spec only from installed packages, by entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY_POINTS = """
+[pipeline_lifecycle.kinds]
+plugin_echo = tests.plugin.ext:EchoKind
+plugin_factory = tests.plugin.ext:make_plain
+plugin_missing = tests.plugin.no_such_module:Kind
+cwd_kind = cwd_plugin:make
+misnamed = tests.plugin.ext:EchoKind
+not_callable = tests.plugin.ext:SITE
+
+[pipeline_lifecycle.backends]
+plugin_sdpa = tests.plugin.ext:PluginBackend
+torch_sdpa_clash = tests.plugin.ext:ClashingBackend
+plugin_incomplete = tests.plugin.ext:IncompleteBackend
+"""
+SPEC = """
+name = "plugged"
+device = "cpu"
+
+[components.echo]
+kind = "plugin_echo"
+attention_backend = "plugin_sdpa"
+
+[components.plain]
+kind = "plugin_factory"
+
+[[stages]]
+name = "all"
+uses = ["echo", "plain"]
+"""
+
+Lifecycle = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def lifecycle(tmp_path: Path) -> Lifecycle:
+    """Install the plugin distribution in a folder and run ``python -m lifecycle`` with it.
+
+    The subprocess starts in a working directory that holds ``cwd_plugin.py``, which an
+    entry point names: it must not be importable from there.
+    """
+    site = tmp_path / "site"
+    dist = site / "lifecycle_test_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: lifecycle-test-plugin\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(ENTRY_POINTS)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cwd_plugin.py").write_text("raise SystemExit('imported from the working directory')\n")
+    (work / "spec.toml").write_text(SPEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "lifecycle", *args],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    return run
+
+
+class TestEntryPoints:
+    def test_installed_kinds_and_backend_are_admitted(self, lifecycle: Lifecycle) -> None:
+        """A plugin kind with a plugin backend, and a factory kind, are admitted by name."""
+        result = lifecycle("check", "--json", "spec.toml")
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        echo = report["components"]["echo"]
+        assert echo["kind"] == "plugin_echo"
+        assert [(s["site"], s["backend"]) for s in echo["attention"]] == [("self", "plugin_sdpa")]
+        assert report["components"]["plain"]["kind"] == "plugin_factory"
+
+    def test_installed_kinds_run(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """The plugin pipeline loads both kinds and runs a request through the one that runs."""
+        spec = tmp_path / "work" / "run.toml"
+        spec.write_text(SPEC.replace('uses = ["echo", "plain"]', 'uses = ["echo"]'))
+        result = lifecycle("run", str(spec), "--requests", "1", "--steps", "1")
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_unknown_kind_lists_the_installed_ones(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """An unknown kind is bad input at its key, listing built-in and installed kinds."""
+        spec = tmp_path / "work" / "unknown.toml"
+        spec.write_text(SPEC.replace('kind = "plugin_factory"', 'kind = "evilmod:go"'))
+        result = lifecycle("check", "--json", str(spec))
+        assert result.returncode == 2
+        error = json.loads(result.stdout)["error"]
+        assert error["path"] == "$.components.plain.kind"
+        for kind in ("tiny_dit", "plugin_echo", "plugin_factory"):
+            assert kind in error["message"]
+        assert "entry point 'plugin_missing' failed to load" in error["message"]
+        assert (
+            "whose kind is 'plugin_echo'; name the entry point after the kind" in (error["message"])
+        )
+        assert "entry point 'not_callable' failed to load (TypeError" in error["message"]
+
+    def test_the_working_directory_is_not_importable(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """An entry point naming a module that lies only in the cwd fails to load; it never runs."""
+        spec = tmp_path / "work" / "cwd.toml"
+        spec.write_text(SPEC.replace('kind = "plugin_factory"', 'kind = "cwd_kind"'))
+        result = lifecycle("check", "--json", str(spec))
+        assert result.returncode == 2
+        assert "imported from the working directory" not in result.stdout + result.stderr
+        error = json.loads(result.stdout)["error"]
+        assert "entry point 'cwd_kind' failed to load (ModuleNotFoundError" in error["message"]
+
+    def test_backend_rules_hold_for_installed_backends(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """Installed backends follow the registry's rules: listed after the built-ins, never
+        under a built-in's name, never without a kernel (each failure logged, the rest kept)."""
+        spec = tmp_path / "work" / "bad_backend.toml"
+        spec.write_text(SPEC.replace('"plugin_sdpa"', '"plugin_flash"'))
+        result = lifecycle("check", "--json", str(spec))
+        assert result.returncode == 2
+        error = json.loads(result.stdout)["error"]
+        assert error["path"] == "$.components.echo.attention_backend"
+        assert (
+            "torch_sdpa, torch_flash, reference, sliding_window, flash_attn, plugin_sdpa)"
+            in (error["message"])
+        )
+        assert "attention.backend_load_failed" in result.stderr
+        assert "name 'torch_sdpa' is taken by attention.backends" in result.stderr
+        assert "NoForwardImpl must implement forward" in result.stderr
+        assert "plugin_incomplete" not in error["message"]
