@@ -64,6 +64,11 @@ class ComponentParallel:
     fsdp: DeviceMesh | None = None
     guidance: dist.ProcessGroup | None = None
 
+    @property
+    def shards_weights(self) -> bool:
+        """Tell whether the weights become DTensor shards (tensor parallel or FSDP)."""
+        return self.tensor is not None or self.fsdp is not None
+
 
 class ParallelMesh:
     """The named ``DeviceMesh`` of one layout on this rank.

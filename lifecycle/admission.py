@@ -35,7 +35,7 @@ from components.sites import AttentionSite
 from lifecycle.budget import stage_fits
 from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
 from lifecycle.interfaces import interface_refusals
-from lifecycle.parallel_admission import split_refusals
+from lifecycle.parallel_admission import sharded_offload_refusals, split_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.weight_files import weights_refusals
@@ -123,13 +123,15 @@ def admit_pipeline(
         )
         for name, component in spec.components.items()
     }
+    paths = {name: admitted.plan.loader for name, admitted in components.items()}
     return Admission(
         pipeline=spec.name,
         components=components,
         pipeline_refusals=(
             *device_refusals(spec),
             *layout_refusals(spec),
-            *split_refusals(spec, loaders, {n: c.plan.loader for n, c in components.items()}),
+            *split_refusals(spec, loaders, paths),
+            *sharded_offload_refusals(spec, loaders, paths, platform),
             *budget_refusals(spec, loaders),
             *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),

@@ -35,6 +35,11 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_world_size() -> int:
+    """Return how many workers run on this node (1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def is_main_rank() -> bool:
     """Tell whether this process prints results: rank 0."""
     return rank() == 0

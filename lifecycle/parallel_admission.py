@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from attention import Platform
+from components import ResidencyMode
 from components.loader import ComponentLoader, LoaderPath
 from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
@@ -85,3 +87,36 @@ def split_refusals(
                 Refusal(code=RefusalCode.INVALID_LAYOUT, component=name, message=problem, hint=hint)
             )
     return found
+
+
+def sharded_offload_refusals(
+    spec: PipelineSpec,
+    loaders: Mapping[str, ComponentLoader],
+    paths: Mapping[str, LoaderPath | None],
+    platform: Platform,
+) -> list[Refusal]:
+    """Refuse to offload a component whose weights the layout shards, where that cannot run.
+
+    Tensor parallel and FSDP turn a component's weights into DTensor shards. On a CPU
+    device with the host target an offload moves nothing (it accounts the local shards);
+    writing shards to disk or copying them to pinned host memory is not built.
+    """
+    if platform.kind == "cpu" and spec.memory.offload_target == "host":
+        return []
+    layout = spec.parallel
+    return [
+        Refusal(
+            code=RefusalCode.NOT_OFFLOADABLE,
+            component=name,
+            message=f"'{name}' is {component.residency_mode.value}, and the layout shards its "
+            f"weights ({'fsdp' if name in layout.fsdp else f'tp_size = {layout.tp_size}'}): "
+            f"offloading DTensor shards to the {spec.memory.offload_target} target on "
+            f"{platform.kind} is not built",
+            hint=f'set components.{name}.residency = "resident", or use offload_target = '
+            '"host" on a CPU device',
+        )
+        for name, component in spec.components.items()
+        if paths[name] == "custom"
+        and component.residency_mode is not ResidencyMode.RESIDENT
+        and (name in layout.fsdp or (layout.tp_size > 1 and loaders[name].tensor_parallel))
+    ]

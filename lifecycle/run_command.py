@@ -56,7 +56,8 @@ def _run_here(args: argparse.Namespace) -> int:
             prepare_folder(args.out, "the output folder")
     except OutputPathError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
-    threads = args.threads or physical_cores()
+    # the workers of one node share its cores
+    threads = args.threads or max(1, physical_cores() // launch.local_world_size())
     with _torch_threads(threads), StopOnSignal() as stop:
         code = _serve(args, spec, threads, stop)
         return stop.exit_code or code

@@ -78,8 +78,13 @@ class ComponentSlot:
 
     @property
     def may_be_evicted(self) -> bool:
-        """Tell whether the budget may evict it: offloadable, or resident only by default."""
-        return not self.spec.is_pinned
+        """Tell whether the budget may evict it: offloadable, or resident only by default.
+
+        A component whose weights are sharded stays: evicting DTensor shards to disk or
+        pinned memory is not built (admission refuses asking for it explicitly).
+        """
+        parallel = self.loader.parallel
+        return not self.spec.is_pinned and not (parallel is not None and parallel.shards_weights)
 
     def forget(self) -> None:
         """Drop the module and its store (release, or a rolled-back load)."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from attention import Platform
 from components import registry
 from lifecycle import AdmissionRefused, ComponentState, Orchestrator, TransitionRefused
+from lifecycle.admission import admit_pipeline
 from lifecycle.config import decode_spec
 from tests.lifecycle.kinds_for_tests import NativeOnlyKind
 
@@ -75,6 +76,27 @@ class TestAdmission:
             orch.admit()
         (refusal,) = err.value.refusals
         assert "FSDP over tensor-parallel shards (2-D) is not built" in refusal.message
+
+    @pytest.mark.parametrize("target", ["disk", "host"])
+    def test_offloading_sharded_weights_is_refused_where_it_cannot_run(
+        self, tmp_path: Path, target: str
+    ) -> None:
+        """An offloaded FSDP component is refused for disk (or CUDA); host on a CPU passes."""
+        spec = decode_spec(
+            'name = "p"\n[parallel]\ntp_size = 2\nfsdp = ["vae"]\n'
+            f'[memory]\noffload_target = "{target}"\noffload_dir = "{tmp_path}"\n'
+            '[components.dit]\nkind = "tiny_dit"\n[components.vae]\nkind = "tiny_vae"\n'
+            'residency = "component_offload"\n[[stages]]\nname = "s"\nuses = ["dit", "vae"]\n'
+        )
+        refusals = admit_pipeline(spec, CPU).refusals()
+        if target == "host":
+            assert refusals == ()
+            return
+        (refusal,) = refusals
+        assert (refusal.code, refusal.component) == ("residency.not_offloadable", "vae")
+        assert "offloading DTensor shards to the disk target on cpu is not built" in (
+            refusal.message
+        )
 
     def test_an_implemented_split_is_admitted(self) -> None:
         """Ulysses x ring with FSDP over the DiT and the VAE is admitted on one process."""
