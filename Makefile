@@ -42,6 +42,7 @@ fuzz: $(STAMP)
 	LIFECYCLE_FUZZ=long $(PY) -m pytest -q -p no:cacheprovider tests/lifecycle/test_fuzz.py
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m benchmarks
 
 # Where a GPU is lent: the cuda tests and the GPU benchmark variants, one JSON of figures
