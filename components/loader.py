@@ -9,6 +9,7 @@ custom path honours. A path exists when the subclass overrides its builder
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeAlias
@@ -24,6 +25,7 @@ from components.weights import DeclaredTensors, load_weights, seed_weights, stor
 
 LoaderPath: TypeAlias = Literal["custom", "native"]
 FLOAT32_BYTES = 4
+INT64_BYTES = 8
 
 
 class KindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -112,13 +114,18 @@ class ComponentLoader:
     def declared_bytes(self) -> int | None:
         """Return the bytes the weights will take, known without building; None if unknown.
 
-        From the weights file's header when one is given, else from the kind's
-        ``parameter_count`` (float32).
+        From the weights file's header when one is given, else from the tensors the
+        kind declares (float32 weights, int64 integer buffers).
         """
         if self.options.weights is not None:
             return stored_bytes(Path(self.options.weights))
-        count = self.parameter_count()
-        return None if count is None else count * FLOAT32_BYTES
+        declared = self.tensors()
+        if declared is None:
+            return None
+        return sum(
+            math.prod(t.shape) * (FLOAT32_BYTES if t.floating else INT64_BYTES)
+            for t in declared.values()
+        )
 
     def tensors(self) -> DeclaredTensors | None:
         """Return the tensors the module holds, by name, from the options; None if unknown.
@@ -129,10 +136,6 @@ class ComponentLoader:
 
     def block_count(self) -> int | None:
         """Return how many blocks the block stack will hold, from the options; None if none."""
-        return None
-
-    def parameter_count(self) -> int | None:
-        """Return how many weights the kind will hold, from its options; None if unknown."""
         return None
 
     def reads(self) -> tuple[Port, ...]:

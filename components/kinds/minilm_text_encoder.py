@@ -27,7 +27,6 @@ from attention import AttentionRequirements, AttentionRole
 from attention.masks import additive_mask
 from components.batch import Batch, Port, device_of
 from components.kinds import tensors
-from components.kinds.counting import linear, norm
 from components.kinds.minilm_files import (
     CONFIG_FILE,
     DISTRIBUTION,
@@ -357,17 +356,6 @@ class MiniLmLoader(ComponentLoader):
                 **tensors.norm(f"{at}.output.LayerNorm", WIDTH),
             }
         return declared
-
-    def parameter_count(self) -> int:
-        """Count the checkpoint's weights: embeddings, layers, pooler."""
-        embeddings = (VOCAB_SIZE + MAX_POSITIONS + TYPE_VOCAB_SIZE) * WIDTH + norm(WIDTH)
-        layer = (
-            4 * linear(WIDTH, WIDTH)
-            + linear(WIDTH, FFN_WIDTH)
-            + linear(FFN_WIDTH, WIDTH)
-            + 2 * norm(WIDTH)
-        )
-        return embeddings + LAYERS * layer + linear(WIDTH, WIDTH)
 
     def unavailable_reason(self, path: LoaderPath) -> str | None:
         """Say which library or file ``path`` lacks here (all of them), or None."""

@@ -31,7 +31,6 @@ from attention.distributed import packed_sequence_attention
 from attention.distributed.traffic import record
 from components.batch import Batch, Port, device_of
 from components.kinds import tensors
-from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
@@ -491,21 +490,6 @@ class TinyDitLoader(ComponentLoader):
                 **tensors.linear(f"{at}.modulation", o.dim, 6 * o.dim),
             }
         return declared
-
-    def parameter_count(self) -> int:
-        """Count the weights from the options: stem, blocks, final modulation, head."""
-        o = self.options
-        block = (
-            attention_projections(o.dim, o.dim)
-            + norm(o.dim)
-            + attention_projections(o.dim, o.context_dim)
-            + linear(o.dim, o.ffn_dim)
-            + linear(o.ffn_dim, o.dim)
-            + linear(o.dim, 6 * o.dim)
-        )
-        stem = linear(o.in_channels, o.dim) + 2 * linear(o.dim, o.dim)
-        head = linear(o.dim, 2 * o.dim) + linear(o.dim, o.in_channels)
-        return stem + o.layers * block + head
 
     def reads(self) -> tuple[Port, ...]:
         """Read the context, ``context_dim`` wide, and latents of ``in_channels``."""

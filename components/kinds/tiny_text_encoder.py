@@ -17,7 +17,6 @@ from torch.nn.functional import gelu
 from attention import AttentionRequirements, AttentionRole
 from components.batch import Batch, Port, device_of
 from components.kinds import tensors
-from components.kinds.counting import attention_projections, linear, norm
 from components.kinds.projections import MultiheadProjections
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
@@ -192,17 +191,6 @@ class TinyTextEncoderLoader(ComponentLoader):
                 **tensors.norm(f"{at}.norm2", o.dim),
             }
         return declared
-
-    def parameter_count(self) -> int:
-        """Count the weights from the options: embeddings, layers, final norm."""
-        o = self.options
-        layer = (
-            attention_projections(o.dim, o.dim)
-            + linear(o.dim, o.ffn_dim)
-            + linear(o.ffn_dim, o.dim)
-            + 2 * norm(o.dim)
-        )
-        return (o.vocab_size + o.max_len) * o.dim + o.layers * layer + norm(o.dim)
 
     def writes(self) -> tuple[Port, ...]:
         """Write the context, ``dim`` wide."""

@@ -11,7 +11,6 @@ from torch.nn.functional import interpolate, silu
 
 from components.batch import RGB, Batch, Port, device_of
 from components.kinds import tensors
-from components.kinds.counting import conv3x3
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
@@ -85,11 +84,6 @@ class TinyUpsamplerLoader(ComponentLoader):
             **tensors.conv3x3("conv_mid", ch, ch),
             **tensors.conv3x3("conv_out", ch, 3 * 4),
         }
-
-    def parameter_count(self) -> int:
-        """Count the weights from the options: three 3x3 convolutions."""
-        ch = self.options.channels
-        return conv3x3(3, ch) + conv3x3(ch, ch) + conv3x3(ch, 3 * 4)
 
     def reads(self) -> tuple[Port, ...]:
         """Read RGB images."""

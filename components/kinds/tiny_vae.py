@@ -16,7 +16,6 @@ from torch.nn.functional import interpolate, silu
 from attention import AttentionRole
 from components.batch import RGB, Batch, Port, device_of
 from components.kinds import tensors
-from components.kinds.counting import conv3x3, linear, norm
 from components.loader import ComponentLoader, SeededOptions
 from components.registry import register_kind
 from components.sites import AttentionSite
@@ -206,21 +205,6 @@ class TinyVaeLoader(ComponentLoader):
                 **tensors.conv3x3(f"{block}.conv2", ch, ch),
             }
         return declared
-
-    def parameter_count(self) -> int:
-        """Count the weights from the options: stem, two residual blocks, mid, upsampling."""
-        o = self.options
-        ch = o.channels
-        residual = 2 * norm(ch) + 2 * conv3x3(ch, ch)
-        mid = norm(ch) + 4 * linear(ch, ch)
-        return (
-            conv3x3(o.latent_channels, ch)
-            + 2 * residual
-            + mid
-            + 2 * conv3x3(ch, ch)
-            + norm(ch)
-            + conv3x3(ch, 3)
-        )
 
     def reads(self) -> tuple[Port, ...]:
         """Read latents of ``latent_channels``."""
