@@ -147,12 +147,13 @@ class RunOutputs:
 
 
 def unrunnable_components(spec: PipelineSpec) -> list[str]:
-    """Return a sentence for each component whose kind does not say how it runs a request."""
+    """Return a sentence for each staged component whose kind does not say how it runs."""
+    staged = {name for stage in spec.stages for name in stage.uses}
     return [
         f"component '{name}' of kind '{component.kind}' does not say how it runs in a "
         "request; implement ComponentLoader.run for that kind to drive it with `lifecycle run`"
         for name, component in spec.components.items()
-        if registry.get(component.kind).run is ComponentLoader.run
+        if name in staged and registry.get(component.kind).run is ComponentLoader.run
     ]
 
 

@@ -299,10 +299,14 @@ class TestRunCommand:
         assert "attention.unsupported_backend" in result.stderr
 
     def test_kind_without_run_is_named(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
-        """A kind that cannot run a request is named, exit 2, before anything loads."""
+        """A staged kind that cannot run a request is named, exit 2, before anything loads."""
         registry.register_kind(_NoRunKind)
         try:
-            spec = write(tmp_path, "k.toml", 'name="k"\n[components.a]\nkind="test_no_run"\n')
+            spec = write(
+                tmp_path,
+                "k.toml",
+                'name="k"\n[components.a]\nkind="test_no_run"\n[[stages]]\nname="s"\nuses=["a"]\n',
+            )
             result = lifecycle("run", spec)
         finally:
             registry.unregister_kind("test_no_run")
