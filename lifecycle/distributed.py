@@ -19,9 +19,8 @@ import torch.distributed as dist
 
 from components.mesh import ParallelMesh
 from lifecycle.config import PipelineSpec
-from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
+from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState
 
 
 def launched_world() -> int:
@@ -31,34 +30,33 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def world_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Refuse a layout whose world size is not the launched one (the ``load`` guard)."""
+    needed, launched = spec.parallel.world_size, launched_world()
+    if needed == launched:
+        return []
+    return [
+        Refusal(
+            code=RefusalCode.INVALID_LAYOUT,
+            component=spec.name,
+            message=f"the parallel layout needs {needed} processes, but "
+            f"{launched} {'was' if launched == 1 else 'were'} launched",
+            hint=f"launch {needed} processes (torchrun --nproc-per-node "
+            f"{needed}), or shrink [parallel] to {launched}",
+        )
+    ]
+
+
 def setup_parallel(
     spec: PipelineSpec, slots: Mapping[str, ComponentSlot], device: torch.device
 ) -> ParallelMesh | None:
     """Build the layout's mesh on this rank and hand each custom-path loader its split.
 
-    Returns None, touching nothing, when the layout needs one process.
-
-    Raises:
-        TransitionRefused: ``parallel.invalid_layout`` — the layout's world size is not
-            the launched one.
+    Runs in the work of the first ``load``, after its ``world_launched`` guard passed,
+    so no process-group call precedes that refusal. Returns None, touching nothing,
+    when the layout needs one process.
     """
-    needed, launched = spec.parallel.world_size, launched_world()
-    if needed != launched:
-        raise TransitionRefused(
-            spec.name,
-            "load",
-            ComponentState.ADMITTED,
-            [
-                Refusal(
-                    code=RefusalCode.INVALID_LAYOUT,
-                    component=spec.name,
-                    message=f"the parallel layout needs {needed} processes, but "
-                    f"{launched} {'was' if launched == 1 else 'were'} launched",
-                    hint=f"launch {needed} processes (torchrun --nproc-per-node "
-                    f"{needed}), or shrink [parallel] to {launched}",
-                )
-            ],
-        )
+    needed = spec.parallel.world_size
     if needed == 1:
         return None
     if not dist.is_initialized():

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
+from typing import TypeVar
 
 import structlog
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from torch.distributed.run import run as torchrun
 from components.mesh import ParallelMesh
 
 EXIT_FAILED = 3
+T = TypeVar("T")
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
@@ -67,6 +69,15 @@ def worker() -> Iterator[int]:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def gather_on_main(value: T) -> list[T] | None:
+    """Return every rank's ``value`` on rank 0, None on the others; ``[value]`` in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[T] | None = [value] * dist.get_world_size() if is_main_rank() else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
 
 
 def replica_requests(mesh: ParallelMesh | None, requests: int) -> range:

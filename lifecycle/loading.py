@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from torch import nn
 
 from attention import Attention, Platform, component_attention_scope
+from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
+from lifecycle.config import PipelineSpec
+from lifecycle.distributed import setup_parallel
 from lifecycle.machine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.residency import Residency
@@ -24,20 +27,35 @@ class Loading:
     """Build admitted components and check that what was built is what was planned.
 
     Args:
+        spec: the pipeline spec (its parallel layout).
         slots: the orchestrator's components by name.
         platform: where the attention layers will run.
         residency: sizes a built component for the budget.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], platform: Platform, residency: Residency
+        self,
+        spec: PipelineSpec,
+        slots: Mapping[str, ComponentSlot],
+        platform: Platform,
+        residency: Residency,
     ) -> None:
+        self.spec = spec
         self.slots = slots
         self.platform = platform
         self.residency = residency
+        self.mesh: ParallelMesh | None = None
+        self._mesh_built = False
 
     def load(self, name: str, context: TransitionContext) -> None:
-        """Build ``name`` through its admitted path; undone by forgetting the module."""
+        """Build ``name`` through its admitted path; undone by forgetting the module.
+
+        The first load of the pipeline builds the layout's mesh (once, and after the
+        ``world_launched`` guard passed); every later one shares it.
+        """
+        if not self._mesh_built:
+            self.mesh = setup_parallel(self.spec, self.slots, self.residency.device)
+            self._mesh_built = True
         slot = self.slots[name]
         admitted = _admitted(slot)
         if admitted.plan.loader == "native":

@@ -25,7 +25,7 @@ from components import ResidencyMode
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
-from lifecycle.distributed import setup_parallel
+from lifecycle.distributed import world_refusals
 from lifecycle.loading import Loading
 from lifecycle.logs import get_logger
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
@@ -91,10 +91,9 @@ class Orchestrator:
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
         self._residency = Residency(spec, self._slots, self.device, observer)
-        self._loading = Loading(self._slots, self.platform, self._residency)
+        self._loading = Loading(spec, self._slots, self.platform, self._residency)
         self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
-        self.parallel: ParallelMesh | None = None
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
@@ -174,7 +173,6 @@ class Orchestrator:
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            self.parallel = setup_parallel(self.spec, self._slots, self.device)
             for slot in self._slots.values():
                 if slot.lifecycle.state is ComponentState.ADMITTED:
                     slot.lifecycle.load()
@@ -183,6 +181,11 @@ class Orchestrator:
                         slot.lifecycle.onload()
                     else:
                         slot.lifecycle.offload()
+
+    @property
+    def parallel(self) -> ParallelMesh | None:
+        """Return the layout's mesh on this rank once loaded; None in a single process."""
+        return self._loading.mesh
 
     @contextmanager
     def request(self, request_id: str | None = None) -> Iterator[Request]:
@@ -362,6 +365,7 @@ class Orchestrator:
             adm.LOADER_PATH: admitted(adm.LOADER_PATH),
             adm.RESIDENCY_USE: admitted(adm.RESIDENCY_USE),
             adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
+            "world_launched": lambda context: world_refusals(self.spec),
             "plan_honoured": lambda context: self._loading.plan_honoured(name),
             "memory_budget": lambda context: residency.memory_budget(name, context),
             "offloadable": lambda context: residency.offloadable(name, context),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.paths import OutputPathError, prepare_file, prepare_folder
 from lifecycle.refusals import TransitionFailed, TransitionRefused
+from lifecycle.residency import Move
 from lifecycle.runner import MoveTally, RunOutputs, run_requests, summarise, unrunnable_components
 from lifecycle.signals import Abandoned, StopOnSignal
 
@@ -117,7 +118,9 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
     )
     if args.timeline is not None and code is not ExitCode.REFUSED:
         try:
-            _write_timeline(args.timeline, spec, report.requests, tally)
+            moves_by_rank = launch.gather_on_main(tally.moves or [])
+            if moves_by_rank is not None:
+                _write_timeline(args.timeline, spec, report.requests, moves_by_rank)
         except OSError as err:  # checked before the run; something changed it since
             result["error"] = {"message": _failed(args, err, "writing the timeline failed: ")}
             code = code or ExitCode.FAILED
@@ -131,17 +134,11 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
     return code
 
 
-def _write_timeline(path: Path, spec: PipelineSpec, requests: int, tally: MoveTally) -> None:
-    moves = tally.moves or []
-    path.write_text(
-        residency_gantt(
-            f"Residency of {spec.name} over {requests} requests",
-            list(spec.components),
-            moves,
-            end=moves[-1].at if moves else 0.0,
-        ),
-        encoding="utf-8",
-    )
+def _write_timeline(
+    path: Path, spec: PipelineSpec, requests: int, moves_by_rank: Sequence[Sequence[Move]]
+) -> None:
+    title = f"Residency of {spec.name} over {requests} requests"
+    path.write_text(residency_gantt(title, list(spec.components), moves_by_rank), encoding="utf-8")
 
 
 def _note_unused(args: argparse.Namespace, outputs: RunOutputs) -> None:

@@ -55,6 +55,7 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
         trigger="load",
         sources=(_S.ADMITTED,),
         dest=_S.LOADED,
+        guards=("world_launched",),
         postcondition="plan_honoured",
     ),
     TransitionRule(

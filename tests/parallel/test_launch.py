@@ -56,11 +56,12 @@ def children(pid: int) -> list[int]:
 
 
 class TestRun:
-    def test_nproc_starts_the_workers_through_torchrun(self) -> None:
+    def test_nproc_starts_the_workers_through_torchrun(self, tmp_path: Path) -> None:
         """``--nproc 2`` runs Ulysses on two ranks; rank 0 alone prints; events carry rank."""
+        timeline = tmp_path / "timeline.mmd"
         result = run(
             "-m", "lifecycle", "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2",
-            "--json-logs", "--json",
+            "--json-logs", "--json", "--timeline", timeline,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         (line,) = result.stdout.splitlines()  # rank 0 alone prints its one JSON object
@@ -70,6 +71,12 @@ class TestRun:
             2,
         )
         assert printed["snapshot"]["components"]["transformer"]["state"] == "resident"
+        sections = [line for line in timeline.read_text().splitlines() if "section" in line]
+        assert sections == [
+            f"    section rank {rank} {component}"
+            for rank in (0, 1)
+            for component in ("text_encoder", "transformer", "vae")
+        ]
         logged = events(result.stderr)
         assert {event["rank"] for event in logged} == {0, 1}
         assert all("rank" in event for event in logged)
@@ -152,7 +159,8 @@ class TestFaults:
         )
         result = run("-m", "lifecycle", "run", spec, "--nproc", "2", "--requests", "1")
         assert result.returncode == 1, result.stderr[-3000:]
-        assert result.stderr.count("the parallel layout needs 4 processes, but 2 were") == 2
+        refused = "parallel.invalid_layout  the parallel layout needs 4 processes, but 2 were"
+        assert result.stderr.count(refused) == 2  # each rank prints its refusal once
         # the rank refused first exits 1; torchrun may stop the other while it exits too
         assert "failed: exit code 1" in result.stderr
         assert all(f"lifecycle run: rank {rank} failed: " in result.stderr for rank in (0, 1))
