@@ -19,6 +19,7 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
+    RefusalCode,
     TransitionFailed,
     TransitionRefused,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "PipelineSnapshot",
     "PipelineSpec",
     "Refusal",
+    "RefusalCode",
     "SitePlan",
     "StageSpec",
     "TransitionContext",
