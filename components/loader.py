@@ -80,6 +80,8 @@ class ComponentLoader:
     """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites)."""
+    switchable_backends: ClassVar[bool] = False
+    """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options

@@ -118,6 +118,12 @@ class RefusalCode(StrEnum):
         True,
         "the layerwise settings ask for more than the component's block stack has",
     )
+    INVALID_OVERRIDE = (
+        "attention.invalid_override",
+        False,
+        "a request's attention_backend cannot switch the pipeline's switchable sites: "
+        "an unknown or sparse backend, no switchable site, or one that would fall back",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,

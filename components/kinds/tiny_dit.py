@@ -328,6 +328,7 @@ class TinyDitLoader(ComponentLoader):
     # self site from it, but the custom path does not split sequences across ranks yet.
     sequence_parallel = True
     block_stack = "blocks"
+    switchable_backends = True  # the denoiser: requests may name its backend (DESIGN §4.6)
 
     def __init__(self, options: TinyDitOptions) -> None:
         super().__init__(options)
