@@ -46,6 +46,7 @@ from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import MoveObserver, Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
+from lifecycle.waiting import MemoryWaiter
 
 log = structlog.get_logger("lifecycle")
 
@@ -253,6 +254,11 @@ class Orchestrator:
             TransitionRefused: an open request is using it.
         """
         self._slot(name).lifecycle.release()
+
+    @property
+    def waiter(self) -> MemoryWaiter:
+        """Return who queues requests waiting for memory (its counts feed metrics)."""
+        return self._stages.waiter
 
     def resident_bytes(self) -> int:
         """Return the bytes the resident components hold on the device now."""
