@@ -24,6 +24,7 @@ from lifecycle.plan import PipelineSnapshot, RefusalReport, SitePlan
 from lifecycle.refusals import AdmissionRefused, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.residency import Move
 from lifecycle.runner import RunReport, run_requests
+from lifecycle.serving.command import add_serve_command
 from lifecycle.sizes import format_bytes
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 
     schema = commands.add_parser("schema", help="print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
+
+    add_serve_command(commands)
     return parser
 
 
