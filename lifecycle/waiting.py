@@ -76,7 +76,7 @@ class MemoryWaiter:
         """
         if not self._queue:
             try:
-                return attempt()
+                return self._try(attempt)
             except TransitionRefused as err:
                 if not self._should_wait(err, request_id):
                     raise
@@ -88,7 +88,7 @@ class MemoryWaiter:
             while True:
                 if self._queue[0] == request_id:
                     try:
-                        result = attempt()
+                        result = self._try(attempt)
                     except TransitionRefused as err:
                         if not self._should_wait(err, request_id):
                             raise
@@ -103,6 +103,12 @@ class MemoryWaiter:
         finally:
             self._queue.remove(request_id)
             self._turns.notify_all()  # the next in line may try now
+
+    @staticmethod
+    def _try(attempt: Callable[[], T]) -> T:
+        """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
+        with structlog.contextvars.bound_contextvars(may_wait=True):
+            return attempt()
 
     @property
     def queue(self) -> tuple[str, ...]:

@@ -305,6 +305,7 @@ async def _run(worker: Worker, job: Job) -> Job:
             extra={"refusals": [msgspec.to_builtins(r) for r in err.refusals]},
         ) from None
     except TransitionRefused as err:
+        worker.metrics.refused(tuple(code.value for code in err.codes))
         raise ApiError(
             503,
             str(err),

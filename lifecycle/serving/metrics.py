@@ -73,7 +73,9 @@ class ServingMetrics:
         name = event.get("event")
         if name == "lifecycle.transition":
             self.transitions.labels(trigger=str(event.get("trigger"))).inc()
-        elif name == "lifecycle.refused":
+        elif name == "lifecycle.refused" and not event.get("may_wait"):
+            # a stage's onload refused while it may still wait is counted only if the
+            # request is finally refused (``refused``), not on every try
             for code in event.get("codes") or ():
                 self.refusals.labels(code=str(code)).inc()
         elif name == "residency.waited":
@@ -81,7 +83,7 @@ class ServingMetrics:
         return event
 
     def refused(self, codes: tuple[str, ...]) -> None:
-        """Count the codes of a request refused before it ran (an override)."""
+        """Count the codes of a refused request (an override, or the memory budget)."""
         for code in codes:
             self.refusals.labels(code=code).inc()
 

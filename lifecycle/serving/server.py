@@ -108,6 +108,11 @@ def _count_events(metrics: ServingMetrics, level: int) -> None:
 
     processors = structlog.get_config()["processors"]
     structlog.configure(
-        processors=[metrics.observe_event, keep_level, *processors],
+        processors=[
+            structlog.contextvars.merge_contextvars,  # the request id, may_wait
+            metrics.observe_event,
+            keep_level,
+            *processors,
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)),
     )
