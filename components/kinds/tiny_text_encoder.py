@@ -233,8 +233,7 @@ def prompt_inputs(options: TinyTextEncoderOptions, prompts: list[str]) -> TextEn
     ``max_len`` are dropped; an empty prompt is one padding token.
     """
     rows = [
-        [zlib.crc32(word.encode()) % options.vocab_size for word in text.lower().split()]
-        or [0]
+        [zlib.crc32(word.encode()) % options.vocab_size for word in text.lower().split()] or [0]
         for text in prompts
     ]
     rows = [row[: options.max_len] for row in rows]

@@ -27,9 +27,9 @@ from tests.lifecycle.conftest import ReferenceSpec
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-import uvicorn  # noqa: E402  (after the skip: the serve extra is optional)
+import uvicorn
 
-from lifecycle.serving.app import create_app  # noqa: E402
+from lifecycle.serving.app import create_app
 
 WATCHDOG_S = 120.0
 """The longest any serving test waits for anything."""
