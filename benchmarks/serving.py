@@ -171,6 +171,7 @@ def main() -> None:
         f"{1e3 * statistics.median(embed_seconds):.1f} | - | 1.00x |"
     )
     with worker(EMBED_SPEC) as url:
+        warm(url, "/v1/embeddings", lambda i: {"input": sentence(i)})
         embed_http: dict[int, dict[str, float]] = {}
         for clients in CLIENTS:
             embed_http[clients] = load(
@@ -195,6 +196,7 @@ def main() -> None:
             ("images, evicting budget", budget_spec(Path(folder))),
         ):
             with worker(spec) as url:
+                warm(url, "/v1/images/generations", image_body)
                 for clients in (1, 16):
                     stats = load(url, "/v1/images/generations", image_body, clients)
                     if spec == IMAGE_SPEC:

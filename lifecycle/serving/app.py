@@ -104,9 +104,14 @@ def create_app(worker: Worker) -> FastAPI:
         request.state.id = worker.next_id()
         started = time.perf_counter()
         with structlog.contextvars.bound_contextvars(http_request_id=request.state.id):
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception as err:  # answered as an error object, with the request id
+                log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
+                response = _failure(err)
         response.headers["x-request-id"] = request.state.id
-        endpoint = request.url.path
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "unrouted")  # bounded label values
         status = str(response.status_code)
         metrics.requests.labels(endpoint=endpoint, status=status).inc()
         metrics.latency.labels(endpoint=endpoint, status=status).observe(
@@ -218,6 +223,16 @@ def create_app(worker: Worker) -> FastAPI:
         return JSONResponse(content, headers={"x-batch-id": done.batch_id})
 
     return app
+
+
+def _failure(err: Exception) -> JSONResponse:
+    body = {
+        "message": f"{type(err).__name__}: {err}",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+    return JSONResponse({"error": body}, status_code=500)
 
 
 def _check_ready(worker: Worker, model: str | None) -> None:

@@ -140,6 +140,8 @@ class Batcher:
                     return
                 self._gather()
                 group = self._take()
+                if not group:  # every taken job was cancelled by its client
+                    continue
                 self._free_runners -= 1
             threading.Thread(target=self._run, args=(group,), daemon=True).start()
 
@@ -168,7 +170,10 @@ class Batcher:
             tokens += entry.job.tokens
         for entry in group:
             self._queue.remove(entry)
-        return group
+        # a client that went away cancelled its future: drop its job before it runs
+        running = [entry for entry in group if entry.future.set_running_or_notify_cancel()]
+        self._in_flight -= len(group) - len(running)
+        return running
 
     # -- a runner thread -----------------------------------------------------
 
