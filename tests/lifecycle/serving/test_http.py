@@ -18,6 +18,7 @@ from tests.lifecycle.serving.conftest import (
     decode_png,
     run_alone,
 )
+from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
 
 SpecMaker = Callable[..., PipelineSpec]
 
@@ -79,6 +80,33 @@ class TestOverrideOverHttp:
         job = Job(id="x", key=key, prompts=["a red fox"], tokens=16, seed=7)
         expected = _pixels(run_alone(served.worker, job)[0])
         assert (image.int() - expected.int()).abs().max() <= 1
+
+    @pytest.mark.usefixtures("counting")
+    def test_concurrent_overrides_run_their_own_kernels(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """Concurrent requests naming two backends: each kernel runs exactly its requests'
+        calls, and no batch mixes the two."""
+        served = serve_spec(t2i_spec(batch_window_ms=50))
+        backends = ["counting_a", "counting_b"] * 4
+
+        def send(backend: str) -> httpx.Response:
+            with served.client() as client:
+                return generate(client, attention_backend=backend, steps=2, seed=1)
+
+        with ThreadPoolExecutor(len(backends)) as pool:
+            responses = list(pool.map(send, backends))
+        assert [r.status_code for r in responses] == [200] * len(backends)
+        batches: dict[str, set[str]] = {}
+        for backend, response in zip(backends, responses, strict=True):
+            batches.setdefault(response.headers["x-batch-id"], set()).add(backend)
+        assert all(len(found) == 1 for found in batches.values())
+        calls: dict[str, int] = {}
+        for (backend, _), count in CALLS.items():
+            calls[backend] = calls.get(backend, 0) + count
+        layers = 2  # tiny_dit's default blocks, one packed self-attention call each a step
+        per_backend = {b: {k for k, v in batches.items() if b in v} for b in set(backends)}
+        assert calls == {b: 2 * layers * len(per_backend[b]) for b in per_backend}
 
 
 class TestQueue:

@@ -156,7 +156,26 @@ class TestShutdown:
         assert not any(offload.rglob("*.safetensors"))
 
 
-class TestOptionalExtra:
+class TestCommand:
+    def test_bad_spec_exits_2_and_refused_spec_exits_1(self, root: Path, tmp_path: Path) -> None:
+        """A spec that does not decode exits 2; one admission refuses exits 1 with the reason."""
+        bad = tmp_path / "bad.toml"
+        bad.write_text('name = "x"\n[components.a]\nkind = "tiny_vae"\nresidency = "offlaod"\n')
+        refused = root / "examples" / "refused" / "capability_missing.toml"
+        results = [
+            subprocess.run(
+                [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", "1"],
+                capture_output=True,
+                text=True,
+                timeout=WATCHDOG_S,
+            )
+            for spec in (bad, refused)
+        ]
+        assert [r.returncode for r in results] == [2, 1]
+        assert "$.components.a.residency" in results[0].stderr
+        assert "attention.capability_missing" in results[1].stderr
+        assert all("Traceback" not in r.stderr for r in results)
+
     def test_serve_without_the_extra_names_it(self, root: Path) -> None:
         """Without fastapi, `lifecycle serve` exits 2 naming the serve extra, no traceback."""
         script = (
