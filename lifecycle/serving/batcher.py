@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
@@ -75,6 +75,9 @@ class Batcher:
         self._free_runners = RUNNERS
         self._draining = False
         self._stopped = False
+        # long-lived runner threads: torch keeps one intra-op thread pool per calling
+        # thread, so a fresh thread per batch would build (and spin) a new one each time
+        self._runners = ThreadPoolExecutor(RUNNERS, thread_name_prefix="runner")
         self._dispatcher = threading.Thread(target=self._dispatch, name="batcher", daemon=True)
         self._dispatcher.start()
 
@@ -126,6 +129,7 @@ class Batcher:
             self._stopped = True
             self._changed.notify_all()
         self._dispatcher.join(timeout=5)
+        self._runners.shutdown(wait=finished)
         log.info("serving.drained", finished=finished, left=self._in_flight)
         return finished
 
@@ -143,7 +147,7 @@ class Batcher:
                 if not group:  # every taken job was cancelled by its client
                     continue
                 self._free_runners -= 1
-            threading.Thread(target=self._run, args=(group,), daemon=True).start()
+            self._runners.submit(self._run, group)
 
     def _gather(self) -> None:
         """Give the oldest job its window to gather company (the lock is held)."""
