@@ -79,9 +79,7 @@ def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
     try:
         orchestrator.admit()
     except AdmissionRefused as err:
-        from lifecycle.cli import format_refusals  # the CLI's rendering of refusals
-
-        print(format_refusals(spec.name, err.refusals), file=sys.stderr)
+        print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
         return EXIT_REFUSED
     worker = Worker(orchestrator, metrics)
     config = uvicorn.Config(
