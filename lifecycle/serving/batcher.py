@@ -176,7 +176,9 @@ class Batcher:
             self._queue.remove(entry)
         # a client that went away cancelled its future: drop its job before it runs
         running = [entry for entry in group if entry.future.set_running_or_notify_cancel()]
-        self._in_flight -= len(group) - len(running)
+        if len(running) < len(group):
+            self._in_flight -= len(group) - len(running)
+            self._changed.notify_all()  # a drain may be waiting for the count
         return running
 
     # -- a runner thread -----------------------------------------------------
