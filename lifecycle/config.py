@@ -89,7 +89,8 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         max_batch: the most requests run together as one batch.
         max_batch_tokens: the most prompt tokens (text) or latent tokens (images) in
             one batch; a single request larger than this still runs, alone.
-        batch_window_ms: how long the first request of a batch waits for others.
+        batch_window_ms: how long the first request of a batch waits for others
+            while another batch runs (an idle worker starts it at once).
         max_queue: requests waiting or running at once; one more is answered 429.
         drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
     """

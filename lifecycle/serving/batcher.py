@@ -1,7 +1,8 @@
 """The worker's queue: bounded, batching compatible jobs, draining on shutdown.
 
 Jobs wait in one FIFO queue. A dispatcher thread takes the oldest job as soon as a
-runner is free, gives it ``serving.batch_window_ms`` to gather company, and adds
+runner is free, gives it ``serving.batch_window_ms`` to gather company while
+another batch runs (an idle worker starts it at once), and adds
 every queued job with the same ``BatchKey`` (in arrival order) up to
 ``serving.max_batch`` jobs and ``serving.max_batch_tokens`` tokens; a job larger
 than the token limit runs alone. The batch runs on a runner thread as one
@@ -150,7 +151,13 @@ class Batcher:
             self._runners.submit(self._run, group)
 
     def _gather(self) -> None:
-        """Give the oldest job its window to gather company (the lock is held)."""
+        """Give the oldest job its window to gather company (the lock is held).
+
+        An idle worker (no batch running) starts at once: waiting would only add
+        latency, and under load jobs gather on their own while batches run.
+        """
+        if self._free_runners == RUNNERS:
+            return
         deadline = self._queue[0].arrived + self.settings.batch_window_ms / 1e3
         while not self._stopped and (remaining := deadline - time.monotonic()) > 0:
             if len(self._compatible()) >= self.settings.max_batch:
