@@ -15,7 +15,6 @@ import asyncio
 import base64
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -24,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lifecycle.override import RequestRefused
 from lifecycle.refusals import TransitionFailed, TransitionRefused
@@ -97,27 +97,7 @@ def create_app(worker: Worker) -> FastAPI:
     app = FastAPI(title=f"lifecycle serve: {worker.name}", docs_url=None, redoc_url=None)
     metrics = worker.metrics
 
-    @app.middleware("http")
-    async def request_ids(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        request.state.id = worker.next_id()
-        started = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(http_request_id=request.state.id):
-            try:
-                response = await call_next(request)
-            except Exception as err:  # answered as an error object, with the request id
-                log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
-                response = _failure(err)
-        response.headers["x-request-id"] = request.state.id
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "unrouted")  # bounded label values
-        status = str(response.status_code)
-        metrics.requests.labels(endpoint=endpoint, status=status).inc()
-        metrics.latency.labels(endpoint=endpoint, status=status).observe(
-            time.perf_counter() - started
-        )
-        return response
+    app.add_middleware(RequestIds, worker=worker)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -165,7 +145,7 @@ def create_app(worker: Worker) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingsBody, request: Request) -> JSONResponse:
+    async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
         _check_ready(worker, body.model)
         if not worker.shapes.embeddings:
             raise _not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
@@ -184,10 +164,10 @@ def create_app(worker: Worker) -> FastAPI:
         ]
         usage = {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}
         content = {"object": "list", "data": data, "model": worker.name, "usage": usage}
-        return JSONResponse(content, headers={"x-batch-id": done.batch_id})
+        return _json(content, done)
 
     @app.post("/v1/images/generations")
-    async def images(body: ImagesBody, request: Request) -> JSONResponse:
+    async def images(body: ImagesBody, request: Request) -> Response:
         _check_ready(worker, body.model)
         if not worker.shapes.images:
             raise _not_served(worker, "images", "examples/tiny_t2i.toml")
@@ -220,9 +200,67 @@ def create_app(worker: Worker) -> FastAPI:
         assert done.output is not None
         data = [{"b64_json": base64.b64encode(png_bytes(image)).decode()} for image in done.output]
         content = {"created": int(time.time()), "data": data, "seed": seed}
-        return JSONResponse(content, headers={"x-batch-id": done.batch_id})
+        return _json(content, done)
 
     return app
+
+
+class RequestIds:
+    """Give every request an id (``x-request-id``, bound in the logs) and count it.
+
+    Pure ASGI, not ``BaseHTTPMiddleware``: it adds no task or stream per request.
+    An exception no handler answered becomes a 500 error object, with the id.
+
+    Args:
+        app: the application it wraps.
+        worker: the worker (ids, metrics).
+    """
+
+    def __init__(self, app: ASGIApp, worker: Worker) -> None:
+        self.app = app
+        self.worker = worker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one request with its id; count it by route and status."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = self.worker.next_id()
+        scope.setdefault("state", {})["id"] = rid
+        started = time.perf_counter()
+        status = 500
+        answered = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, answered
+            if message["type"] == "http.response.start":
+                status, answered = message["status"], True
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(http_request_id=rid):
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception as err:
+                log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
+                if answered:
+                    raise
+                await _failure(err)(scope, receive, send_with_id)
+        endpoint = getattr(scope.get("route"), "path", "unrouted")  # bounded label values
+        metrics = self.worker.metrics
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        metrics.latency.labels(endpoint=endpoint, status=str(status)).observe(
+            time.perf_counter() - started
+        )
+
+
+def _json(content: dict[str, Any], done: Job) -> Response:
+    """Answer ``content`` as JSON (msgspec: fast on long float lists) with the batch id."""
+    return Response(
+        msgspec.json.encode(content),
+        media_type="application/json",
+        headers={"x-batch-id": done.batch_id},
+    )
 
 
 def _failure(err: Exception) -> JSONResponse:
@@ -286,7 +324,8 @@ def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
 def _encode(row: Any, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(row.float().numpy().astype("<f4").tobytes()).decode()
-    return [float(x) for x in row.tolist()]
+    values: list[float] = row.tolist()
+    return values
 
 
 async def _run(worker: Worker, job: Job) -> Job:
