@@ -10,6 +10,9 @@ with no budget and with a budget that holds one component at a time (every stage
 evicts). The server's own overhead: the p50 HTTP round trip at one client minus the
 p50 compute of the same request through the embedded API.
 
+The same embedding jobs are also submitted to the worker's queue in this process,
+with no HTTP, at 1 and 16 submitters: what batching gives by itself.
+
 Each HTTP level and the embedded API run as many requests in alternating rounds
 (order reversed every round), so that the drift of a shared machine hits both
 alike; figures are medians over rounds.
@@ -43,6 +46,9 @@ import torch
 from components.batch import Batch
 from components.kinds.minilm_text_encoder import PROMPTS
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
+from lifecycle.serving.metrics import ServingMetrics
+from lifecycle.serving.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SPEC = ROOT / "examples" / "minilm_embed.toml"
@@ -167,6 +173,38 @@ def budget_spec(folder: Path) -> Path:
     return path
 
 
+def queued(worker: Worker, clients: int) -> dict[str, float]:
+    """Submit embedding jobs to the worker's queue from ``clients`` threads, no HTTP."""
+    count = REQUESTS_PER_CLIENT.get(clients, 10)
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for j in range(count):
+            i = k * count + j
+            job = Job(
+                id=f"q{i}",
+                key=BatchKey(endpoint="embeddings"),
+                prompts=[sentence(i)],
+                tokens=estimate_tokens([sentence(i)]),
+            )
+            started = time.perf_counter()
+            worker.submit(job).result()
+            with lock:
+                latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "rps": len(latencies) / wall,
+        "p50": 1e3 * statistics.median(latencies),
+        "p99": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    }
+
+
 def embedding_batch(i: int) -> Batch:
     """Return embedding request i for the embedded API."""
     return Batch(generator=torch.Generator(), prompts=[sentence(i)])
@@ -234,6 +272,28 @@ def main() -> None:
                 overhead["embeddings"] = (http["p50"], base["p50"])
             if clients == 16:
                 embed_ratio = base["ratio"]
+    local.orchestrator.close()
+
+    # the same batching without HTTP: jobs straight into the worker's queue
+    metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
+    in_process = Worker(Orchestrator.from_file(EMBED_SPEC), metrics)
+    in_process.start()
+    local = Embedded(EMBED_SPEC)
+    for clients in (1, 16):
+        total = clients * REQUESTS_PER_CLIENT.get(clients, 10)
+        rounds = [
+            (queued(in_process, clients), local.run([embedding_batch(i) for i in range(total)]))
+            for _ in range(ROUNDS)
+        ]
+        ratio = statistics.median(q["rps"] / b["rps"] for q, b in rounds)
+        q_rps = statistics.median(q["rps"] for q, _ in rounds)
+        b_rps = statistics.median(b["rps"] for _, b in rounds)
+        p50 = statistics.median(q["p50"] for q, _ in rounds)
+        print(
+            f"| embeddings, worker queue without HTTP | {clients} | {q_rps:.1f} | {p50:.1f} "
+            f"| - | {b_rps:.1f} | {ratio:.2f}x |"
+        )
+    in_process.drain()
     local.orchestrator.close()
 
     def image_body(i: int) -> dict[str, Any]:
