@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from attention import registry
+from attention.backend import AttentionImpl
 from attention.errors import NotResidentError
+from attention.override import REQUEST_BACKEND, UnpreparedBackendError
 from attention.request import ComponentRequests
 from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole
@@ -112,11 +114,12 @@ class Attention(nn.Module):
         """
         if not self._armed:  # the one check on the hot path
             raise NotResidentError(self.component, self.site)
+        impl = self._impl if self._switch is None else self._request_impl()
         if attn_mask is None:
-            return self._impl.forward(q, k, v, is_causal=is_causal, scale=self.scale)
+            return impl.forward(q, k, v, is_causal=is_causal, scale=self.scale)
         if not self.requirements.attention_mask:
             raise self._undeclared("attention_mask", "an attn_mask")
-        return self._impl.forward_masked(q, k, v, attn_mask, is_causal=is_causal, scale=self.scale)
+        return impl.forward_masked(q, k, v, attn_mask, is_causal=is_causal, scale=self.scale)
 
     def forward_varlen(
         self,
@@ -140,7 +143,8 @@ class Attention(nn.Module):
             raise NotResidentError(self.component, self.site)
         if not self.requirements.packed_varlen:
             raise self._undeclared("packed_varlen", "packed sequences")
-        return self._impl.forward_varlen(
+        impl = self._impl if self._switch is None else self._request_impl()
+        return impl.forward_varlen(
             q,
             k,
             v,
@@ -170,7 +174,52 @@ class Attention(nn.Module):
             raise NotResidentError(self.component, self.site)
         if not self._lse_allowed:
             raise self._undeclared("softmax_lse", "a request for the softmax LSE")
-        return self._impl.forward_with_lse(q, k, v, is_causal=is_causal, scale=self.scale)
+        impl = self._impl if self._switch is None else self._request_impl()
+        return impl.forward_with_lse(q, k, v, is_causal=is_causal, scale=self.scale)
+
+    # -- the per-request override (DESIGN §4.6) -----------------------------------
+
+    _switch: dict[str, AttentionImpl] | None = None
+    """A switchable layer's impls prepared per backend name; None on every other layer,
+    so that their forward pays one attribute read for the feature."""
+
+    @property
+    def is_switchable(self) -> bool:
+        """Tell whether a request's ``attention_backend`` may switch this layer."""
+        return self._switch is not None
+
+    @property
+    def prepared_backends(self) -> frozenset[str]:
+        """Return the backends this switchable layer has impls for (empty if not switchable)."""
+        return frozenset(self._switch or ())
+
+    def make_switchable(self) -> None:
+        """Let requests switch this layer (its kind is switchable, its spec choice is not
+        explicit); the lifecycle decides, at load."""
+        if self._switch is None:
+            self._switch = {}
+
+    def add_prepared(self, name: str, impl: AttentionImpl) -> None:
+        """Keep ``impl`` as this layer's kernel for requests that name ``name``.
+
+        Raises:
+            ValueError: the layer is not switchable.
+        """
+        if self._switch is None:
+            raise ValueError(
+                f"layer '{self.site}' of component '{self.component}' is not switchable; "
+                "call make_switchable() first"
+            )
+        self._switch[name] = impl
+
+    def _request_impl(self) -> AttentionImpl:
+        target = REQUEST_BACKEND.get()
+        if target is None or self._switch is None:
+            return self._impl
+        impl = self._switch.get(target)
+        if impl is None:
+            raise UnpreparedBackendError(self.component, self.site, target)
+        return impl
 
     def extra_repr(self) -> str:
         """Show the site, role, backend and whether the layer is armed."""

@@ -92,6 +92,8 @@ class ComponentLoader:
     fully_shardable: ClassVar[bool] = False
     """Whether the custom path's module works sharded by FSDP2 ``fully_shard``: it is
     called only through its ``forward`` (where FSDP gathers the weights)."""
+    switchable_backends: ClassVar[bool] = False
+    """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options

@@ -28,6 +28,7 @@ from lifecycle.paths import OutputPathError, prepare_folder
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.run_command import run_command
+from lifecycle.serving.command import add_serve_command
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "warning"
@@ -148,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
 
     schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
+
+    add_serve_command(commands)
     return parser
 
 

@@ -87,12 +87,35 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
             ``checksum`` (its data against the checksums taken when it was
             written) or ``stat`` (its size, mtime and inode only: cheaper,
             since a mapped onload otherwise touches no page).
+        wait_timeout: seconds an onload waits for other requests to release what
+            it needs before it is refused (DESIGN §5.5).
     """
 
     device_budget: ByteSize | UnsetType = UNSET
     offload_target: OffloadTarget = "host"
     offload_dir: str = ".lifecycle/offload"
     verify_offload: OffloadVerify = "checksum"
+    wait_timeout: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+
+
+class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How ``lifecycle serve`` queues and batches requests (DESIGN §5.5).
+
+    Attributes:
+        max_batch: the most requests run together as one batch.
+        max_batch_tokens: the most prompt tokens (text) or latent tokens (images) in
+            one batch; a single request larger than this still runs, alone.
+        batch_window_ms: how long the first request of a batch waits for others
+            while another batch runs (an idle worker starts it at once).
+        max_queue: requests waiting or running at once; one more is answered 429.
+        drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+    """
+
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -172,6 +195,7 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         attention: pipeline-wide attention settings.
         parallel: the parallel layout.
         memory: the memory budget and offload target.
+        serving: queueing and batching for ``lifecycle serve``.
         components: the components by name.
         stages: the stages of a request, in timeline order.
     """
@@ -182,6 +206,7 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     parallel: ParallelLayout = msgspec.field(default_factory=ParallelLayout)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
     stages: tuple[StageSpec, ...] = ()
 
 

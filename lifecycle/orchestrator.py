@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attention import Platform
+from attention.override import request_backend
 from components import ResidencyMode
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
@@ -29,6 +30,7 @@ from lifecycle.distributed import world_refusals
 from lifecycle.loading import Loading
 from lifecycle.logs import get_logger
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
+from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
     AdmissionPlan,
     ComponentPlan,
@@ -45,6 +47,7 @@ from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import MoveObserver, Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
+from lifecycle.waiting import MemoryWaiter
 
 log = get_logger("lifecycle")
 
@@ -94,6 +97,7 @@ class Orchestrator:
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
         self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
         self._request_ids = itertools.count(1)
+        self._switch = BackendSwitch(self._slots, self.platform)
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
@@ -188,15 +192,22 @@ class Orchestrator:
         return self._loading.mesh
 
     @contextmanager
-    def request(self, request_id: str | None = None) -> Iterator[Request]:
+    def request(
+        self, request_id: str | None = None, *, attention_backend: str | None = None
+    ) -> Iterator[Request]:
         """Open a request; enter its stages with ``request.stage(name)``.
 
         On exit (also when the body raised) every component the request touched
         is put back where its plan says, and ``request.end`` is logged.
+        ``attention_backend`` switches the switchable sites for this request only
+        (DESIGN §4.6); it is validated and prepared before the request opens.
 
         Raises:
             ValueError: a request with that id is already open.
+            RequestRefused: ``attention_backend`` breaks a rule; nothing was switched.
         """
+        if attention_backend is not None:
+            self._switch.prepare(attention_backend)
         rid = request_id or f"r{next(self._request_ids)}"
         with self._machine.lock:
             if rid in self._stages.open_requests:
@@ -204,7 +215,10 @@ class Orchestrator:
             self._stages.open_requests.add(rid)
         request = Request(self._stages, rid)
         started = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(request_id=rid):
+        with (
+            structlog.contextvars.bound_contextvars(request_id=rid),
+            request_backend(attention_backend),
+        ):
             log.info("request.begin", request_id=rid)
             try:
                 yield request
@@ -242,6 +256,11 @@ class Orchestrator:
             TransitionRefused: an open request is using it.
         """
         self._slot(name).lifecycle.release()
+
+    @property
+    def waiter(self) -> MemoryWaiter:
+        """Return who queues requests waiting for memory (its counts feed metrics)."""
+        return self._stages.waiter
 
     def resident_bytes(self) -> int:
         """Return the bytes the resident components hold on the device now."""

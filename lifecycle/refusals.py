@@ -129,6 +129,12 @@ class RefusalCode(StrEnum):
         "the weights file's header does not match the kind's declared tensors: a missing "
         "or unexpected name, another shape, or a dtype that is not floating point",
     )
+    INVALID_OVERRIDE = (
+        "attention.invalid_override",
+        False,
+        "a request's attention_backend cannot switch the pipeline's switchable sites: "
+        "an unknown or sparse backend, no switchable site, or one that would fall back",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,

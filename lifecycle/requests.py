@@ -14,6 +14,7 @@ from components.batch import Batch
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
+from lifecycle.waiting import MemoryWaiter
 
 
 class StageKeeper:
@@ -38,15 +39,25 @@ class StageKeeper:
         self.timeline = residency.timeline
         self.lock = lock
         self.open_requests: set[str] = set()
+        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout)
 
     def enter(self, request_id: str, position: int) -> dict[str, nn.Module]:
         """Hold the stage's components for ``request_id`` and make them resident.
 
+        While other requests hold the memory it needs it waits its turn, first come
+        first served (``lifecycle.waiting``).
+
         Raises:
-            TransitionRefused: an onload was refused (e.g. the memory budget);
-                nothing stays held.
+            TransitionRefused: an onload was refused (e.g. the memory budget, also
+                after ``memory.wait_timeout``); nothing stays held.
             TransitionFailed: an onload failed; nothing stays held.
         """
+        with self.lock:
+            stage = self.timeline.stages[position].uses
+            return self.waiter.acquire(request_id, stage, lambda: self._hold(request_id, position))
+
+    def _hold(self, request_id: str, position: int) -> dict[str, nn.Module]:
+        """Hold and onload every component of the stage, or (raising) none of them."""
         uses = self.timeline.stages[position].uses
         with self.lock:
             for name in uses:
@@ -75,6 +86,7 @@ class StageKeeper:
                 if holders[request_id] <= 0:
                     del holders[request_id]
             self._put_back(self.timeline.last_uses(position), request_id)
+            self.waiter.released()
 
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
@@ -82,6 +94,7 @@ class StageKeeper:
             self.open_requests.discard(request_id)
             self.residency.cancel_prefetch(sorted(touched))
             self._put_back(sorted(touched), request_id)
+            self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:
         for name in names:

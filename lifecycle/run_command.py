@@ -145,8 +145,8 @@ def _note_unused(args: argparse.Namespace, outputs: RunOutputs) -> None:
     """Say so when an output the user asked for was produced by no component."""
     if args.prompt and not outputs.sentences:
         print(
-            "lifecycle run: no component of this pipeline embeds sentences, so the prompts "
-            "only set how many images each request makes",
+            "lifecycle run: no component of this pipeline embeds sentences, so no nearest "
+            "neighbours are shown; the prompts are encoded as the pipeline's text",
             file=sys.stderr,
         )
     if args.out is not None and not outputs.images and outputs.request_ms:

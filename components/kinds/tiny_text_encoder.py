@@ -7,6 +7,7 @@ Both name their tensors alike, so one seed or file gives both the same weights.
 
 from __future__ import annotations
 
+import zlib
 from typing import Annotated, ClassVar, NamedTuple
 
 import msgspec
@@ -197,11 +198,17 @@ class TinyTextEncoderLoader(ComponentLoader):
         return (Port(field="context", width=self.options.dim, option="dim"),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Encode seeded prompts; the context is each prompt's real tokens only."""
+        """Encode the request's prompts, or seeded tokens when it has none.
+
+        The context is each prompt's real tokens only.
+        """
         device = device_of(module)
-        tokens, mask = (
-            t.to(device) for t in example_inputs(self.options, batch.size, batch.generator)
-        )  # (B, S) each
+        inputs = (
+            example_inputs(self.options, batch.size, batch.generator)
+            if batch.prompts is None
+            else prompt_inputs(self.options, batch.prompts)
+        )
+        tokens, mask = (t.to(device) for t in inputs)  # (B, S) each
         embeddings = module(tokens, mask)  # (B, S, E)
         batch.context = [embeddings[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
 
@@ -230,6 +237,27 @@ class TinyTextEncoderLoader(ComponentLoader):
             for _ in range(opts.layers)
         ]
         return TinyTextEncoder(opts, layers)
+
+
+def prompt_inputs(options: TinyTextEncoderOptions, prompts: list[str]) -> TextEncoderInputs:
+    """Tokenise ``prompts`` by words: a word's id is its CRC-32 modulo ``vocab_size``.
+
+    A toy tokenizer (the kind has no vocabulary file) that makes the text matter: the
+    same prompt always gives the same tokens, whatever else is in the batch. Words past
+    ``max_len`` are dropped; an empty prompt is one padding token.
+    """
+    rows = [
+        [zlib.crc32(word.encode()) % options.vocab_size for word in text.lower().split()] or [0]
+        for text in prompts
+    ]
+    rows = [row[: options.max_len] for row in rows]
+    width = max((len(row) for row in rows), default=1)
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)  # (B, S)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)  # (B, S)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = True
+    return TextEncoderInputs(tokens, mask)
 
 
 def example_inputs(

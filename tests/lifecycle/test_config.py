@@ -87,6 +87,7 @@ class TestDecode:
             "attention",
             "parallel",
             "memory",
+            "serving",
             "stages",
         }
         residency = schema["$defs"]["ResidencyMode"]["enum"]

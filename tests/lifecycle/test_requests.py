@@ -291,8 +291,9 @@ class TestMemoryBudget:
         assert sequence.count(("a", "onload")) == 1  # a stayed resident for s3
 
     def test_refusal_carries_the_numbers(self, cpu: Platform) -> None:
-        """When the only eviction candidate is in use, onload is refused with the numbers."""
-        spec = decode_spec(BUDGET_SPEC.format(budget=VAE_BYTES + 1000))
+        """With no time to wait, an onload blocked by a busy component is refused with numbers."""
+        text = BUDGET_SPEC.format(budget=VAE_BYTES + 1000)
+        spec = decode_spec(text.replace("[memory]", "[memory]\nwait_timeout = 0"))
         with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
             with (

@@ -1,0 +1,44 @@
+"""The per-request backend override (DESIGN §4.6): which backend this request's layers run.
+
+A request that names ``attention_backend`` sets it here for as long as it runs; a
+switchable layer reads it on each forward and runs the impl it prepared for that
+backend. A ContextVar, never process-global state: two requests on two threads each
+see their own override, and a request without one sees None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+REQUEST_BACKEND: ContextVar[str | None] = ContextVar("request_backend", default=None)
+"""The backend the running request asked for, or None (the spec's choices)."""
+
+
+@contextmanager
+def request_backend(name: str | None) -> Iterator[None]:
+    """Run the body with ``name`` as the request's backend (None: the spec's choices)."""
+    token = REQUEST_BACKEND.set(name)
+    try:
+        yield
+    finally:
+        REQUEST_BACKEND.reset(token)
+
+
+class UnpreparedBackendError(RuntimeError):
+    """A switchable layer ran under an override it was not prepared for.
+
+    Args:
+        component: the layer's component.
+        site: the layer's site.
+        backend: the requested backend.
+    """
+
+    def __init__(self, component: str, site: str, backend: str) -> None:
+        super().__init__(
+            f"layer '{site}' of component '{component}' was asked to run backend "
+            f"'{backend}' for this request, but it was never prepared for it; open the "
+            "request through Orchestrator.request(attention_backend=...), which "
+            "validates and prepares the override first"
+        )

@@ -1,0 +1,5 @@
+"""``lifecycle serve``: an HTTP worker around one orchestrator (DESIGN §5.5, §10).
+
+The HTTP layer (FastAPI, uvicorn, prometheus-client) is the optional ``serve`` extra:
+importing this package needs none of it; ``lifecycle.serving.app`` does.
+"""

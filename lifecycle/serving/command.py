@@ -1,0 +1,49 @@
+"""``lifecycle serve SPEC [--host] [--port]``: the HTTP worker's command.
+
+The HTTP libraries are the optional ``serve`` extra: they are imported only when
+the command runs, and their absence is bad input (exit 2) naming the extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from lifecycle.exits import ExitCode
+
+SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def add_serve_command(commands: Any) -> None:
+    """Register ``serve`` on the ``lifecycle`` parser's subcommands."""
+    serve = commands.add_parser(
+        "serve", help="serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)"
+    )
+    serve.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.set_defaults(handler=serve_command)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Admit the pipeline, then serve it until SIGTERM or SIGINT drains it; the exit code."""
+    missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"lifecycle serve: {', '.join(missing)} not installed; install the serve extra: "
+            "pip install 'pipeline-lifecycle[serve]'",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+    from lifecycle.serving.server import serve  # needs the serve extra
+
+    return serve(args.spec, args.host, args.port, _log_level(args))
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    name = str(getattr(args, "log_level", "warning")).upper()
+    return logging.getLevelNamesMapping().get(name, logging.WARNING)

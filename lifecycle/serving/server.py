@@ -1,0 +1,118 @@
+"""Run the worker under uvicorn; SIGTERM drains it (needs the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import MutableMapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+import uvicorn
+
+from lifecycle.config import ConfigError, load_spec
+from lifecycle.exits import ExitCode
+from lifecycle.logs import configuration_changed
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import AdmissionRefused
+from lifecycle.serving.app import create_app
+from lifecycle.serving.metrics import ServingMetrics
+from lifecycle.serving.worker import Worker
+
+log = structlog.get_logger("lifecycle")
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM or SIGINT drains the worker before exiting.
+
+    While draining it keeps answering (new jobs get 503); once the queued and running
+    jobs are done and everything is released, it stops. A second signal forces the exit.
+
+    Args:
+        config: uvicorn's settings.
+        worker: the worker to drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
+        super().__init__(config)
+        self.worker = worker
+        self.drained = False
+        self._draining: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Start draining on the first signal; force the exit on the next."""
+        if self._draining is not None:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        log.info("serving.draining", signal=signal.Signals(sig).name)
+        self._draining = threading.Thread(target=self._drain, name="drain", daemon=True)
+        self._draining.start()
+
+    def _drain(self) -> None:
+        self.drained = self.worker.drain()
+        self.should_exit = True
+
+
+def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
+    """Admit and serve the pipeline at ``spec_path`` until a signal drains it.
+
+    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec, 3 jobs or
+    components left when the drain timed out, or the pipeline failed to load.
+    """
+    try:
+        spec = load_spec(spec_path)
+    except ConfigError as err:
+        print(f"lifecycle serve: {spec_path}: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    holder: list[Orchestrator] = []
+    metrics = ServingMetrics(
+        queue_depth=lambda: 0 if worker.batcher is None else worker.batcher.depth,
+        resident_bytes=lambda: holder[0].resident_bytes() if holder else 0,
+    )
+    _count_events(metrics, log_level)
+    orchestrator = Orchestrator(spec, observer=metrics.observe_move)
+    holder.append(orchestrator)
+    try:
+        orchestrator.admit()
+    except AdmissionRefused as err:
+        print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
+        return ExitCode.REFUSED
+    worker = Worker(orchestrator, metrics)
+    config = uvicorn.Config(
+        create_app(worker), host=host, port=port, log_config=None, access_log=False
+    )
+    server = DrainingServer(config, worker)
+    threading.Thread(target=worker.start, name="load", daemon=True).start()
+    log.info("serving.listening", pipeline=spec.name, host=host, port=port)
+    server.run()
+    if not server.drained:  # stopped by uvicorn itself (e.g. the port was taken)
+        server.drained = worker.drain()
+    return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
+
+
+def _count_events(metrics: ServingMetrics, level: int) -> None:
+    """Feed every info event to the metrics, then keep only those at ``level`` or above."""
+
+    def keep_level(
+        logger: Any, method: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        if logging.getLevelNamesMapping().get(method.upper(), logging.INFO) < level:
+            raise structlog.DropEvent
+        return event
+
+    processors = structlog.get_config()["processors"]
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,  # the request id, may_wait
+            metrics.observe_event,
+            keep_level,
+            *processors,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)),
+    )
+    configuration_changed()  # the project's cached event loggers take this configuration

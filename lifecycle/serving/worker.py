@@ -1,0 +1,98 @@
+"""The worker behind the HTTP endpoints: load, warm up, queue jobs, drain."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future
+from enum import StrEnum
+
+import structlog
+
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import TransitionRefused
+from lifecycle.serving.batcher import Batcher
+from lifecycle.serving.jobs import Job, Shapes, warm_up
+from lifecycle.serving.metrics import ServingMetrics
+
+log = structlog.get_logger("lifecycle")
+
+
+class Phase(StrEnum):
+    """Where the worker stands: readiness follows it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class Worker:
+    """Own one orchestrator for the HTTP layer: its start, its queue and its end.
+
+    Args:
+        orchestrator: the pipeline to serve (its move observer feeds ``metrics``).
+        metrics: the worker's metrics.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, metrics: ServingMetrics) -> None:
+        self.orchestrator = orchestrator
+        self.metrics = metrics
+        self.phase = Phase.STARTING
+        self.error: str | None = None
+        self.shapes = Shapes(embeddings=False, images=False)
+        self.batcher: Batcher | None = None
+        self._ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        """Return the pipeline's name (the OpenAI ``model``)."""
+        return self.orchestrator.spec.name
+
+    def start(self) -> None:
+        """Load the pipeline and warm it up; the worker is ready after (or failed)."""
+        try:
+            self.orchestrator.load()
+            self.shapes = warm_up(self.orchestrator)
+        except Exception as err:  # reported by /readyz and the log; the process stays up
+            self.phase = Phase.FAILED
+            self.error = f"{type(err).__name__}: {err}"
+            log.error("serving.failed", error=self.error)
+            return
+        self.batcher = Batcher(
+            self.orchestrator,
+            self.orchestrator.spec.serving,
+            self.shapes,
+            on_batch=self.metrics.batch_size.observe,
+        )
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.READY
+            log.info("serving.ready", pipeline=self.name, shapes=self.shapes)
+
+    def next_id(self) -> str:
+        """Return a fresh request id."""
+        with self._ids_lock:
+            return f"req-{next(self._ids)}"
+
+    def submit(self, job: Job) -> Future[Job]:
+        """Queue ``job`` (see ``Batcher.submit``)."""
+        assert self.batcher is not None  # the HTTP layer checks readiness first
+        return self.batcher.submit(job)
+
+    def drain(self) -> bool:
+        """Stop taking jobs, finish the queued ones and release everything.
+
+        Returns whether every job finished within ``serving.drain_timeout`` and every
+        component was released (its offload files removed).
+        """
+        self.phase = Phase.DRAINING
+        finished = True
+        if self.batcher is not None:
+            finished = self.batcher.drain(self.orchestrator.spec.serving.drain_timeout)
+        try:
+            self.orchestrator.close()
+        except TransitionRefused as err:  # a job outlived the drain timeout
+            log.error("serving.unreleased", error=str(err))
+            return False
+        return finished

@@ -1,0 +1,162 @@
+"""Waiting for memory: an onload that cannot fit only because other requests hold
+components waits its turn, in FIFO order, instead of being refused (DESIGN §5.5).
+
+Why this cannot deadlock:
+
+1. *No hold and wait.* A request waits only while it holds no component: a stage's
+   components are acquired together (all held and onloaded, or none: a refused
+   attempt drops every hold before waiting), and a request that already holds
+   another stage (nested stages) is refused at once instead of waiting.
+2. *Holders always finish.* Whoever holds components is running a stage body
+   (compute, no lock, no waiting) and drops its holds when the stage ends; every
+   drop wakes the waiters.
+3. *The head always fits eventually.* Admission refuses a pipeline whose largest
+   stage does not fit the budget together with the pinned components; so once
+   every holder has dropped its holds, the head's stage fits after evicting idle
+   components. Newcomers queue behind waiters (FIFO), so the set of holders the
+   head waits for only shrinks.
+
+Hence the head of the queue always progresses, and every waiter becomes the head.
+``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
+``residency.memory_budget``, naming the requests that hold what it needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+import structlog
+
+from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
+from lifecycle.slots import ComponentSlot
+
+log = structlog.get_logger("lifecycle")
+
+T = TypeVar("T")
+
+
+class MemoryWaiter:
+    """Let requests wait, first come first served, for others to release the device.
+
+    Args:
+        slots: the orchestrator's components by name.
+        lock: the machine's lock; waiting releases it.
+        timeout: ``memory.wait_timeout`` in seconds.
+
+    Attributes:
+        waits: how many stage entries had to wait.
+        waited_seconds: the time they waited, in total.
+    """
+
+    def __init__(
+        self, slots: Mapping[str, ComponentSlot], lock: threading.RLock, timeout: float
+    ) -> None:
+        self.slots = slots
+        self.timeout = timeout
+        self._turns = threading.Condition(lock)
+        self._queue: deque[str] = deque()
+        self.waits = 0
+        self.waited_seconds = 0.0
+
+    def acquire(self, request_id: str, uses: Sequence[str], attempt: Callable[[], T]) -> T:
+        """Run ``attempt`` (hold and onload the stage) when it may; wait while others hold.
+
+        Call with the lock held. ``attempt`` holds every component of the stage or,
+        when it raises, none.
+
+        Raises:
+            TransitionRefused: the budget refused for another reason than other
+                requests' holds, or they still held it after ``timeout``; the
+                refusal names them.
+            TransitionFailed: an onload failed.
+        """
+        if not self._queue:
+            try:
+                return self._try(attempt)
+            except TransitionRefused as err:
+                if not self._should_wait(err, request_id):
+                    raise
+        started = time.monotonic()
+        deadline = started + self.timeout
+        last: TransitionRefused | None = None
+        self._queue.append(request_id)
+        try:
+            while True:
+                if self._queue[0] == request_id:
+                    try:
+                        result = self._try(attempt)
+                    except TransitionRefused as err:
+                        if not self._should_wait(err, request_id):
+                            raise
+                        last = err
+                    else:
+                        self._record(request_id, uses, time.monotonic() - started)
+                        return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._timed_out(last, uses)
+                self._turns.wait(remaining)
+        finally:
+            self._queue.remove(request_id)
+            self._turns.notify_all()  # the next in line may try now
+
+    @staticmethod
+    def _try(attempt: Callable[[], T]) -> T:
+        """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
+        with structlog.contextvars.bound_contextvars(may_wait=True):
+            return attempt()
+
+    @property
+    def queue(self) -> tuple[str, ...]:
+        """Return the ids of the waiting requests, first in line first."""
+        return tuple(self._queue)
+
+    def released(self) -> None:
+        """Wake the waiters: a request dropped holds (call with the lock held)."""
+        self._turns.notify_all()
+
+    def holders(self) -> dict[str, list[str]]:
+        """Return each request that holds a component, with what it holds."""
+        held: dict[str, list[str]] = {}
+        for name, slot in self.slots.items():
+            for rid in slot.holders:
+                held.setdefault(rid, []).append(name)
+        return held
+
+    def _should_wait(self, err: TransitionRefused, request_id: str) -> bool:
+        """Wait only on a budget refusal, while others hold components and we hold none."""
+        others = [rid for rid in self.holders() if rid != request_id]
+        holds_nothing = request_id not in self.holders()
+        return RefusalCode.MEMORY_BUDGET in err.codes and bool(others) and holds_nothing
+
+    def _timed_out(self, err: TransitionRefused | None, uses: Sequence[str]) -> TransitionRefused:
+        held = self.holders()
+        named = "; ".join(f"request {rid} holds {', '.join(names)}" for rid, names in held.items())
+        component = uses[0] if err is None else err.component
+        refusal = Refusal(
+            code=RefusalCode.MEMORY_BUDGET,
+            component=component,
+            message=f"waited {self.timeout:g} s for memory for stage components "
+            f"{', '.join(uses)}, but other requests still hold the device "
+            f"({named or 'none now'}; {len(self._queue) - 1} other request(s) waiting)"
+            + ("" if err is None else f": {err.refusals[0].message}"),
+            hint="those requests are running, not stuck: raise memory.wait_timeout, raise "
+            "memory.device_budget so more stages fit at once, or send fewer concurrent "
+            "requests (serving.max_queue)",
+        )
+        source = self.slots[component].lifecycle.state
+        return TransitionRefused(component, "onload", source, [refusal])
+
+    def _record(self, request_id: str, uses: Sequence[str], seconds: float) -> None:
+        self.waits += 1
+        self.waited_seconds += seconds
+        log.info(
+            "residency.waited",
+            request_id=request_id,
+            components=list(uses),
+            seconds=round(seconds, 6),
+        )

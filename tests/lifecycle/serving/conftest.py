@@ -1,0 +1,145 @@
+"""Fixtures of the serving tests: a worker served over loopback HTTP in this process."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from attention import Platform
+from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.residency import Move
+from lifecycle.serving.jobs import Job, merged_batch, split_outputs
+from lifecycle.serving.metrics import ServingMetrics
+from lifecycle.serving.worker import Phase, Worker
+from tests.lifecycle.conftest import ReferenceSpec
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import uvicorn
+
+from lifecycle.serving.app import create_app
+
+WATCHDOG_S = 120.0
+"""The longest any serving test waits for anything."""
+
+
+@dataclass
+class Served:
+    """A worker answering on loopback, and what its orchestrator did.
+
+    Attributes:
+        url: the base URL.
+        worker: the worker.
+        moves: every weight move, in order.
+        resident_at_moves: resident bytes right after each move.
+    """
+
+    url: str
+    worker: Worker
+    moves: list[Move] = field(default_factory=list)
+    resident_at_moves: list[int] = field(default_factory=list)
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """Return an HTTP client for this worker."""
+        return httpx.Client(base_url=self.url, timeout=WATCHDOG_S, **kwargs)
+
+
+ServeSpec: TypeAlias = Callable[[PipelineSpec], Served]
+
+
+@pytest.fixture
+def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
+    """Serve specs on loopback in this process; every server is drained after the test."""
+    running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
+
+    def serve(spec: PipelineSpec) -> Served:
+        holder: list[Served] = []
+
+        def observe(move: Move) -> None:
+            served = holder[0]
+            metrics.observe_move(move)
+            served.moves.append(move)
+            served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
+
+        metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
+        orchestrator = Orchestrator(spec, platform=cpu, observer=observe)
+        worker = Worker(orchestrator, metrics)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        host, port = sock.getsockname()
+        served = Served(url=f"http://{host}:{port}", worker=worker)
+        holder.append(served)
+        worker.start()
+        assert worker.phase is Phase.READY, worker.error
+        config = uvicorn.Config(create_app(worker), log_config=None, access_log=False)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        with served.client() as client:
+            for _ in range(int(WATCHDOG_S / 0.01)):
+                if server.started and client.get("/healthz").status_code == 200:
+                    break
+                threading.Event().wait(0.01)
+        running.append((server, thread, served))
+        return served
+
+    yield serve
+    for server, thread, served in running:
+        served.worker.drain()
+        server.should_exit = True
+        thread.join(timeout=WATCHDOG_S)
+
+
+@pytest.fixture
+def t2i_spec(reference_spec: ReferenceSpec) -> Callable[..., PipelineSpec]:
+    """Make the reference text-to-image spec with ``[serving]`` and ``[memory]`` changes."""
+
+    def make(memory: dict[str, Any] | None = None, **serving: Any) -> PipelineSpec:
+        raw = msgspec.to_builtins(reference_spec())
+        raw["serving"] = serving
+        raw["memory"].update(memory or {})
+        return decode_spec(msgspec.json.encode(raw).decode(), "json")
+
+    return make
+
+
+def decode_png(data: bytes) -> torch.Tensor:
+    """Decode an 8-bit RGB PNG with no filters (what the worker writes) to ``(H, W, 3)``."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks: dict[bytes, bytes] = {}
+    offset = 8
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        tag = data[offset + 4 : offset + 8]
+        chunks[tag] = chunks.get(tag, b"") + data[offset + 8 : offset + 8 + length]
+        offset += 12 + length
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    raw = torch.frombuffer(bytearray(zlib.decompress(chunks[b"IDAT"])), dtype=torch.uint8)
+    rows = raw.reshape(height, 1 + 3 * width)
+    assert not rows[:, 0].any()  # filter type 0 on every scanline
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def run_alone(worker: Worker, job: Job) -> torch.Tensor:
+    """Run ``job`` by itself through the embedded API, the way a batch of one runs."""
+    batch = merged_batch([job], worker.shapes)
+    override = job.key.attention_backend
+    with worker.orchestrator.request(f"alone-{job.id}", attention_backend=override) as request:
+        for stage in worker.orchestrator.spec.stages:
+            request.run(stage.name, batch)
+    split_outputs([job], batch)
+    assert job.output is not None
+    return job.output

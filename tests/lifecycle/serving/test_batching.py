@@ -1,0 +1,99 @@
+"""Batching across requests (DESIGN §5.5): compatible jobs run as one packed batch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import pytest
+
+from lifecycle.config import PipelineSpec
+from lifecycle.serving.batcher import Batcher
+from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
+
+PROMPTS = ("a red fox", "an astronaut riding a horse on the moon", "ramen", "a lighthouse")
+
+
+def image_job(index: int, key: BatchKey) -> Job:
+    """Return image job ``index``: its own prompt, seed and image count."""
+    prompts = [PROMPTS[index % len(PROMPTS)]] * (1 + index % 2)
+    return Job(id=f"j{index}", key=key, prompts=prompts, tokens=16 * len(prompts), seed=index)
+
+
+def occupy(batcher: Batcher) -> Future[Job]:
+    """Start a slow batch, so that the next jobs gather for their window.
+
+    An idle worker would start the first of them at once, alone.
+    """
+    slow = BatchKey(endpoint="images", steps=400, latent_size=(8, 8))
+    future = batcher.submit(Job(id="slow", key=slow, prompts=["slow"], tokens=64))
+    for _ in range(int(WATCHDOG_S / 0.005)):
+        if batcher.depth == 0:
+            return future
+        threading.Event().wait(0.005)
+    raise AssertionError("the slow batch never started")
+
+
+class TestBatcher:
+    def test_batched_outputs_equal_each_job_alone(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """Six jobs queued together run as one batch; each output equals the job run alone."""
+        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        batcher = served.worker.batcher
+        assert batcher is not None
+        key = BatchKey(endpoint="images", steps=2, latent_size=(4, 4))
+        blocker = occupy(batcher)
+        futures = [batcher.submit(image_job(i, key)) for i in range(6)]
+        done = [future.result(timeout=WATCHDOG_S) for future in futures]
+        assert {job.batch_size for job in done} == {6}
+        assert done[0].batch_id == "+".join(f"j{i}" for i in range(6))
+        assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
+        for job in done:
+            assert job.output is not None
+            alone = run_alone(served.worker, image_job(int(job.id[1:]), key))
+            assert (job.output - alone).abs().max() <= OUTPUT_TOLERANCE
+
+    def test_incompatible_jobs_never_share_a_batch(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """Different steps, sizes or overrides go to different batches, each still correct."""
+        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        batcher = served.worker.batcher
+        assert batcher is not None
+        keys = [
+            BatchKey(endpoint="images", steps=2, latent_size=(4, 4)),
+            BatchKey(endpoint="images", steps=3, latent_size=(4, 4)),
+            BatchKey(endpoint="images", steps=2, latent_size=(2, 4)),
+            BatchKey(endpoint="images", steps=2, latent_size=(4, 4), attention_backend="reference"),
+        ]
+        jobs = [image_job(i, keys[i % len(keys)]) for i in range(8)]
+        occupy(batcher)
+        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        batches = {job.batch_id: job.key for job in done}
+        assert len(batches) == len(keys)
+        for job in done:
+            assert job.output is not None
+            alone = run_alone(served.worker, image_job(int(job.id[1:]), job.key))
+            assert (job.output - alone).abs().max() <= OUTPUT_TOLERANCE
+
+    @pytest.mark.parametrize(("limit", "expected"), [("max_batch", 2), ("max_batch_tokens", 2)])
+    def test_batches_stop_at_the_limits(
+        self,
+        serve_spec: ServeSpec,
+        t2i_spec: Callable[..., PipelineSpec],
+        limit: str,
+        expected: int,
+    ) -> None:
+        """No batch holds more than serving.max_batch jobs or max_batch_tokens tokens."""
+        settings = {"max_batch": 2} if limit == "max_batch" else {"max_batch_tokens": 32}
+        served = serve_spec(t2i_spec(batch_window_ms=200, **settings))
+        batcher = served.worker.batcher
+        assert batcher is not None
+        key = BatchKey(endpoint="images", steps=1, latent_size=(4, 4))
+        jobs = [image_job(2 * i, key) for i in range(5)]  # one image (16 tokens) each
+        occupy(batcher)
+        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        assert max(job.batch_size for job in done) == expected

@@ -1,0 +1,232 @@
+"""The worker over loopback HTTP: override rules, the bounded queue, load under eviction."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from lifecycle.config import PipelineSpec
+from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
+from tests.lifecycle.serving.conftest import (
+    WATCHDOG_S,
+    ServeSpec,
+    decode_png,
+    run_alone,
+)
+from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
+
+SpecMaker = Callable[..., PipelineSpec]
+
+
+def generate(client: httpx.Client, **body: Any) -> httpx.Response:
+    """POST an image generation request."""
+    return client.post("/v1/images/generations", json={"prompt": "a red fox", **body})
+
+
+class TestOverrideOverHttp:
+    @pytest.mark.parametrize(
+        ("backend", "code", "words"),
+        [
+            ("flash_attn_9", "attention.invalid_override", "is not a known backend"),
+            ("sliding_window", "attention.invalid_override", "is sparse"),
+            ("torch_sdpa", "attention.capability_missing", "packed varlen"),
+            ("flash_attn", "attention.unavailable_backend", "flash_attn"),
+        ],
+    )
+    def test_refused_override_is_400_with_the_refusal(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, backend: str, code: str, words: str
+    ) -> None:
+        """Each broken override rule is a 400 carrying the refusal; nothing runs."""
+        served = serve_spec(t2i_spec())
+        with served.client() as client:
+            response = generate(client, attention_backend=backend, steps=1)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == code
+        assert error["param"] == "attention_backend"
+        assert words in error["refusals"][0]["message"]
+        assert response.headers["x-request-id"].startswith("req-")
+
+    def test_no_switchable_site_is_400(self, serve_spec: ServeSpec, t2i_spec: SpecMaker) -> None:
+        """With the denoiser's backend explicit in the spec, any override is a 400."""
+        spec = t2i_spec()
+        components = dict(spec.components)
+        components["transformer"] = components["transformer"].__class__(
+            kind="tiny_dit", attention_backend="torch_flash"
+        )
+        served = serve_spec(spec.__class__(**{**_fields(spec), "components": components}))
+        with served.client() as client:
+            response = generate(client, attention_backend="reference", steps=1)
+        assert response.status_code == 400
+        assert "no switchable attention site" in response.json()["error"]["message"]
+
+    def test_accepted_override_equals_the_embedded_api(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """An accepted override answers 200 with the image the Python API makes for it."""
+        served = serve_spec(t2i_spec())
+        with served.client() as client:
+            response = generate(client, attention_backend="reference", steps=2, seed=7)
+        assert response.status_code == 200
+        image = decode_png(_b64(response.json()["data"][0]["b64_json"]))
+        key = BatchKey(
+            endpoint="images", steps=2, attention_backend="reference", latent_size=(4, 4)
+        )
+        job = Job(id="x", key=key, prompts=["a red fox"], tokens=16, seed=7)
+        expected = _pixels(run_alone(served.worker, job)[0])
+        assert (image.int() - expected.int()).abs().max() <= 1
+
+    @pytest.mark.usefixtures("counting")
+    def test_concurrent_overrides_run_their_own_kernels(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """Concurrent requests naming two backends: each kernel runs exactly its requests'
+        calls, and no batch mixes the two."""
+        served = serve_spec(t2i_spec(batch_window_ms=50))
+        backends = ["counting_a", "counting_b"] * 4
+
+        def send(backend: str) -> httpx.Response:
+            with served.client() as client:
+                return generate(client, attention_backend=backend, steps=2, seed=1)
+
+        with ThreadPoolExecutor(len(backends)) as pool:
+            responses = list(pool.map(send, backends))
+        assert [r.status_code for r in responses] == [200] * len(backends)
+        batches: dict[str, set[str]] = {}
+        for backend, response in zip(backends, responses, strict=True):
+            batches.setdefault(response.headers["x-batch-id"], set()).add(backend)
+        assert all(len(found) == 1 for found in batches.values())
+        calls: dict[str, int] = {}
+        for (backend, _), count in CALLS.items():
+            calls[backend] = calls.get(backend, 0) + count
+        layers = 2  # tiny_dit's default blocks, one packed self-attention call each a step
+        per_backend = {b: {k for k, v in batches.items() if b in v} for b in set(backends)}
+        assert calls == {b: 2 * layers * len(per_backend[b]) for b in per_backend}
+
+
+class TestQueue:
+    def test_full_queue_is_429(self, serve_spec: ServeSpec, t2i_spec: SpecMaker) -> None:
+        """With serving.max_queue jobs in flight, the next request is answered 429."""
+        served = serve_spec(t2i_spec(max_queue=1))
+        batcher = served.worker.batcher
+        assert batcher is not None
+        with served.client() as client, ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(generate, client, steps=300, size="64x64")
+            for _ in range(int(WATCHDOG_S / 0.005)):
+                if batcher.in_flight == 1:
+                    break
+                threading.Event().wait(0.005)
+            response = generate(client, steps=1)
+            assert slow.result(timeout=WATCHDOG_S).status_code == 200
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "queue_full"
+        assert response.headers["retry-after"] == "1"
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("body", "param"),
+        [
+            ({"size": "15x16"}, "size"),
+            ({"size": "big"}, "size"),
+            ({"response_format": "url"}, "response_format"),
+            ({"n": 0}, "n"),
+            ({"guidance_scale": -1}, "guidance_scale"),
+            ({"colour": "red"}, "colour"),
+        ],
+    )
+    def test_bad_image_request_is_400_naming_the_field(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, body: dict[str, Any], param: str
+    ) -> None:
+        """A bad field is a 400 OpenAI error object that names it."""
+        served = serve_spec(t2i_spec())
+        with served.client() as client:
+            response = generate(client, **body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param
+
+    def test_guidance_scale_reaches_the_denoiser(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """A guided request runs classifier-free guidance: another image than unguided."""
+        served = serve_spec(t2i_spec())
+        with served.client() as client:
+            guided = generate(client, seed=3, guidance_scale=4.0)
+            plain = generate(client, seed=3)
+        assert (guided.status_code, plain.status_code) == (200, 200)
+        assert guided.json()["data"][0]["b64_json"] != plain.json()["data"][0]["b64_json"]
+
+    def test_endpoint_the_pipeline_does_not_serve_is_404(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """A text-to-image pipeline answers /v1/embeddings with 404 naming an example."""
+        served = serve_spec(t2i_spec())
+        with served.client() as client:
+            response = client.post("/v1/embeddings", json={"input": "a red fox"})
+        assert response.status_code == 404
+        assert "examples/minilm_embed.toml" in response.json()["error"]["message"]
+
+
+class TestLoad:
+    def test_concurrent_clients_under_an_evicting_budget(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+    ) -> None:
+        """32 clients, 200 requests, a budget that forces eviction: no errors, results as
+        run alone, resident bytes within the budget at every move."""
+        budget = 260_000  # the VAE (248,588 B) alone; every stage evicts the others
+        served = serve_spec(
+            t2i_spec(
+                memory={"device_budget": budget},
+                batch_window_ms=20,
+                max_batch=8,
+                max_queue=64,
+            )
+        )
+        prompts = ["a red fox", "ramen at night", "a lighthouse in a storm", "a cat"]
+
+        def body(i: int) -> dict[str, Any]:
+            return {"prompt": prompts[i % 4], "seed": i, "steps": 1 + i % 2}
+
+        def client_run(first: int) -> list[tuple[int, httpx.Response]]:
+            with served.client() as client:
+                return [
+                    (i, generate(client, **body(i)))
+                    for i in range(first, 200, 32)  # client k sends requests k, k+32, ...
+                ]
+
+        with ThreadPoolExecutor(32) as pool:
+            results = [r for rs in pool.map(client_run, range(32)) for r in rs]
+        assert len(results) == 200
+        assert [r.status_code for _, r in results] == [200] * 200
+        assert max(served.resident_at_moves) <= budget
+        evictions = [m for m in served.moves if m.direction == "offload"]
+        assert len(evictions) > 10
+        for i, response in results[::10]:  # every tenth against a sequential run
+            got = decode_png(_b64(response.json()["data"][0]["b64_json"]))
+            key = BatchKey(endpoint="images", steps=1 + i % 2, latent_size=(4, 4))
+            job = Job(id=str(i), key=key, prompts=[prompts[i % 4]], tokens=16, seed=i)
+            assert (got.int() - _pixels(run_alone(served.worker, job)[0]).int()).abs().max() <= 1
+        metrics = httpx.get(served.url + "/metrics").text
+        assert "lifecycle_refusals_total{" not in metrics  # no request was refused
+        assert "lifecycle_batch_size_count" in metrics
+        assert OUTPUT_TOLERANCE < 1 / 255  # a pixel level: batched images round alike or by 1
+
+
+def _b64(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text)
+
+
+def _pixels(image: Any) -> Any:
+    """Return ``image`` ``(3, H, W)`` in [-1, 1] as the worker's PNG pixels ``(H, W, 3)``."""
+    return ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0)
+
+
+def _fields(spec: PipelineSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in spec.__struct_fields__}

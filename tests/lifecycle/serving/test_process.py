@@ -1,0 +1,190 @@
+"""``lifecycle serve`` as a process: the openai client, SIGTERM drain, the optional extra."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from components.batch import Batch
+from lifecycle.orchestrator import Orchestrator
+from tests.lifecycle.serving.conftest import WATCHDOG_S, decode_png
+
+openai = pytest.importorskip("openai")
+
+SENTENCES = ["A red fox leaps over a snowy fence.", "Ramen with a soft-boiled egg.", "Hi"]
+
+
+def free_port() -> int:
+    """Return a loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
+    port = free_port()
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(int(WATCHDOG_S / 0.1)):
+            assert process.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            threading.Event().wait(0.1)
+        else:
+            raise AssertionError("the worker never became ready")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WATCHDOG_S)
+
+
+def batches_started(metrics: str) -> int:
+    """Return how many batches the worker started, from its Prometheus text."""
+    for line in metrics.splitlines():
+        if line.startswith("lifecycle_batch_size_count "):
+            return int(float(line.split()[1]))
+    return 0
+
+
+class TestOpenAiClient:
+    def test_embeddings_equal_the_embedded_api(self, root: Path, tmp_path: Path) -> None:
+        """client.embeddings.create returns the vectors the Python API computes."""
+        pytest.importorskip("tokenizers")
+        spec = root / "examples" / "minilm_embed.toml"
+        with Orchestrator.from_file(spec) as orch:
+            orch.load()
+            batch = Batch(generator=torch.Generator(), prompts=SENTENCES, size=len(SENTENCES))
+            with orch.request() as request:
+                request.run("encode", batch)
+            assert batch.sentence_embeddings is not None
+            expected = batch.sentence_embeddings
+        with serving(spec, tmp_path / "serve.log") as (_, url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            response = client.embeddings.create(model="minilm-embed", input=SENTENCES)
+            floats = client.embeddings.create(
+                model="minilm-embed", input=SENTENCES[0], encoding_format="float"
+            )
+        got = torch.tensor([item.embedding for item in response.data])
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert torch.allclose(torch.tensor(floats.data[0].embedding), expected[0], atol=1e-5)
+        assert response.usage.prompt_tokens > len(SENTENCES)
+
+    def test_images_generate_returns_a_png_of_the_size(self, root: Path, tmp_path: Path) -> None:
+        """client.images.generate returns n PNGs of the declared size."""
+        spec = root / "examples" / "tiny_t2i.toml"
+        with serving(spec, tmp_path / "serve.log") as (_, url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            response = client.images.generate(
+                model="tiny-t2i",
+                prompt="a lighthouse in a storm",
+                n=2,
+                size="32x16",  # type: ignore[arg-type]  # this pipeline's sizes are small
+                response_format="b64_json",
+                extra_body={"seed": 3, "steps": 2},
+            )
+            assert response.data is not None
+            images = [decode_png(base64.b64decode(d.b64_json or "")) for d in response.data]
+        assert [tuple(image.shape) for image in images] == [(16, 32, 3)] * 2
+
+
+class TestShutdown:
+    def test_sigterm_drains_in_flight_requests(self, root: Path, tmp_path: Path) -> None:
+        """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files."""
+        offload = tmp_path / "offload"
+        spec = tmp_path / "t2i.toml"
+        text = (root / "examples" / "tiny_t2i.toml").read_text()
+        spec.write_text(
+            text.replace(
+                'offload_target = "host"',
+                f'offload_target = "disk"\noffload_dir = "{offload}"',
+            )
+        )
+        with serving(spec, tmp_path / "serve.log") as (process, url):
+            assert any(offload.rglob("*.safetensors"))  # the offloaded weights live on disk
+            body = {"prompt": "a cat", "steps": 600, "size": "32x32", "seed": 1}
+            with (
+                httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
+                ThreadPoolExecutor(4) as pool,
+            ):
+                running = [
+                    pool.submit(client.post, "/v1/images/generations", json=body) for _ in range(4)
+                ]
+                for _ in range(int(WATCHDOG_S / 0.01)):
+                    if batches_started(client.get("/metrics").text):
+                        break
+                    threading.Event().wait(0.01)
+                process.send_signal(signal.SIGTERM)
+                for _ in range(int(WATCHDOG_S / 0.01)):
+                    if client.get("/readyz").status_code == 503:
+                        break
+                    threading.Event().wait(0.01)
+                refused = client.post("/v1/images/generations", json={"prompt": "late"})
+                answers = [future.result(timeout=WATCHDOG_S) for future in running]
+            code = process.wait(timeout=WATCHDOG_S)
+        assert [a.status_code for a in answers] == [200] * 4
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
+        assert code == 0
+        assert not any(offload.rglob("*.safetensors"))
+
+
+class TestCommand:
+    def test_bad_spec_exits_2_and_refused_spec_exits_1(self, root: Path, tmp_path: Path) -> None:
+        """A spec that does not decode exits 2; one admission refuses exits 1 with the reason."""
+        bad = tmp_path / "bad.toml"
+        bad.write_text('name = "x"\n[components.a]\nkind = "tiny_vae"\nresidency = "offlaod"\n')
+        refused = root / "examples" / "refused" / "capability_missing.toml"
+        results = [
+            subprocess.run(
+                [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", "1"],
+                capture_output=True,
+                text=True,
+                timeout=WATCHDOG_S,
+            )
+            for spec in (bad, refused)
+        ]
+        assert [r.returncode for r in results] == [2, 1]
+        assert "$.components.a.residency" in results[0].stderr
+        assert "attention.capability_missing" in results[1].stderr
+        assert all("Traceback" not in r.stderr for r in results)
+
+    def test_serve_without_the_extra_names_it(self, root: Path) -> None:
+        """Without fastapi, `lifecycle serve` exits 2 naming the serve extra, no traceback."""
+        script = (
+            "import sys; sys.modules['fastapi'] = None; from lifecycle.cli import main; "
+            f"sys.exit(main(['serve', {str(root / 'examples' / 'tiny_t2i.toml')!r}]))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=WATCHDOG_S
+        )
+        assert result.returncode == 2
+        assert "pipeline-lifecycle[serve]" in result.stderr
+        assert "Traceback" not in result.stderr

@@ -1,0 +1,207 @@
+"""Waiting for memory (DESIGN §5.5): FIFO turns, a bounded wait, no deadlock."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from attention import Platform
+from lifecycle.config import decode_spec
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import TransitionRefused
+from lifecycle.residency import Move
+from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.test_requests import BUDGET_SPEC, VAE_BYTES
+
+WATCHDOG_S = 120.0
+"""How long any thread of these tests may take before the test fails as a deadlock."""
+
+
+def budget_spec(budget: int, wait_timeout: float = 60.0) -> str:
+    """Return the three-VAE budget pipeline with ``budget`` bytes and a wait timeout."""
+    text = BUDGET_SPEC.format(budget=budget)
+    return text.replace("[memory]", f"[memory]\nwait_timeout = {wait_timeout}")
+
+
+def until(condition: Callable[[], bool]) -> None:
+    """Block until ``condition`` holds (checked every 5 ms), failing after the watchdog."""
+    done = threading.Event()
+    for _ in range(int(WATCHDOG_S / 0.005)):
+        if condition():
+            return
+        done.wait(0.005)
+    raise AssertionError("condition never held: the watchdog fired")
+
+
+def run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
+    """Run each target on its own thread; return their errors; fail if one never ends."""
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as err:  # re-raised by the caller, in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=WATCHDOG_S)
+    assert not any(t.is_alive() for t in threads), "deadlock: a request never finished"
+    return errors
+
+
+class TestWaiting:
+    def test_blocked_onload_waits_for_the_holder(self, cpu: Platform) -> None:
+        """A stage that fits only once another request lets go waits, then runs; no refusal."""
+        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
+        release = threading.Event()
+        entered: list[str] = []
+        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+            orch.load()
+
+            def holder() -> None:
+                with orch.request("r1") as request, request.stage("s0"):
+                    entered.append("r1")
+                    release.wait(WATCHDOG_S)
+
+            def waiter() -> None:
+                until(lambda: entered == ["r1"])
+                with orch.request("r2") as request, request.stage("s1"):
+                    entered.append("r2")
+
+            def releaser() -> None:
+                until(lambda: orch.waiter.queue == ("r2",))
+                assert entered == ["r1"]  # r2 is waiting, not refused and not running
+                release.set()
+
+            assert run_threads([holder, waiter, releaser]) == []
+        assert entered == ["r1", "r2"]
+        (waited,) = events_named(events, "residency.waited")
+        assert waited["request_id"] == "r2"
+        assert waited["components"] == ["b"]
+        assert orch.waiter.waits == 1
+
+    def test_turns_are_first_come_first_served(self, cpu: Platform) -> None:
+        """Requests blocked on memory enter in the order they started waiting."""
+        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
+        release = threading.Event()
+        entered: list[str] = []
+        with Orchestrator(spec, platform=cpu) as orch:
+            orch.load()
+
+            def holder() -> None:
+                with orch.request("r1") as request, request.stage("s0"):
+                    entered.append("r1")
+                    release.wait(WATCHDOG_S)
+
+            def queued(rid: str, stage: str, after: tuple[str, ...]) -> Callable[[], None]:
+                def run() -> None:
+                    until(lambda: entered == ["r1"] and orch.waiter.queue == after)
+                    with orch.request(rid) as request, request.stage(stage):
+                        entered.append(rid)
+
+                return run
+
+            def releaser() -> None:
+                until(lambda: orch.waiter.queue == ("r2", "r3", "r4"))
+                release.set()
+
+            errors = run_threads(
+                [
+                    holder,
+                    queued("r2", "s1", ()),
+                    queued("r3", "s2", ("r2",)),
+                    queued("r4", "s1", ("r2", "r3")),
+                    releaser,
+                ]
+            )
+        assert errors == []
+        assert entered == ["r1", "r2", "r3", "r4"]
+
+    def test_wait_is_bounded_and_names_the_holders(self, cpu: Platform) -> None:
+        """Past memory.wait_timeout the request is refused, naming who holds what."""
+        spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.2))
+        with Orchestrator(spec, platform=cpu) as orch:
+            orch.load()
+            with orch.request("r1") as first, first.stage("s0"):
+                with (
+                    pytest.raises(TransitionRefused) as err,
+                    orch.request("r2") as second,
+                    second.stage("s1"),
+                ):
+                    pass
+                assert err.value.codes == ("residency.memory_budget",)
+                message = err.value.refusals[0].message
+                assert "waited 0.2 s for memory for stage components b" in message
+                assert "request r1 holds a" in message
+                assert "raise memory.wait_timeout" in err.value.refusals[0].hint
+                assert orch.waiter.queue == ()
+            assert orch.component("b").in_use_by == ()
+
+    def test_nested_stage_does_not_wait(self, cpu: Platform) -> None:
+        """A request that already holds a stage is refused at once: it never holds and waits."""
+        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
+        with Orchestrator(spec, platform=cpu) as orch:
+            orch.load()
+            with orch.request("r1") as request, request.stage("s0"):
+                with pytest.raises(TransitionRefused) as err, request.stage("s1"):
+                    pass
+                assert "waited" not in err.value.refusals[0].message
+                assert orch.waiter.waits == 0
+
+
+PAIRS_SPEC = """
+name = "pairs"
+[memory]
+device_budget = {budget}
+[components.a]
+kind = "tiny_vae"
+residency = "component_offload"
+[components.b]
+kind = "tiny_vae"
+residency = "component_offload"
+[components.c]
+kind = "tiny_vae"
+residency = "component_offload"
+[[stages]]
+name = "ab"
+uses = ["a", "b"]
+[[stages]]
+name = "bc"
+uses = ["b", "c"]
+[[stages]]
+name = "ca"
+uses = ["c", "a"]
+"""
+
+
+class TestNoDeadlock:
+    def test_mixed_stage_orders_under_a_tight_budget(self, cpu: Platform) -> None:
+        """Six threads walk overlapping two-component stages in every order: all finish."""
+        budget = 2 * VAE_BYTES + 1000  # exactly one stage at a time
+        spec = decode_spec(PAIRS_SPEC.format(budget=budget))
+        moves: list[Move] = []
+        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+            orch.load()
+            orders = list(itertools.permutations(("ab", "bc", "ca")))
+
+            def walk(index: int, order: tuple[str, ...]) -> Callable[[], None]:
+                def run() -> None:
+                    for repeat in range(3):
+                        with orch.request(f"t{index}-{repeat}") as request:
+                            for stage in order:
+                                with request.stage(stage):
+                                    assert orch.resident_bytes() <= budget
+
+                return run
+
+            errors = run_threads([walk(i, order) for i, order in enumerate(orders)])
+            assert errors == []
+            assert all(orch.component(n).in_use_by == () for n in ("a", "b", "c"))
+        onloads = [m for m in moves if m.direction == "onload"]
+        assert len(onloads) >= len(orders) * 3 * 2  # they really moved under the budget
