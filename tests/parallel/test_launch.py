@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -167,7 +168,7 @@ class TestFaults:
 
     def test_a_killed_rank_ends_the_run(self) -> None:
         """Killing one worker stops the other within the deadline, exit 3 naming the rank."""
-        command = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--nproc", "2"]
+        command = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--nproc", "2", "--json-logs"]
         command += ["--requests", "100000", "--steps", "4"]
         process = subprocess.Popen(
             [sys.executable, *command],
@@ -176,16 +177,22 @@ class TestFaults:
             stderr=subprocess.PIPE,
             text=True,
         )
+        assert process.stderr is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
+        reader.start()
         try:
             deadline = time.monotonic() + DEADLINE_S
-            workers: list[int] = []
-            while len(workers) < 2 and time.monotonic() < deadline:
-                time.sleep(0.5)
-                workers = children(process.pid)
-            assert len(workers) == 2, "torchrun did not start two workers"
-            time.sleep(20)  # let both load and start serving requests
+            serving: set[object] = set()
+            while serving != {0, 1} and time.monotonic() < deadline:
+                time.sleep(0.2)
+                serving = {e["rank"] for e in events("\n".join(lines)) if "request_id" in e}
+            assert serving == {0, 1}, "both ranks should be serving requests"
+            workers = children(process.pid)
             os.kill(workers[1], signal.SIGKILL)
-            _, stderr = process.communicate(timeout=DEADLINE_S)
+            process.wait(timeout=DEADLINE_S)
+            reader.join(timeout=DEADLINE_S)
+            stderr = "\n".join(lines)
         finally:
             if process.poll() is None:
                 process.kill()
