@@ -60,6 +60,8 @@ class Batch:
         guidance_scale: classifier-free guidance: a denoiser predicts
             ``uncond + scale * (cond - uncond)``; 1 turns it off (one branch); None
             takes the denoiser's own default (its ``guidance_scale`` option).
+        negative_prompts: the unconditional branch's text, one sentence per prompt; a
+            text encoder embeds them into ``negative_context``.
         negative_context: the unconditional branch's text embeddings, one ``(L_i, E)``
             tensor per prompt (embedded negative prompts); None means the empty prompt,
             one zero embedding.
@@ -76,4 +78,5 @@ class Batch:
     latents: list[torch.Tensor] | None = None
     images: torch.Tensor | None = field(default=None)
     guidance_scale: float | None = None
+    negative_prompts: list[str] | None = None
     negative_context: list[torch.Tensor] | None = None

@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a sentence every request carries (repeatable); a sentence encoder shows each "
         "one's nearest neighbour (default: seeded sentences, one a request)",
     )
+    run.add_argument(
+        "--negative-prompt",
+        metavar="TEXT",
+        help="the text every image is guided away from (with --guidance-scale above 1)",
+    )
     run.add_argument("--out", type=Path, help="write each request's images there as PNG")
     run.add_argument(
         "--json", action="store_true", help="print one JSON object: summary and snapshot"

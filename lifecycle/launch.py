@@ -96,7 +96,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     for flag in ("json", "json_logs"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
-    for option in ("threads", "out", "timeline", "guidance_scale"):
+    for option in ("threads", "out", "timeline", "guidance_scale", "negative_prompt"):
         if (value := getattr(args, option)) is not None:
             argv += ["--" + option.replace("_", "-"), str(value)]
     return argv

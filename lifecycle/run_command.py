@@ -81,6 +81,7 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
                 steps=args.steps,
                 guidance_scale=args.guidance_scale,
                 prompts=args.prompt,
+                negative_prompt=args.negative_prompt,
                 out=args.out if launch.is_main_rank() else None,
                 should_stop=stop.should_stop,
                 on_request=_Progress(len(share)),

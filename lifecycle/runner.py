@@ -165,6 +165,7 @@ def run_requests(
     steps: int,
     guidance_scale: float | None = None,
     prompts: Sequence[str] = (),
+    negative_prompt: str | None = None,
     out: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_request: Callable[[int], None] | None = None,
@@ -172,7 +173,8 @@ def run_requests(
     """Run up to ``requests`` requests (a count, or the indices to run) through every stage.
 
     Each request starts from seeded inputs (seed = its index) and carries
-    ``prompts`` when given (one image or embedding each). ``should_stop`` is
+    ``prompts`` when given (one image or embedding each), and ``negative_prompt`` for
+    every prompt's unconditional guidance branch when given. ``should_stop`` is
     asked before each request; a request that started always completes.
 
     Raises:
@@ -184,12 +186,14 @@ def run_requests(
         if should_stop():
             return
         started = time.perf_counter()
+        size = len(prompts) or 1
         batch = Batch(
             generator=torch.Generator().manual_seed(index),
             steps=steps,
             guidance_scale=guidance_scale,
-            size=len(prompts) or 1,
+            size=size,
             prompts=list(prompts) or None,
+            negative_prompts=None if negative_prompt is None else [negative_prompt] * size,
         )
         request_id = f"r{index + 1}"
         with orchestrator.request(request_id) as request:

@@ -404,7 +404,7 @@ class MiniLmLoader(ComponentLoader):
         )
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Encode the request's prompts (seeded ones if none): token context, sentence vectors.
+        """Encode the request's prompts (seeded ones if none) and negative prompts.
 
         Raises:
             ValueError: ``batch.prompts`` does not hold ``batch.size`` sentences.
@@ -415,12 +415,19 @@ class MiniLmLoader(ComponentLoader):
                 f"the request carries {len(prompts)} prompts but size = {batch.size}; "
                 "give one prompt per image"
             )
-        device = device_of(module)
-        tokens, mask = (t.to(device) for t in self.tokenizer(prompts))  # (B, S) each
-        hidden = module(tokens, mask)  # (B, S, E)
+        hidden, mask = self._encode(module, prompts)
         batch.prompts = prompts
         batch.context = [hidden[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
         batch.sentence_embeddings = mean_pool(hidden, mask)  # (B, E)
+        if batch.negative_prompts is not None:
+            hidden, mask = self._encode(module, batch.negative_prompts)
+            batch.negative_context = [hidden[i][mask[i]] for i in range(len(mask))]
+
+    def _encode(self, module: nn.Module, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the hidden states ``(B, S, E)`` and the token mask ``(B, S)`` of ``sentences``."""
+        device = device_of(module)
+        tokens, mask = (t.to(device) for t in self.tokenizer(sentences))  # (B, S) each
+        return module(tokens, mask), mask
 
     def build_custom(self) -> MiniLmEncoder:
         """Build the project's BERT on ``attention.Attention`` layers of site ``self``.

@@ -198,19 +198,20 @@ class TinyTextEncoderLoader(ComponentLoader):
         return (Port(field="context", width=self.options.dim, option="dim"),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Encode the request's prompts, or seeded tokens when it has none.
+        """Encode the request's prompts (seeded tokens when it has none), and its negative ones.
 
         The context is each prompt's real tokens only.
         """
-        device = device_of(module)
         inputs = (
             example_inputs(self.options, batch.size, batch.generator)
             if batch.prompts is None
             else prompt_inputs(self.options, batch.prompts)
         )
-        tokens, mask = (t.to(device) for t in inputs)  # (B, S) each
-        embeddings = module(tokens, mask)  # (B, S, E)
-        batch.context = [embeddings[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
+        batch.context = _encode(module, *inputs)
+        if batch.negative_prompts is not None:
+            batch.negative_context = _encode(
+                module, *prompt_inputs(self.options, batch.negative_prompts)
+            )
 
     def build_custom(self) -> TinyTextEncoder:
         """Build the encoder on ``attention.Attention`` layers of site ``self``."""
@@ -273,3 +274,11 @@ def example_inputs(
     lengths = torch.tensor([max(seq_len - i % (seq_len // 2 + 1), 1) for i in range(batch)])
     mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # (B, S)
     return TextEncoderInputs(tokens.masked_fill(~mask, 0), mask)
+
+
+def _encode(module: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Return each sequence's embeddings on its real tokens only: ``(L_i, E)`` each."""
+    device = device_of(module)
+    tokens, mask = tokens.to(device), mask.to(device)  # (B, S) each
+    embeddings = module(tokens, mask)  # (B, S, E)
+    return [embeddings[i][mask[i]] for i in range(len(mask))]

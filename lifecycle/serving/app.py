@@ -61,6 +61,7 @@ class ImagesBody(BaseModel):
     steps: Annotated[int, Field(ge=1, le=1000)] = 4
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     guidance_scale: Annotated[float, Field(ge=0)] = 1.0
+    negative_prompt: str | None = None
     attention_backend: str | None = None
 
 
@@ -179,11 +180,13 @@ def create_app(worker: Worker) -> FastAPI:
             guidance_scale=body.guidance_scale,
             attention_backend=body.attention_backend,
             latent_size=latent_size,
+            negative=body.negative_prompt is not None,
         )
         job = Job(
             id=request.state.id,
             key=key,
             prompts=[body.prompt] * body.n,
+            negative_prompt=body.negative_prompt,
             tokens=body.n * latent_size[0] * latent_size[1],
             seed=seed,
         )

@@ -37,6 +37,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         guidance_scale: classifier-free guidance scale.
         attention_backend: the per-request backend override, or None.
         latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
+        negative: its images are guided away from a negative prompt (a job without one
+            guides away from the empty prompt: the two never share a batch).
     """
 
     endpoint: Endpoint
@@ -44,6 +46,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     guidance_scale: float = 1.0
     attention_backend: str | None = None
     latent_size: tuple[int, int] = (0, 0)
+    negative: bool = False
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +73,7 @@ class Job:
         id: the request id on the response and in the logs.
         key: what it must share with the jobs it is batched with.
         prompts: its prompts (one per image or embedding).
+        negative_prompt: the text its images are guided away from, or None.
         tokens: its size against ``serving.max_batch_tokens``.
         seed: the seed of its random inputs.
         output: its embeddings ``(B, E)`` or images ``(B, 3, H, W)``, once run.
@@ -83,6 +87,7 @@ class Job:
     key: BatchKey
     prompts: list[str]
     tokens: int
+    negative_prompt: str | None = None
     seed: int = 0
     output: torch.Tensor | None = None
     prompt_tokens: int = 0
@@ -112,6 +117,9 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
         generator=torch.Generator().manual_seed(jobs[0].seed),  # unused: inputs are given
         steps=max(key.steps, 1),
         guidance_scale=key.guidance_scale,
+        negative_prompts=[job.negative_prompt or "" for job in jobs for _ in job.prompts]
+        if key.negative
+        else None,
         size=len(prompts),
         latent_size=key.latent_size if key.endpoint == "images" else (4, 4),
         prompts=prompts,

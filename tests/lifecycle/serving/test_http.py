@@ -153,13 +153,17 @@ class TestBadInput:
     def test_guidance_scale_reaches_the_denoiser(
         self, serve_spec: ServeSpec, t2i_spec: SpecMaker
     ) -> None:
-        """A guided request runs classifier-free guidance: another image than unguided."""
+        """Guidance and a negative prompt each change the image a request gets."""
         served = serve_spec(t2i_spec())
         with served.client() as client:
-            guided = generate(client, seed=3, guidance_scale=4.0)
-            plain = generate(client, seed=3)
-        assert (guided.status_code, plain.status_code) == (200, 200)
-        assert guided.json()["data"][0]["b64_json"] != plain.json()["data"][0]["b64_json"]
+            responses = [
+                generate(client, seed=3),
+                generate(client, seed=3, guidance_scale=4.0),
+                generate(client, seed=3, guidance_scale=4.0, negative_prompt="blurry, dark"),
+            ]
+        assert [response.status_code for response in responses] == [200, 200, 200]
+        pngs = [response.json()["data"][0]["b64_json"] for response in responses]
+        assert len(set(pngs)) == 3
 
     def test_endpoint_the_pipeline_does_not_serve_is_404(
         self, serve_spec: ServeSpec, t2i_spec: SpecMaker
