@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from attention import AttentionBackend, AttentionImpl, AttentionRole
@@ -55,6 +56,18 @@ class EchoKind(ComponentLoader):
         """Attend over seeded tokens; nothing is handed on."""
         x = torch.randn(batch.size, 4, 16, generator=batch.generator)  # (B, S, 16)
         module(x.to(device_of(module)))
+
+
+class RankFaultKind(EchoKind):
+    """A plugin kind whose request fails on rank 1 of a process group, and runs elsewhere."""
+
+    kind: ClassVar[str] = "plugin_rank_fault"
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Raise on rank 1, as a kernel that hits a bad device would; echo elsewhere."""
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("the device of rank 1 went away")
+        super().run(module, batch)
 
 
 def make_plain() -> nn.Module:

@@ -16,6 +16,7 @@ ENTRY_POINTS = """
 [pipeline_lifecycle.kinds]
 plugin_echo = tests.plugin.ext:EchoKind
 plugin_factory = tests.plugin.ext:make_plain
+plugin_rank_fault = tests.plugin.ext:RankFaultKind
 plugin_missing = tests.plugin.no_such_module:Kind
 cwd_kind = cwd_plugin:make
 misnamed = tests.plugin.ext:EchoKind
@@ -40,6 +41,22 @@ kind = "plugin_factory"
 [[stages]]
 name = "all"
 uses = ["echo", "plain"]
+"""
+
+FAULTY_REPLICAS = """
+name = "faulty"
+device = "cpu"
+
+[parallel]
+dp_size = 2
+timeout_s = 30
+
+[components.echo]
+kind = "plugin_rank_fault"
+
+[[stages]]
+name = "all"
+uses = ["echo"]
 """
 
 Lifecycle = Callable[..., subprocess.CompletedProcess[str]]
@@ -147,3 +164,14 @@ class TestEntryPoints:
         assert "name 'torch_sdpa' is taken by attention.backends" in result.stderr
         assert "NoForwardImpl must implement forward" in result.stderr
         assert "plugin_incomplete" not in error["message"]
+
+    def test_a_rank_that_raises_ends_the_run(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A rank whose request raises exits 3; torchrun stops the other; both are named."""
+        spec = tmp_path / "work" / "faulty.toml"
+        spec.write_text(FAULTY_REPLICAS)
+        result = lifecycle("run", str(spec), "--nproc", "2", "--requests", "100000")
+        assert result.returncode == 3, result.stderr[-3000:]
+        assert "RuntimeError: the device of rank 1 went away" in result.stderr
+        assert "lifecycle run: rank 1 failed: exit code 3" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert not list((tmp_path / "work").glob(".lifecycle/offload/*"))
