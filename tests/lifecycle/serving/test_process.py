@@ -65,12 +65,18 @@ def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], st
             process.wait(timeout=WATCHDOG_S)
 
 
-def batches_started(metrics: str) -> int:
-    """Return how many batches the worker started, from its Prometheus text."""
+def metric(metrics: str, name: str) -> float:
+    """Return the sample ``name`` (without labels) from a worker's Prometheus text, else 0."""
     for line in metrics.splitlines():
-        if line.startswith("lifecycle_batch_size_count "):
-            return int(float(line.split()[1]))
-    return 0
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def accepted_jobs(metrics: str) -> int:
+    """Return the jobs the worker holds: those in batches it started, and those queued."""
+    started = metric(metrics, "lifecycle_batch_size_sum")
+    return int(started + metric(metrics, "lifecycle_queue_depth"))
 
 
 class TestOpenAiClient:
@@ -137,8 +143,8 @@ class TestShutdown:
                 running = [
                     pool.submit(client.post, "/v1/images/generations", json=body) for _ in range(4)
                 ]
-                for _ in range(int(WATCHDOG_S / 0.01)):
-                    if batches_started(client.get("/metrics").text):
+                for _ in range(int(WATCHDOG_S / 0.01)):  # all four are in flight, none done
+                    if accepted_jobs(client.get("/metrics").text) == len(running):
                         break
                     threading.Event().wait(0.01)
                 process.send_signal(signal.SIGTERM)
