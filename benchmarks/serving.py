@@ -98,22 +98,21 @@ def warm(url: str, path: str, bodies: Callable[[int], dict[str, Any]]) -> None:
             http.post(path, json=bodies(i)).raise_for_status()
 
 
-def load(
-    url: str, path: str, bodies: Callable[[int], dict[str, Any]], clients: int
-) -> dict[str, float]:
-    """Send ``REQUESTS_PER_CLIENT`` requests from each of ``clients`` threads; summarise."""
+def concurrently(clients: int, request: Callable[[int], None]) -> dict[str, float]:
+    """Run ``request(i)`` ``REQUESTS_PER_CLIENT`` times on each of ``clients`` threads.
+
+    Returns the throughput and the p50 and p99 latency (ms) of single requests.
+    """
     count = REQUESTS_PER_CLIENT.get(clients, 10)
     latencies: list[float] = []
     lock = threading.Lock()
 
     def client(k: int) -> None:
-        with httpx.Client(base_url=url, timeout=600) as http:
-            for j in range(count):
-                started = time.perf_counter()
-                response = http.post(path, json=bodies(k * count + j))
-                response.raise_for_status()
-                with lock:
-                    latencies.append(time.perf_counter() - started)
+        for j in range(count):
+            started = time.perf_counter()
+            request(k * count + j)
+            with lock:
+                latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -125,6 +124,19 @@ def load(
         "p50": 1e3 * statistics.median(latencies),
         "p99": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
     }
+
+
+def load(
+    url: str, path: str, bodies: Callable[[int], dict[str, Any]], clients: int
+) -> dict[str, float]:
+    """Post ``bodies(i)`` to ``path`` from ``clients`` concurrent HTTP clients; summarise."""
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    with httpx.Client(base_url=url, timeout=600, limits=limits) as http:  # thread-safe pool
+
+        def post(i: int) -> None:
+            http.post(path, json=bodies(i)).raise_for_status()
+
+        return concurrently(clients, post)
 
 
 class Embedded:
@@ -175,34 +187,17 @@ def budget_spec(folder: Path) -> Path:
 
 def queued(worker: Worker, clients: int) -> dict[str, float]:
     """Submit embedding jobs to the worker's queue from ``clients`` threads, no HTTP."""
-    count = REQUESTS_PER_CLIENT.get(clients, 10)
-    latencies: list[float] = []
-    lock = threading.Lock()
 
-    def client(k: int) -> None:
-        for j in range(count):
-            i = k * count + j
-            job = Job(
-                id=f"q{i}",
-                key=BatchKey(endpoint="embeddings"),
-                prompts=[sentence(i)],
-                tokens=estimate_tokens([sentence(i)]),
-            )
-            started = time.perf_counter()
-            worker.submit(job).result()
-            with lock:
-                latencies.append(time.perf_counter() - started)
+    def submit(i: int) -> None:
+        job = Job(
+            id=f"q{i}",
+            key=BatchKey(endpoint="embeddings"),
+            prompts=[sentence(i)],
+            tokens=estimate_tokens([sentence(i)]),
+        )
+        worker.submit(job).result()
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(client, range(clients)))
-    wall = time.perf_counter() - started
-    latencies.sort()
-    return {
-        "rps": len(latencies) / wall,
-        "p50": 1e3 * statistics.median(latencies),
-        "p99": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-    }
+    return concurrently(clients, submit)
 
 
 def embedding_batch(i: int) -> Batch:
