@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torch import nn
-
-from attention import Attention, Platform, component_attention_scope
+from attention import Platform, component_attention_scope
 from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
 from lifecycle.config import PipelineSpec
@@ -78,11 +76,10 @@ class Loading:
         """
         slot = self.slots[name]
         admitted = _admitted(slot)
-        module = slot.module
-        assert module is not None, "plan_honoured runs after load built the module"
         if admitted.plan.loader == "custom" and admitted.planned is None:
             return []  # a generic kind's sites are unknown: its scope enforced its requests
-        built = _built_sites(module)
+        # the slot found the module's layers once, when load set the module
+        built = {layer.site: layer.backend_name for layer in slot.layers}
         expected = {site.site: site.backend for site in admitted.plan.attention}
         if built == expected:
             return []
@@ -103,9 +100,3 @@ def _admitted(slot: ComponentSlot) -> ComponentAdmission:
     if slot.admission is None:
         raise RuntimeError(f"component '{slot.name}' was never admitted; admit() it first")
     return slot.admission
-
-
-def _built_sites(module: nn.Module) -> dict[str, str]:
-    return {
-        layer.site: layer.backend_name for layer in module.modules() if isinstance(layer, Attention)
-    }
