@@ -6,20 +6,10 @@ import torch
 
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
+from tests.lifecycle.test_requests import generate
 
-STAGES = ("encode", "denoise", "decode")
-
-
-def images(orch: Orchestrator, **guidance: object) -> torch.Tensor:
-    """Run one seeded request with ``guidance`` fields on its batch; return its images."""
-    batch = Batch(
-        generator=torch.Generator().manual_seed(0), steps=2, prompts=["a red fox"], **guidance
-    )
-    with orch.request() as request:
-        for stage in STAGES:
-            request.run(stage, batch)
-    assert batch.images is not None
-    return batch.images
+PROMPT = ["a red fox"]
+NEGATIVE = ["blurry, dark"]
 
 
 class TestGuidance:
@@ -29,9 +19,7 @@ class TestGuidance:
         """The text encoder embeds negative prompts, one (L, E) tensor each."""
         reference_orchestrator.load()
         batch = Batch(
-            generator=torch.Generator().manual_seed(0),
-            prompts=["a red fox"],
-            negative_prompts=["blurry, dark"],
+            generator=torch.Generator().manual_seed(0), prompts=PROMPT, negative_prompts=NEGATIVE
         )
         with reference_orchestrator.request() as request:
             request.run("encode", batch)
@@ -45,14 +33,15 @@ class TestGuidance:
         self, reference_orchestrator: Orchestrator
     ) -> None:
         """A negative prompt changes a guided image and leaves an unguided one alone."""
-        reference_orchestrator.load()
-        plain = images(reference_orchestrator, guidance_scale=1.0)
-        unguided_negative = images(
-            reference_orchestrator, guidance_scale=1.0, negative_prompts=["blurry, dark"]
+        orch = reference_orchestrator
+        orch.load()
+        plain = generate(orch, prompts=PROMPT, guidance_scale=1.0)
+        unguided_negative = generate(
+            orch, prompts=PROMPT, guidance_scale=1.0, negative_prompts=NEGATIVE
         )
-        guided = images(reference_orchestrator, guidance_scale=4.0)
-        guided_negative = images(
-            reference_orchestrator, guidance_scale=4.0, negative_prompts=["blurry, dark"]
+        guided = generate(orch, prompts=PROMPT, guidance_scale=4.0)
+        guided_negative = generate(
+            orch, prompts=PROMPT, guidance_scale=4.0, negative_prompts=NEGATIVE
         )
         assert torch.equal(plain, unguided_negative)
         assert not torch.equal(plain, guided)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,9 +24,9 @@ from tests.lifecycle.conftest import ReferenceSpec
 STAGES = ("encode", "denoise", "decode")
 
 
-def generate(orch: Orchestrator, seed: int = 0) -> torch.Tensor:
-    """Run one request through every stage and return its images."""
-    batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2)
+def generate(orch: Orchestrator, seed: int = 0, **fields: Any) -> torch.Tensor:
+    """Run one request (``fields`` set on its batch) through every stage; return its images."""
+    batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2, **fields)
     with orch.request() as request:
         for stage in STAGES:
             request.run(stage, batch)

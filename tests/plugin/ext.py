@@ -12,30 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from attention import AttentionBackend, AttentionImpl, AttentionRole
+from attention import AttentionBackend, AttentionImpl
 from components.batch import Batch, device_of
 from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
+from tests.lifecycle.kinds_for_tests import SITE, SelfAttentionNet
 
 # B batch, H heads, S seq, D head dim
-
-SITE = AttentionSite(name="self", role=AttentionRole.SELF, heads=2)
-
-
-class EchoNet(nn.Module):
-    """One projection and, when given a site, one self-attention layer over it."""
-
-    def __init__(self, site: AttentionSite | None) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-        self.attn = site.build_layer() if site is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Project ``x`` (B, S, 16) and attend over it with two heads."""
-        h = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)  # (B, H, S, D)
-        if self.attn is not None:
-            h = self.attn(h, h, h)
-        return h.transpose(1, 2).flatten(-2)
 
 
 class EchoKind(ComponentLoader):
@@ -50,7 +33,7 @@ class EchoKind(ComponentLoader):
 
     def build_custom(self) -> nn.Module:
         """Build the network on an ``attention.Attention`` layer."""
-        return EchoNet(SITE)
+        return SelfAttentionNet(SITE)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Attend over seeded tokens; nothing is handed on."""
@@ -72,7 +55,7 @@ class RankFaultKind(EchoKind):
 
 def make_plain() -> nn.Module:
     """Return a network without attention: a kind registered as a plain factory."""
-    return EchoNet(None)
+    return SelfAttentionNet(None)
 
 
 class PluginImpl(AttentionImpl):
