@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attention.log_routing  # noqa: F401  (routes events away from stdout; see the module)
 from attention import registry
 from attention.backend import AttentionBackend, AttentionImpl, DeviceKind, NoOptions
 from attention.consumption import unconsumed

@@ -24,5 +24,5 @@ OffloadTarget: TypeAlias = Literal["host", "disk"]
 
 
 OffloadVerify: TypeAlias = Literal["checksum", "stat"]
-"""How a disk-offload file is verified at onload: a checksum of the data read, or only
-its size, mtime and inode."""
+"""How a disk-offload file is verified at onload: a checksum of the data, once per
+identity of the file, or only its size, mtime, ctime and inode."""

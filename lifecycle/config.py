@@ -83,10 +83,10 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         device_budget: the most bytes resident on the device at once.
         offload_target: where offloaded weights go.
         offload_dir: the folder of the safetensors files for the disk target.
-        verify_offload: how a disk-offload file is verified at each onload:
-            ``checksum`` (its data against the checksums taken when it was
-            written) or ``stat`` (its size, mtime and inode only: cheaper,
-            since a mapped onload otherwise touches no page).
+        verify_offload: how a disk-offload file is verified at onload:
+            ``checksum`` (its identity, and its data against the checksums
+            taken when it was written, hashed once per identity of the file)
+            or ``stat`` (its size, mtime, ctime and inode only: never hashes).
         wait_timeout: seconds an onload waits for other requests to release what
             it needs before it is refused (DESIGN §5.5).
     """

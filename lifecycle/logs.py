@@ -4,11 +4,9 @@ Every module logs with a constant event name and data fields (DESIGN.md §9);
 this module only decides how those events are rendered and where they go.
 
 - Unconfigured (a program embeds the orchestrator and configures nothing):
-  importing ``lifecycle`` routes structlog into the standard ``logging``
-  module, named loggers ``lifecycle`` and ``attention``. Nothing reaches
-  stdout; where the application configured ``logging``, its handlers receive
-  every event as one logfmt line at the event's level, and with no handler
-  at all Python's last-resort handler writes warnings and errors to stderr.
+  the import routes structlog into the standard ``logging`` module
+  (:mod:`attention.log_routing`, the package every other one imports), so
+  nothing reaches stdout.
 - ``configure_logging`` (the CLI, the benchmarks): JSON lines or a console
   renderer on stderr, filtered at a level.
 
@@ -49,42 +47,6 @@ class _Generation:
 def configuration_changed() -> None:
     """Make every ``EventLogger`` assemble its logger again from structlog's configuration."""
     _Generation.value += 1
-
-
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "exception": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
-
-
-class StdlibEventLogger(structlog.stdlib.BoundLogger):
-    """A structlog logger over a standard ``logging`` logger that can say if a level is on.
-
-    While ``filter_by_level`` leads the processors (always, except while a test
-    captures events), an event below the standard logger's level is dropped
-    before its event dictionary is even built: the same decision, taken first.
-    """
-
-    def is_enabled_for(self, level: int) -> bool:
-        """Tell whether the standard logger would handle an event at ``level``."""
-        logger: logging.Logger = self._logger
-        return logger.isEnabledFor(level)
-
-    def _proxy_to_logger(
-        self, method_name: str, event: str | None = None, *event_args: str, **event_kw: Any
-    ) -> Any:
-        level = _LEVELS.get(method_name)
-        if (
-            level is not None
-            and next(iter(self._processors), None) is structlog.stdlib.filter_by_level
-            and not self.is_enabled_for(level)
-        ):
-            return None
-        return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
 
 
 def _always(level: int) -> bool:
@@ -150,25 +112,6 @@ def get_logger(name: str) -> EventLogger:
     return EventLogger(name)
 
 
-def _route_to_stdlib() -> None:
-    """Send every structlog event to the standard ``logging`` logger of its name.
-
-    Levels and handlers are the application's: an event below its logger's
-    effective level is dropped before any field is rendered.
-    """
-    structlog.configure(
-        processors=[
-            structlog.stdlib.filter_by_level,
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.LogfmtRenderer(key_order=["event"], drop_missing=True),
-        ],
-        wrapper_class=StdlibEventLogger,
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        cache_logger_on_first_use=True,
-    )
-    configuration_changed()
-
-
 def configure_logging(
     fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None
 ) -> None:
@@ -213,8 +156,3 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     configuration_changed()
-
-
-if not structlog.is_configured():
-    # structlog's own default prints to stdout, which carries results (DESIGN §9).
-    _route_to_stdlib()

@@ -48,9 +48,10 @@ class DiskGroup:
 
         On a CPU device the map costs next to nothing and a reader thread only
         competes with compute for the cores, so nothing is held and 0 is
-        returned; with ``checksum`` verification the kernel is asked to read the
-        pages ahead, which pays with a cold page cache (the onload then hashes
-        pages already read), while with ``stat`` it made cold forwards slower
+        returned; when the onload will hash slots (``checksum``, a version of
+        the file not hashed yet) the kernel is asked to read the pages ahead,
+        which pays with a cold page cache (the onload then hashes pages already
+        read), while before a read that only maps it made cold forwards slower
         (``benchmarks/disk_offload.py``), so nothing is done. Elsewhere the
         slots are read into staging memory on the file's reader thread, and
         ``onload`` copies them.
@@ -58,7 +59,7 @@ class DiskGroup:
         if self.is_resident or self._pending is not None:
             return 0
         if self._device.type == "cpu":
-            if self._file.verify == "checksum":
+            if self._file.will_hash(self.slots):
                 self._file.advise(self.slots)
             return 0
         self._pending = self._file.read_later(self.slots, self._device)
@@ -130,7 +131,7 @@ class DiskStore(WholeStore):
         path: the safetensors file this store owns; ``close()`` deletes it.
         device: the compute device.
         resident: start resident on ``device`` (the file is written at the first offload).
-        verify: how each onload verifies the file (see :class:`DiskFile`).
+        verify: how onloads verify the file (see :class:`DiskFile`).
     """
 
     target = "disk"

@@ -1,4 +1,4 @@
-"""The disk-offload file: written once, read-only, verified on each read, mapped or staged.
+"""The disk-offload file: written once, read-only, verified when read, mapped or staged.
 
 On a CPU device onload memory-maps the file (copy-on-write), so the weights
 point into the page cache and nothing is copied; elsewhere the slots' bytes are
@@ -16,6 +16,18 @@ name, so mapped pages keep the old inode alive). What remains is the owner, or
 root, deliberately making it writable again; ``tests/components/test_disk_mapping.py``
 shows that this does end the process with SIGBUS and that the stat check at the
 next onload refuses such a file before mapping it.
+
+Why ``checksum`` hashes a slot's bytes once per version of the file, not on
+every read: the file's identity includes its ctime, which every write, chmod,
+rename or truncate sets to the current time and which no call can set back.
+So while the identity is the one a hash was checked under, the bytes are the
+ones that were hashed. Timestamps tick coarsely (one kernel tick), so a change
+made within a tick of the last one could keep the ctime: a hash is trusted only
+when it started at least :data:`SETTLED_NS` after that ctime (git's "racily
+clean" rule), and hashed again otherwise. Hashing on every read cost 99% of a
+warm mapped onload (``benchmarks/disk_offload.py``). What a hash once per
+version does not see is storage corrupting bytes under an unchanged inode
+between two reads from disk.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import json
 import mmap
 import os
 import stat
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +58,13 @@ _HEADER_LIMIT = 100 * 2**20
 _READ_ONLY = stat.S_IRUSR
 """A written offload file's mode: only its owner may read it, nobody may write it."""
 
+SETTLED_NS = 100_000_000
+"""How long after a file's last change (ctime) a hash must start to be trusted for its
+identity: well above a kernel tick (1-10 ms), the granularity of file timestamps."""
+
+Identity = tuple[int, int, int, int, int]
+"""Device, inode, size, mtime and ctime (ns) of a file: any write, chmod or rename changes it."""
+
 
 def digest(tensor: torch.Tensor) -> int:
     """Return the xxh3 checksum of a contiguous tensor's bytes."""
@@ -56,13 +76,13 @@ class Written:
     """What a :class:`DiskFile` wrote: the file's identity, its layout and each slot's checksum.
 
     Attributes:
-        identity: device, inode, size and mtime (ns) of the file as written.
+        identity: the file's identity as written.
         data_start: where the tensor data starts in the file.
         header: the safetensors header's entries by tensor name.
         checksums: each slot's xxh3 checksum by its key.
     """
 
-    identity: tuple[int, int, int, int]
+    identity: Identity
     data_start: int
     header: dict[str, Any]
     checksums: dict[str, int]
@@ -73,9 +93,17 @@ class Written:
         return self.data_start + int(begin), self.data_start + int(end)
 
 
-def identity(status: os.stat_result) -> tuple[int, int, int, int]:
-    """Return the parts of a file's status that change when it is replaced or written."""
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+def identity(status: os.stat_result) -> Identity:
+    """Return the parts of a file's status that change when it is replaced, written or chmodded."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+def hash_is_trusted(status: os.stat_result, hash_started_ns: int) -> bool:
+    """Return whether a hash that started at ``hash_started_ns`` vouches for ``status``'s identity.
+
+    Only when the file had settled: a change after the hash started sets a later ctime.
+    """
+    return hash_started_ns - status.st_ctime_ns >= SETTLED_NS
 
 
 class DiskFile:
@@ -91,8 +119,9 @@ class DiskFile:
         path: the file this store owns.
         slots: every slot of the store.
         verify: ``checksum`` compares each slot's checksum with the one taken
-            at write time on every read (and the file's identity); ``stat``
-            compares only size, mtime and inode.
+            at write time, once per identity of the file (see the module's
+            docstring); ``stat`` refuses any change of the identity and
+            never hashes.
     """
 
     def __init__(self, path: Path, slots: list[Slot], verify: OffloadVerify = "checksum") -> None:
@@ -100,6 +129,7 @@ class DiskFile:
         self.verify = verify
         self._slots = slots
         self._written: Written | None = None
+        self._hashed_under: dict[str, Identity] = {}
         self._reader: ThreadPoolExecutor | None = None
 
     def ensure_written(self) -> None:
@@ -122,6 +152,16 @@ class DiskFile:
                     "and keep the offload directory out of reach of cleaners"
                 )
         self._write()
+
+    def will_hash(self, slots: list[Slot]) -> bool:
+        """Return whether reading ``slots`` now would hash some of them (as far as known now)."""
+        if self.verify != "checksum":
+            return False
+        try:
+            now = identity(os.stat(self.path))
+        except OSError:
+            return False  # the read reports it
+        return any(self._hashed_under.get(slot.key) != now for slot in slots)
 
     def read(self, slots: list[Slot], device: torch.device) -> list[torch.Tensor]:
         """Return ``slots`` read from the file as host tensors, in slot order, verified.
@@ -151,9 +191,10 @@ class DiskFile:
         except OSError as err:
             raise self._unreadable(err) from err
         try:
-            size = self._check_identity(fd, slots, self._written)
+            hash_started_ns = time.time_ns()
+            status = self._check_identity(fd, slots, self._written)
             if device.type == "cpu":
-                tensors = _map(fd, size, slots, self._written)
+                tensors = _map(fd, status.st_size, slots, self._written)
             else:
                 tensors = self._stage(fd, slots, self._written, device)
         except OSError as err:
@@ -161,7 +202,7 @@ class DiskFile:
         finally:
             os.close(fd)
         if self.verify == "checksum":
-            self._check_data(slots, tensors, self._written)
+            self._check_data(slots, tensors, self._written, status, hash_started_ns)
         return tensors
 
     def advise(self, slots: list[Slot]) -> None:
@@ -198,8 +239,8 @@ class DiskFile:
             self._reader.shutdown(wait=True)
             self._reader = None
 
-    def _check_identity(self, fd: int, slots: list[Slot], written: Written) -> int:
-        """Return the file's size if it may hold ``slots`` as written; else refuse it.
+    def _check_identity(self, fd: int, slots: list[Slot], written: Written) -> os.stat_result:
+        """Return the file's status if it may hold ``slots`` as written; else refuse it.
 
         The same identity passes at once. Another one is diagnosed from the
         header and size; past those, ``checksum`` lets the data checks decide
@@ -207,7 +248,7 @@ class DiskFile:
         """
         status = os.fstat(fd)
         if identity(status) == written.identity:
-            return status.st_size
+            return status
         with io.FileIO(fd, "rb", closefd=False) as file:
             data_start, header = _read_header(file, self.path)
         changed = [slot.key for slot in slots if header.get(slot.key) != written.header[slot.key]]
@@ -221,17 +262,31 @@ class DiskFile:
                 "pipeline and load it afresh in a new orchestrator to rewrite the file"
             )
         if self.verify == "stat":
-            self._refuse_changed("its size, mtime or inode differ")
-        return status.st_size
+            self._refuse_changed("its size, mtime, ctime or inode differ")
+        return status
 
-    def _check_data(self, slots: list[Slot], tensors: list[torch.Tensor], written: Written) -> None:
-        changed = [
-            slot.key
+    def _check_data(
+        self,
+        slots: list[Slot],
+        tensors: list[torch.Tensor],
+        written: Written,
+        status: os.stat_result,
+        hash_started_ns: int,
+    ) -> None:
+        """Hash the slots not yet hashed under the file's identity; refuse any that differ."""
+        now = identity(status)
+        unhashed = [
+            (slot, tensor)
             for slot, tensor in zip(slots, tensors, strict=True)
-            if digest(tensor) != written.checksums[slot.key]
+            if self._hashed_under.get(slot.key) != now
+        ]
+        changed = [
+            slot.key for slot, tensor in unhashed if digest(tensor) != written.checksums[slot.key]
         ]
         if changed:
             self._refuse_changed(f"the data of {', '.join(changed[:3])} differ from its checksum")
+        if hash_is_trusted(status, hash_started_ns):
+            self._hashed_under.update((slot.key, now) for slot, _ in unhashed)
 
     def _refuse_changed(self, what: str) -> None:
         raise OffloadError(
@@ -303,6 +358,7 @@ class DiskFile:
                 "memory.offload_dir"
             ) from err
         self._written = Written(identity(status), data_start, header, checksums)
+        self._hashed_under.clear()
 
 
 def _map(fd: int, size: int, slots: list[Slot], written: Written) -> list[torch.Tensor]:

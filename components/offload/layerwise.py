@@ -38,9 +38,9 @@ class LayerwiseStore(WeightStore):
     moves. With ``disk`` on CUDA a prefetch reads (and verifies) the block
     into pinned memory on the file's reader thread while the running block
     computes; on a CPU device, where onload only maps the file, it asks the
-    kernel to read the block's pages ahead when ``verify`` is ``checksum``
-    and does nothing with ``stat`` (see ``DiskGroup.prefetch`` for the
-    measurements behind both). ``prefetch()`` of the whole component is not
+    kernel to read the block's pages ahead when the read will hash them and
+    does nothing otherwise (see ``DiskGroup.prefetch`` for the measurements
+    behind both). ``prefetch()`` of the whole component is not
     supported (it returns 0): its onload is the small non-block part. Run one
     forward of ``module`` at a time.
 
@@ -54,7 +54,7 @@ class LayerwiseStore(WeightStore):
         prefetch: how many blocks ahead of the running one to onload.
         resident_layers: how many of the first blocks stay while the component is resident.
         resident: start resident on ``device`` instead of offloaded.
-        verify: how each block read verifies the file of target ``disk``.
+        verify: how block reads verify the file of target ``disk``.
 
     Attributes:
         peak_bytes: the most bytes resident during the last forward of ``module``.

@@ -6,6 +6,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from components.offload import (
     make_store,
 )
 from components.offload.base import collect_slots
-from components.offload.disk_file import DiskFile
+from components.offload.disk_file import SETTLED_NS, DiskFile, hash_is_trusted
 from tests.components.test_offload import all_tensors, build, run
 
 
@@ -118,7 +119,7 @@ class TestVerifiedFile:
 
     @pytest.mark.parametrize(
         ("verify", "reason"),
-        [("checksum", "differ from its checksum"), ("stat", "size, mtime or inode differ")],
+        [("checksum", "differ from its checksum"), ("stat", "size, mtime, ctime or inode differ")],
     )
     def test_another_seeds_file_is_refused(self, tmp_path: Path, verify: str, reason: str) -> None:
         """A file of another seed, its header identical, is refused by either verification."""
@@ -143,6 +144,30 @@ class TestVerifiedFile:
         os.replace(copy, path)
         store.onload()
         assert torch.equal(run(model), run(build()))
+
+    def test_a_settled_version_is_hashed_once(self, tmp_path: Path) -> None:
+        """Once a settled file's slots hashed clean, reads trust its identity until it changes."""
+        path = tmp_path / "lm.safetensors"
+        slots = collect_slots(build())
+        file = DiskFile(path, slots)
+        file.ensure_written()
+        time.sleep(2 * SETTLED_NS / 1e9)
+        assert file.will_hash(slots)
+        file.read(slots, torch.device("cpu"))
+        assert not file.will_hash(slots)
+        zero_in_place(path, build().embed.weight)  # chmod and write set a new ctime
+        assert file.will_hash(slots)
+        with pytest.raises(OffloadError, match="differ from its checksum"):
+            file.read(slots, torch.device("cpu"))
+
+    def test_a_hash_vouches_only_for_a_settled_file(self, tmp_path: Path) -> None:
+        """A hash that started within a timestamp tick of the file's ctime is not trusted."""
+        path = tmp_path / "f"
+        path.write_bytes(b"x")
+        status = path.stat()
+        assert not hash_is_trusted(status, status.st_ctime_ns)
+        assert not hash_is_trusted(status, status.st_ctime_ns + SETTLED_NS - 1)
+        assert hash_is_trusted(status, status.st_ctime_ns + SETTLED_NS)
 
     def test_layerwise_block_reads_are_verified(self, tmp_path: Path) -> None:
         """A layerwise forward refuses a block whose data changed, and streams it back out."""

@@ -120,6 +120,34 @@ class TestEmbedded:
         assert "event=lifecycle.refused component=transformer trigger=offload" in done.stderr
         assert "lifecycle.transition" not in done.stderr  # info is below the default level
 
+    def test_a_program_of_attention_alone_prints_nothing_to_stdout(self) -> None:
+        """Importing only ``attention`` routes its events to ``logging`` too, not to stdout."""
+        program = (
+            "import logging, sys\n"
+            "from attention import Attention, AttentionRole, ComponentRequests, Platform\n"
+            "from attention import component_attention_scope\n"
+            "requests = ComponentRequests(component='vae')\n"
+            "with component_attention_scope(requests, platform=Platform('cpu')):\n"
+            "    Attention('self', AttentionRole.SELF)\n"
+            "print('quiet')\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout,"
+            " format='%(name)s %(message)s')\n"
+            "with component_attention_scope(requests, platform=Platform('cpu')):\n"
+            "    Attention('self', AttentionRole.SELF)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+            check=True,
+        )
+        quiet, configured = done.stdout.split("quiet\n")
+        assert quiet == ""
+        assert "attention event=attention.selected component=vae" in configured
+        assert "attention event=attention.summary component=vae" in configured
+
     def test_events_reach_the_applications_logging_handlers(self) -> None:
         """Where the application configured ``logging``, its handler receives every event."""
         done = embed(
