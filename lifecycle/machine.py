@@ -47,6 +47,9 @@ class TransitionContext:
             ``request_id`` bound in structlog's context variables.
         decisions: what the guards decided for the work to carry out (e.g.
             which components an onload must evict first).
+        is_logged: whether the transition's info-level events (``lifecycle.transition``,
+            ``residency.moved``) are written: asked once, so that a filtered move
+            builds no event fields.
     """
 
     __slots__ = (
@@ -54,6 +57,7 @@ class TransitionContext:
         "component",
         "decisions",
         "dest",
+        "is_logged",
         "params",
         "refusals",
         "request_id",
@@ -77,6 +81,7 @@ class TransitionContext:
         self.request_id: str | None = (
             None if request_id is None or request_id is ... else str(request_id)
         )
+        self.is_logged = log.is_enabled_for(logging.INFO)
         self.refusals: list[Refusal] = []
         self.decisions: dict[str, object] = {}
         self._undo: list[Callable[[], object]] = []
@@ -260,16 +265,12 @@ class GuardCondition(Condition):
         super().__init__(func, target)
         self.name = func  # typed: ``func`` may be any callable to transitions
 
-    def refusals(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
-        """Run the component's guard of this name; record what it refused; tell if it passed."""
-        found = tuple(component.checks[self.name](context))
-        if found:
-            context.refusals.extend(found)
-        return not found
-
     def check(self, event_data: EventData) -> bool:
         """Run the guard and record what it refused (the ``may_*`` probes come here)."""
-        return self.refusals(_component_of(event_data), _context_of(event_data))
+        context = _context_of(event_data)
+        found = tuple(_component_of(event_data).checks[self.name](context))
+        context.refusals.extend(found)
+        return not found
 
 
 class GuardedTransition(Transition):
@@ -285,31 +286,33 @@ class GuardedTransition(Transition):
     def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.postcondition = postcondition
-        # the destination as the model holds it, resolved once instead of on every move
+        # the destination as the model holds it and the guards' names in table order,
+        # resolved once instead of on every move
         self.dest_state = ComponentState[str(self.dest)]
+        self.guard_names = tuple(str(condition.func) for condition in self.conditions)
 
     def execute(self, event_data: EventData) -> bool:
         """Check every guard; when all pass, run the work, then enter the destination."""
-        context = _context_of(event_data)
-        component = _component_of(event_data)
+        return self.apply(_component_of(event_data), _context_of(event_data))
+
+    def apply(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
+        """``execute`` for the lifecycle's own event, which hands over what it already holds."""
         if not self.passes(component, context):
             return False
         self.run_work(component, context)
+        # no callback reads the transition after it (the lifecycle registers none):
+        # entering the destination is setting it on the model
         component.state = self.dest_state
-        event_data.state = event_data.machine.get_state(self.dest_state)
         return True
-
-    @property
-    def guard_names(self) -> tuple[str, ...]:
-        """Return the names of this transition's guards, in table order."""
-        return tuple(str(c.func) for c in self.conditions)
 
     def passes(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
         """Run every guard (no short-circuit: a refusal gives every reason); tell if all passed."""
+        checks = component.checks
         passed = True
-        for condition in self.conditions:
-            assert isinstance(condition, GuardCondition)  # condition_cls makes every one
-            if not condition.refusals(component, context):
+        for name in self.guard_names:
+            found = tuple(checks[name](context))
+            if found:
+                context.refusals.extend(found)
                 passed = False
         return passed
 
@@ -343,14 +346,14 @@ class RefusingEvent(Event):
         super().__init__(*args, **kwargs)
         # this event's transitions by source state as the model holds it (an Enum
         # member), so that a move finds its candidates without reading the member's name
-        self._from: dict[ComponentState, list[Transition]] = {}
+        self._from: dict[ComponentState, list[GuardedTransition]] = {}
 
     def add_transition(self, transition: Transition) -> None:
         """Add a transition from the table (only ``GuardedTransition``s run here)."""
         if not isinstance(transition, GuardedTransition):
             raise TypeError(f"the lifecycle runs GuardedTransition only, not {transition!r}")
         super().add_transition(transition)
-        self._from[ComponentState[transition.source]] = self.transitions[transition.source]
+        self._from.setdefault(ComponentState[transition.source], []).append(transition)
 
     def trigger(self, model: object, *args: Any, **kwargs: Any) -> bool:
         """Fire this trigger for ``model``; keyword arguments reach guards and work."""
@@ -360,9 +363,11 @@ class RefusingEvent(Event):
         with machine.lock:
             source = model.state
             context = TransitionContext(model.name, self.name, source, kwargs)
-            logged = log.is_enabled_for(logging.INFO)
-            started = time.perf_counter() if logged else 0.0
+            started = time.perf_counter() if context.is_logged else 0.0
             try:
+                # The lock above serialises triggers and the machine registers no queue,
+                # prepare, exception or finalize callbacks: try the transitions directly,
+                # with the component and context in hand (no EventData to unpack again).
                 candidates = self._from.get(source)
                 if candidates is None:
                     raise InvalidTransition(
@@ -371,14 +376,8 @@ class RefusingEvent(Event):
                         source,
                         (ComponentState[s].value for s in self.transitions),
                     )
-                # The lock above serialises triggers and the machine registers no queue,
-                # prepare, exception or finalize callbacks: try the transitions directly.
-                event_data = EventData(
-                    machine.get_state(source), self, machine, model, (context,), {}
-                )
                 for transition in candidates:
-                    event_data.transition = transition
-                    if transition.execute(event_data):
+                    if transition.apply(model, context):
                         break
                 else:
                     raise TransitionRefused(model.name, self.name, source, context.refusals)
@@ -403,7 +402,7 @@ class RefusingEvent(Event):
                     request_id=context.request_id,
                 )
                 raise
-            if logged:
+            if context.is_logged:
                 log.info(
                     "lifecycle.transition",
                     component=model.name,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from attention import Platform
-from attention.override import request_backend
+from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
@@ -216,22 +216,24 @@ class Orchestrator:
             self._stages.open_requests.add(rid)
         request = Request(self._stages, rid)
         started = time.perf_counter()
-        token = REQUEST_ID.set(rid)
+        # both context variables set and reset by token, not through context managers:
+        # a request of N components makes only 2N moves to share what it costs (issue 12)
+        token, backend = REQUEST_ID.set(rid), REQUEST_BACKEND.set(attention_backend)
         try:
-            with request_backend(attention_backend):
-                log.info("request.begin", request_id=rid)
-                try:
-                    yield request
-                finally:
-                    self._stages.finish(rid, request.touched)
-                    if log.is_enabled_for(logging.INFO):
-                        log.info(
-                            "request.end",
-                            request_id=rid,
-                            duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                            stages=list(request.stages),
-                        )
+            log.info("request.begin", request_id=rid)
+            try:
+                yield request
+            finally:
+                self._stages.finish(rid, request.touched)
+                if log.is_enabled_for(logging.INFO):
+                    log.info(
+                        "request.end",
+                        request_id=rid,
+                        duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                        stages=list(request.stages),
+                    )
         finally:
+            REQUEST_BACKEND.reset(backend)
             REQUEST_ID.reset(token)
 
     def onload(self, name: str) -> None:

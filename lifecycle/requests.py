@@ -60,31 +60,32 @@ class StageKeeper:
             return self.waiter.acquire(request_id, stage, partial(self._hold, request_id, position))
 
     def _hold(self, request_id: str, position: int) -> dict[str, nn.Module]:
-        """Hold and onload every component of the stage, or (raising) none of them."""
+        """Hold and onload every component of the stage, or (raising) none of them.
+
+        Runs inside ``enter``, under the lock.
+        """
         uses = self.timeline.stages[position].uses
         slots = self.slots
-        with self.lock:
+        for name in uses:
+            holders = slots[name].holders
+            holders[request_id] = holders.get(request_id, 0) + 1
+        try:
             for name in uses:
-                holders = slots[name].holders
-                holders[request_id] = holders.get(request_id, 0) + 1
-            try:
-                for name in uses:
-                    lifecycle = slots[name].lifecycle
-                    if lifecycle.state is not _RESIDENT:
-                        lifecycle.onload(position=position, request_id=request_id)
-            except BaseException:
-                self.leave(request_id, position)
-                raise
+                lifecycle = slots[name].lifecycle
+                if lifecycle.state is not _RESIDENT:
+                    lifecycle.onload(position=position, request_id=request_id)
+        except BaseException:
+            self.leave(request_id, position)
+            raise
+        if self.residency.prefetches:
             self.residency.prefetch(self.timeline.added_next(position))
-            modules = {}
-            for name in uses:
-                module = slots[name].module
-                if module is None:
-                    raise RuntimeError(
-                        f"component '{name}' has no module: load() the pipeline first"
-                    )
-                modules[name] = module
-            return modules
+        modules = {}
+        for name in uses:
+            module = slots[name].module
+            if module is None:
+                raise RuntimeError(f"component '{name}' has no module: load() the pipeline first")
+            modules[name] = module
+        return modules
 
     def leave(self, request_id: str, position: int) -> None:
         """Drop ``request_id``'s hold on the stage; offload what saw its last use."""
@@ -105,20 +106,23 @@ class StageKeeper:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.discard(request_id)
-            self.residency.cancel_prefetch(sorted(touched))
-            self._put_back(sorted(touched), request_id)
+            self.residency.cancel_prefetch(touched)
+            self._put_back(sorted(n for n in touched if self._is_left_on(n)), request_id)
             self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:
-        slots = self.slots
         for name in names:
-            slot = slots[name]
-            if (
-                not slot.holders
-                and slot.lifecycle.state is _RESIDENT
-                and slot.mode is not ResidencyMode.RESIDENT
-            ):
-                slot.lifecycle.offload(request_id=request_id)
+            if self._is_left_on(name):
+                self.slots[name].lifecycle.offload(request_id=request_id)
+
+    def _is_left_on(self, name: str) -> bool:
+        """Tell whether ``name`` is resident, idle, and not resident by mode: to put back."""
+        slot = self.slots[name]
+        return (
+            not slot.holders
+            and slot.lifecycle.state is _RESIDENT
+            and slot.mode is not ResidencyMode.RESIDENT
+        )
 
 
 class Request:
