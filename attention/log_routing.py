@@ -13,6 +13,7 @@ structlog before the import keeps its configuration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -37,8 +38,13 @@ class StdlibEventLogger(structlog.stdlib.BoundLogger):
 
     def is_enabled_for(self, level: int) -> bool:
         """Tell whether the standard logger would handle an event at ``level``."""
+        return self.level_check(level)
+
+    @property
+    def level_check(self) -> Callable[[int], bool]:
+        """Return the standard logger's own level test (it follows later ``setLevel`` calls)."""
         logger: logging.Logger = self._logger
-        return logger.isEnabledFor(level)
+        return logger.isEnabledFor
 
     def _proxy_to_logger(
         self, method_name: str, event: str | None = None, *event_args: str, **event_kw: Any

@@ -8,22 +8,13 @@ see their own override, and a request without one sees None.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 REQUEST_BACKEND: ContextVar[str | None] = ContextVar("request_backend", default=None)
-"""The backend the running request asked for, or None (the spec's choices)."""
+"""The backend the running request asked for, or None (the spec's choices).
 
-
-@contextmanager
-def request_backend(name: str | None) -> Iterator[None]:
-    """Run the body with ``name`` as the request's backend (None: the spec's choices)."""
-    token = REQUEST_BACKEND.set(name)
-    try:
-        yield
-    finally:
-        REQUEST_BACKEND.reset(token)
+Whoever runs a request sets it, and resets it by its token when the request ends.
+"""
 
 
 class UnpreparedBackendError(RuntimeError):

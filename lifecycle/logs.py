@@ -18,6 +18,7 @@ will be written.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from typing import Any, Literal, TextIO, TypeAlias
 import msgspec
 import structlog
 from structlog.typing import Processor
+
+from attention.log_routing import StdlibEventLogger
 
 LogFormat: TypeAlias = Literal["json", "console", "auto"]
 
@@ -102,9 +105,32 @@ class EventLogger:
 
     def _assemble(self) -> None:
         self._logger = structlog.get_logger(self._name).bind()
-        check = getattr(self._logger, "is_enabled_for", None)
-        self._enabled = _always if check is None else check
+        if isinstance(self._logger, StdlibEventLogger):
+            # the standard logger's test itself: one call less on every event (issue 12)
+            self._enabled = self._logger.level_check
+        else:
+            check = getattr(self._logger, "is_enabled_for", None)
+            self._enabled = _always if check is None else check
         self._generation = _Generation.value
+
+
+def context_variable(key: str) -> contextvars.ContextVar[Any]:
+    """Return the context variable behind the structlog context key ``key``.
+
+    Setting it, and resetting it by its token, binds ``key`` on every event
+    exactly as ``structlog.contextvars.bound_contextvars`` does, at a fraction
+    of the cost: that one first copies the whole context, several microseconds
+    on every stage of a request (issue 12). An unbound key holds ``...``
+    (structlog's mark for "not bound").
+    """
+    tokens = structlog.contextvars.bind_contextvars(**{key: ...})
+    var = tokens[key].var
+    var.reset(tokens[key])
+    return var
+
+
+REQUEST_ID = context_variable("request_id")
+"""The ``request_id`` every event inside a request carries (``...`` outside one)."""
 
 
 def get_logger(name: str) -> EventLogger:

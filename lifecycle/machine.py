@@ -10,6 +10,13 @@ Two extension points of ``transitions`` carry the project's semantics:
   transition passed" into ``TransitionRefused`` and "not valid from here" into
   ``InvalidTransition``, and logs one event per outcome.
 
+A move is on the hot path of every request (issue 12: at most 15 µs of
+orchestrator time), so the event hands the component and its context straight
+to the transition, which runs the guards by name from a tuple built once: no
+``EventData`` is built and no callback list is walked. ``transitions``' own
+path (``EventData`` through ``GuardCondition.check``) still serves the
+``may_*`` probes.
+
 The machine knows no loader and no kernel: guards and work are injected per
 component by whoever owns the component (the orchestrator).
 """
@@ -22,10 +29,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-import structlog
 from transitions.core import Condition, Event, EventData, Machine, State, Transition
 
-from lifecycle.logs import get_logger
+from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
 
@@ -48,6 +54,9 @@ class TransitionContext:
             ``request_id`` bound in structlog's context variables.
         decisions: what the guards decided for the work to carry out (e.g.
             which components an onload must evict first).
+        is_logged: whether the transition's info-level events (``lifecycle.transition``,
+            ``residency.moved``) are written: asked once, so that a filtered move
+            builds no event fields.
     """
 
     __slots__ = (
@@ -55,6 +64,7 @@ class TransitionContext:
         "component",
         "decisions",
         "dest",
+        "is_logged",
         "params",
         "refusals",
         "request_id",
@@ -74,12 +84,11 @@ class TransitionContext:
         self.source = source
         self.dest = _DESTS[trigger]
         self.params = params
-        request_id = (
-            params["request_id"]
-            if "request_id" in params
-            else structlog.contextvars.get_contextvars().get("request_id")
+        request_id = params["request_id"] if "request_id" in params else REQUEST_ID.get()
+        self.request_id: str | None = (
+            None if request_id is None or request_id is ... else str(request_id)
         )
-        self.request_id: str | None = None if request_id is None else str(request_id)
+        self.is_logged = log.is_enabled_for(logging.INFO)
         self.refusals: list[Refusal] = []
         self.decisions: dict[str, object] = {}
         self._undo: list[Callable[[], object]] = []
@@ -220,9 +229,9 @@ class ComponentLifecycle:
 
 def _context_of(event_data: EventData) -> TransitionContext:
     """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
-    first = next(iter(event_data.args), None)
-    if isinstance(first, TransitionContext):
-        return first
+    args = event_data.args
+    if isinstance(args, tuple) and args and isinstance(args[0], TransitionContext):
+        return args[0]
     model = _component_of(event_data)
     return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
 
@@ -255,17 +264,24 @@ class LifecycleState(State):
 
 
 class GuardCondition(Condition):
-    """A named guard; passing means it returned no refusal, which it records."""
+    """A named guard; passing means it returned no refusal, which it records.
+
+    Moves run the guards through ``GuardedTransition.passes``; ``check`` is
+    what ``transitions`` calls for the ``may_*`` probes.
+    """
+
+    def __init__(self, func: str, target: bool = True) -> None:
+        if not isinstance(func, str):
+            raise TypeError(f"lifecycle guards are named in the transition table, not {func!r}")
+        super().__init__(func, target)
+        self.name = func  # typed: ``func`` may be any callable to transitions
 
     def check(self, event_data: EventData) -> bool:
-        """Run the guard and record what it refused."""
+        """Run the guard and record what it refused (the ``may_*`` probes come here)."""
         context = _context_of(event_data)
-        name = self.func
-        assert isinstance(name, str)  # the table names its guards
-        refusals = tuple(_component_of(event_data).checks[name](context))
-        if refusals:
-            context.refusals.extend(refusals)
-        return not refusals
+        found = tuple(_component_of(event_data).checks[self.name](context))
+        context.refusals.extend(found)
+        return not found
 
 
 class GuardedTransition(Transition):
@@ -281,37 +297,38 @@ class GuardedTransition(Transition):
     def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.postcondition = postcondition
+        # the destination as the model holds it and the guards' names in table order,
+        # resolved once instead of on every move
+        self.dest_state = ComponentState[str(self.dest)]
+        self.guard_names = tuple(str(condition.func) for condition in self.conditions)
 
     def execute(self, event_data: EventData) -> bool:
         """Check every guard; when all pass, run the work, then enter the destination."""
-        if not self._eval_conditions(event_data):
+        return self.apply(_component_of(event_data), _context_of(event_data))
+
+    def apply(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
+        """``execute`` for the lifecycle's own event, which hands over what it already holds."""
+        if not self.passes(component, context):
             return False
-        self._run_work(event_data)
-        self._change_state(event_data)
+        self.run_work(component, context)
+        # no callback reads the transition after it (the lifecycle registers none):
+        # entering the destination is setting it on the model
+        component.state = self.dest_state
         return True
 
-    def _change_state(self, event_data: EventData) -> None:
-        # Lifecycle states carry no entry or exit callbacks and none is final:
-        # entering the destination is setting it on the model and on the event.
-        machine = event_data.machine
-        assert self.dest is not None  # every row of the table names its destination
-        dest = machine.get_state(self.dest)
-        setattr(event_data.model, machine.model_attribute, dest.value)
-        event_data.state = dest
+    def passes(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
+        """Run every guard (no short-circuit: a refusal gives every reason); tell if all passed."""
+        checks = component.checks
+        passed = True
+        for name in self.guard_names:
+            found = tuple(checks[name](context))
+            if found:
+                context.refusals.extend(found)
+                passed = False
+        return passed
 
-    @property
-    def guard_names(self) -> tuple[str, ...]:
-        """Return the names of this transition's guards, in table order."""
-        return tuple(str(c.func) for c in self.conditions)
-
-    def _eval_conditions(self, event_data: EventData) -> bool:
-        # Every guard runs, so a refusal reports every reason at once.
-        results = [condition.check(event_data) for condition in self.conditions]
-        return all(results)
-
-    def _run_work(self, event_data: EventData) -> None:
-        context = _context_of(event_data)
-        component = _component_of(event_data)
+    def run_work(self, component: ComponentLifecycle, context: TransitionContext) -> None:
+        """Run the work and check the postcondition; roll back and fail if either breaks."""
         try:
             work = component.work.get(context.trigger)
             if work is not None:
@@ -336,32 +353,51 @@ class GuardedTransition(Transition):
 class RefusingEvent(Event):
     """A trigger that is serialised, refuses with reasons and logs its outcome."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # this event's transitions by source state as the model holds it (an Enum
+        # member), so that a move finds its candidates without reading the member's name
+        self._from: dict[ComponentState, list[GuardedTransition]] = {}
+
+    def add_transition(self, transition: Transition) -> None:
+        """Add a transition from the table (only ``GuardedTransition``s run here)."""
+        if not isinstance(transition, GuardedTransition):
+            raise TypeError(f"the lifecycle runs GuardedTransition only, not {transition!r}")
+        super().add_transition(transition)
+        self._from.setdefault(ComponentState[transition.source], []).append(transition)
+
     def trigger(self, model: object, *args: Any, **kwargs: Any) -> bool:
         """Fire this trigger for ``model``; keyword arguments reach guards and work."""
         machine = self.machine
         if not isinstance(machine, LifecycleMachine) or not isinstance(model, ComponentLifecycle):
             raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
         with machine.lock:
-            context = TransitionContext(model.name, self.name, model.state, kwargs)
-            started = time.perf_counter()
+            source = model.state
+            context = TransitionContext(model.name, self.name, source, kwargs)
+            started = time.perf_counter() if context.is_logged else 0.0
             try:
-                state = machine.get_model_state(model)
-                if state.name not in self.transitions:
+                # The lock above serialises triggers and the machine registers no queue,
+                # prepare, exception or finalize callbacks: try the transitions directly,
+                # with the component and context in hand (no EventData to unpack again).
+                candidates = self._from.get(source)
+                if candidates is None:
                     raise InvalidTransition(
                         model.name,
                         self.name,
-                        model.state,
-                        (ComponentState[source].value for source in self.transitions),
+                        source,
+                        (ComponentState[s].value for s in self.transitions),
                     )
-                # The lock above serialises triggers and the machine registers no queue,
-                # exception or finalize callbacks: process the event directly.
-                self._process(EventData(state, self, machine, model, (context,), {}))
+                for transition in candidates:
+                    if transition.apply(model, context):
+                        break
+                else:
+                    raise TransitionRefused(model.name, self.name, source, context.refusals)
             except TransitionRefused as refused:
                 log.warning(  # a refusal is rare: its fields are built whatever the level
                     "lifecycle.refused",
                     component=model.name,
                     trigger=self.name,
-                    source=context.source.value,
+                    source=source.value,
                     codes=list(refused.codes),
                     messages=[r.message for r in refused.refusals] or [str(refused)],
                     request_id=context.request_id,
@@ -372,36 +408,22 @@ class RefusingEvent(Event):
                     "lifecycle.failed",
                     component=model.name,
                     trigger=self.name,
-                    source=context.source.value,
+                    source=source.value,
                     error=str(failed.__cause__),
                     request_id=context.request_id,
                 )
                 raise
-            if log.is_enabled_for(logging.INFO):
+            if context.is_logged:
                 log.info(
                     "lifecycle.transition",
                     component=model.name,
                     trigger=self.name,
-                    source=context.source.value,
+                    source=source.value,
                     dest=context.dest.value,
                     duration_ms=round((time.perf_counter() - started) * 1e3, 3),
                     request_id=context.request_id,
                 )
             return True
-
-    def _process(self, event_data: EventData) -> bool:
-        # The machine registers no prepare_event callbacks: try the transitions directly.
-        for transition in self.transitions[event_data.state.name]:
-            event_data.transition = transition
-            if transition.execute(event_data):
-                event_data.result = True
-                break
-        if not event_data.result:
-            context = _context_of(event_data)
-            raise TransitionRefused(
-                context.component, context.trigger, context.source, context.refusals
-            )
-        return True
 
 
 class LifecycleMachine(Machine):

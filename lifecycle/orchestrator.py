@@ -9,26 +9,27 @@ arming attention, moving weights) with an undo step for each.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 
 import msgspec
-import structlog
 import torch
 from torch import nn
 
 from attention import Platform
-from attention.override import request_backend
+from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
 from lifecycle.loading import Loading
-from lifecycle.logs import get_logger
+from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
 from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
@@ -215,21 +216,25 @@ class Orchestrator:
             self._stages.open_requests.add(rid)
         request = Request(self._stages, rid)
         started = time.perf_counter()
-        with (
-            structlog.contextvars.bound_contextvars(request_id=rid),
-            request_backend(attention_backend),
-        ):
+        # both context variables set and reset by token, not through context managers:
+        # a request of N components makes only 2N moves to share what it costs (issue 12)
+        token, backend = REQUEST_ID.set(rid), REQUEST_BACKEND.set(attention_backend)
+        try:
             log.info("request.begin", request_id=rid)
             try:
                 yield request
             finally:
                 self._stages.finish(rid, request.touched)
-                log.info(
-                    "request.end",
-                    request_id=rid,
-                    duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                    stages=list(request.stages),
-                )
+                if log.is_enabled_for(logging.INFO):
+                    log.info(
+                        "request.end",
+                        request_id=rid,
+                        duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                        stages=list(request.stages),
+                    )
+        finally:
+            REQUEST_BACKEND.reset(backend)
+            REQUEST_ID.reset(token)
 
     def onload(self, name: str) -> None:
         """Make component ``name`` RESIDENT (its attention layers run).
@@ -386,10 +391,11 @@ class Orchestrator:
             adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
             "world_launched": lambda context: world_refusals(self.spec),
             "plan_honoured": lambda context: self._loading.plan_honoured(name),
-            "memory_budget": lambda context: residency.memory_budget(name, context),
-            "offloadable": lambda context: residency.offloadable(name, context),
-            "use_declared": lambda context: residency.use_declared(name, context),
-            "not_in_use": lambda context: residency.not_in_use(name, context),
+            # the guards of every move: bound once, called with no frame of their own
+            "memory_budget": partial(residency.memory_budget, name),
+            "offloadable": partial(residency.offloadable, name),
+            "use_declared": partial(residency.use_declared, name),
+            "not_in_use": partial(residency.not_in_use, name),
         }
 
     # -- work (side effects, each with its undo) ----------------------------
@@ -397,10 +403,10 @@ class Orchestrator:
     def _work(self, name: str) -> dict[str, Work]:
         residency = self._residency
         return {
-            "load": lambda context: self._loading.load(name, context),
-            "onload": lambda context: residency.onload(name, context),
-            "offload": lambda context: residency.offload(name, context),
-            "release": lambda context: residency.release(name, context),
+            "load": partial(self._loading.load, name),
+            "onload": partial(residency.onload, name),
+            "offload": partial(residency.offload, name),
+            "release": partial(residency.release, name),
         }
 
     # -- helpers ---------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.waiting import MemoryWaiter
+
+_RESIDENT = ComponentState.RESIDENT
 
 
 class StageKeeper:
@@ -54,37 +57,48 @@ class StageKeeper:
         """
         with self.lock:
             stage = self.timeline.stages[position].uses
-            return self.waiter.acquire(request_id, stage, lambda: self._hold(request_id, position))
+            return self.waiter.acquire(request_id, stage, partial(self._hold, request_id, position))
 
     def _hold(self, request_id: str, position: int) -> dict[str, nn.Module]:
-        """Hold and onload every component of the stage, or (raising) none of them."""
-        uses = self.timeline.stages[position].uses
-        with self.lock:
-            for name in uses:
-                self.slots[name].holders[request_id] += 1
-            try:
-                for name in uses:
-                    if self.slots[name].lifecycle.state is not ComponentState.RESIDENT:
-                        self.slots[name].lifecycle.onload(position=position, request_id=request_id)
-            except BaseException:
-                self.leave(request_id, position)
-                raise
-            self.residency.prefetch(self.timeline.added_next(position))
-            return {name: _module(self.slots[name]) for name in uses}
+        """Hold and onload every component of the stage, or (raising) none of them.
 
-    def next_uses(self, position: int) -> tuple[str, ...]:
-        """Return the components the stage after ``position`` adds, if there is one."""
-        return self.timeline.added_next(position)
+        Runs inside ``enter``, under the lock.
+        """
+        uses = self.timeline.stages[position].uses
+        slots = self.slots
+        for name in uses:
+            holders = slots[name].holders
+            holders[request_id] = holders.get(request_id, 0) + 1
+        try:
+            for name in uses:
+                lifecycle = slots[name].lifecycle
+                if lifecycle.state is not _RESIDENT:
+                    lifecycle.onload(position=position, request_id=request_id)
+        except BaseException:
+            self.leave(request_id, position)
+            raise
+        if self.residency.prefetches:
+            self.residency.prefetch(self.timeline.added_next(position))
+        modules = {}
+        for name in uses:
+            module = slots[name].module
+            if module is None:
+                raise RuntimeError(f"component '{name}' has no module: load() the pipeline first")
+            modules[name] = module
+        return modules
 
     def leave(self, request_id: str, position: int) -> None:
         """Drop ``request_id``'s hold on the stage; offload what saw its last use."""
         uses = self.timeline.stages[position].uses
+        slots = self.slots
         with self.lock:
             for name in uses:
-                holders = self.slots[name].holders
-                holders[request_id] -= 1
-                if holders[request_id] <= 0:
-                    del holders[request_id]
+                holders = slots[name].holders
+                left = holders.get(request_id, 0) - 1
+                if left > 0:
+                    holders[request_id] = left
+                else:
+                    holders.pop(request_id, None)
             self._put_back(self.timeline.last_uses(position), request_id)
             self.waiter.released()
 
@@ -92,19 +106,23 @@ class StageKeeper:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.discard(request_id)
-            self.residency.cancel_prefetch(sorted(touched))
-            self._put_back(sorted(touched), request_id)
+            self.residency.cancel_prefetch(touched)
+            self._put_back(sorted(n for n in touched if self._is_left_on(n)), request_id)
             self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:
         for name in names:
-            slot = self.slots[name]
-            if (
-                slot.is_idle
-                and slot.lifecycle.state is ComponentState.RESIDENT
-                and slot.mode is not ResidencyMode.RESIDENT
-            ):
-                slot.lifecycle.offload(request_id=request_id)
+            if self._is_left_on(name):
+                self.slots[name].lifecycle.offload(request_id=request_id)
+
+    def _is_left_on(self, name: str) -> bool:
+        """Tell whether ``name`` is resident, idle, and not resident by mode: to put back."""
+        slot = self.slots[name]
+        return (
+            not slot.holders
+            and slot.lifecycle.state is _RESIDENT
+            and slot.mode is not ResidencyMode.RESIDENT
+        )
 
 
 class Request:
@@ -120,6 +138,9 @@ class Request:
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self._keeper = keeper
+        # one inference-mode guard for every stage: a request runs its stages one at a
+        # time, and building the guard is half of what entering it costs
+        self._inference = torch.inference_mode()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[dict[str, nn.Module]]:
@@ -129,11 +150,7 @@ class Request:
             KeyError: no stage has that name.
             TransitionRefused: a component could not be onloaded (budget).
         """
-        position = self._keeper.timeline.index(name)
-        self.touched.update(self._keeper.timeline.stages[position].uses)
-        self.touched.update(self._keeper.next_uses(position))
-        modules = self._keeper.enter(self.id, position)
-        self.stages.append(name)
+        position, modules = self._enter(name)
         try:
             yield modules
         finally:
@@ -145,12 +162,23 @@ class Request:
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
         """
-        with torch.inference_mode(), self.stage(stage) as modules:
-            for name, module in modules.items():
-                self._keeper.slots[name].loader.run(module, batch)
+        # the body of ``stage()`` inlined: a generator context manager per stage is a
+        # measurable part of a move's cost (issue 12)
+        with self._inference:
+            position, modules = self._enter(stage)
+            try:
+                slots = self._keeper.slots
+                for name, module in modules.items():
+                    slots[name].loader.run(module, batch)
+            finally:
+                self._keeper.leave(self.id, position)
 
-
-def _module(slot: ComponentSlot) -> nn.Module:
-    if slot.module is None:
-        raise RuntimeError(f"component '{slot.name}' has no module: load() the pipeline first")
-    return slot.module
+    def _enter(self, name: str) -> tuple[int, dict[str, nn.Module]]:
+        """Hold the stage ``name`` and onload its components; return its position and modules."""
+        timeline = self._keeper.timeline
+        position = timeline.index(name)
+        self.touched.update(timeline.stages[position].uses)
+        self.touched.update(timeline.added_next(position))
+        modules = self._keeper.enter(self.id, position)
+        self.stages.append(name)
+        return position, modules

@@ -9,7 +9,6 @@ arms or disarms its attention, registering an undo for each step.
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -72,6 +71,9 @@ class Residency:
         slots: the orchestrator's components by name.
         device: the compute device.
         observer: called with every move.
+
+    Attributes:
+        prefetches: whether stages prefetch the next stage's components (CUDA only).
     """
 
     def __init__(
@@ -84,6 +86,8 @@ class Residency:
         self.spec = spec
         self.slots = slots
         self.device = device
+        # only on CUDA does a copy overlap compute, so only there does a stage prefetch
+        self.prefetches = device.type == "cuda"
         self.timeline = Timeline(spec.stages)
         self.observer = observer
         self._started = time.perf_counter()
@@ -172,9 +176,8 @@ class Residency:
             self.slots[victim].lifecycle.offload(eviction=True)
             context.on_rollback(self.slots[victim].lifecycle.onload)
         slot = self.slots[name]
-        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
-        if slot.store is None:
+        if slot.store is None:  # the first move builds the store (refusing a module not loaded)
             slot.store = self._new_store(slot, resident=True)
             moved = slot.store.nbytes
         else:
@@ -183,25 +186,26 @@ class Residency:
         arm_all(slot.layers)
         context.on_rollback(lambda: self._stow(slot))
         self._hold(slot)
-        self._record(slot, "onload", moved, started, context)
+        if context.is_logged or self.observer is not None:
+            self._record(slot, "onload", moved, started, context)
 
     def offload(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and take its weights off the device."""
         slot = self.slots[name]
-        _module_of(slot)  # refuses a component that is not loaded
         started = time.perf_counter()
         layers = slot.layers
         disarm_all(layers)
         if context.source is ComponentState.RESIDENT:
             context.on_rollback(lambda: arm_all(layers))
-        if slot.store is None:
+        if slot.store is None:  # the first move builds the store (refusing a module not loaded)
             slot.store = self._new_store(slot, resident=False)
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
         if self._unhold(slot):
             context.on_rollback(lambda: self._hold(slot))
-        self._record(slot, "offload", moved, started, context)
+        if context.is_logged or self.observer is not None:
+            self._record(slot, "offload", moved, started, context)
 
     def release(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and drop its module, its store and any offload file."""
@@ -218,7 +222,7 @@ class Residency:
         reserves the component's footprint in the budget and never evicts. The
         onload transition completes it; ``cancel_prefetch`` gives it up.
         """
-        if self.device.type != "cuda":
+        if not self.prefetches:
             return
         for name in names:
             slot = self.slots[name]
@@ -235,6 +239,8 @@ class Residency:
 
     def cancel_prefetch(self, names: Iterable[str]) -> None:
         """Give up the prefetches of ``names`` that no onload completed."""
+        if not self.prefetches:
+            return
         for name in names:
             slot = self.slots[name]
             if slot.reserved and slot.lifecycle.state is ComponentState.OFFLOADED:
@@ -324,9 +330,7 @@ class Residency:
         started: float,
         context: TransitionContext,
     ) -> None:
-        logged = log.is_enabled_for(logging.INFO)
-        if self.observer is None and not logged:
-            return  # nobody reads the move: build nothing
+        """Log one move and hand it to the observer (called only when one of them reads it)."""
         finished = time.perf_counter()
         assert slot.store is not None  # every move goes through the store
         move = Move(
@@ -338,7 +342,7 @@ class Residency:
             request_id=context.request_id,
             at=round(finished - self._started, 6),
         )
-        if logged:
+        if context.is_logged:
             log.info(
                 "residency.moved",
                 component=move.component,

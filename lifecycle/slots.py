@@ -24,6 +24,7 @@ class ComponentSlot:
     Attributes:
         name: the component's name.
         spec: what the pipeline spec says of it.
+        mode: its residency mode, ``resident`` when none was written.
         lifecycle: its place on the lifecycle machine.
         loader: its kind's loader, with validated options.
         admission: what admission found for it (None before admission).
@@ -41,6 +42,7 @@ class ComponentSlot:
     def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
         self.name = name
         self.spec = spec
+        self.mode: ResidencyMode = spec.residency_mode  # read on every move: resolved once
         self.lifecycle = lifecycle
         self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
         self.admission: ComponentAdmission | None = None
@@ -65,11 +67,6 @@ class ComponentSlot:
     def module(self, module: nn.Module | None) -> None:
         self._module = module
         self.layers = () if module is None else find_layers(module)
-
-    @property
-    def mode(self) -> ResidencyMode:
-        """Return the residency mode, ``resident`` when none was written."""
-        return self.spec.residency_mode
 
     @property
     def is_idle(self) -> bool:

@@ -31,10 +31,13 @@ from typing import TypeVar
 
 import structlog
 
+from lifecycle.logs import context_variable
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
 log = structlog.get_logger("lifecycle")
+
+_MAY_WAIT = context_variable("may_wait")
 
 T = TypeVar("T")
 
@@ -107,8 +110,11 @@ class MemoryWaiter:
     @staticmethod
     def _try(attempt: Callable[[], T]) -> T:
         """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
-        with structlog.contextvars.bound_contextvars(may_wait=True):
+        token = _MAY_WAIT.set(True)
+        try:
             return attempt()
+        finally:
+            _MAY_WAIT.reset(token)
 
     @property
     def queue(self) -> tuple[str, ...]:
@@ -117,7 +123,8 @@ class MemoryWaiter:
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""
-        self._turns.notify_all()
+        if self._queue:  # whoever waits on the condition is in the queue
+            self._turns.notify_all()
 
     def holders(self) -> dict[str, list[str]]:
         """Return each request that holds a component, with what it holds."""

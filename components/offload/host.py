@@ -17,8 +17,8 @@ class HostGroup:
     CUDA, onload allocates on the compute stream (the caller's current stream),
     copies on ``stream`` with ``non_blocking=True`` and records an event that
     the compute stream waits on before the tensors are swapped in. On a CPU
-    device the master is the tensor itself and nothing moves; only the state
-    (and so the accounting) changes.
+    device the master is the tensor itself and nothing moves: a move is a state
+    flip (the accounting follows it) that touches no tensor.
     """
 
     def __init__(
@@ -29,6 +29,8 @@ class HostGroup:
         self.is_resident = False
         self._device = device
         self._stream = stream
+        # on a CPU device every slot already points at its master: nothing to re-point
+        self._moves = device.type != "cpu"
         with torch.no_grad():
             if device.type == "cuda":
                 # pinned pages are what makes the host-to-device copy asynchronous
@@ -51,11 +53,12 @@ class HostGroup:
         """Complete a started copy (or do one now) and swap the device tensors in."""
         if self.is_resident:
             return 0
-        copies = self._pending if self._pending is not None else self._start_copies()
-        self._wait_for_copies()
-        with torch.no_grad():
-            for slot, copy in zip(self.slots, copies, strict=True):
-                slot.tensor.data = copy
+        if self._moves:
+            copies = self._pending if self._pending is not None else self._start_copies()
+            self._wait_for_copies()
+            with torch.no_grad():
+                for slot, copy in zip(self.slots, copies, strict=True):
+                    slot.tensor.data = copy
         self._pending = None
         self.is_resident = True
         return self.nbytes
@@ -73,9 +76,10 @@ class HostGroup:
 
     def discard(self) -> None:
         """Point every slot back at its host master (the master is never stale)."""
-        with torch.no_grad():
-            for slot, master in zip(self.slots, self._masters, strict=True):
-                slot.tensor.data = master
+        if self._moves:
+            with torch.no_grad():
+                for slot, master in zip(self.slots, self._masters, strict=True):
+                    slot.tensor.data = master
         self.is_resident = False
 
     def held_bytes(self) -> int:

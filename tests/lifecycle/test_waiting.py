@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import structlog
 
 from attention import Platform
 from lifecycle.config import decode_spec
@@ -142,6 +143,27 @@ class TestWaiting:
                 assert "raise memory.wait_timeout" in err.value.refusals[0].hint
                 assert orch.waiter.queue == ()
             assert orch.component("b").in_use_by == ()
+
+    def test_only_a_stage_attempt_is_marked_as_possibly_waiting(self, cpu: Platform) -> None:
+        """Refusals of a stage's onload attempts carry may_wait; a manual onload's does not."""
+        spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.05))
+        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+            orch.load()
+            with orch.request("r1") as first, first.stage("s0"):
+                with (
+                    pytest.raises(TransitionRefused),
+                    orch.request("r2") as second,
+                    second.stage("s1"),
+                ):
+                    pass
+                with pytest.raises(TransitionRefused):
+                    orch.onload("b")
+            assert structlog.contextvars.get_contextvars() == {}  # nothing stays bound
+        *attempts, manual = events_named(events, "lifecycle.refused")
+        assert attempts
+        assert {(e["request_id"], e.get("may_wait")) for e in attempts} == {("r2", True)}
+        assert (manual["request_id"], manual.get("may_wait")) == ("r1", None)
+        assert manual["codes"] == ["residency.memory_budget"]
 
     def test_nested_stage_does_not_wait(self, cpu: Platform) -> None:
         """A request that already holds a stage is refused at once: it never holds and waits."""
