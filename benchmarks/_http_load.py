@@ -67,9 +67,7 @@ async def _answer(reader: asyncio.StreamReader) -> int:
 
 async def _run(plan: LoadPlan) -> LoadResult:
     requests = [_request(plan, body) for body in plan.bodies]
-    connections = [
-        await asyncio.open_connection(plan.host, plan.port) for _ in range(plan.clients)
-    ]
+    connections = [await asyncio.open_connection(plan.host, plan.port) for _ in range(plan.clients)]
     latencies: list[float] = []
     bad: list[int] = []
 
