@@ -17,9 +17,15 @@ Each HTTP level and the embedded API run as many requests in alternating rounds
 (order reversed every round), so that the drift of a shared machine hits both
 alike; figures are medians over rounds.
 
-The worker runs as a subprocess on loopback with its default settings; the clients
-are threads in this process with one httpx client each. On a shared 2-core machine
-server and clients compete for the cores, so the figures are conservative.
+The worker runs as a subprocess on loopback with its default settings and the same
+torch intra-op thread count as the embedded API (``OMP_NUM_THREADS``; torch's own
+default, one thread per core, would have its compute threads fight the event loop
+and the clients for the cores). The HTTP clients are a lean load generator in a
+process of their own (``benchmarks._http_load``): asyncio, raw HTTP/1.1 keep-alive,
+one connection per client, each request timed from its write to its last byte.
+A thread pool of httpx clients spent about as much CPU per request as the server it
+measured; the tests keep the real clients (httpx, openai). On a shared 2-core machine
+server and clients still compete for the cores, so the figures are conservative.
 
 Run: ``python -m benchmarks serving``.
 """
@@ -76,7 +82,11 @@ def worker(spec: Path) -> Iterator[str]:
         [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": str(torch.get_num_threads()),  # as pinned for the embedded API
+        },
     )
     url = f"http://127.0.0.1:{port}"
     try:
