@@ -1,18 +1,13 @@
 """The worker's queue: bounded, batching compatible jobs, draining on shutdown.
 
-Jobs wait in one FIFO queue. A dispatcher thread takes the oldest job whose key no
-running batch has as soon as a runner is free, gives it ``serving.batch_window_ms``
-to gather company while another batch runs (an idle worker starts it at once), and
-adds every queued job with the same ``BatchKey`` (in arrival order) up to
+Jobs wait in one FIFO queue. A dispatcher thread takes the oldest job as soon as a
+runner is free, gives it ``serving.batch_window_ms`` to gather company while
+another batch runs (an idle worker starts it at once), and adds
+every queued job with the same ``BatchKey`` (in arrival order) up to
 ``serving.max_batch`` jobs and ``serving.max_batch_tokens`` tokens; a job larger
 than the token limit runs alone. The batch runs on a runner thread as one
 orchestrator request, so batches with different keys (say, two backend overrides)
 run concurrently, and wait for memory in turn when the budget is tight.
-
-Jobs whose key a batch is running wait for it to end and then leave together: two
-batches of one key side by side would only split one batch in two and compete for
-the same cores (measured with MiniLM at 16 clients: batches of 6 instead of 8, and
-more CPU per request). Those jobs do not wake the dispatcher as they arrive.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import structlog
 
 from lifecycle.config import ServingConfig
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.serving.jobs import BatchKey, Job, Shapes, merged_batch, split_outputs
+from lifecycle.serving.jobs import Job, Shapes, merged_batch, split_outputs
 
 log = structlog.get_logger("lifecycle")
 
@@ -79,7 +74,6 @@ class Batcher:
         self._queue: deque[_Entry] = deque()
         self._in_flight = 0
         self._free_runners = RUNNERS
-        self._running: set[BatchKey] = set()  # the keys of the batches running now
         self._draining = False
         self._stopped = False
         # long-lived runner threads: torch keeps one intra-op thread pool per calling
@@ -118,8 +112,7 @@ class Batcher:
                 raise QueueFull()
             self._in_flight += 1
             self._queue.append(_Entry(job, future))
-            if self._free_runners and job.key not in self._running:
-                self._changed.notify_all()  # else the dispatcher could not act on it yet
+            self._changed.notify_all()
         return future
 
     def drain(self, timeout: float) -> bool:
@@ -146,46 +139,40 @@ class Batcher:
     def _dispatch(self) -> None:
         while True:
             with self._changed:
-                while not self._stopped and (key := self._next_key()) is None:
+                while not self._stopped and not (self._queue and self._free_runners):
                     self._changed.wait()
-                if self._stopped or key is None:
+                if self._stopped:
                     return
-                self._gather(key)
-                group = self._take(key)
+                self._gather()
+                group = self._take()
                 if not group:  # every taken job was cancelled by its client
                     continue
                 self._free_runners -= 1
-                self._running.add(key)
             self._runners.submit(self._run, group)
 
-    def _next_key(self) -> BatchKey | None:
-        """Return the key of the next batch to start, if one may start now (lock held)."""
-        if not self._free_runners:
-            return None
-        return next((e.job.key for e in self._queue if e.job.key not in self._running), None)
-
-    def _gather(self, key: BatchKey) -> None:
-        """Give the oldest job of ``key`` its window to gather company (the lock is held).
+    def _gather(self) -> None:
+        """Give the oldest job its window to gather company (the lock is held).
 
         An idle worker (no batch running) starts at once: waiting would only add
         latency, and under load jobs gather on their own while batches run.
         """
         if self._free_runners == RUNNERS:
             return
-        deadline = self._compatible(key)[0].arrived + self.settings.batch_window_ms / 1e3
+        deadline = self._queue[0].arrived + self.settings.batch_window_ms / 1e3
         while not self._stopped and (remaining := deadline - time.monotonic()) > 0:
-            if len(self._compatible(key)) >= self.settings.max_batch:
+            if len(self._compatible()) >= self.settings.max_batch:
                 return
             self._changed.wait(remaining)
 
-    def _compatible(self, key: BatchKey) -> list[_Entry]:
+    def _compatible(self) -> list[_Entry]:
+        key = self._queue[0].job.key
         return [entry for entry in self._queue if entry.job.key == key]
 
-    def _take(self, key: BatchKey) -> list[_Entry]:
-        """Remove and return the oldest job of ``key`` and the compatible ones that fit."""
+    def _take(self) -> list[_Entry]:
+        """Remove and return the oldest job and the compatible ones that fit with it."""
         group: list[_Entry] = []
         tokens = 0
-        for entry in self._compatible(key):
+        for entry in self._compatible():
             if len(group) == self.settings.max_batch:
                 break
             if group and tokens + entry.job.tokens > self.settings.max_batch_tokens:
@@ -228,5 +215,4 @@ class Batcher:
             with self._changed:
                 self._in_flight -= len(group)
                 self._free_runners += 1
-                self._running.discard(jobs[0].key)
                 self._changed.notify_all()

@@ -97,28 +97,3 @@ class TestBatcher:
         occupy(batcher)
         done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
         assert max(job.batch_size for job in done) == expected
-
-    def test_jobs_of_a_running_key_wait_and_leave_together(
-        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
-    ) -> None:
-        """Jobs whose key a batch is running wait for it, though a runner is free, then run
-        as one batch."""
-        served = serve_spec(t2i_spec(batch_window_ms=0, max_batch=8))
-        batcher = served.worker.batcher
-        assert batcher is not None
-        key = BatchKey(endpoint="images", steps=300, latent_size=(8, 8))  # outlasts the wait
-        first = batcher.submit(Job(id="first", key=key, prompts=["a cat"], tokens=64))
-        for _ in range(int(WATCHDOG_S / 0.005)):
-            if batcher.depth == 0:
-                break
-            threading.Event().wait(0.005)
-        futures = [batcher.submit(Job(id="j0", key=key, prompts=["a dog"], tokens=64))]
-        threading.Event().wait(0.1)  # time enough for the free runner to take it, were it let
-        futures += [
-            batcher.submit(Job(id=f"j{i}", key=key, prompts=["a dog"], tokens=64)) for i in (1, 2)
-        ]
-        queued_while_running = batcher.depth
-        done = [future.result(timeout=WATCHDOG_S) for future in futures]
-        assert first.result(timeout=WATCHDOG_S).batch_size == 1
-        assert queued_while_running == 3
-        assert [job.batch_id for job in done] == ["j0+j1+j2"] * 3
