@@ -17,9 +17,15 @@ Each HTTP level and the embedded API run as many requests in alternating rounds
 (order reversed every round), so that the drift of a shared machine hits both
 alike; figures are medians over rounds.
 
-The worker runs as a subprocess on loopback with its default settings; the clients
-are threads in this process with one httpx client each. On a shared 2-core machine
-server and clients compete for the cores, so the figures are conservative.
+The worker runs as a subprocess on loopback with its default settings and the same
+torch intra-op thread count as the embedded API (``OMP_NUM_THREADS``; torch's own
+default, one thread per core, would have its compute threads fight the event loop
+and the clients for the cores). The HTTP clients are a lean load generator in a
+process of their own (``benchmarks._http_load``): asyncio, raw HTTP/1.1 keep-alive,
+one connection per client, each request timed from its write to its last byte.
+A thread pool of httpx clients spent about as much CPU per request as the server it
+measured; the tests keep the real clients (httpx, openai). On a shared 2-core machine
+server and clients still compete for the cores, so the figures are conservative.
 
 Run: ``python -m benchmarks serving``.
 """
@@ -41,8 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import torch
 
+from benchmarks._http_load import LoadPlan, LoadResult
 from components.batch import Batch
 from components.kinds.minilm_text_encoder import PROMPTS
 from lifecycle.orchestrator import Orchestrator
@@ -74,7 +82,11 @@ def worker(spec: Path) -> Iterator[str]:
         [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": str(torch.get_num_threads()),  # as pinned for the embedded API
+        },
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -117,8 +129,12 @@ def concurrently(clients: int, request: Callable[[int], None]) -> dict[str, floa
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    wall = time.perf_counter() - started
-    latencies.sort()
+    return summary(latencies, time.perf_counter() - started)
+
+
+def summary(latencies: list[float], wall: float) -> dict[str, float]:
+    """Return the throughput and the p50 and p99 latency (ms) of single requests."""
+    latencies = sorted(latencies)
     return {
         "rps": len(latencies) / wall,
         "p50": 1e3 * statistics.median(latencies),
@@ -129,14 +145,31 @@ def concurrently(clients: int, request: Callable[[int], None]) -> dict[str, floa
 def load(
     url: str, path: str, bodies: Callable[[int], dict[str, Any]], clients: int
 ) -> dict[str, float]:
-    """Post ``bodies(i)`` to ``path`` from ``clients`` concurrent HTTP clients; summarise."""
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    with httpx.Client(base_url=url, timeout=600, limits=limits) as http:  # thread-safe pool
+    """Post ``bodies(i)`` to ``path`` from ``clients`` keep-alive connections; summarise.
 
-        def post(i: int) -> None:
-            http.post(path, json=bodies(i)).raise_for_status()
-
-        return concurrently(clients, post)
+    The clients run in a process of their own (``benchmarks._http_load``).
+    """
+    host, _, port = url.removeprefix("http://").partition(":")
+    total = clients * REQUESTS_PER_CLIENT.get(clients, 10)
+    plan = LoadPlan(
+        host=host,
+        port=int(port),
+        path=path,
+        clients=clients,
+        bodies=[bodies(i) for i in range(total)],
+    )
+    answer = subprocess.run(
+        [sys.executable, "-m", "benchmarks._http_load"],
+        input=msgspec.json.encode(plan),
+        capture_output=True,
+        check=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result = msgspec.json.decode(answer.stdout, type=LoadResult)
+    if result.bad_statuses:
+        raise RuntimeError(f"the worker answered {sorted(set(result.bad_statuses))}")
+    return summary(result.latencies, result.wall)
 
 
 class Embedded:

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from msgspec import Meta
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lifecycle.override import RequestRefused
@@ -37,32 +37,41 @@ log = structlog.get_logger("lifecycle")
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
 
+EMBEDDINGS = BatchKey(endpoint="embeddings")
+"""Every embeddings job's batch key: any two may share a batch."""
 
-class EmbeddingsBody(BaseModel):
+
+class EmbeddingsBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/embeddings`` (OpenAI's fields this worker honours)."""
 
-    model_config = ConfigDict(extra="forbid")
-    input: str | Annotated[list[str], Field(min_length=1)]
+    input: str | Annotated[list[str], Meta(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
-class ImagesBody(BaseModel):
+class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/images/generations``, with this worker's extra fields."""
 
-    model_config = ConfigDict(extra="forbid")
     prompt: str
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1)] = 1
     size: str | None = None
     response_format: Literal["b64_json"] = "b64_json"
     user: str | None = None
-    steps: Annotated[int, Field(ge=1, le=1000)] = 4
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0)] = 1.0
+    steps: Annotated[int, Meta(ge=1, le=1000)] = 4
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0)] = 1.0
     negative_prompt: str | None = None
     attention_backend: str | None = None
+
+
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody)
+
+EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
+IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
+_AT_FIELD = re.compile(r"at `\$\.(\w+)|field `(\w+)`")
+"""The body field a msgspec error names: ``... - at `$.n` `` or ``unknown field `colour` ``."""
 
 
 class ApiError(Exception):
@@ -105,20 +114,6 @@ def create_app(worker: Worker) -> FastAPI:
         headers = {"retry-after": "1"} if err.status in (429, 503) else None
         return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in err.errors()
-        ]
-        first = err.errors()[0]["loc"][1:] if err.errors() else ()
-        body = {
-            "message": "; ".join(problems),
-            "type": "invalid_request_error",
-            "param": ".".join(str(p) for p in first) or None,
-            "code": "invalid_body",
-        }
-        return JSONResponse({"error": body}, status_code=400)
-
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -145,30 +140,30 @@ def create_app(worker: Worker) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
+    @app.post("/v1/embeddings", openapi_extra=_documented(EmbeddingsBody))
+    async def embeddings(request: Request) -> Response:
+        body = _decode(EMBEDDINGS_BODY, await request.body())
         _check_ready(worker, body.model)
         if not worker.shapes.embeddings:
             raise _not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
-        prompts = [body.input] if isinstance(body.input, str) else list(body.input)
+        prompts = [body.input] if isinstance(body.input, str) else body.input
         job = Job(
             id=request.state.id,
-            key=BatchKey(endpoint="embeddings"),
+            key=EMBEDDINGS,
             prompts=prompts,
             tokens=estimate_tokens(prompts),
         )
         done = await _run(worker, job)
         assert done.output is not None
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encode(row, body.encoding_format)}
-            for i, row in enumerate(done.output)
-        ]
+        rows = _encoded_rows(done.output, body.encoding_format)
+        data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
         usage = {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}
         content = {"object": "list", "data": data, "model": worker.name, "usage": usage}
         return _json(content, done)
 
-    @app.post("/v1/images/generations")
-    async def images(body: ImagesBody, request: Request) -> Response:
+    @app.post("/v1/images/generations", openapi_extra=_documented(ImagesBody))
+    async def images(request: Request) -> Response:
+        body = _decode(IMAGES_BODY, await request.body())
         _check_ready(worker, body.model)
         if not worker.shapes.images:
             raise _not_served(worker, "images", "examples/tiny_t2i.toml")
@@ -232,20 +227,19 @@ class RequestIds:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
-        with structlog.contextvars.bound_contextvars(http_request_id=rid):
-            try:
-                await self.app(scope, receive, send_with_id)
-            except Exception as err:
-                log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
-                if answered:
-                    raise
-                await _failure(err)(scope, receive, send_with_id)
+        # bind and reset rather than bound_contextvars(): no generator per request
+        bound = structlog.contextvars.bind_contextvars(http_request_id=rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as err:
+            log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
+            if answered:
+                raise
+            await _failure(err)(scope, receive, send_with_id)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
         endpoint = getattr(scope.get("route"), "path", "unrouted")  # bounded label values
-        metrics = self.worker.metrics
-        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        metrics.latency.labels(endpoint=endpoint, status=str(status)).observe(
-            time.perf_counter() - started
-        )
+        self.worker.metrics.observe_request(endpoint, status, time.perf_counter() - started)
 
 
 def _json(content: dict[str, Any], done: Job) -> Response:
@@ -315,11 +309,34 @@ def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
     return h // scale, w // scale
 
 
-def _encode(row: Any, encoding_format: str) -> list[float] | str:
+def _encoded_rows(output: Any, encoding_format: str) -> list[list[float]] | list[str]:
+    """Return each embedding ``(B, E)`` row as floats, or as base64 of little-endian float32."""
     if encoding_format == "base64":
-        return base64.b64encode(row.float().numpy().astype("<f4").tobytes()).decode()
-    values: list[float] = row.tolist()
-    return values
+        raw = output.float().numpy().astype("<f4")
+        return [base64.b64encode(row.tobytes()).decode() for row in raw]
+    rows: list[list[float]] = output.tolist()  # one call: iterating the tensor costs more
+    return rows
+
+
+def _decode(decoder: msgspec.json.Decoder[Body], raw: bytes) -> Body:
+    """Decode a request body; a bad one is a 400 naming the field (msgspec's message)."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as err:  # ValidationError included
+        found = _AT_FIELD.search(str(err))
+        raise ApiError(
+            400,
+            f"bad request body: {err}",
+            param=next((name for name in found.groups() if name), None) if found else None,
+            code="invalid_body",
+        ) from None
+
+
+def _documented(body_type: type[msgspec.Struct]) -> dict[str, Any]:
+    """Return the OpenAPI ``requestBody`` of a route that decodes ``body_type`` itself."""
+    _, components = msgspec.json.schema_components([body_type])
+    schema = components[body_type.__name__]  # flat: no references to resolve
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _run(worker: Worker, job: Job) -> Job:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lifecycle.exits import ExitCode
 
-SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
 
 
 def add_serve_command(commands: Any) -> None:

@@ -39,6 +39,7 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._by_route: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self.batch_size = Histogram(
             "lifecycle_batch_size", "jobs per batch run", buckets=BATCH_BUCKETS, registry=r
         )
@@ -61,6 +62,17 @@ class ServingMetrics:
         Gauge("lifecycle_resident_bytes", "bytes resident on the device", registry=r).set_function(
             resident_bytes
         )
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        """Count one answered HTTP request and its latency."""
+        children = self._by_route.get((endpoint, status))
+        if children is None:  # labels() hashes and locks on every call: look each pair up once
+            labels = {"endpoint": endpoint, "status": str(status)}
+            children = (self.requests.labels(**labels), self.latency.labels(**labels))
+            self._by_route[endpoint, status] = children
+        count, latency = children
+        count.inc()
+        latency.observe(seconds)
 
     def observe_move(self, move: Move) -> None:
         """Count the bytes of one move (the orchestrator's move observer)."""

@@ -1,4 +1,10 @@
-"""Run the worker under uvicorn; SIGTERM drains it (needs the ``serve`` extra)."""
+"""Run the worker under uvicorn; SIGTERM drains it (needs the ``serve`` extra).
+
+The drain handler is installed before the pipeline starts loading, so a signal that
+arrives while it loads drains it too (once loaded: nothing is left behind, exit 0).
+A signal that arrives earlier, while Python still imports the command, ends the
+process the default way (exit 143): nothing is loaded then.
+"""
 
 from __future__ import annotations
 
@@ -41,19 +47,24 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.worker = worker
         self.drained = False
-        self._draining: threading.Thread | None = None
+        self._signal = signal.SIGTERM
+        self._signalled = threading.Event()
+        # started now, not by the handler: a signal handler may interrupt the main thread
+        # inside a lock (a log write, a thread start) and must take none of its own
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining on the first signal; force the exit on the next."""
-        if self._draining is not None:
+        if self._signalled.is_set():
             self.force_exit = True
             self.should_exit = True
             return
-        log.info("serving.draining", signal=signal.Signals(sig).name)
-        self._draining = threading.Thread(target=self._drain, name="drain", daemon=True)
-        self._draining.start()
+        self._signal = signal.Signals(sig)
+        self._signalled.set()
 
     def _drain(self) -> None:
+        self._signalled.wait()
+        log.info("serving.draining", signal=self._signal.name)
         self.drained = self.worker.drain()
         self.should_exit = True
 
@@ -84,11 +95,20 @@ def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
         return ExitCode.REFUSED
     worker = Worker(orchestrator, metrics)
     config = uvicorn.Config(
-        create_app(worker), host=host, port=port, log_config=None, access_log=False
+        create_app(worker),
+        host=host,
+        port=port,
+        http="httptools",
+        loop="uvloop",
+        log_config=None,
+        access_log=False,
     )
     server = DrainingServer(config, worker)
-    threading.Thread(target=worker.start, name="load", daemon=True).start()
+    # uvicorn installs the same handler only once it runs: from here on a signal drains
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, server.handle_exit)
     log.info("serving.listening", pipeline=spec.name, host=host, port=port)
+    threading.Thread(target=worker.start, name="load", daemon=True).start()
     server.run()
     if not server.drained:  # stopped by uvicorn itself (e.g. the port was taken)
         server.drained = worker.drain()

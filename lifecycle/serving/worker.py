@@ -44,6 +44,7 @@ class Worker:
         self.batcher: Batcher | None = None
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
+        self._starting = threading.Lock()  # held while start() loads: drain() waits for it
 
     @property
     def name(self) -> str:
@@ -51,22 +52,27 @@ class Worker:
         return self.orchestrator.spec.name
 
     def start(self) -> None:
-        """Load the pipeline and warm it up; the worker is ready after (or failed)."""
-        try:
-            self.orchestrator.load()
-            self.shapes = warm_up(self.orchestrator)
-        except Exception as err:  # reported by /readyz and the log; the process stays up
-            self.phase = Phase.FAILED
-            self.error = f"{type(err).__name__}: {err}"
-            log.error("serving.failed", error=self.error)
-            return
-        self.batcher = Batcher(
-            self.orchestrator,
-            self.orchestrator.spec.serving,
-            self.shapes,
-            on_batch=self.metrics.batch_size.observe,
-        )
-        if self.phase is Phase.STARTING:
+        """Load the pipeline and warm it up; the worker is ready after (or failed).
+
+        A worker already draining (a signal came first) loads nothing.
+        """
+        with self._starting:
+            if self.phase is not Phase.STARTING:
+                return
+            try:
+                self.orchestrator.load()
+                self.shapes = warm_up(self.orchestrator)
+            except Exception as err:  # reported by /readyz and the log; the process stays up
+                self.phase = Phase.FAILED
+                self.error = f"{type(err).__name__}: {err}"
+                log.error("serving.failed", error=self.error)
+                return
+            self.batcher = Batcher(
+                self.orchestrator,
+                self.orchestrator.spec.serving,
+                self.shapes,
+                on_batch=self.metrics.batch_size.observe,
+            )
             self.phase = Phase.READY
             log.info("serving.ready", pipeline=self.name, shapes=self.shapes)
 
@@ -86,7 +92,8 @@ class Worker:
         Returns whether every job finished within ``serving.drain_timeout`` and every
         component was released (its offload files removed).
         """
-        self.phase = Phase.DRAINING
+        with self._starting:  # a load in progress finishes first; none starts after
+            self.phase = Phase.DRAINING
         finished = True
         if self.batcher is not None:
             finished = self.batcher.drain(self.orchestrator.spec.serving.drain_timeout)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from lifecycle.config import PipelineSpec
+from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
@@ -174,6 +176,40 @@ class TestBadInput:
             response = client.post("/v1/embeddings", json={"input": "a red fox"})
         assert response.status_code == 404
         assert "examples/minilm_embed.toml" in response.json()["error"]["message"]
+
+
+class TestEmbeddingsBody:
+    def test_bodies_decode_to_openai_answers_or_name_the_bad_field(
+        self, serve_spec: ServeSpec, root: Path
+    ) -> None:
+        """A bad embeddings body is a 400 naming its field; float and base64 answers agree."""
+        pytest.importorskip("tokenizers")
+        served = serve_spec(load_spec(root / "examples" / "minilm_embed.toml"))
+        with served.client() as client:
+            empty = client.post("/v1/embeddings", json={"input": []})
+            extra = client.post("/v1/embeddings", json={"input": "a", "dimensions": 3})
+            floats = client.post("/v1/embeddings", json={"input": ["a red fox", "ramen"]})
+            packed = client.post(
+                "/v1/embeddings",
+                json={"input": ["a red fox", "ramen"], "encoding_format": "base64"},
+            )
+        assert [empty.status_code, extra.status_code] == [400, 400]
+        assert empty.json()["error"]["param"] == "input"
+        assert "Expected `array` of length >= 1 - at `$.input`" in empty.json()["error"]["message"]
+        assert extra.json()["error"] == {
+            "message": "bad request body: Object contains unknown field `dimensions`",
+            "type": "invalid_request_error",
+            "param": "dimensions",
+            "code": "invalid_body",
+        }
+        assert empty.headers["x-request-id"].startswith("req-")
+        answer = floats.json()
+        assert [item["index"] for item in answer["data"]] == [0, 1]
+        assert answer["model"] == "minilm-embed"
+        assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 2
+        for item, encoded in zip(answer["data"], packed.json()["data"], strict=True):
+            vector = struct.unpack(f"<{len(item['embedding'])}f", _b64(encoded["embedding"]))
+            assert list(vector) == pytest.approx(item["embedding"], abs=1e-6)
 
 
 class TestLoad:

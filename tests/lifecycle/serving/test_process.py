@@ -161,6 +161,37 @@ class TestShutdown:
         assert code == 0
         assert not any(offload.rglob("*.safetensors"))
 
+    def test_sigterm_while_loading_drains(self, root: Path, tmp_path: Path) -> None:
+        """SIGTERM sent once the worker says it listens, as it loads: exit 0, no files left."""
+        offload = tmp_path / "offload"
+        spec = tmp_path / "t2i.toml"
+        text = (root / "examples" / "tiny_t2i.toml").read_text()
+        spec.write_text(
+            text.replace(
+                'offload_target = "host"',
+                f'offload_target = "disk"\noffload_dir = "{offload}"',
+            )
+        )
+        command = [sys.executable, "-m", "lifecycle", "--log-level", "info", "serve", str(spec)]
+        with subprocess.Popen(
+            [*command, "--port", str(free_port())],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process:
+            try:
+                assert process.stderr is not None
+                for line in process.stderr:
+                    if "serving.listening" in line:
+                        break
+                process.send_signal(signal.SIGTERM)
+                _, stderr = process.communicate(timeout=WATCHDOG_S)
+            finally:
+                process.kill()
+        assert process.returncode == 0, stderr
+        assert "Traceback" not in stderr
+        assert not any(offload.rglob("*.safetensors"))
+
 
 class TestCommand:
     def test_bad_spec_exits_2_and_refused_spec_exits_1(self, root: Path, tmp_path: Path) -> None:
