@@ -18,7 +18,7 @@ Each HTTP level and the embedded API run as many requests in alternating rounds
 alike; figures are medians over rounds.
 
 The worker runs as a subprocess on loopback with its default settings and the same
-torch intra-op thread count as the embedded API (``OMP_NUM_THREADS``; torch's own
+torch intra-op thread count as the embedded API (``--threads``; torch's own
 default, one thread per core, would have its compute threads fight the event loop
 and the clients for the cores). The HTTP clients are a lean load generator in a
 process of their own (``benchmarks._http_load``): asyncio, raw HTTP/1.1 keep-alive,
@@ -79,14 +79,13 @@ def worker(spec: Path) -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
+        [
+            *(sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)),
+            *("--threads", str(torch.get_num_threads())),  # as pinned for the embedded API
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": str(torch.get_num_threads()),  # as pinned for the embedded API
-        },
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     url = f"http://127.0.0.1:{port}"
     try:

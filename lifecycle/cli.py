@@ -19,6 +19,7 @@ import structlog
 from msgspec import UnsetType
 
 from lifecycle import diagrams, exits
+from lifecycle.arguments import positive
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
 from lifecycle.console import format_refusals, table
 from lifecycle.exits import ExitCode
@@ -105,17 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     run = command("run", "run requests of a pipeline (the main job)")
     run.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     run.add_argument(
-        "--requests", type=_positive, default=4, help="requests to run (default: %(default)s)"
+        "--requests", type=positive, default=4, help="requests to run (default: %(default)s)"
     )
     run.add_argument(
         "--steps",
-        type=_positive,
+        type=positive,
         default=8,
         help="denoising steps per request (default: %(default)s)",
     )
     run.add_argument(
         "--threads",
-        type=_positive,
+        type=positive,
         help="torch intra-op threads (default: the physical cores this process may use)",
     )
     run.add_argument(
@@ -137,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
-    run.add_argument("--nproc", type=_positive, help="start N workers through torchrun")
+    run.add_argument("--nproc", type=positive, help="start N workers through torchrun")
     run.add_argument(
         "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
     )
@@ -231,16 +232,6 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
 def _site_text(site: SitePlan) -> str:
     text = f"{site.site}={site.backend} ({site.provenance.value}"
     return text + (f", {site.reason})" if site.reason else ")")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {value}")
-    return value
 
 
 def _diagram(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``lifecycle serve SPEC [--host] [--port]``: the HTTP worker's command.
+"""``lifecycle serve SPEC [--host] [--port] [--threads]``: the HTTP worker's command.
 
 The HTTP libraries are the optional ``serve`` extra: they are imported only when
 the command runs, and their absence is bad input (exit 2) naming the extra.
@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lifecycle.arguments import positive
+from lifecycle.cores import physical_cores
 from lifecycle.exits import ExitCode
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
@@ -26,6 +28,12 @@ def add_serve_command(commands: Any) -> None:
     serve.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--threads",
+        type=positive,
+        help="torch intra-op threads (default: the physical cores this process may use, "
+        "less one for the HTTP event loop)",
+    )
     serve.set_defaults(handler=serve_command)
 
 
@@ -41,7 +49,9 @@ def serve_command(args: argparse.Namespace) -> int:
         return ExitCode.BAD_INPUT
     from lifecycle.serving.server import serve  # needs the serve extra
 
-    return serve(args.spec, args.host, args.port, _log_level(args))
+    # compute threads on every core would fight the event loop for one of them
+    threads = args.threads or max(1, physical_cores() - 1)
+    return serve(args.spec, args.host, args.port, threads, _log_level(args))
 
 
 def _log_level(args: argparse.Namespace) -> int:

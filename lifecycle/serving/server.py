@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 import structlog
+import torch
 import uvicorn
 
 from lifecycle.config import ConfigError, load_spec
@@ -69,8 +70,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
-    """Admit and serve the pipeline at ``spec_path`` until a signal drains it.
+def serve(spec_path: Path, host: str, port: int, threads: int, log_level: int) -> int:
+    """Admit and serve the pipeline at ``spec_path`` on ``threads`` torch threads until drained.
 
     Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec, 3 jobs or
     components left when the drain timed out, or the pipeline failed to load.
@@ -80,6 +81,7 @@ def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
     except ConfigError as err:
         print(f"lifecycle serve: {spec_path}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    torch.set_num_threads(threads)
     holder: list[Orchestrator] = []
     metrics = ServingMetrics(
         queue_depth=lambda: 0 if worker.batcher is None else worker.batcher.depth,
@@ -107,7 +109,7 @@ def serve(spec_path: Path, host: str, port: int, log_level: int) -> int:
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.handle_exit)
-    log.info("serving.listening", pipeline=spec.name, host=host, port=port)
+    log.info("serving.listening", pipeline=spec.name, host=host, port=port, threads=threads)
     threading.Thread(target=worker.start, name="load", daemon=True).start()
     server.run()
     if not server.drained:  # stopped by uvicorn itself (e.g. the port was taken)

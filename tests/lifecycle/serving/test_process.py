@@ -174,26 +174,38 @@ class TestShutdown:
         )
         command = [sys.executable, "-m", "lifecycle", "--log-level", "info", "serve", str(spec)]
         with subprocess.Popen(
-            [*command, "--port", str(free_port())],
+            [*command, "--port", str(free_port()), "--threads", "1"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         ) as process:
             try:
                 assert process.stderr is not None
-                for line in process.stderr:
-                    if "serving.listening" in line:
-                        break
+                listening = next(line for line in process.stderr if "serving.listening" in line)
                 process.send_signal(signal.SIGTERM)
                 _, stderr = process.communicate(timeout=WATCHDOG_S)
             finally:
                 process.kill()
         assert process.returncode == 0, stderr
+        assert '"threads":1' in listening
         assert "Traceback" not in stderr
         assert not any(offload.rglob("*.safetensors"))
 
 
 class TestCommand:
+    def test_threads_below_one_exit_2(self, root: Path) -> None:
+        """`lifecycle serve --threads 0` is bad input: exit 2 naming the rule, nothing starts."""
+        spec = root / "examples" / "minilm_embed.toml"
+        result = subprocess.run(
+            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--threads", "0"],
+            capture_output=True,
+            text=True,
+            timeout=WATCHDOG_S,
+        )
+        assert result.returncode == 2
+        assert "--threads: expected a count >= 1, got 0" in result.stderr
+        assert "Traceback" not in result.stderr
+
     def test_bad_spec_exits_2_and_refused_spec_exits_1(self, root: Path, tmp_path: Path) -> None:
         """A spec that does not decode exits 2; one admission refuses exits 1 with the reason."""
         bad = tmp_path / "bad.toml"
