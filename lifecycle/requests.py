@@ -107,7 +107,7 @@ class StageKeeper:
         with self.lock:
             self.open_requests.discard(request_id)
             self.residency.cancel_prefetch(touched)
-            self._put_back(sorted(n for n in touched if self._is_left_on(n)), request_id)
+            self._put_back(sorted(touched), request_id)
             self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:

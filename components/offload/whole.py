@@ -34,8 +34,7 @@ class WholeStore(WeightStore):
         Raises:
             OffloadError: the weights could not be brought back; the module stays offloaded.
         """
-        if self._is_closed:  # checked here, not in a call: a move's cost counts (issue 12)
-            self._check_open()
+        self._check_open()
         return self._group.onload()
 
     def offload(self) -> int:
@@ -44,8 +43,7 @@ class WholeStore(WeightStore):
         Raises:
             OffloadError: the target could not take them; nothing is freed.
         """
-        if self._is_closed:  # checked here, not in a call: a move's cost counts (issue 12)
-            self._check_open()
+        self._check_open()
         return self._group.offload()
 
     def resident_bytes(self) -> int:
