@@ -23,7 +23,7 @@ from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from lifecycle import offload_folder
-from lifecycle.budget import plan_onload
+from lifecycle.admission.budget import plan_onload
 from lifecycle.config import PipelineSpec
 from lifecycle.logs import get_logger
 from lifecycle.machine import TransitionContext

@@ -11,10 +11,10 @@ import pytest
 import structlog
 import torch
 
+from lifecycle.cli.runner import MoveTally, RunOutputs, run_requests
 from lifecycle.config import load_spec
 from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.runner import MoveTally, RunOutputs, run_requests
 
 ROOT = Path(__file__).resolve().parents[2]
 

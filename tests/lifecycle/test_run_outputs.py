@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle.budget import stage_fits
-from lifecycle.cores import physical_cores
-from lifecycle.neighbours import Neighbour, nearest_neighbours
+from lifecycle.admission.budget import stage_fits
+from lifecycle.cli.cores import physical_cores
+from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.png import encode_png
 from lifecycle.sizes import format_sizes
 

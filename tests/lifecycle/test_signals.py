@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from lifecycle.signals import Abandoned, StopOnSignal
+from lifecycle.cli.signals import Abandoned, StopOnSignal
 
 
 class TestStopOnSignal:

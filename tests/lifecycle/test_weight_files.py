@@ -13,11 +13,11 @@ from components import registry
 from components.generic import GenericLoader
 from components.weights import nonfinite, save_weights
 from lifecycle.admission import admit_pipeline
+from lifecycle.admission.weight_files import weights_refusals
 from lifecycle.config import decode_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal, RefusalCode, TransitionFailed
 from lifecycle.states import ComponentState
-from lifecycle.weight_files import weights_refusals
 
 
 def spec_text(weights: Path, options: str = "") -> str:

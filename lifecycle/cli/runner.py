@@ -18,8 +18,8 @@ import torch
 from components import registry
 from components.batch import Batch
 from components.loader import ComponentLoader
+from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.config import PipelineSpec
-from lifecycle.neighbours import Neighbour, nearest_neighbours
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.png import write_png

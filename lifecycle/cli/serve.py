@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lifecycle.arguments import positive
-from lifecycle.cores import physical_cores
+from lifecycle.cli.arguments import positive
+from lifecycle.cli.cores import physical_cores
 from lifecycle.exits import ExitCode
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")

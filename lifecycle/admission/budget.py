@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+from msgspec import UnsetType
 
+from components import ResidencyMode
+from components.loader import ComponentLoader
+from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.sizes import format_sizes
 
@@ -95,3 +99,48 @@ def stage_fits(
         hint=f"raise memory.device_budget to at least {total}, or use "
         "layerwise_offload for the largest component of that stage",
     )
+
+
+def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> list[Refusal]:
+    """Refuse a pipeline one of whose stages cannot fit the memory budget at all.
+
+    Sizes are declared by the kinds (or read from weights-file headers); a
+    component of unknown size, and a layerwise one (whose footprint depends on
+    its blocks), is checked when it onloads instead.
+    """
+    budget = spec.memory.device_budget
+    if isinstance(budget, UnsetType):
+        return []
+    sizes = {
+        name: size
+        for name, component in spec.components.items()
+        if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
+        and (size := _declared_bytes(loaders[name])) is not None
+    }
+    pinned = tuple(
+        name for name, component in spec.components.items() if name in sizes and component.is_pinned
+    )
+    found = []
+    for stage in spec.stages:
+        uses = tuple(name for name in stage.uses if name in sizes)
+        if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
+            found.append(refusal)
+    # load() onloads a resident component even when no stage uses it
+    staged = {name for stage in spec.stages for name in stage.uses}
+    for name, component in spec.components.items():
+        if (
+            name in sizes
+            and name not in staged
+            and component.residency_mode is ResidencyMode.RESIDENT
+            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget))
+        ):
+            found.append(refusal)
+    return found
+
+
+def _declared_bytes(loader: ComponentLoader) -> int | None:
+    """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
+    try:
+        return loader.declared_bytes()
+    except (OSError, ValueError):
+        return None  # a missing or broken weights file is the loader path's refusal

@@ -15,18 +15,24 @@ from pathlib import Path
 import msgspec
 import torch
 
-from lifecycle import launch
+from lifecycle.cli import launch
+from lifecycle.cli.console import format_refusals, run_summary
+from lifecycle.cli.cores import physical_cores
+from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
+from lifecycle.cli.runner import (
+    MoveTally,
+    RunOutputs,
+    run_requests,
+    summarise,
+    unrunnable_components,
+)
+from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.config import ConfigError, PipelineSpec, load_spec
-from lifecycle.console import format_refusals, run_summary
-from lifecycle.cores import physical_cores
 from lifecycle.exits import ExitCode
 from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.paths import OutputPathError, prepare_file, prepare_folder
 from lifecycle.refusals import TransitionFailed, TransitionRefused
 from lifecycle.residency import Move
-from lifecycle.runner import MoveTally, RunOutputs, run_requests, summarise, unrunnable_components
-from lifecycle.signals import Abandoned, StopOnSignal
 
 
 def run_command(args: argparse.Namespace) -> int:

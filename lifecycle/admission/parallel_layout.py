@@ -3,7 +3,7 @@
 Pure: reads the spec, each component's loader declarations and its admitted loading
 path. Every check here runs at admission (``lifecycle check``), before any process
 group exists. The layout's own invariants are ``ParallelLayout.check``; the native
-path's refusal is ``loader.native_parallel_layout`` in ``lifecycle.admission``.
+path's refusal is ``loader.native_parallel_layout`` in ``lifecycle.admission.loader_path``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from attention import Platform
 from components import ResidencyMode
 from components.loader import ComponentLoader, LoaderPath
+from components.sites import AttentionSite
 from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
 
@@ -119,4 +120,36 @@ def sharded_offload_refusals(
         if paths[name] == "custom"
         and component.residency_mode is not ResidencyMode.RESIDENT
         and (name in layout.fsdp or (layout.tp_size > 1 and loaders[name].tensor_parallel))
+    ]
+
+
+def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Return a ``parallel.invalid_layout`` refusal for each broken layout invariant."""
+    return [
+        Refusal(
+            code=RefusalCode.INVALID_LAYOUT,
+            component=spec.name,
+            message=problem,
+            hint="set [parallel] sp_degree = ulysses_degree x ring_degree x "
+            "kv_gather_degree, and use kv_gather_degree > 1 only with "
+            "ulysses_degree = ring_degree = 1",
+        )
+        for problem in spec.parallel.check()
+    ]
+
+
+def head_refusals(
+    name: str, spec: PipelineSpec, loader: ComponentLoader, declared: tuple[AttentionSite, ...]
+) -> list[Refusal]:
+    if not loader.sequence_parallel:
+        return []  # its custom path replicates the component on every rank
+    return [
+        Refusal(
+            code=RefusalCode.INVALID_LAYOUT,
+            component=name,
+            message=f"site '{site.name}': {problem}",
+            hint="pick tp_size and ulysses_degree whose product divides the head count",
+        )
+        for site in declared
+        if (problem := spec.parallel.check_heads(site.heads)) is not None
     ]

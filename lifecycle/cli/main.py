@@ -19,17 +19,17 @@ import structlog
 from msgspec import UnsetType
 
 from lifecycle import diagrams, exits
-from lifecycle.arguments import positive
+from lifecycle.cli.arguments import positive
+from lifecycle.cli.console import format_refusals, table
+from lifecycle.cli.paths import OutputPathError, prepare_folder
+from lifecycle.cli.run import run_command
+from lifecycle.cli.serve import add_serve_command
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
-from lifecycle.console import format_refusals, table
 from lifecycle.exits import ExitCode
 from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.paths import OutputPathError, prepare_folder
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
-from lifecycle.run_command import run_command
-from lifecycle.serving.command import add_serve_command
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "warning"

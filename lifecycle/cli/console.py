@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
+from lifecycle.cli.runner import RunReport
 from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
-from lifecycle.runner import RunReport
 from lifecycle.sizes import format_bytes
 
 PIPELINE_COLUMN = "(pipeline)"

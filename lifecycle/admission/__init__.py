@@ -1,0 +1,31 @@
+"""Admission: pure checks from a spec and a platform to a plan, or to every refusal.
+
+One module per check; ``pipeline`` runs them all and files each refusal under
+the ``admit`` guard that reads it back.
+"""
+
+from lifecycle.admission.backends import backend_requests
+from lifecycle.admission.budget import BudgetDecision, plan_onload, stage_fits
+from lifecycle.admission.pipeline import (
+    ATTENTION_PLAN,
+    BACKENDS_CONSUMABLE,
+    LOADER_PATH,
+    RESIDENCY_USE,
+    Admission,
+    ComponentAdmission,
+    admit_pipeline,
+)
+
+__all__ = [
+    "ATTENTION_PLAN",
+    "BACKENDS_CONSUMABLE",
+    "LOADER_PATH",
+    "RESIDENCY_USE",
+    "Admission",
+    "BudgetDecision",
+    "ComponentAdmission",
+    "admit_pipeline",
+    "backend_requests",
+    "plan_onload",
+    "stage_fits",
+]

@@ -1,0 +1,234 @@
+"""Admit a whole pipeline: every check, every component, every refusal at once.
+
+Nothing here touches a weight, a file or a device. Each component's refusals
+are filed under the ``admit`` guard that found them (the guards of the
+transition table read them back), so a pipeline is refused with every reason
+of every component at once. The checks live beside this module, one file each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+import torch
+
+from attention import ComponentRequests, PlannedSelection, Platform
+from attention import registry as backends
+from components import registry as kinds
+from components.loader import ComponentLoader
+from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
+from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.interfaces import interface_refusals
+from lifecycle.admission.loader_path import (
+    choose_path,
+    native_backend_refusals,
+    native_layout_refusals,
+)
+from lifecycle.admission.parallel_layout import (
+    head_refusals,
+    layout_refusals,
+    sharded_offload_refusals,
+    split_refusals,
+)
+from lifecycle.admission.residency import residency_refusals
+from lifecycle.admission.weight_files import weights_refusals
+from lifecycle.config import ComponentSpec, PipelineSpec
+from lifecycle.plan import ComponentPlan, SitePlan
+from lifecycle.refusals import Refusal, RefusalCode
+
+ATTENTION_PLAN = "attention_plan"
+LOADER_PATH = "loader_path"
+RESIDENCY_USE = "residency_use"
+BACKENDS_CONSUMABLE = "backends_consumable"
+
+
+ATTENTION_PLAN = "attention_plan"
+LOADER_PATH = "loader_path"
+RESIDENCY_USE = "residency_use"
+BACKENDS_CONSUMABLE = "backends_consumable"
+
+
+class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What admission found for one component.
+
+    Attributes:
+        plan: how it would be loaded (partial where something was refused).
+        refusals: guard name -> the refusals that guard raises.
+        requests: what the spec asks of its attention; loading scopes it with these.
+        planned: site -> its admitted selection, for a custom path whose kind declares
+            its sites; None when the sites are known only once built (a generic kind)
+            or the component builds no attention layers of ours (a native path).
+    """
+
+    plan: ComponentPlan
+    refusals: dict[str, tuple[Refusal, ...]]
+    requests: ComponentRequests
+    planned: dict[str, PlannedSelection] | None = None
+
+    def all_refusals(self) -> tuple[Refusal, ...]:
+        """Return every refusal, in guard order."""
+        return tuple(r for found in self.refusals.values() for r in found)
+
+
+class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What admission found for a whole pipeline.
+
+    Attributes:
+        pipeline: the pipeline's name.
+        components: each component's admission.
+        pipeline_refusals: refusals that belong to no single component (the layout).
+    """
+
+    pipeline: str
+    components: dict[str, ComponentAdmission]
+    pipeline_refusals: tuple[Refusal, ...] = ()
+
+    @property
+    def admitted(self) -> bool:
+        """Tell whether nothing was refused."""
+        return not self.refusals()
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """Return every refusal: the pipeline's first, then each component's."""
+        per_component = (r for c in self.components.values() for r in c.all_refusals())
+        return (*self.pipeline_refusals, *per_component)
+
+
+def admit_pipeline(
+    spec: PipelineSpec,
+    platform: Platform,
+    loaders: Mapping[str, ComponentLoader] | None = None,
+) -> Admission:
+    """Plan every component of ``spec`` on ``platform``, collecting every refusal.
+
+    ``loaders`` are the components' loaders when the caller already holds them
+    (the orchestrator does); otherwise they are made from the spec.
+    """
+    if loaders is None:
+        loaders = {
+            name: kinds.get(component.kind).from_options(component.options)
+            for name, component in spec.components.items()
+        }
+    used = {name for stage in spec.stages for name in stage.uses}
+    options = {
+        name: backends.decode_options(name, raw)
+        for name, raw in spec.attention.backend_options.items()
+    }
+    components = {
+        name: admit_component(
+            backend_requests(spec, name, loaders[name], options),
+            component,
+            loaders[name],
+            spec,
+            platform,
+            name in used,
+        )
+        for name, component in spec.components.items()
+    }
+    paths = {name: admitted.plan.loader for name, admitted in components.items()}
+    return Admission(
+        pipeline=spec.name,
+        components=components,
+        pipeline_refusals=(
+            *device_refusals(spec),
+            *layout_refusals(spec),
+            *split_refusals(spec, loaders, paths),
+            *sharded_offload_refusals(spec, loaders, paths, platform),
+            *budget_refusals(spec, loaders),
+            *interface_refusals(spec, loaders),
+            *unused_option_refusals(spec, components),
+        ),
+    )
+
+
+def unused_option_refusals(
+    spec: PipelineSpec, components: Mapping[str, ComponentAdmission]
+) -> list[Refusal]:
+    """Refuse options for a backend that no planned attention site runs.
+
+    A generic component's sites are known only at load, so while one may run
+    custom code, any backend may still use its options.
+    """
+    if any(c.plan.loader == "custom" and c.planned is None for c in components.values()):
+        return []
+    planned = {site.backend for c in components.values() for site in c.plan.attention}
+    return [
+        Refusal(
+            code=RefusalCode.BACKEND_NOT_CONSUMED,
+            component=spec.name,
+            message=f"options were given for backend '{backend}' "
+            f"([attention.backend_options.{backend}]), but no attention site of the "
+            "pipeline runs it",
+            hint=f"remove [attention.backend_options.{backend}], or request '{backend}' "
+            "for the component that should use it",
+        )
+        for backend in spec.attention.backend_options
+        if backend not in planned
+    ]
+
+
+def admit_component(
+    requests: ComponentRequests,
+    component: ComponentSpec,
+    loader: ComponentLoader,
+    spec: PipelineSpec,
+    platform: Platform,
+    used: bool,
+) -> ComponentAdmission:
+    """Plan one component: its loading path, its attention sites, its residency."""
+    name = requests.component
+    refusals: dict[str, list[Refusal]] = {
+        ATTENTION_PLAN: [],
+        LOADER_PATH: [],
+        RESIDENCY_USE: [],
+        BACKENDS_CONSUMABLE: [],
+    }
+    path = choose_path(name, component, loader, refusals[LOADER_PATH])
+    if path is not None:
+        refusals[LOADER_PATH] += weights_refusals(name, loader)
+    declared = loader.sites() if path == "custom" else None
+    planned = None
+    if path == "native":
+        refusals[LOADER_PATH] += native_layout_refusals(name, component, spec, loader)
+        refusals[BACKENDS_CONSUMABLE] += native_backend_refusals(name, component)
+    elif declared is not None:
+        planned = plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
+        refusals[BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
+        refusals[LOADER_PATH] += head_refusals(name, spec, loader, declared)
+    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used)
+    return ComponentAdmission(
+        plan=ComponentPlan(
+            kind=component.kind,
+            loader=path,
+            residency=component.residency_mode,
+            attention=tuple(
+                SitePlan(
+                    site=site,
+                    role=p.request.role,
+                    backend=p.selection.backend,
+                    provenance=p.selection.provenance,
+                    reason=p.selection.reason,
+                )
+                for site, p in (planned or {}).items()
+            ),
+        ),
+        refusals={guard: tuple(found) for guard, found in refusals.items()},
+        requests=requests,
+        planned=planned,
+    )
+
+
+def device_refusals(spec: PipelineSpec) -> list[Refusal]:
+    """Refuse ``device = "cuda"`` in a process that sees no CUDA device."""
+    if spec.device != "cuda" or torch.cuda.is_available():
+        return []
+    return [
+        Refusal(
+            code=RefusalCode.LOADER_UNAVAILABLE,
+            component=spec.name,
+            message='device = "cuda" was asked for, but this process sees no CUDA device',
+            hint='set device = "auto" (CUDA where present, else the CPU) or "cpu", or run '
+            "where a GPU is visible",
+        )
+    ]
