@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from attention.plugins import UnknownPluginError
+
 
 class SelectionCode(StrEnum):
     """The refusal codes the attention package raises (a subset of ``lifecycle.RefusalCode``)."""
@@ -50,32 +52,17 @@ class BackendSelectionError(Exception):
         )
 
 
-class UnknownBackendError(KeyError):
+class UnknownBackendError(UnknownPluginError):
     """Report an attention backend name that is neither built in nor registered.
 
     Attributes:
         name: the name that was looked up.
         known: every known name, built-ins first.
+        failed: entry point -> why it did not load.
     """
 
-    def __init__(self, name: str, known: tuple[str, ...], failed: dict[str, str]) -> None:
-        super().__init__(name)
-        self.name = name
-        self.known = known
-        self.failed = dict(failed)
-        broken = "".join(
-            f"; entry point '{entry}' failed to load: {why}" for entry, why in failed.items()
-        )
-        self.text = (
-            f"unknown attention backend '{name}'; known: {', '.join(known)}{broken}; "
-            "register out-of-tree backends with attention.register_backend"
-        )
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.known, self.failed))
+    noun = "attention backend"
+    fix = "register out-of-tree backends with attention.register_backend"
 
 
 class NotResidentError(RuntimeError):

@@ -1,12 +1,27 @@
-"""Read the segment boundaries of packed variable-length sequences."""
+"""Read the segment boundaries of packed variable-length sequences, and attend per segment."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 import torch
 
-# T packed tokens
+# B batch, H heads, S seq, D head dim, T packed tokens
+
+
+class DenseKernel(Protocol):
+    """A dense kernel's ``forward``: ``(B, Hq, Sq, D)`` queries to ``(B, Hq, Sq, D)`` outputs."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        is_causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor: ...
 
 
 def segments(
@@ -41,3 +56,37 @@ def segments(
 def as_batch(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """View rows ``start:end`` of a packed ``(T, H, D)`` tensor as one ``(1, H, S, D)`` batch."""
     return packed[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def attend_each_segment(
+    forward: DenseKernel,
+    q: torch.Tensor,  # (Tq, Hq, D)
+    k: torch.Tensor,  # (Tk, Hk, D)
+    v: torch.Tensor,  # (Tk, Hk, D)
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """Run a dense kernel once per packed sequence, writing into one packed output.
+
+    This is how a backend without a varlen kernel of its own (torch has none on CPU)
+    implements ``forward_varlen``; a sequence with no query rows is skipped.
+
+    Raises:
+        ValueError: the boundaries are malformed (``segments``).
+    """
+    out = q.new_empty(q.shape)  # (Tq, Hq, D)
+    for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        if q1 == q0:
+            continue
+        seg = forward(
+            as_batch(q, q0, q1),
+            as_batch(k, k0, k1),
+            as_batch(v, k0, k1),
+            is_causal=is_causal,
+            scale=scale,
+        )  # (1, Hq, Sq_i, D)
+        out[q0:q1] = seg[0].transpose(0, 1)
+    return out

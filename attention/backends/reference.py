@@ -13,7 +13,7 @@ import torch
 
 from attention.backend import AttentionBackend, AttentionImpl
 from attention.masks import additive_mask, causal_mask
-from attention.packing import as_batch, segments
+from attention.packing import attend_each_segment
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -99,18 +99,9 @@ class ReferenceImpl(AttentionImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Attend each packed sequence on its own."""
-        out = q.new_empty(q.shape)  # (Tq, Hq, D)
-        for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            seg, _ = _attend(
-                as_batch(q, q0, q1),
-                as_batch(k, k0, k1),
-                as_batch(v, k0, k1),
-                None,
-                is_causal=is_causal,
-                scale=scale,
-            )  # (1, Hq, Sq_i, D)
-            out[q0:q1] = seg[0].transpose(0, 1)
-        return out
+        return attend_each_segment(
+            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        )
 
 
 class ReferenceBackend(AttentionBackend):

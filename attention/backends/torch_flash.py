@@ -16,7 +16,7 @@ import torch
 from attention.backend import AttentionBackend, AttentionImpl, DeviceKind
 from attention.backends.torch_sdpa import sdpa_masked
 from attention.masks import additive_mask, as_4d
-from attention.packing import as_batch, segments
+from attention.packing import attend_each_segment
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -108,19 +108,9 @@ class TorchFlashImpl(AttentionImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Run the fused kernel once per packed sequence, writing into one packed output."""
-        out = q.new_empty(q.shape)  # (Tq, Hq, D)
-        for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            if q1 == q0:
-                continue
-            seg = self.forward(
-                as_batch(q, q0, q1),
-                as_batch(k, k0, k1),
-                as_batch(v, k0, k1),
-                is_causal=is_causal,
-                scale=scale,
-            )  # (1, Hq, Sq_i, D)
-            out[q0:q1] = seg[0].transpose(0, 1)
-        return out
+        return attend_each_segment(
+            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        )
 
 
 def _cuda_with_lse(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +10,6 @@ from structlog.testing import capture_logs
 
 from attention import (
     AttentionBackend,
-    AttentionImpl,
     AttentionRequirements,
     AttentionRole,
     BackendChoice,
@@ -24,7 +22,8 @@ from attention import (
     registry,
     select_backend,
 )
-from attention.testing import automatic, explicit
+from attention.packing import attend_each_segment
+from attention.testing import SdpaImpl, automatic, explicit
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -39,20 +38,8 @@ def layer(role: AttentionRole = SELF, **fields: object) -> BackendRequest:
     return BackendRequest(component="transformer", site=site, role=role, **fields)  # type: ignore[arg-type]
 
 
-class VarlenImpl(AttentionImpl):
+class VarlenImpl(SdpaImpl):
     """An out-of-tree dense kernel with packed varlen (per-segment SDPA)."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
     def forward_varlen(
         self,
@@ -68,12 +55,9 @@ class VarlenImpl(AttentionImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Attend each packed sequence with SDPA."""
-        out = torch.empty_like(q)  # (Tq, H, D)
-        bounds = cu_seqlens_q.tolist()
-        for a, b in itertools.pairwise(bounds):
-            seg = q[a:b].transpose(0, 1)
-            out[a:b] = self.forward(seg, seg, seg, is_causal=is_causal, scale=scale).transpose(0, 1)
-        return out
+        return attend_each_segment(
+            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        )
 
 
 class VarlenBackend(AttentionBackend):
