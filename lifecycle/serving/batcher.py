@@ -200,8 +200,7 @@ class Batcher:
             batch = merged_batch(jobs, self.shapes)
             override = jobs[0].key.attention_backend
             with self.orchestrator.request(batch_id, attention_backend=override) as request:
-                for stage in self.orchestrator.spec.stages:
-                    request.run(stage.name, batch)
+                request.run_all(batch)
             split_outputs(jobs, batch)
         except BaseException as err:  # handed to every waiting client
             for entry in group:
