@@ -27,7 +27,8 @@ class BackendSelectionError(Exception):
         component: the component whose layer or scope failed.
         message: what is wrong and why.
         hint: how to fix it.
-        rejected: each candidate backend that was tried, mapped to why it was refused.
+        rejected: each candidate backend that was tried, mapped to every reason it was
+            refused.
     """
 
     def __init__(
@@ -36,7 +37,7 @@ class BackendSelectionError(Exception):
         component: str,
         message: str,
         hint: str,
-        rejected: dict[str, str] | None = None,
+        rejected: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         super().__init__(f"{message}; fix: {hint}")
         self.code = code
