@@ -92,11 +92,6 @@ class Batcher:
         """Return how many jobs are queued or running."""
         return self._in_flight
 
-    @property
-    def is_draining(self) -> bool:
-        """Tell whether the worker stopped taking jobs."""
-        return self._draining
-
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job``; the future completes with it, output set, or with its error.
 
