@@ -3,25 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
 import torch
 
 # B batch, H heads, S seq, D head dim, T packed tokens
-
-
-class DenseKernel(Protocol):
-    """A dense kernel's ``forward``: ``(B, Hq, Sq, D)`` queries to ``(B, Hq, Sq, D)`` outputs."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor: ...
 
 
 def segments(
@@ -58,35 +44,23 @@ def as_batch(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return packed[start:end].transpose(0, 1).unsqueeze(0)
 
 
-def attend_each_segment(
-    forward: DenseKernel,
+def attend_segments(
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     q: torch.Tensor,  # (Tq, Hq, D)
     k: torch.Tensor,  # (Tk, Hk, D)
     v: torch.Tensor,  # (Tk, Hk, D)
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    is_causal: bool,
-    scale: float | None,
+    bounds: Iterable[tuple[int, int, int, int]],
 ) -> torch.Tensor:
-    """Run a dense kernel once per packed sequence, writing into one packed output.
+    """Attend each ``(q_start, q_end, k_start, k_end)`` segment alone, into one packed output.
 
-    This is how a backend without a varlen kernel of its own (torch has none on CPU)
-    implements ``forward_varlen``; a sequence with no query rows is skipped.
-
-    Raises:
-        ValueError: the boundaries are malformed (``segments``).
+    ``attend`` is a dense kernel on ``(1, H, S, D)`` batches. This is how a kernel
+    without a varlen entry of its own (torch has none on CPU) serves packed
+    sequences. Every query row must lie in one segment; an empty one is skipped.
     """
     out = q.new_empty(q.shape)  # (Tq, Hq, D)
-    for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+    for q0, q1, k0, k1 in bounds:
         if q1 == q0:
             continue
-        seg = forward(
-            as_batch(q, q0, q1),
-            as_batch(k, k0, k1),
-            as_batch(v, k0, k1),
-            is_causal=is_causal,
-            scale=scale,
-        )  # (1, Hq, Sq_i, D)
-        out[q0:q1] = seg[0].transpose(0, 1)
+        seg = attend(as_batch(q, q0, q1), as_batch(k, k0, k1), as_batch(v, k0, k1))
+        out[q0:q1] = seg[0].transpose(0, 1)  # (1, Hq, Sq_i, D) -> (Sq_i, Hq, D)
     return out

@@ -8,12 +8,13 @@ automatically, only when requested by name.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from attention.backend import AttentionBackend, AttentionImpl
 from attention.masks import additive_mask, causal_mask
-from attention.packing import attend_each_segment
+from attention.packing import attend_segments, segments
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -99,8 +100,9 @@ class ReferenceImpl(AttentionImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Attend each packed sequence on its own."""
-        return attend_each_segment(
-            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        return attend_segments(
+            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         )
 
 

@@ -9,6 +9,7 @@ segments of the fused kernel, which spends no compute on padding.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from attention.backend import AttentionBackend, AttentionImpl, DeviceKind
 from attention.backends.torch_sdpa import sdpa_masked
 from attention.masks import additive_mask, as_4d
-from attention.packing import attend_each_segment
+from attention.packing import attend_segments, segments
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -108,8 +109,9 @@ class TorchFlashImpl(AttentionImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Run the fused kernel once per packed sequence, writing into one packed output."""
-        return attend_each_segment(
-            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        return attend_segments(
+            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from attention import (
     registry,
     select_backend,
 )
-from attention.packing import attend_each_segment
+from attention.packing import attend_segments, segments
 from attention.testing import SdpaImpl, automatic, explicit
 
 # B batch, H heads, S seq, D head dim, T packed tokens
@@ -55,8 +56,9 @@ class VarlenImpl(SdpaImpl):
         scale: float | None,
     ) -> torch.Tensor:
         """Attend each packed sequence with SDPA."""
-        return attend_each_segment(
-            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale
+        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        return attend_segments(
+            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         )
 
 
