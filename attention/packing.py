@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
+
+from attention.backend import AttentionImpl
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -64,3 +67,29 @@ def attend_segments(
         seg = attend(as_batch(q, q0, q1), as_batch(k, k0, k1), as_batch(v, k0, k1))
         out[q0:q1] = seg[0].transpose(0, 1)  # (1, Hq, Sq_i, D) -> (Sq_i, Hq, D)
     return out
+
+
+class PerSegmentVarlen(AttentionImpl):
+    """Serve packed sequences with one ``forward`` call per sequence.
+
+    For kernels with no varlen entry of their own: torch has none on CPU, where a loop
+    over a fused kernel is still far cheaper than padding.
+    """
+
+    def forward_varlen(
+        self,
+        q: torch.Tensor,  # (Tq, Hq, D)
+        k: torch.Tensor,  # (Tk, Hk, D)
+        v: torch.Tensor,  # (Tk, Hk, D)
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        is_causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Run ``forward`` once per packed sequence, writing into one packed output."""
+        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        bounds = segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        return attend_segments(forward, q, k, v, bounds)

@@ -8,13 +8,12 @@ automatically, only when requested by name.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
-from attention.backend import AttentionBackend, AttentionImpl
+from attention.backend import AttentionBackend
 from attention.masks import additive_mask, causal_mask
-from attention.packing import attend_segments, segments
+from attention.packing import PerSegmentVarlen
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -46,8 +45,11 @@ def _attend(
     return (probs @ vc).to(q.dtype), lse
 
 
-class ReferenceImpl(AttentionImpl):
-    """Compute scores, softmax and the weighted sum explicitly, with every capability."""
+class ReferenceImpl(PerSegmentVarlen):
+    """Compute scores, softmax and the weighted sum explicitly, with every capability.
+
+    Packed sequences run one at a time (``PerSegmentVarlen``).
+    """
 
     def forward(
         self,
@@ -85,25 +87,6 @@ class ReferenceImpl(AttentionImpl):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attend q to k and v and return the LSE in the compute dtype."""
         return _attend(q, k, v, None, is_causal=is_causal, scale=scale)
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,  # (Tq, Hq, D)
-        k: torch.Tensor,  # (Tk, Hk, D)
-        v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend each packed sequence on its own."""
-        forward = partial(self.forward, is_causal=is_causal, scale=scale)
-        return attend_segments(
-            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-        )
 
 
 class ReferenceBackend(AttentionBackend):

@@ -9,15 +9,14 @@ segments of the fused kernel, which spends no compute on padding.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
 
-from attention.backend import AttentionBackend, AttentionImpl, DeviceKind
+from attention.backend import AttentionBackend, DeviceKind
 from attention.backends.torch_sdpa import sdpa_masked
 from attention.masks import additive_mask, as_4d
-from attention.packing import attend_segments, segments
+from attention.packing import PerSegmentVarlen
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -38,8 +37,11 @@ def _missing(op: str) -> str:
     return f"torch {torch.__version__} has no fused attention kernel aten.{op}"
 
 
-class TorchFlashImpl(AttentionImpl):
-    """Call the fused kernel of the tensors' device; it returns the output and the LSE."""
+class TorchFlashImpl(PerSegmentVarlen):
+    """Call the fused kernel of the tensors' device; it returns the output and the LSE.
+
+    Packed sequences run as one fused call per sequence (``PerSegmentVarlen``).
+    """
 
     def forward(
         self,
@@ -94,25 +96,6 @@ class TorchFlashImpl(AttentionImpl):
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
         )
         return result[0]
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,  # (Tq, Hq, D)
-        k: torch.Tensor,  # (Tk, Hk, D)
-        v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Run the fused kernel once per packed sequence, writing into one packed output."""
-        forward = partial(self.forward, is_causal=is_causal, scale=scale)
-        return attend_segments(
-            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-        )
 
 
 def _cuda_with_lse(

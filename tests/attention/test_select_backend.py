@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import partial
 
 import pytest
-import torch
 from structlog.testing import capture_logs
 
 from attention import (
@@ -23,7 +21,7 @@ from attention import (
     registry,
     select_backend,
 )
-from attention.packing import attend_segments, segments
+from attention.packing import PerSegmentVarlen
 from attention.testing import SdpaImpl, automatic, explicit
 
 # B batch, H heads, S seq, D head dim, T packed tokens
@@ -39,27 +37,8 @@ def layer(role: AttentionRole = SELF, **fields: object) -> BackendRequest:
     return BackendRequest(component="transformer", site=site, role=role, **fields)  # type: ignore[arg-type]
 
 
-class VarlenImpl(SdpaImpl):
+class VarlenImpl(PerSegmentVarlen, SdpaImpl):
     """An out-of-tree dense kernel with packed varlen (per-segment SDPA)."""
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend each packed sequence with SDPA."""
-        forward = partial(self.forward, is_causal=is_causal, scale=scale)
-        return attend_segments(
-            forward, q, k, v, segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-        )
 
 
 class VarlenBackend(AttentionBackend):
