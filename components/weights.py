@@ -11,7 +11,6 @@ from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_model
 from torch import nn
 
 # Bits per element of each safetensors dtype, under the format's own names.
@@ -99,12 +98,6 @@ def seed_weights(module: nn.Module, seed: int) -> None:
             else:
                 values *= 0.02
             tensor.copy_(values.to(tensor.dtype))
-
-
-def save_weights(module: nn.Module, path: Path) -> None:
-    """Write ``module``'s weights to a safetensors file (tied weights stored once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(module, str(path))
 
 
 def load_weights(module: nn.Module, path: Path) -> None:

@@ -490,11 +490,9 @@ def _kind(name: str, at: str) -> type[ComponentLoader]:
     try:
         return kinds.get(name)
     except kinds.UnknownKindError as err:
-        broken = "".join(f"; entry point '{n}' failed to load ({w})" for n, w in err.failed.items())
         raise ConfigError(
             f"Expected an installed component kind ({', '.join(err.known)}), got {name!r}"
-            f"{broken}; a package adds kinds through the entry-point group "
-            f"'{kinds.ENTRY_POINT_GROUP}'",
+            f"{err.broken}; {err.fix}",
             at,
         ) from None
 

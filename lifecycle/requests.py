@@ -173,6 +173,15 @@ class Request:
             finally:
                 self._keeper.leave(self.id, position)
 
+    def run_all(self, batch: Batch) -> None:
+        """Run every stage of the pipeline on ``batch``, in declared order.
+
+        Raises:
+            NotImplementedError: a component's kind does not say how it runs.
+        """
+        for stage in self._keeper.timeline.stages:
+            self.run(stage.name, batch)
+
     def _enter(self, name: str) -> tuple[int, dict[str, nn.Module]]:
         """Hold the stage ``name`` and onload its components; return its position and modules."""
         timeline = self._keeper.timeline

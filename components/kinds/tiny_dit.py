@@ -35,7 +35,6 @@ from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
 from components.mesh import ComponentParallel, SequenceGroups
-from components.registry import register_kind
 from components.sites import NO_REQUIREMENTS, AttentionSite
 from components.weights import DeclaredTensors
 
@@ -434,7 +433,6 @@ def _gather_rows(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@register_kind
 class TinyDitLoader(ComponentLoader):
     """Build ``tiny_dit``: the main transformer, strict about global backends."""
 

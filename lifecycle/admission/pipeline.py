@@ -43,12 +43,6 @@ RESIDENCY_USE = "residency_use"
 BACKENDS_CONSUMABLE = "backends_consumable"
 
 
-ATTENTION_PLAN = "attention_plan"
-LOADER_PATH = "loader_path"
-RESIDENCY_USE = "residency_use"
-BACKENDS_CONSUMABLE = "backends_consumable"
-
-
 class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What admission found for one component.
 

@@ -197,8 +197,7 @@ def run_requests(
         )
         request_id = f"r{index + 1}"
         with orchestrator.request(request_id) as request:
-            for stage in orchestrator.spec.stages:
-                request.run(stage.name, batch)
+            request.run_all(batch)
         outputs.request_ms.append(round((time.perf_counter() - started) * 1e3, 3))
         outputs.record(request_id, batch, out)
         if on_request is not None:

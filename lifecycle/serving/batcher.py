@@ -92,11 +92,6 @@ class Batcher:
         """Return how many jobs are queued or running."""
         return self._in_flight
 
-    @property
-    def is_draining(self) -> bool:
-        """Tell whether the worker stopped taking jobs."""
-        return self._draining
-
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job``; the future completes with it, output set, or with its error.
 
@@ -200,8 +195,7 @@ class Batcher:
             batch = merged_batch(jobs, self.shapes)
             override = jobs[0].key.attention_backend
             with self.orchestrator.request(batch_id, attention_backend=override) as request:
-                for stage in self.orchestrator.spec.stages:
-                    request.run(stage.name, batch)
+                request.run_all(batch)
             split_outputs(jobs, batch)
         except BaseException as err:  # handed to every waiting client
             for entry in group:

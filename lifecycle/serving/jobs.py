@@ -150,8 +150,7 @@ def warm_up(orchestrator: Orchestrator) -> Shapes:
     """Run one request through every stage and read off what the pipeline produces."""
     batch = Batch(generator=torch.Generator().manual_seed(0), steps=1, prompts=["warm up"])
     with orchestrator.request("warm-up") as request:
-        for stage in orchestrator.spec.stages:
-            request.run(stage.name, batch)
+        request.run_all(batch)
     latents = batch.latents or []
     images = batch.images
     return Shapes(

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from safetensors.torch import save_model
 from torch import nn
 
 from attention import (
@@ -40,7 +41,6 @@ from components.kinds.tiny_text_encoder import TinyTextEncoderLoader
 from components.kinds.tiny_upsampler import TinyUpsamplerLoader
 from components.kinds.tiny_vae import TinyVaeLoader
 from components.loader import ComponentLoader, SeededOptions
-from components.weights import save_weights
 
 INPUT_SEED = 1234
 
@@ -221,7 +221,7 @@ class TestEveryKind:
         """Weights saved to safetensors and built back from the file give identical outputs."""
         source = build_armed(loader_of(kind, seed=3))
         path = tmp_path / f"{kind}.safetensors"
-        save_weights(source, path)
+        save_model(source, str(path))
         loaded = build_armed(loader_of(kind, weights=str(path)))
         served = serve(loader_of(kind), source)
         assert served

@@ -30,7 +30,6 @@ from lifecycle.override import RequestRefused, override_refusals
 from lifecycle.refusals import RefusalCode
 from tests.lifecycle.conftest import ReferenceSpec
 
-STAGES = ("encode", "denoise", "decode")
 CALLS: Counter[tuple[str, int]] = Counter()
 """(backend, thread id) -> kernel calls, written by the counting backends below."""
 
@@ -101,8 +100,7 @@ def generate(orch: Orchestrator, backend: str | None = None, seed: int = 0) -> t
     """Run one request through every stage, optionally overriding the backend."""
     batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2)
     with orch.request(attention_backend=backend) as request:
-        for stage in STAGES:
-            request.run(stage, batch)
+        request.run_all(batch)
     assert batch.images is not None
     return batch.images
 

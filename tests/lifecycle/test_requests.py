@@ -28,8 +28,7 @@ def generate(orch: Orchestrator, seed: int = 0, **fields: Any) -> torch.Tensor:
     """Run one request (``fields`` set on its batch) through every stage; return its images."""
     batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2, **fields)
     with orch.request() as request:
-        for stage in STAGES:
-            request.run(stage, batch)
+        request.run_all(batch)
     assert batch.images is not None
     return batch.images
 

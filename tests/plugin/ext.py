@@ -1,6 +1,6 @@
 """What a third-party package would ship: a kind, a factory kind and an attention backend.
 
-Nothing here is imported by the project: ``tests/plugin/conftest.py`` installs it as a
+Nothing here is imported by the project: ``test_entry_points.py`` installs it as a
 distribution whose entry points name these objects.
 """
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from attention import AttentionBackend, AttentionImpl
+from attention.testing import SdpaImpl
 from components.batch import Batch, device_of
 from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
@@ -58,27 +59,11 @@ def make_plain() -> nn.Module:
     return SelfAttentionNet(None)
 
 
-class PluginImpl(AttentionImpl):
-    """A dense kernel: SDPA, nothing else."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-
-
 class PluginBackend(AttentionBackend):
     """A dense out-of-tree backend."""
 
     name = "plugin_sdpa"
-    impl_cls = PluginImpl
+    impl_cls = SdpaImpl
 
 
 class ClashingBackend(PluginBackend):

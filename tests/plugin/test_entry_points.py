@@ -7,9 +7,16 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib.metadata import PathDistribution
 from pathlib import Path
 
 import pytest
+
+from attention import registry as backends
+from attention.registry import BackendRegistry
+from components import registry as kinds
+from components.registry import KindRegistry
+from lifecycle.config import ConfigError, decode_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = """
@@ -63,19 +70,32 @@ Lifecycle = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def lifecycle(tmp_path: Path) -> Lifecycle:
-    """Install the plugin distribution in a folder and run ``python -m lifecycle`` with it.
-
-    The subprocess starts in a working directory that holds ``cwd_plugin.py``, which an
-    entry point names: it must not be importable from there.
-    """
-    site = tmp_path / "site"
-    dist = site / "lifecycle_test_plugin-1.0.dist-info"
+def plugin(tmp_path: Path) -> PathDistribution:
+    """The plugin distribution: a ``*.dist-info`` folder in ``tmp_path/site``, installed nowhere."""
+    dist = tmp_path / "site" / "lifecycle_test_plugin-1.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: lifecycle-test-plugin\nVersion: 1.0\n"
     )
     (dist / "entry_points.txt").write_text(ENTRY_POINTS)
+    return PathDistribution(dist)
+
+
+@pytest.fixture
+def plugin_registries(plugin: PathDistribution, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answer kind and backend questions in this process from the plugin distribution alone."""
+    monkeypatch.setattr(kinds, "default_registry", KindRegistry([plugin]))
+    monkeypatch.setattr(backends, "default_registry", BackendRegistry([plugin]))
+
+
+@pytest.fixture
+def lifecycle(tmp_path: Path, plugin: PathDistribution) -> Lifecycle:
+    """Run ``python -m lifecycle`` with the plugin distribution on its path.
+
+    The subprocess starts in a working directory that holds ``cwd_plugin.py``, which an
+    entry point names: it must not be importable from there.
+    """
+    site = tmp_path / "site"
     work = tmp_path / "work"
     work.mkdir()
     (work / "cwd_plugin.py").write_text("raise SystemExit('imported from the working directory')\n")
@@ -115,23 +135,24 @@ class TestEntryPoints:
         assert result.returncode == 0, result.stderr
         assert "Traceback" not in result.stderr
 
-    def test_unknown_kind_lists_the_installed_ones(
-        self, lifecycle: Lifecycle, tmp_path: Path
-    ) -> None:
+    @pytest.mark.usefixtures("plugin_registries")
+    def test_unknown_kind_lists_the_installed_ones(self) -> None:
         """An unknown kind is bad input at its key, listing built-in and installed kinds."""
-        spec = tmp_path / "work" / "unknown.toml"
-        spec.write_text(SPEC.replace('kind = "plugin_factory"', 'kind = "evilmod:go"'))
-        result = lifecycle("check", "--json", str(spec))
-        assert result.returncode == 2
-        error = json.loads(result.stdout)["error"]
-        assert error["path"] == "$.components.plain.kind"
-        for kind in ("tiny_dit", "plugin_echo", "plugin_factory"):
-            assert kind in error["message"]
-        assert "entry point 'plugin_missing' failed to load" in error["message"]
-        assert (
-            "whose kind is 'plugin_echo'; name the entry point after the kind" in (error["message"])
+        with pytest.raises(ConfigError) as err:
+            decode_spec(SPEC.replace('kind = "plugin_factory"', 'kind = "evilmod:go"'))
+        assert err.value.path == "$.components.plain.kind"
+        message = err.value.message
+        assert message.startswith(
+            "Expected an installed component kind (tiny_text_encoder, tiny_dit, tiny_vae, "
+            "tiny_upsampler, minilm_text_encoder, plugin_echo, plugin_factory, "
+            "plugin_rank_fault), got 'evilmod:go'; entry point 'plugin_missing' failed to load "
+            "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
         )
-        assert "entry point 'not_callable' failed to load (TypeError" in error["message"]
+        assert "whose kind is 'plugin_echo'; name the entry point after the kind" in message
+        assert "entry point 'not_callable' failed to load (TypeError" in message
+        assert message.endswith(
+            "a package adds kinds through the entry-point group 'pipeline_lifecycle.kinds'"
+        )
 
     def test_the_working_directory_is_not_importable(
         self, lifecycle: Lifecycle, tmp_path: Path

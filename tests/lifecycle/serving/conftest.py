@@ -138,8 +138,7 @@ def run_alone(worker: Worker, job: Job) -> torch.Tensor:
     batch = merged_batch([job], worker.shapes)
     override = job.key.attention_backend
     with worker.orchestrator.request(f"alone-{job.id}", attention_backend=override) as request:
-        for stage in worker.orchestrator.spec.stages:
-            request.run(stage.name, batch)
+        request.run_all(batch)
     split_outputs([job], batch)
     assert job.output is not None
     return job.output
