@@ -127,9 +127,9 @@ class RefusalCode(StrEnum):
     HOST_MEMORY = (
         "residency.host_memory",
         True,
-        "on a CPU device, the declared weights the host must hold at once (every component "
-        "with the host target; with the disk target the resident ones and the largest "
-        "offloaded one) exceed the memory the host has available",
+        "the declared weights the host must hold at once (every component with the host "
+        "target; with the disk target the resident ones and the largest offloaded one) "
+        "exceed the memory the host has available",
     )
     INTERFACE_MISMATCH = (
         "pipeline.interface_mismatch",

@@ -1,17 +1,19 @@
 """Refuse weights that cannot fit the host's available memory, before any is read.
 
-On a CPU device the host is the device, and what it must hold at once is decided
-here from the declared sizes (kinds' declarations or weights-file headers):
+What the host must hold at once is decided here from the declared sizes (kinds'
+declarations or weights-file headers). Every component is built in host memory,
+and a host store keeps its master copy there for good: on a CPU device the
+master is the weights themselves, on CUDA a pinned copy that onload copies from
+(resident components keep one too, to be evicted without a copy back). So:
 
-- with the ``host`` target, every component: loaded weights never leave memory
-  (an offload to the host is bookkeeping there);
+- with the ``host`` target, every component, whatever its residency;
 - with the ``disk`` target, every component kept resident, plus the largest one
-  that offloads: ``load()`` builds each in memory before it writes its file.
+  that offloads: ``load()`` builds each in memory before it writes its file and
+  frees it.
 
 Each component counts whole, as one process holds it; the ranks of a layout on
-one node hold at least that together. On a CUDA device the weights live on the
-GPU, and the device budget is the predicate that applies. A component of unknown
-size counts nothing: the check refuses only what cannot fit.
+one node hold at least that together. A component of unknown size counts
+nothing: the check refuses only what cannot fit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from attention import Platform
 from components import ResidencyMode
 from components.loader import ComponentLoader
 from lifecycle.admission.budget import declared_bytes
@@ -52,7 +53,7 @@ def available_host_bytes(meminfo: Path = MEMINFO) -> int | None:
 
 
 def held_at_once(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> dict[str, int]:
-    """Return each component the host holds at once on a CPU device, with its declared bytes."""
+    """Return each component the host holds at once, with its declared bytes."""
     sizes = {
         name: size
         for name in spec.components
@@ -75,11 +76,10 @@ def held_at_once(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> 
 def host_memory_refusals(
     spec: PipelineSpec,
     loaders: Mapping[str, ComponentLoader],
-    platform: Platform,
     available: int | None,
 ) -> list[Refusal]:
-    """Refuse a pipeline whose weights held at once exceed ``available`` host bytes (CPU only)."""
-    if platform.kind != "cpu" or available is None:
+    """Refuse a pipeline whose weights held at once exceed ``available`` host bytes."""
+    if available is None:
         return []
     held = held_at_once(spec, loaders)
     needed = sum(held.values())
@@ -107,7 +107,7 @@ def host_memory_refusals(
         Refusal(
             code=RefusalCode.HOST_MEMORY,
             component=spec.name,
-            message=f"on a CPU device the host holds {held_what} at once: {total} "
+            message=f"the host holds {held_what} at once: {total} "
             f"({', '.join(parts)}), and it has {free} available",
             hint=f"make {largest} smaller (components.{largest}.options){to_disk}, or run "
             f"where at least {total} of memory is available",

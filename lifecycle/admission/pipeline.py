@@ -141,7 +141,7 @@ def admit_pipeline(
             *fsdp_refusals(spec, loaders, paths),
             *sharded_offload_refusals(spec, loaders, paths, platform),
             *budget_refusals(spec, loaders),
-            *host_memory_refusals(spec, loaders, platform, available_host_bytes()),
+            *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
             *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),

@@ -362,7 +362,7 @@ class TestHostMemory:
         } == T2I_BYTES
 
     def test_host_target_holds_every_component(self, reference_spec: ReferenceSpec) -> None:
-        """With the host target on a CPU every component counts, offloaded or not."""
+        """With the host target every component counts, offloaded or not."""
         spec = reference_spec("host")
         assert held_at_once(spec, loaders(spec)) == T2I_BYTES
 
@@ -376,33 +376,35 @@ class TestHostMemory:
             "vae": T2I_BYTES["vae"],
         }
 
-    def test_refused_one_byte_short_with_the_numbers(
-        self, reference_spec: ReferenceSpec, cpu: Platform
-    ) -> None:
+    def test_refused_one_byte_short_with_the_numbers(self, reference_spec: ReferenceSpec) -> None:
         """One byte fewer than needed is refused, naming the sizes and the fix; enough passes."""
         spec = reference_spec("host")
         needed = sum(T2I_BYTES.values())
-        assert host_memory_refusals(spec, loaders(spec), cpu, needed) == []
-        (refusal,) = host_memory_refusals(spec, loaders(spec), cpu, 100 * 1024)
+        assert host_memory_refusals(spec, loaders(spec), needed) == []
+        (refusal,) = host_memory_refusals(spec, loaders(spec), 100 * 1024)
         assert (refusal.code, refusal.component) == ("residency.host_memory", "tiny-t2i")
         assert refusal.message == (
-            "on a CPU device the host holds every component at once: 544.2 KiB (vae 242.8 KiB, "
-            "transformer 166.4 KiB, text_encoder 135.0 KiB), and it has 100.0 KiB available"
+            "the host holds every component at once: 544.2 KiB (vae 242.8 KiB, transformer "
+            "166.4 KiB, text_encoder 135.0 KiB), and it has 100.0 KiB available"
         )
         assert refusal.hint == (
             "make vae smaller (components.vae.options), keep vae on disk "
             '(memory.offload_target = "disk" and components.vae.residency = '
             '"component_offload"), or run where at least 544.2 KiB of memory is available'
         )
-        assert len(host_memory_refusals(spec, loaders(spec), cpu, needed - 1)) == 1
+        assert len(host_memory_refusals(spec, loaders(spec), needed - 1)) == 1
 
-    def test_no_refusal_on_cuda_or_without_a_reading(
-        self, reference_spec: ReferenceSpec, cpu: Platform
-    ) -> None:
-        """On a CUDA device, or where the host's memory is unknown, nothing is refused."""
+    def test_no_refusal_without_a_reading(self, reference_spec: ReferenceSpec) -> None:
+        """Where the host's memory is unknown, nothing is refused."""
         spec = reference_spec("host")
-        assert host_memory_refusals(spec, loaders(spec), Platform("cuda"), 0) == []
-        assert host_memory_refusals(spec, loaders(spec), cpu, None) == []
+        assert host_memory_refusals(spec, loaders(spec), None) == []
+
+    def test_cuda_admission_refuses_too(self, reference_spec: ReferenceSpec) -> None:
+        """On CUDA the host keeps every component's master copy: a CUDA platform refuses too."""
+        spec = load_spec(EXAMPLES / "refused" / "host_memory.toml")
+        assert [r.code for r in admit_pipeline(spec, Platform("cuda")).refusals()] == [
+            "residency.host_memory"
+        ]
 
     def test_available_bytes_come_from_meminfo(self, tmp_path: Path) -> None:
         """MemAvailable (kB) is read; without the file free pages are counted instead."""
