@@ -117,6 +117,20 @@ class RefusalCode(StrEnum):
         True,
         "the layerwise settings ask for more than the component's block stack has",
     )
+    OFFLOAD_DIR_UNUSABLE = (
+        "residency.offload_dir_unusable",
+        True,
+        "a component offloads to disk, and memory.offload_dir cannot be created or written "
+        "there (a name too long, a read-only or virtual file system, a file in the way, "
+        "no permission)",
+    )
+    HOST_MEMORY = (
+        "residency.host_memory",
+        True,
+        "the declared weights the host must hold at once (every component with the host "
+        "target; with the disk target the resident ones and the largest offloaded one) "
+        "exceed the memory the host has available",
+    )
     INTERFACE_MISMATCH = (
         "pipeline.interface_mismatch",
         True,

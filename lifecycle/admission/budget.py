@@ -115,7 +115,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
         name: size
         for name, component in spec.components.items()
         if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
-        and (size := _declared_bytes(loaders[name])) is not None
+        and (size := declared_bytes(loaders[name])) is not None
     }
     pinned = tuple(
         name for name, component in spec.components.items() if name in sizes and component.is_pinned
@@ -138,7 +138,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
     return found
 
 
-def _declared_bytes(loader: ComponentLoader) -> int | None:
+def declared_bytes(loader: ComponentLoader) -> int | None:
     """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
     try:
         return loader.declared_bytes()

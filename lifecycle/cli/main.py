@@ -14,13 +14,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 from msgspec import UnsetType
 
 from lifecycle import diagrams, exits
 from lifecycle.cli.arguments import positive
 from lifecycle.cli.console import format_refusals, table
+from lifecycle.cli.output import print_json
 from lifecycle.cli.paths import OutputPathError, prepare_folder
 from lifecycle.cli.run import run_command
 from lifecycle.cli.serve import add_serve_command
@@ -84,19 +84,22 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    _logging_options(parser, top_level=True)
+    _logging_options(parser, default=True)
+    # every subcommand takes the logging options too; its copy has no default of its
+    # own, so that one not given after the subcommand never hides one given before it
+    logging_options = argparse.ArgumentParser(add_help=False)
+    _logging_options(logging_options, default=False)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(
+        return commands.add_parser(
             name,
             help=help_text,
             description=help_text,
             epilog=exits.HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[logging_options],
         )
-        _logging_options(sub, top_level=False)
-        return sub
 
     check = command("check", "validate a pipeline spec (admission dry run)")
     check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
@@ -156,17 +159,16 @@ def _parser() -> argparse.ArgumentParser:
     schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
 
-    add_serve_command(commands)
+    add_serve_command(command)
     return parser
 
 
-def _logging_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
-    """Add the logging options; after a subcommand they override those before it."""
-    # a subcommand's copy has no default of its own, so it never hides the top level's
+def _logging_options(parser: argparse.ArgumentParser, *, default: bool) -> None:
+    """Add the logging options, with their defaults or (a subcommand's copy) without."""
     parser.add_argument(
         "--log-format",
         choices=("json", "console", "auto"),
-        default=DEFAULT_LOG_FORMAT if top_level else argparse.SUPPRESS,
+        default=DEFAULT_LOG_FORMAT if default else argparse.SUPPRESS,
         help="log rendering; auto: console on a terminal, else JSON lines "
         f"(default: {DEFAULT_LOG_FORMAT})",
     )
@@ -174,7 +176,7 @@ def _logging_options(parser: argparse.ArgumentParser, *, top_level: bool) -> Non
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
-        default=DEFAULT_LOG_LEVEL if top_level else argparse.SUPPRESS,
+        default=DEFAULT_LOG_LEVEL if default else argparse.SUPPRESS,
         help=f"the least severe events logged (default: {DEFAULT_LOG_LEVEL})",
     )
 
@@ -191,7 +193,7 @@ def _check(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     except ConfigError as err:
         if args.json:
-            _print_json({"error": {"path": err.path, "message": err.message}})
+            print_json({"error": {"path": err.path, "message": err.message}})
         else:
             print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -200,7 +202,7 @@ def _check(args: argparse.Namespace) -> int:
         orchestrator.admit()
     snapshot = orchestrator.snapshot()
     if args.json:
-        _print_json(snapshot)
+        print_json(snapshot)
     elif snapshot.refusals:
         print(format_refusals("check", spec.name, snapshot.refusals, spec.components))
     else:
@@ -269,9 +271,5 @@ def _os_error_text(err: Exception) -> str:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    _print_json(spec_schema())
+    print_json(spec_schema())
     return ExitCode.OK
-
-
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")

@@ -76,10 +76,11 @@ class TestOffloadTargets:
     ) -> None:
         """When load()'s first offload fails, the component stays LOADED and disarmed."""
         blocker = tmp_path / "not-a-folder"
-        blocker.write_text("a file where the offload folder should go")
         raw = msgspec.to_builtins(reference_spec("disk"))
         raw["memory"]["offload_dir"] = str(blocker)
         with Orchestrator(msgspec.convert(raw, PipelineSpec), platform=cpu) as orch:
+            orch.admit()  # the folder could be made then; a file took its place since
+            blocker.write_text("a file where the offload folder should go")
             with pytest.raises(TransitionFailed) as err:
                 orch.load()
             assert err.value.component == "text_encoder"

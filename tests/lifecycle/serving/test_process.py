@@ -162,7 +162,7 @@ class TestShutdown:
         assert not any(offload.rglob("*.safetensors"))
 
     def test_sigterm_while_loading_drains(self, root: Path, tmp_path: Path) -> None:
-        """SIGTERM sent once the worker says it listens, as it loads: exit 0, no files left."""
+        """``serve SPEC --log-level info`` starts; SIGTERM as it loads: exit 0, no files left."""
         offload = tmp_path / "offload"
         spec = tmp_path / "t2i.toml"
         text = (root / "examples" / "tiny_t2i.toml").read_text()
@@ -172,7 +172,8 @@ class TestShutdown:
                 f'offload_target = "disk"\noffload_dir = "{offload}"',
             )
         )
-        command = [sys.executable, "-m", "lifecycle", "--log-level", "info", "serve", str(spec)]
+        # the logging options after the subcommand, as for every other
+        command = [sys.executable, "-m", "lifecycle", "serve", str(spec), "--log-level", "info"]
         with subprocess.Popen(
             [*command, "--port", str(free_port()), "--threads", "1"],
             stdout=subprocess.DEVNULL,
