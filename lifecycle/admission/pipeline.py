@@ -9,6 +9,7 @@ of every component at once. The checks live beside this module, one file each.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import msgspec
 import torch
@@ -19,6 +20,7 @@ from components import registry as kinds
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.construction import construct_module
 from lifecycle.admission.interfaces import interface_refusals
 from lifecycle.admission.loader_path import (
     choose_path,
@@ -196,7 +198,14 @@ def admit_component(
         planned = plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
         refusals[BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
         refusals[LOADER_PATH] += head_refusals(name, spec, loader, declared)
-    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used)
+    construct = (
+        None
+        if path is None
+        else partial(
+            construct_module, path, requests, planned, platform, partial(loader.construct, path)
+        )
+    )
+    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,
