@@ -195,6 +195,14 @@ class ComponentLoader:
             return f"its weights file '{self.options.weights}' does not exist"
         return None
 
+    def construct(self, path: LoaderPath) -> nn.Module:
+        """Construct the bare module through ``path``: no weights set, nothing split.
+
+        Under ``torch.device("meta")`` this allocates nothing: admission looks at what
+        a kind builds that way (its block stack) without loading it.
+        """
+        return self.build_custom() if path == "custom" else self.build_native()
+
     def build(self, path: LoaderPath) -> nn.Module:
         """Build the module through ``path``, in eval mode, with no gradients, with its weights.
 
@@ -207,7 +215,7 @@ class ComponentLoader:
             FileNotFoundError: ``options.weights`` does not exist.
             ValueError: the file's tensors do not match the module's names or shapes.
         """
-        module = self.build_custom() if path == "custom" else self.build_native()
+        module = self.construct(path)
         if self.options.weights is not None:
             load_weights(module, Path(self.options.weights))
         elif isinstance(self.options, SeededOptions):

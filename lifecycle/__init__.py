@@ -11,7 +11,7 @@ from lifecycle.config import (
     load_spec,
 )
 from lifecycle.logs import configure_logging
-from lifecycle.machine import ComponentLifecycle, LifecycleMachine, TransitionContext
+from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
 from lifecycle.orchestrator import ComponentView, Orchestrator
 from lifecycle.plan import AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
 from lifecycle.refusals import (
@@ -20,6 +20,8 @@ from lifecycle.refusals import (
     InvalidTransition,
     Refusal,
     RefusalCode,
+    Refused,
+    RequestRefused,
     TransitionFailed,
     TransitionRefused,
 )
@@ -40,11 +42,14 @@ __all__ = [
     "InvalidTransition",
     "LifecycleMachine",
     "MemoryConfig",
+    "MoveArgs",
     "Orchestrator",
     "PipelineSnapshot",
     "PipelineSpec",
     "Refusal",
     "RefusalCode",
+    "Refused",
+    "RequestRefused",
     "SitePlan",
     "StageSpec",
     "TransitionContext",

@@ -220,8 +220,10 @@ class Orchestrator:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
         token, backend = REQUEST_ID.set(rid), REQUEST_BACKEND.set(attention_backend)
         try:
-            log.info("request.begin", request_id=rid)
             try:
+                # inside the try that ends the request: an event that cannot be written
+                # must not leave its id open
+                log.info("request.begin", request_id=rid)
                 yield request
             finally:
                 self._stages.finish(rid, request.touched)
@@ -285,7 +287,7 @@ class Orchestrator:
             spec=slot.spec,
             plan=slot.plan,
             state=slot.lifecycle.state,
-            in_use_by=tuple(sorted(slot.holders)),
+            in_use_by=tuple(sorted(slot.in_use_by)),
             prefetching=slot.reserved,
         )
 

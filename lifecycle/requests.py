@@ -5,13 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch
+from lifecycle.machine import MoveArgs
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
@@ -23,7 +23,7 @@ _RESIDENT = ComponentState.RESIDENT
 class StageKeeper:
     """Move components in and out around the stages of every open request.
 
-    A component is in use while an open request's stage holds it; it is
+    A component is in use while an open request's stage uses it; it is
     onloaded before such a stage and, once idle, offloaded per its mode after
     its last use in the timeline. Stages of one component that follow each
     other share one interval on the device.
@@ -45,81 +45,79 @@ class StageKeeper:
         self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout)
 
     def enter(self, request_id: str, position: int) -> dict[str, nn.Module]:
-        """Hold the stage's components for ``request_id`` and make them resident.
+        """Use the stage's components for ``request_id`` and make them resident.
 
-        While other requests hold the memory it needs it waits its turn, first come
+        While other requests use the memory it needs it waits its turn, first come
         first served (``lifecycle.waiting``).
 
         Raises:
             TransitionRefused: an onload was refused (e.g. the memory budget, also
-                after ``memory.wait_timeout``); nothing stays held.
-            TransitionFailed: an onload failed; nothing stays held.
+                after ``memory.wait_timeout``); nothing stays in use.
+            TransitionFailed: an onload failed; nothing stays in use.
         """
         with self.lock:
             stage = self.timeline.stages[position].uses
-            return self.waiter.acquire(request_id, stage, partial(self._hold, request_id, position))
+            return self.waiter.acquire(request_id, position, stage, self._use, self.leave)
 
-    def _hold(self, request_id: str, position: int) -> dict[str, nn.Module]:
-        """Hold and onload every component of the stage, or (raising) none of them.
+    def _use(self, request_id: str, position: int) -> dict[str, nn.Module]:
+        """Mark the stage's components in use and onload them, or (raising) leave none in use.
 
         Runs inside ``enter``, under the lock.
         """
         uses = self.timeline.stages[position].uses
         slots = self.slots
         for name in uses:
-            holders = slots[name].holders
-            holders[request_id] = holders.get(request_id, 0) + 1
+            in_use_by = slots[name].in_use_by
+            in_use_by[request_id] = in_use_by.get(request_id, 0) + 1
         try:
             for name in uses:
                 lifecycle = slots[name].lifecycle
                 if lifecycle.state is not _RESIDENT:
-                    lifecycle.onload(position=position, request_id=request_id)
+                    lifecycle.onload(MoveArgs(position=position, request_id=request_id))
+            if self.residency.prefetches:
+                self.residency.prefetch(self.timeline.added_next(position))
+            return {name: slots[name].loaded_module() for name in uses}
         except BaseException:
             self.leave(request_id, position)
             raise
-        if self.residency.prefetches:
-            self.residency.prefetch(self.timeline.added_next(position))
-        modules = {}
-        for name in uses:
-            module = slots[name].module
-            if module is None:
-                raise RuntimeError(f"component '{name}' has no module: load() the pipeline first")
-            modules[name] = module
-        return modules
 
     def leave(self, request_id: str, position: int) -> None:
-        """Drop ``request_id``'s hold on the stage; offload what saw its last use."""
+        """End ``request_id``'s use of the stage; offload what saw its last use."""
         uses = self.timeline.stages[position].uses
         slots = self.slots
         with self.lock:
             for name in uses:
-                holders = slots[name].holders
-                left = holders.get(request_id, 0) - 1
+                in_use_by = slots[name].in_use_by
+                left = in_use_by.get(request_id, 0) - 1
                 if left > 0:
-                    holders[request_id] = left
+                    in_use_by[request_id] = left
                 else:
-                    holders.pop(request_id, None)
-            self._put_back(self.timeline.last_uses(position), request_id)
-            self.waiter.released()
+                    in_use_by.pop(request_id, None)
+            try:
+                self._put_back(self.timeline.last_uses(position), request_id)
+            finally:
+                self.waiter.released()  # what the request used is free, put back or not
 
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.discard(request_id)
-            self.residency.cancel_prefetch(touched)
-            self._put_back(sorted(touched), request_id)
-            self.waiter.released()
+            try:
+                self.residency.cancel_prefetch(touched)
+                self._put_back(sorted(touched), request_id)
+            finally:
+                self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:
         for name in names:
             if self._is_left_on(name):
-                self.slots[name].lifecycle.offload(request_id=request_id)
+                self.slots[name].lifecycle.offload(MoveArgs(request_id=request_id))
 
     def _is_left_on(self, name: str) -> bool:
         """Tell whether ``name`` is resident, idle, and not resident by mode: to put back."""
         slot = self.slots[name]
         return (
-            not slot.holders
+            not slot.in_use_by
             and slot.lifecycle.state is _RESIDENT
             and slot.mode is not ResidencyMode.RESIDENT
         )
@@ -183,7 +181,7 @@ class Request:
             self.run(stage.name, batch)
 
     def _enter(self, name: str) -> tuple[int, dict[str, nn.Module]]:
-        """Hold the stage ``name`` and onload its components; return its position and modules."""
+        """Use the stage ``name`` and onload its components; return its position and modules."""
         timeline = self._keeper.timeline
         position = timeline.index(name)
         self.touched.update(timeline.stages[position].uses)

@@ -22,11 +22,12 @@ from torch import nn
 from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
+from components.offload.layerwise_limits import find_block_stack
 from lifecycle import offload_folder
-from lifecycle.admission.budget import plan_onload
+from lifecycle.admission.budget import fits, plan_onload
 from lifecycle.config import PipelineSpec
 from lifecycle.logs import get_logger
-from lifecycle.machine import TransitionContext
+from lifecycle.machine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
@@ -92,35 +93,39 @@ class Residency:
         self.observer = observer
         self._started = time.perf_counter()
         self._folder: Path | None = None
-        # the budget's running total: what each resident or reserved component holds
-        self._held: dict[str, int] = {}
-        self._held_total = 0
+        # the budget's running total: the bytes charged for each component on the device
+        # (or reserved there by a prefetch), and their sum
+        self._charged: dict[str, int] = {}
+        self._charged_total = 0
 
     # -- guards ----------------------------------------------------------------
 
     def memory_budget(self, name: str, context: TransitionContext) -> list[Refusal]:
-        """Refuse an onload that cannot fit; otherwise record whom to evict first."""
+        """Refuse an onload that cannot fit; otherwise record whom to evict first.
+
+        A component may be evicted exactly when its own offload guards would let the
+        budget offload it now (``may_offload`` with an eviction), so that an onload is
+        refused up front rather than failing half-way through its evictions.
+        """
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return []
         needed = self.slots[name].footprint
-        if self._held_total - self._held.get(name, 0) + needed <= budget:
-            return []  # fits: no need to look at anyone else
-        position = context.params.get("position", -1)
-        after = position if isinstance(position, int) else -1
-        resident = {other: size for other, size in self._held.items() if other != name}
+        used = self._used_by_others(name)
+        if fits(used, needed, budget):
+            return []  # no need to look at anyone else
+        charged = {other: size for other, size in self._charged.items() if other != name}
+        eviction = MoveArgs(eviction=True, request_id=context.request_id)
+        after = context.args.position
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
-            for other in resident
-            if (slot := self.slots[other]).lifecycle.state is ComponentState.RESIDENT
-            and slot.is_idle
-            and slot.may_be_evicted
-            and self.timeline.is_used(other)
+            for other in charged
+            if self.slots[other].lifecycle.may_offload(eviction)
         }
-        decision = plan_onload(name, needed, budget, resident, evictable)
+        decision = plan_onload(name, needed, budget, charged, used, evictable)
         if decision.refusal is not None:
             return [decision.refusal]
-        context.decisions["evict"] = decision.victims
+        context.evictions = decision.victims
         return []
 
     def offloadable(self, name: str, context: TransitionContext) -> list[Refusal]:
@@ -128,7 +133,7 @@ class Residency:
         slot = self.slots[name]
         if slot.mode is not ResidencyMode.RESIDENT:
             return []
-        if context.params.get("eviction") is True and slot.may_be_evicted:
+        if context.args.eviction and slot.may_be_evicted:
             return []
         return [
             Refusal(
@@ -154,14 +159,15 @@ class Residency:
 
     def not_in_use(self, name: str, context: TransitionContext) -> list[Refusal]:
         """Refuse to move or release a component an open request is using."""
-        holders = self.slots[name].holders
-        if not holders:
+        in_use_by = self.slots[name].in_use_by
+        if not in_use_by:
             return []
+        users = sorted(in_use_by)
         return [
             Refusal(
                 code=RefusalCode.IN_USE,
                 component=name,
-                message=f"component '{name}' is in use by request(s) {', '.join(sorted(holders))}",
+                message=f"component '{name}' is in use by request(s) {', '.join(users)}",
                 hint="wait for those requests' stages to end, or cancel the requests",
             )
         ]
@@ -170,11 +176,11 @@ class Residency:
 
     def onload(self, name: str, context: TransitionContext) -> None:
         """Evict what the budget guard chose, then bring ``name`` onto the device and arm it."""
-        victims = context.decisions.get("evict", ())
-        assert isinstance(victims, tuple)
-        for victim in victims:
-            self.slots[victim].lifecycle.offload(eviction=True)
-            context.on_rollback(self.slots[victim].lifecycle.onload)
+        if context.evictions:
+            eviction = MoveArgs(eviction=True, request_id=context.request_id)
+            for victim in context.evictions:
+                self.slots[victim].lifecycle.offload(eviction)
+                context.on_rollback(self.slots[victim].lifecycle.onload)
         slot = self.slots[name]
         started = time.perf_counter()
         if slot.store is None:  # the first move builds the store (refusing a module not loaded)
@@ -185,7 +191,7 @@ class Residency:
         slot.reserved = False
         arm_all(slot.layers)
         context.on_rollback(lambda: self._stow(slot))
-        self._hold(slot)
+        self._charge(slot)
         if context.is_logged or self.observer is not None:
             self._record(slot, "onload", moved, started, context)
 
@@ -202,8 +208,8 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
-        if self._unhold(slot):
-            context.on_rollback(lambda: self._hold(slot))
+        if self._refund(slot):
+            context.on_rollback(lambda: self._charge(slot))
         if context.is_logged or self.observer is not None:
             self._record(slot, "offload", moved, started, context)
 
@@ -212,7 +218,7 @@ class Residency:
         slot = self.slots[name]
         disarm_all(slot.layers)
         slot.forget()
-        self._unhold(slot)
+        self._refund(slot)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start onloading ``names`` early where the copy can overlap compute.
@@ -235,7 +241,7 @@ class Residency:
                 continue
             slot.reserved = slot.store.prefetch() > 0
             if slot.reserved:
-                self._hold(slot)
+                self._charge(slot)
 
     def cancel_prefetch(self, names: Iterable[str]) -> None:
         """Give up the prefetches of ``names`` that no onload completed."""
@@ -247,46 +253,51 @@ class Residency:
                 assert slot.store is not None
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
-                self._unhold(slot)
+                self._refund(slot)
 
-    def _hold(self, slot: ComponentSlot) -> None:
+    def _charge(self, slot: ComponentSlot) -> None:
         """Count ``slot``'s footprint in the running total (once, however often called)."""
-        if slot.name not in self._held:
-            self._held[slot.name] = slot.footprint
-            self._held_total += slot.footprint
+        if slot.name not in self._charged:
+            self._charged[slot.name] = slot.footprint
+            self._charged_total += slot.footprint
 
-    def _unhold(self, slot: ComponentSlot) -> bool:
+    def _refund(self, slot: ComponentSlot) -> bool:
         """Take ``slot`` out of the running total; tell whether it was in it."""
-        held = self._held.pop(slot.name, None)
-        if held is None:
+        charged = self._charged.pop(slot.name, None)
+        if charged is None:
             return False
-        self._held_total -= held
+        self._charged_total -= charged
         return True
+
+    def _used_by_others(self, name: str) -> int:
+        """Return the bytes the running total counts for every component but ``name``."""
+        return self._charged_total - self._charged.get(name, 0)
 
     def _stow(self, slot: ComponentSlot) -> None:
         """Undo an onload: disarm and take the weights back off the device."""
         disarm_all(slot.layers)
         if slot.store is not None:
             slot.store.offload()
-        self._unhold(slot)
+        self._refund(slot)
 
     def _fits(self, slot: ComponentSlot) -> bool:
+        """Tell whether ``slot`` fits the budget beside what it counts now, evicting nobody."""
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return True
-        return self._held_total + slot.footprint <= budget
+        return fits(self._used_by_others(slot.name), slot.footprint, budget)
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the most bytes ``slot`` holds on the device, as its store reports it."""
         if slot.store is not None:
             return slot.store.footprint
         target = self.spec.memory.offload_target
-        return device_footprint(_module_of(slot), slot.mode, target, self._store_options(slot))
+        return device_footprint(slot.loaded_module(), slot.mode, target, self._store_options(slot))
 
     def _new_store(self, slot: ComponentSlot, *, resident: bool) -> WeightStore:
         target = self.spec.memory.offload_target
         options = self._store_options(slot)
-        return make_store(_module_of(slot), slot.mode, target, options, resident=resident)
+        return make_store(slot.loaded_module(), slot.mode, target, options, resident=resident)
 
     def _store_options(self, slot: ComponentSlot) -> StoreOptions:
         config = slot.spec.layerwise_config
@@ -356,13 +367,14 @@ class Residency:
             self.observer(move)
 
 
-def _module_of(slot: ComponentSlot) -> nn.Module:
-    if slot.module is None:
-        raise RuntimeError(f"component '{slot.name}' has no module: it is not loaded")
-    return slot.module
-
-
 def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
+    """Return the blocks a layerwise component streams; None in any other mode.
+
+    Raises:
+        OffloadError: its kind builds no ``nn.ModuleList`` block stack (admission
+            refuses that first; a layerwise store is never a whole one instead).
+    """
     attribute = slot.loader.block_stack
-    blocks = None if attribute is None else getattr(slot.module, attribute, None)
-    return blocks if isinstance(blocks, nn.ModuleList) else None
+    if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD or attribute is None:
+        return None  # with no stack declared, the store factory refuses layerwise
+    return find_block_stack(slot.loaded_module(), attribute, slot.spec.kind)

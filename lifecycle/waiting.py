@@ -29,13 +29,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-import structlog
-
-from lifecycle.logs import context_variable
+from lifecycle.logs import context_variable, get_logger
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
 
 _MAY_WAIT = context_variable("may_wait")
 
@@ -65,11 +63,20 @@ class MemoryWaiter:
         self.waits = 0
         self.waited_seconds = 0.0
 
-    def acquire(self, request_id: str, uses: Sequence[str], attempt: Callable[[], T]) -> T:
+    def acquire(
+        self,
+        request_id: str,
+        position: int,
+        uses: Sequence[str],
+        attempt: Callable[[str, int], T],
+        release: Callable[[str, int], object],
+    ) -> T:
         """Run ``attempt`` (hold and onload the stage) when it may; wait while others hold.
 
-        Call with the lock held. ``attempt`` holds every component of the stage or,
-        when it raises, none.
+        Call with the lock held. ``attempt(request_id, position)`` holds every component
+        ``uses`` names, the stage at ``position``, or, when it raises, none;
+        ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
+        should anything after it fail (writing the wait's event).
 
         Raises:
             TransitionRefused: the budget refused for another reason than other
@@ -79,7 +86,7 @@ class MemoryWaiter:
         """
         if not self._queue:
             try:
-                return self._try(attempt)
+                return self._try(attempt, request_id, position)
             except TransitionRefused as err:
                 if not self._should_wait(err, request_id):
                     raise
@@ -91,13 +98,18 @@ class MemoryWaiter:
             while True:
                 if self._queue[0] == request_id:
                     try:
-                        result = self._try(attempt)
+                        result = self._try(attempt, request_id, position)
                     except TransitionRefused as err:
                         if not self._should_wait(err, request_id):
                             raise
                         last = err
                     else:
-                        self._record(request_id, uses, time.monotonic() - started)
+                        try:
+                            self._record(request_id, uses, time.monotonic() - started)
+                        except BaseException:
+                            # an event that cannot be written must not keep the stage
+                            release(request_id, position)
+                            raise
                         return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -108,11 +120,11 @@ class MemoryWaiter:
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
-    def _try(attempt: Callable[[], T]) -> T:
+    def _try(attempt: Callable[[str, int], T], request_id: str, position: int) -> T:
         """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
         token = _MAY_WAIT.set(True)
         try:
-            return attempt()
+            return attempt(request_id, position)
         finally:
             _MAY_WAIT.reset(token)
 
@@ -126,22 +138,23 @@ class MemoryWaiter:
         if self._queue:  # whoever waits on the condition is in the queue
             self._turns.notify_all()
 
-    def holders(self) -> dict[str, list[str]]:
-        """Return each request that holds a component, with what it holds."""
+    def users(self) -> dict[str, list[str]]:
+        """Return each request that holds (uses) a component, with what it holds."""
         held: dict[str, list[str]] = {}
         for name, slot in self.slots.items():
-            for rid in slot.holders:
+            for rid in slot.in_use_by:
                 held.setdefault(rid, []).append(name)
         return held
 
     def _should_wait(self, err: TransitionRefused, request_id: str) -> bool:
         """Wait only on a budget refusal, while others hold components and we hold none."""
-        others = [rid for rid in self.holders() if rid != request_id]
-        holds_nothing = request_id not in self.holders()
+        users = self.users()
+        others = [rid for rid in users if rid != request_id]
+        holds_nothing = request_id not in users
         return RefusalCode.MEMORY_BUDGET in err.codes and bool(others) and holds_nothing
 
     def _timed_out(self, err: TransitionRefused | None, uses: Sequence[str]) -> TransitionRefused:
-        held = self.holders()
+        held = self.users()
         named = "; ".join(f"request {rid} holds {', '.join(names)}" for rid, names in held.items())
         component = uses[0] if err is None else err.component
         refusal = Refusal(

@@ -10,6 +10,7 @@ of every component at once. The checks live beside this module, one file each.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import msgspec
 import torch
@@ -20,6 +21,7 @@ from components import registry as kinds
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.construction import construct_module
 from lifecycle.admission.host_memory import available_host_bytes, host_memory_refusals
 from lifecycle.admission.interfaces import interface_refusals
 from lifecycle.admission.loader_path import (
@@ -197,7 +199,14 @@ def admit_component(
         planned = plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
         refusals[BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
         refusals[LOADER_PATH] += head_refusals(name, spec, loader, declared)
-    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used)
+    construct = (
+        None
+        if path is None
+        else partial(
+            construct_module, path, requests, planned, platform, partial(loader.construct, path)
+        )
+    )
+    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,

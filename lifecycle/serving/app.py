@@ -25,9 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lifecycle.override import RequestRefused
 from lifecycle.png import encode_png
-from lifecycle.refusals import TransitionFailed, TransitionRefused
+from lifecycle.refusals import RequestRefused, TransitionFailed, TransitionRefused
 from lifecycle.serving.batcher import Draining, QueueFull
 from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
 from lifecycle.serving.worker import Phase, Worker

@@ -188,10 +188,12 @@ class Batcher:
     def _run(self, group: list[_Entry]) -> None:
         jobs = [entry.job for entry in group]
         batch_id = "+".join(job.id for job in jobs)
-        if self.on_batch is not None:
-            self.on_batch(len(jobs))
-        log.info("serving.batched", batch_id=batch_id, size=len(jobs))
         try:
+            # inside the try that frees the runner: an event that cannot be written must
+            # not keep it, nor leave the clients waiting
+            if self.on_batch is not None:
+                self.on_batch(len(jobs))
+            log.info("serving.batched", batch_id=batch_id, size=len(jobs))
             batch = merged_batch(jobs, self.shapes)
             override = jobs[0].key.attention_backend
             with self.orchestrator.request(batch_id, attention_backend=override) as request:

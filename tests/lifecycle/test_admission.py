@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,8 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
 from tests.lifecycle.conftest import ReferenceSpec
+from tests.lifecycle.kinds_for_tests import ValueDependentKind
+from tests.plugin.ext import SequentialStackKind
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFUSED = sorted((EXAMPLES / "refused").glob("*.toml"))
@@ -204,6 +206,55 @@ kind = "tiny_dit"
         spec = decode_spec('name = "p"\n[components.vae]\nkind = "tiny_vae"\n')
         admission = admit_pipeline(spec, platform)
         assert [r.code for r in admission.refusals()] == ["attention.no_backend"]
+
+
+def layerwise_spec(kind: str, loader: str = "custom") -> str:
+    """Return a one-component pipeline that streams ``kind`` layerwise through ``loader``."""
+    return (
+        f'name = "p"\n[components.c]\nkind = "{kind}"\nloader = "{loader}"\n'
+        'residency = "layerwise_offload"\n[[stages]]\nname = "s"\nuses = ["c"]\n'
+    )
+
+
+class TestLayerwiseStack:
+    @pytest.fixture(autouse=True)
+    def kinds(self) -> Iterator[None]:
+        """Register the kinds whose block stacks are wrong for one test, then forget them."""
+        for kind in (SequentialStackKind, ValueDependentKind):
+            registry.register_kind(kind)
+        yield
+        for kind in (SequentialStackKind, ValueDependentKind):
+            registry.unregister_kind(kind.kind)
+
+    def test_stack_that_is_no_module_list_is_refused(self, cpu: Platform) -> None:
+        """A declared block stack built as a Sequential is refused, never moved whole."""
+        spec = decode_spec(layerwise_spec("plugin_sequential_stack"))
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
+        assert refusal.code is RefusalCode.NOT_OFFLOADABLE
+        assert refusal.message == (
+            "component 'c' asks for layerwise_offload, but kind 'plugin_sequential_stack' builds "
+            "its block stack 'blocks' as a Sequential, not an nn.ModuleList: layerwise offload "
+            "streams the blocks of an nn.ModuleList; make it one, or use component_offload"
+        )
+        assert refusal.hint == 'use residency = "component_offload" for c'
+
+    def test_stack_that_admission_cannot_build_is_refused_with_why(self, cpu: Platform) -> None:
+        """A kind that cannot be built on the meta device is refused, with what it raised."""
+        spec = decode_spec(layerwise_spec("test_value_dependent"))
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
+        assert refusal.code is RefusalCode.NOT_OFFLOADABLE
+        assert refusal.message.startswith(
+            "component 'c' asks for layerwise_offload, but building kind 'test_value_dependent' "
+            "on the meta device to find its block stack failed (RuntimeError: "
+        )
+
+    @pytest.mark.parametrize(
+        ("kind", "loader"),
+        [(k, p) for k in ("tiny_text_encoder", "tiny_dit") for p in ("custom", "native")],
+    )
+    def test_reference_stacks_are_admitted(self, cpu: Platform, kind: str, loader: str) -> None:
+        """The reference kinds' stacks are ModuleLists on both paths: layerwise is admitted."""
+        assert admit_pipeline(decode_spec(layerwise_spec(kind, loader)), cpu).refusals() == ()
 
 
 class TestRefusalsTogether:

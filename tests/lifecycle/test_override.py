@@ -27,7 +27,7 @@ from attention.registry import unregister_backend
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.override import RequestRefused, override_refusals
-from lifecycle.refusals import RefusalCode
+from lifecycle.refusals import RefusalCode, Refused, TransitionRefused
 from tests.lifecycle.conftest import ReferenceSpec
 
 CALLS: Counter[tuple[str, int]] = Counter()
@@ -147,6 +147,22 @@ class TestOverrideRules:
         assert err.codes == (RefusalCode.INVALID_OVERRIDE,)
         assert "'flash_attn_9' is not a known backend" in err.refusals[0].message
         assert "torch_flash" in err.refusals[0].hint
+
+    def test_request_and_transition_refusals_share_a_base(self, loaded: Orchestrator) -> None:
+        """A refused request and a refused move are both caught as Refused, with their codes."""
+        caught: list[Refused] = []
+        for refuse in (
+            lambda: generate(loaded, "flash_attn_9"),
+            lambda: loaded.offload("transformer"),
+        ):
+            with pytest.raises(Refused) as err:
+                refuse()
+            caught.append(err.value)
+        assert [type(err) for err in caught] == [RequestRefused, TransitionRefused]
+        assert [err.codes for err in caught] == [
+            (RefusalCode.INVALID_OVERRIDE,),
+            (RefusalCode.NOT_OFFLOADABLE,),
+        ]
 
     def test_sparse_target_is_refused(self, loaded: Orchestrator) -> None:
         """A sparse target is refused: a request never swaps in an approximation."""

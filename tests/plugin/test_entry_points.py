@@ -24,6 +24,7 @@ ENTRY_POINTS = """
 plugin_echo = tests.plugin.ext:EchoKind
 plugin_factory = tests.plugin.ext:make_plain
 plugin_rank_fault = tests.plugin.ext:RankFaultKind
+plugin_sequential_stack = tests.plugin.ext:SequentialStackKind
 plugin_missing = tests.plugin.no_such_module:Kind
 cwd_kind = cwd_plugin:make
 misnamed = tests.plugin.ext:EchoKind
@@ -64,6 +65,19 @@ kind = "plugin_rank_fault"
 [[stages]]
 name = "all"
 uses = ["echo"]
+"""
+
+LAYERWISE_SEQUENTIAL = """
+name = "streamed"
+device = "cpu"
+
+[components.stack]
+kind = "plugin_sequential_stack"
+residency = "layerwise_offload"
+
+[[stages]]
+name = "all"
+uses = ["stack"]
 """
 
 Lifecycle = Callable[..., subprocess.CompletedProcess[str]]
@@ -145,7 +159,7 @@ class TestEntryPoints:
         assert message.startswith(
             "Expected an installed component kind (tiny_text_encoder, tiny_dit, tiny_vae, "
             "tiny_upsampler, minilm_text_encoder, plugin_echo, plugin_factory, "
-            "plugin_rank_fault), got 'evilmod:go'; entry point 'plugin_missing' failed to load "
+            "plugin_rank_fault, plugin_sequential_stack), got 'evilmod:go'; entry point 'plugin_missing' failed to load "
             "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
         )
         assert "whose kind is 'plugin_echo'; name the entry point after the kind" in message
@@ -185,6 +199,22 @@ class TestEntryPoints:
         assert "name 'torch_sdpa' is taken by attention.backends" in result.stderr
         assert "NoForwardImpl must implement forward" in result.stderr
         assert "plugin_incomplete" not in error["message"]
+
+    def test_layerwise_kind_without_a_module_list_is_refused(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """check refuses layerwise offload of an installed kind whose stack is no ModuleList."""
+        spec = tmp_path / "work" / "streamed.toml"
+        spec.write_text(LAYERWISE_SEQUENTIAL)
+        result = lifecycle("check", "--json", str(spec))
+        assert result.returncode == 1, result.stdout + result.stderr
+        (refusal,) = json.loads(result.stdout)["refusals"]
+        assert refusal["code"] == "residency.not_offloadable"
+        assert refusal["component"] == "stack"
+        assert (
+            "kind 'plugin_sequential_stack' builds its block stack 'blocks' as a Sequential, "
+            "not an nn.ModuleList" in refusal["message"]
+        )
 
     def test_a_rank_that_raises_ends_the_run(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """A rank whose request raises exits 3; torchrun stops the other; both are named."""
