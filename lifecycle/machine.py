@@ -29,9 +29,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
+import msgspec
 from transitions.core import Condition, Event, EventData, Machine, State, Transition
 
-from lifecycle.logs import REQUEST_ID, get_logger
+from lifecycle.events import Observers, Refused, Transitioned
+from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
 
@@ -374,7 +376,10 @@ class RefusingEvent(Event):
         with machine.lock:
             source = model.state
             context = TransitionContext(model.name, self.name, source, kwargs)
-            started = time.perf_counter() if context.is_logged else 0.0
+            observers = machine.observers
+            # timed only when someone reads the duration: a log line or an observer
+            is_reported = context.is_logged or observers.attached != ()
+            started = time.perf_counter() if is_reported else 0.0
             try:
                 # The lock above serialises triggers and the machine registers no queue,
                 # prepare, exception or finalize callbacks: try the transitions directly,
@@ -393,14 +398,18 @@ class RefusingEvent(Event):
                 else:
                     raise TransitionRefused(model.name, self.name, source, context.refusals)
             except TransitionRefused as refused:
-                log.warning(  # a refusal is rare: its fields are built whatever the level
-                    "lifecycle.refused",
-                    component=model.name,
-                    trigger=self.name,
-                    source=source.value,
-                    codes=list(refused.codes),
-                    messages=[r.message for r in refused.refusals] or [str(refused)],
-                    request_id=context.request_id,
+                # a refusal is rare: its fields are built whatever the level
+                report_refused(
+                    Refused(
+                        component=model.name,
+                        trigger=self.name,
+                        source=source.value,
+                        codes=tuple(str(code) for code in refused.codes),
+                        messages=tuple(r.message for r in refused.refusals) or (str(refused),),
+                        request_id=context.request_id,
+                        may_wait=MAY_WAIT.get() is True,
+                    ),
+                    observers,
                 )
                 raise
             except TransitionFailed as failed:
@@ -413,9 +422,8 @@ class RefusingEvent(Event):
                     request_id=context.request_id,
                 )
                 raise
-            if context.is_logged:
-                log.info(
-                    "lifecycle.transition",
+            if is_reported:
+                done = Transitioned(
                     component=model.name,
                     trigger=self.name,
                     source=source.value,
@@ -423,7 +431,26 @@ class RefusingEvent(Event):
                     duration_ms=round((time.perf_counter() - started) * 1e3, 3),
                     request_id=context.request_id,
                 )
+                if context.is_logged:
+                    log.info("lifecycle.transition", **msgspec.structs.asdict(done))
+                if observers.attached:
+                    observers.emit(done)
             return True
+
+
+def report_refused(refused: Refused, observers: Observers) -> None:
+    """Log ``refused`` (``lifecycle.refused``, a warning) and hand it to the observers."""
+    log.warning(
+        "lifecycle.refused",
+        component=refused.component,
+        trigger=refused.trigger,
+        source=refused.source,
+        codes=list(refused.codes),
+        messages=list(refused.messages),
+        request_id=refused.request_id,
+    )
+    if observers.attached:
+        observers.emit(refused)
 
 
 class LifecycleMachine(Machine):
@@ -432,13 +459,17 @@ class LifecycleMachine(Machine):
     Built from ``lifecycle.states.TRANSITIONS``; triggers are serialised on
     ``lock`` (re-entrant, so the work of one transition may fire another,
     e.g. an onload that evicts).
+
+    Args:
+        name: the machine's name (the pipeline's).
+        observers: who receives every transition and refusal; none by default.
     """
 
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
 
-    def __init__(self, name: str = "lifecycle") -> None:
+    def __init__(self, name: str = "lifecycle", observers: Observers | None = None) -> None:
         super().__init__(
             model=None,
             states=ComponentState,
@@ -449,6 +480,7 @@ class LifecycleMachine(Machine):
             name=name,
         )
         self.lock = threading.RLock()
+        self.observers = Observers() if observers is None else observers
         # transitions keys states by Enum name; reading a member's name costs an Enum lookup
         self._by_key = {
             key: self.states[member.name]

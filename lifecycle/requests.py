@@ -12,6 +12,7 @@ from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch
+from lifecycle.events import Observers
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
@@ -32,17 +33,22 @@ class StageKeeper:
         slots: the orchestrator's components by name.
         residency: what moves weights (and prefetches the next stage's).
         lock: the machine's lock, held while counts and states change together.
+        observers: who hears of every wait for memory.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], residency: Residency, lock: threading.RLock
+        self,
+        slots: Mapping[str, ComponentSlot],
+        residency: Residency,
+        lock: threading.RLock,
+        observers: Observers,
     ) -> None:
         self.slots = slots
         self.residency = residency
         self.timeline = residency.timeline
         self.lock = lock
         self.open_requests: set[str] = set()
-        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout)
+        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout, observers)
 
     def enter(self, request_id: str, position: int) -> dict[str, nn.Module]:
         """Hold the stage's components for ``request_id`` and make them resident.
@@ -56,8 +62,9 @@ class StageKeeper:
             TransitionFailed: an onload failed; nothing stays held.
         """
         with self.lock:
-            stage = self.timeline.stages[position].uses
-            return self.waiter.acquire(request_id, stage, partial(self._hold, request_id, position))
+            stage = self.timeline.stages[position]
+            attempt = partial(self._hold, request_id, position)
+            return self.waiter.acquire(request_id, stage.name, stage.uses, attempt)
 
     def _hold(self, request_id: str, position: int) -> dict[str, nn.Module]:
         """Hold and onload every component of the stage, or (raising) none of them.

@@ -27,17 +27,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-import structlog
-
-from lifecycle.logs import context_variable
+from lifecycle.events import MemoryWait, Observers
+from lifecycle.logs import MAY_WAIT, get_logger
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
-log = structlog.get_logger("lifecycle")
-
-_MAY_WAIT = context_variable("may_wait")
+log = get_logger("lifecycle")
 
 T = TypeVar("T")
 
@@ -49,24 +46,26 @@ class MemoryWaiter:
         slots: the orchestrator's components by name.
         lock: the machine's lock; waiting releases it.
         timeout: ``memory.wait_timeout`` in seconds.
-
-    Attributes:
-        waits: how many stage entries had to wait.
-        waited_seconds: the time they waited, in total.
+        observers: who receives a ``MemoryWait`` for every wait, however it ends.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], lock: threading.RLock, timeout: float
+        self,
+        slots: Mapping[str, ComponentSlot],
+        lock: threading.RLock,
+        timeout: float,
+        observers: Observers,
     ) -> None:
         self.slots = slots
         self.timeout = timeout
+        self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: deque[str] = deque()
-        self.waits = 0
-        self.waited_seconds = 0.0
 
-    def acquire(self, request_id: str, uses: Sequence[str], attempt: Callable[[], T]) -> T:
-        """Run ``attempt`` (hold and onload the stage) when it may; wait while others hold.
+    def acquire(
+        self, request_id: str, stage: str, uses: Sequence[str], attempt: Callable[[], T]
+    ) -> T:
+        """Run ``attempt`` (hold and onload ``stage``) when it may; wait while others hold.
 
         Call with the lock held. ``attempt`` holds every component of the stage or,
         when it raises, none.
@@ -97,10 +96,11 @@ class MemoryWaiter:
                             raise
                         last = err
                     else:
-                        self._record(request_id, uses, time.monotonic() - started)
+                        self._record(request_id, stage, uses, started, "acquired")
                         return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._record(request_id, stage, uses, started, "refused")
                     raise self._timed_out(last, uses)
                 self._turns.wait(remaining)
         finally:
@@ -110,11 +110,11 @@ class MemoryWaiter:
     @staticmethod
     def _try(attempt: Callable[[], T]) -> T:
         """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
-        token = _MAY_WAIT.set(True)
+        token = MAY_WAIT.set(True)
         try:
             return attempt()
         finally:
-            _MAY_WAIT.reset(token)
+            MAY_WAIT.reset(token)
 
     @property
     def queue(self) -> tuple[str, ...]:
@@ -158,12 +158,30 @@ class MemoryWaiter:
         source = self.slots[component].lifecycle.state
         return TransitionRefused(component, "onload", source, [refusal])
 
-    def _record(self, request_id: str, uses: Sequence[str], seconds: float) -> None:
-        self.waits += 1
-        self.waited_seconds += seconds
+    def _record(
+        self,
+        request_id: str,
+        stage: str,
+        uses: Sequence[str],
+        started: float,
+        outcome: Literal["acquired", "refused"],
+    ) -> None:
+        """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
+        seconds = round(time.monotonic() - started, 6)
         log.info(
             "residency.waited",
             request_id=request_id,
+            stage=stage,
             components=list(uses),
-            seconds=round(seconds, 6),
+            seconds=seconds,
+            outcome=outcome,
         )
+        if self.observers.attached:
+            wait = MemoryWait(
+                request_id=request_id,
+                stage=stage,
+                components=tuple(uses),
+                seconds=seconds,
+                outcome=outcome,
+            )
+            self.observers.emit(wait)

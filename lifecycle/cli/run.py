@@ -28,11 +28,11 @@ from lifecycle.cli.runner import (
 )
 from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.config import ConfigError, PipelineSpec, load_spec
+from lifecycle.events import Move
 from lifecycle.exits import ExitCode
 from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,4 @@ def serve_command(args: argparse.Namespace) -> int:
 
     # compute threads on every core would fight the event loop for one of them
     threads = args.threads or max(1, physical_cores() - 1)
-    return serve(args.spec, args.host, args.port, threads, _log_level(args))
-
-
-def _log_level(args: argparse.Namespace) -> int:
-    name = str(getattr(args, "log_level", "warning")).upper()
-    return logging.getLevelNamesMapping().get(name, logging.WARNING)
+    return serve(args.spec, args.host, args.port, threads)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lifecycle.logs import get_logger
 from lifecycle.override import RequestRefused
 from lifecycle.png import encode_png
 from lifecycle.refusals import TransitionFailed, TransitionRefused
@@ -32,7 +33,7 @@ from lifecycle.serving.batcher import Draining, QueueFull
 from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
 from lifecycle.serving.worker import Phase, Worker
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""

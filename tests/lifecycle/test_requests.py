@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from attention import Attention, Platform
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.events import Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
 from lifecycle.states import ComponentState
-from lifecycle.testing import capture_events, events_named
+from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import ReferenceSpec
 
 STAGES = ("encode", "denoise", "decode")
@@ -193,15 +193,15 @@ name = "second"
 uses = ["vae"]
 """
         )
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("first", "second"):
                     with request.stage(stage):
                         pass
-        assert [(m.direction, m.request_id) for m in moves] == [
+        assert [(m.direction, m.request_id) for m in observed.of(Move)] == [
             ("onload", "r1"),
             ("offload", "r1"),
         ]
@@ -274,15 +274,15 @@ class TestMemoryBudget:
     def test_evicts_the_furthest_next_use_not_the_least_recent(self, cpu: Platform) -> None:
         """Onloading c evicts b (next used at s4), not a (used at s3), though a is older."""
         spec = decode_spec(BUDGET_SPEC.format(budget=2 * VAE_BYTES + 1000))
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("s0", "s1", "s2", "s3", "s4"):
                     with request.stage(stage):
                         assert orch.resident_bytes() <= 2 * VAE_BYTES + 1000
-        sequence = [(m.component, m.direction) for m in moves]
+        sequence = [(m.component, m.direction) for m in observed.of(Move)]
         assert sequence[:4] == [
             ("a", "onload"),
             ("b", "onload"),

@@ -11,10 +11,10 @@ import structlog
 
 from attention import Platform
 from lifecycle.config import decode_spec
+from lifecycle.events import MemoryWait, Move, Refused
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
-from lifecycle.residency import Move
-from lifecycle.testing import capture_events, events_named
+from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.test_requests import BUDGET_SPEC, VAE_BYTES
 
 WATCHDOG_S = 120.0
@@ -62,7 +62,11 @@ class TestWaiting:
         spec = decode_spec(budget_spec(VAE_BYTES + 1000))
         release = threading.Event()
         entered: list[str] = []
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
 
             def holder() -> None:
@@ -83,9 +87,11 @@ class TestWaiting:
             assert run_threads([holder, waiter, releaser]) == []
         assert entered == ["r1", "r2"]
         (waited,) = events_named(events, "residency.waited")
-        assert waited["request_id"] == "r2"
-        assert waited["components"] == ["b"]
-        assert orch.waiter.waits == 1
+        assert (waited["request_id"], waited["stage"], waited["components"]) == ("r2", "s1", ["b"])
+        assert waited["outcome"] == "acquired"
+        (wait,) = observed.of(MemoryWait)
+        assert (wait.request_id, wait.stage, wait.components) == ("r2", "s1", ("b",))
+        assert (wait.outcome, wait.seconds) == ("acquired", waited["seconds"])
 
     def test_turns_are_first_come_first_served(self, cpu: Platform) -> None:
         """Requests blocked on memory enter in the order they started waiting."""
@@ -127,7 +133,8 @@ class TestWaiting:
     def test_wait_is_bounded_and_names_the_holders(self, cpu: Platform) -> None:
         """Past memory.wait_timeout the request is refused, naming who holds what."""
         spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.2))
-        with Orchestrator(spec, platform=cpu) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -142,12 +149,19 @@ class TestWaiting:
                 assert "request r1 holds a" in message
                 assert "raise memory.wait_timeout" in err.value.refusals[0].hint
                 assert orch.waiter.queue == ()
+                (wait,) = observed.of(MemoryWait)
+                assert (wait.request_id, wait.stage, wait.outcome) == ("r2", "s1", "refused")
+                assert wait.seconds >= 0.2
             assert orch.component("b").in_use_by == ()
 
     def test_only_a_stage_attempt_is_marked_as_possibly_waiting(self, cpu: Platform) -> None:
         """Refusals of a stage's onload attempts carry may_wait; a manual onload's does not."""
         spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.05))
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -164,17 +178,21 @@ class TestWaiting:
         assert {(e["request_id"], e.get("may_wait")) for e in attempts} == {("r2", True)}
         assert (manual["request_id"], manual.get("may_wait")) == ("r1", None)
         assert manual["codes"] == ["residency.memory_budget"]
+        *typed, typed_manual = observed.of(Refused)
+        assert {(r.request_id, r.may_wait) for r in typed} == {("r2", True)}
+        assert (typed_manual.request_id, typed_manual.may_wait) == ("r1", False)
 
     def test_nested_stage_does_not_wait(self, cpu: Platform) -> None:
         """A request that already holds a stage is refused at once: it never holds and waits."""
         spec = decode_spec(budget_spec(VAE_BYTES + 1000))
-        with Orchestrator(spec, platform=cpu) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as request, request.stage("s0"):
                 with pytest.raises(TransitionRefused) as err, request.stage("s1"):
                     pass
                 assert "waited" not in err.value.refusals[0].message
-                assert orch.waiter.waits == 0
+                assert observed.of(MemoryWait) == []
 
 
 PAIRS_SPEC = """
@@ -207,8 +225,8 @@ class TestNoDeadlock:
         """Six threads walk overlapping two-component stages in every order: all finish."""
         budget = 2 * VAE_BYTES + 1000  # exactly one stage at a time
         spec = decode_spec(PAIRS_SPEC.format(budget=budget))
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             orders = list(itertools.permutations(("ab", "bc", "ca")))
 
@@ -225,5 +243,5 @@ class TestNoDeadlock:
             errors = run_threads([walk(i, order) for i, order in enumerate(orders)])
             assert errors == []
             assert all(orch.component(n).in_use_by == () for n in ("a", "b", "c"))
-        onloads = [m for m in moves if m.direction == "onload"]
+        onloads = [m for m in observed.of(Move) if m.direction == "onload"]
         assert len(onloads) >= len(orders) * 3 * 2  # they really moved under the budget
