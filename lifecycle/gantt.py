@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lifecycle.residency import Move
+from lifecycle.events import Move
 
 Interval = tuple[float, float, str | None]
 

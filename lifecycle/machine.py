@@ -34,7 +34,8 @@ from typing import Any, TypeAlias
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
 
-from lifecycle.logs import REQUEST_ID, get_logger
+from lifecycle.events import Observers, Refused, Transitioned
+from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
 
@@ -370,7 +371,10 @@ class RefusingEvent(Event):
         with machine.lock:
             source = component.state
             context = TransitionContext(component.name, self.name, source, move)
-            started = time.perf_counter() if context.is_logged else 0.0
+            observers = machine.observers
+            # timed only when someone reads the duration: a log line or an observer
+            is_reported = context.is_logged or observers.attached != ()
+            started = time.perf_counter() if is_reported else 0.0
             try:
                 # The lock above serialises triggers and the machine registers no queue,
                 # prepare, exception or finalize callbacks: try the transitions directly,
@@ -389,14 +393,18 @@ class RefusingEvent(Event):
                 else:
                     raise TransitionRefused(component.name, self.name, source, context.refusals)
             except TransitionRefused as refused:
-                log.warning(  # a refusal is rare: its fields are built whatever the level
-                    "lifecycle.refused",
-                    component=component.name,
-                    trigger=self.name,
-                    source=source.value,
-                    codes=list(refused.codes),
-                    messages=[r.message for r in refused.refusals] or [str(refused)],
-                    request_id=context.request_id,
+                # a refusal is rare: its fields are built whatever the level
+                report_refused(
+                    Refused(
+                        component=component.name,
+                        trigger=self.name,
+                        source=source.value,
+                        codes=tuple(str(code) for code in refused.codes),
+                        messages=tuple(r.message for r in refused.refusals) or (str(refused),),
+                        request_id=context.request_id,
+                        may_wait=MAY_WAIT.get() is True,
+                    ),
+                    observers,
                 )
                 raise
             except TransitionFailed as failed:
@@ -409,9 +417,8 @@ class RefusingEvent(Event):
                     request_id=context.request_id,
                 )
                 raise
-            if context.is_logged:
-                log.info(
-                    "lifecycle.transition",
+            if is_reported:
+                done = Transitioned(
                     component=component.name,
                     trigger=self.name,
                     source=source.value,
@@ -419,6 +426,10 @@ class RefusingEvent(Event):
                     duration_ms=round((time.perf_counter() - started) * 1e3, 3),
                     request_id=context.request_id,
                 )
+                if context.is_logged:
+                    log.info("lifecycle.transition", **msgspec.structs.asdict(done))
+                if observers.attached:
+                    observers.emit(done)
             return True
 
     def may(self, model: object, *args: Any, **kwargs: Any) -> bool:
@@ -457,19 +468,38 @@ class RefusingEvent(Event):
         )
 
 
+def report_refused(refused: Refused, observers: Observers) -> None:
+    """Log ``refused`` (``lifecycle.refused``, a warning) and hand it to the observers."""
+    log.warning(
+        "lifecycle.refused",
+        component=refused.component,
+        trigger=refused.trigger,
+        source=refused.source,
+        codes=list(refused.codes),
+        messages=list(refused.messages),
+        request_id=refused.request_id,
+    )
+    if observers.attached:
+        observers.emit(refused)
+
+
 class LifecycleMachine(Machine):
     """The one machine every component of an orchestrator shares.
 
     Built from ``lifecycle.states.TRANSITIONS``; triggers are serialised on
     ``lock`` (re-entrant, so the work of one transition may fire another,
     e.g. an onload that evicts).
+
+    Args:
+        name: the machine's name (the pipeline's).
+        observers: who receives every transition and refusal; none by default.
     """
 
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
 
-    def __init__(self, name: str = "lifecycle") -> None:
+    def __init__(self, name: str = "lifecycle", observers: Observers | None = None) -> None:
         super().__init__(
             model=None,
             states=ComponentState,
@@ -480,6 +510,7 @@ class LifecycleMachine(Machine):
             name=name,
         )
         self.lock = threading.RLock()
+        self.observers = Observers() if observers is None else observers
         # transitions keys states by Enum name; reading a member's name costs an Enum lookup
         self._by_key = {
             key: self.states[member.name]

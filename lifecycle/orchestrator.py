@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -28,9 +28,17 @@ from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
+from lifecycle.events import Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
-from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
+from lifecycle.machine import (
+    Check,
+    ComponentLifecycle,
+    LifecycleMachine,
+    TransitionContext,
+    Work,
+    report_refused,
+)
 from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
     AdmissionPlan,
@@ -45,7 +53,7 @@ from lifecycle.refusals import (
     Refusal,
 )
 from lifecycle.requests import Request, StageKeeper
-from lifecycle.residency import MoveObserver, Residency
+from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.waiting import MemoryWaiter
@@ -79,6 +87,7 @@ class Orchestrator:
     Args:
         spec: the decoded pipeline spec.
         platform: where it runs; by default the spec's ``device`` decides.
+        observer: receives every event (``lifecycle.events``); ``observe`` attaches more.
     """
 
     def __init__(
@@ -86,17 +95,22 @@ class Orchestrator:
         spec: PipelineSpec,
         *,
         platform: Platform | None = None,
-        observer: MoveObserver | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.spec = spec
         self.platform = platform or _platform_for(spec)
         self.device = torch.device(self.platform.kind)
-        self._machine = LifecycleMachine(name=spec.name)
+        self._observers = Observers()
+        if observer is not None:
+            self._observers.attach(observer)
+        self._machine = LifecycleMachine(name=spec.name, observers=self._observers)
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
-        self._residency = Residency(spec, self._slots, self.device, observer)
+        self._residency = Residency(spec, self._slots, self.device, self._observers)
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
-        self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
+        self._stages = StageKeeper(
+            self._slots, self._residency, self._machine.lock, self._observers
+        )
         self._request_ids = itertools.count(1)
         self._switch = BackendSwitch(self._slots, self.platform)
         for name, component in spec.components.items():
@@ -110,7 +124,7 @@ class Orchestrator:
         path: str | Path,
         *,
         platform: Platform | None = None,
-        observer: MoveObserver | None = None,
+        observer: Observer | None = None,
     ) -> Orchestrator:
         """Decode the spec at ``path`` and build its orchestrator.
 
@@ -120,6 +134,15 @@ class Orchestrator:
         return cls(load_spec(path), platform=platform, observer=observer)
 
     # -- the public surface -------------------------------------------------
+
+    def observe(self, observer: Observer) -> Callable[[], None]:
+        """Hand every event from now on to ``observer`` too; return the call that stops it.
+
+        Events (``lifecycle.events``) arrive on the thread that caused them, often
+        with the orchestrator's lock held: an observer returns quickly. One that
+        raises is logged and skipped; it never changes what the orchestrator does.
+        """
+        return self._observers.attach(observer)
 
     def admit(self) -> AdmissionPlan:
         """Admit every component, or none: return the plan.
@@ -146,15 +169,15 @@ class Orchestrator:
             refusals = admission.refusals()
             if refusals:
                 for component, found in _by_component(refusals).items():
-                    log.warning(
-                        "lifecycle.refused",
+                    refused = Refused(
                         component=component,
                         trigger="admit",
                         source=ComponentState.CONFIGURED.value,
-                        codes=[r.code.value for r in found],
-                        messages=[r.message for r in found],
+                        codes=tuple(r.code.value for r in found),
+                        messages=tuple(r.message for r in found),
                         request_id=None,
                     )
+                    report_refused(refused, self._observers)
                 raise AdmissionRefused(self.spec.name, refusals)
             for slot in self._slots.values():
                 slot.lifecycle.admit()
@@ -219,21 +242,32 @@ class Orchestrator:
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
         token, backend = REQUEST_ID.set(rid), REQUEST_BACKEND.set(attention_backend)
+        observers = self._observers
         try:
             try:
                 # inside the try that ends the request: an event that cannot be written
                 # must not leave its id open
                 log.info("request.begin", request_id=rid)
+                if observers.attached:
+                    observers.emit(RequestBegan(request_id=rid))
                 yield request
             finally:
                 self._stages.finish(rid, request.touched)
-                if log.is_enabled_for(logging.INFO):
-                    log.info(
-                        "request.end",
+                is_logged = log.is_enabled_for(logging.INFO)
+                if is_logged or observers.attached:
+                    ended = RequestEnded(
                         request_id=rid,
+                        stages=tuple(request.stages),
                         duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                        stages=list(request.stages),
                     )
+                    if is_logged:
+                        log.info(
+                            "request.end",
+                            request_id=rid,
+                            duration_ms=ended.duration_ms,
+                            stages=list(ended.stages),
+                        )
+                    observers.emit(ended)
         finally:
             REQUEST_BACKEND.reset(backend)
             REQUEST_ID.reset(token)
@@ -266,7 +300,7 @@ class Orchestrator:
 
     @property
     def waiter(self) -> MemoryWaiter:
-        """Return who queues requests waiting for memory (its counts feed metrics)."""
+        """Return who queues requests waiting for memory (``MemoryWait`` events say how long)."""
         return self._stages.waiter
 
     def resident_bytes(self) -> int:

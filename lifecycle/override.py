@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-import structlog
 from msgspec import structs
 
 from attention import (
@@ -30,11 +29,12 @@ from attention import registry as backends
 from attention.backend import AttentionImpl
 from components.loader import ComponentLoader
 from lifecycle.admission import ComponentAdmission
+from lifecycle.logs import get_logger
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.refusals import RequestRefused as RequestRefused  # its first home: re-exported
 from lifecycle.slots import ComponentSlot
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 REQUEST = "<request>"
 """The component name of a refusal that is about the request, not one component."""

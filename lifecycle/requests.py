@@ -11,6 +11,7 @@ from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch
+from lifecycle.events import Observers
 from lifecycle.machine import MoveArgs
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
@@ -32,17 +33,22 @@ class StageKeeper:
         slots: the orchestrator's components by name.
         residency: what moves weights (and prefetches the next stage's).
         lock: the machine's lock, held while counts and states change together.
+        observers: who hears of every wait for memory.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], residency: Residency, lock: threading.RLock
+        self,
+        slots: Mapping[str, ComponentSlot],
+        residency: Residency,
+        lock: threading.RLock,
+        observers: Observers,
     ) -> None:
         self.slots = slots
         self.residency = residency
         self.timeline = residency.timeline
         self.lock = lock
         self.open_requests: set[str] = set()
-        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout)
+        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout, observers)
 
     def enter(self, request_id: str, position: int) -> dict[str, nn.Module]:
         """Use the stage's components for ``request_id`` and make them resident.
@@ -56,7 +62,7 @@ class StageKeeper:
             TransitionFailed: an onload failed; nothing stays in use.
         """
         with self.lock:
-            stage = self.timeline.stages[position].uses
+            stage = self.timeline.stages[position]
             return self.waiter.acquire(request_id, position, stage, self._use, self.leave)
 
     def _use(self, request_id: str, position: int) -> dict[str, nn.Module]:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal, TypeAlias
 
 import msgspec
 import torch
@@ -26,6 +25,7 @@ from components.offload.layerwise_limits import find_block_stack
 from lifecycle import offload_folder
 from lifecycle.admission.budget import fits, plan_onload
 from lifecycle.config import PipelineSpec
+from lifecycle.events import Direction, Move, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
@@ -35,33 +35,7 @@ from lifecycle.timeline import Timeline
 
 log = get_logger("lifecycle")
 
-Direction: TypeAlias = Literal["onload", "offload"]
-
-
-class Move(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One movement of a component's weights (the ``residency.moved`` event as data).
-
-    Attributes:
-        component: the component that moved.
-        direction: onto the device, or off it.
-        target: where offloaded weights live (host or disk).
-        bytes: the bytes moved (the accounted bytes where nothing needs to move).
-        seconds: how long the move took.
-        request_id: the request it happened for, or None.
-        at: seconds since the orchestrator started, when the move finished.
-    """
-
-    component: str
-    direction: Direction
-    target: str
-    bytes: int
-    seconds: float
-    request_id: str | None
-    at: float
-
-
-MoveObserver: TypeAlias = Callable[[Move], None]
-"""Called with every move, after it is logged (e.g. to draw a timeline)."""
+__all__ = ["Move", "Residency"]  # Move lives in lifecycle.events; kept importable from here
 
 
 class Residency:
@@ -71,7 +45,7 @@ class Residency:
         spec: the pipeline spec (memory settings, stages).
         slots: the orchestrator's components by name.
         device: the compute device.
-        observer: called with every move.
+        observers: who receives every move.
 
     Attributes:
         prefetches: whether stages prefetch the next stage's components (CUDA only).
@@ -82,7 +56,7 @@ class Residency:
         spec: PipelineSpec,
         slots: Mapping[str, ComponentSlot],
         device: torch.device,
-        observer: MoveObserver | None = None,
+        observers: Observers,
     ) -> None:
         self.spec = spec
         self.slots = slots
@@ -90,7 +64,7 @@ class Residency:
         # only on CUDA does a copy overlap compute, so only there does a stage prefetch
         self.prefetches = device.type == "cuda"
         self.timeline = Timeline(spec.stages)
-        self.observer = observer
+        self.observers = observers
         self._started = time.perf_counter()
         self._folder: Path | None = None
         # the budget's running total: the bytes charged for each component on the device
@@ -192,7 +166,7 @@ class Residency:
         arm_all(slot.layers)
         context.on_rollback(lambda: self._stow(slot))
         self._charge(slot)
-        if context.is_logged or self.observer is not None:
+        if context.is_logged or self.observers.attached:
             self._record(slot, "onload", moved, started, context)
 
     def offload(self, name: str, context: TransitionContext) -> None:
@@ -210,7 +184,7 @@ class Residency:
             moved = slot.store.offload()
         if self._refund(slot):
             context.on_rollback(lambda: self._charge(slot))
-        if context.is_logged or self.observer is not None:
+        if context.is_logged or self.observers.attached:
             self._record(slot, "offload", moved, started, context)
 
     def release(self, name: str, context: TransitionContext) -> None:
@@ -341,7 +315,7 @@ class Residency:
         started: float,
         context: TransitionContext,
     ) -> None:
-        """Log one move and hand it to the observer (called only when one of them reads it)."""
+        """Log one move and hand it to the observers (called only when one of them reads it)."""
         finished = time.perf_counter()
         assert slot.store is not None  # every move goes through the store
         move = Move(
@@ -363,8 +337,8 @@ class Residency:
                 seconds=move.seconds,
                 request_id=move.request_id,
             )
-        if self.observer is not None:
-            self.observer(move)
+        if self.observers.attached:
+            self.observers.emit(move)
 
 
 def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:

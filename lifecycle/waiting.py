@@ -27,15 +27,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from lifecycle.logs import context_variable, get_logger
+from lifecycle.config import StageSpec
+from lifecycle.events import MemoryWait, Observers
+from lifecycle.logs import MAY_WAIT, get_logger
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
-
-_MAY_WAIT = context_variable("may_wait")
 
 T = TypeVar("T")
 
@@ -47,34 +47,34 @@ class MemoryWaiter:
         slots: the orchestrator's components by name.
         lock: the machine's lock; waiting releases it.
         timeout: ``memory.wait_timeout`` in seconds.
-
-    Attributes:
-        waits: how many stage entries had to wait.
-        waited_seconds: the time they waited, in total.
+        observers: who receives a ``MemoryWait`` for every wait, however it ends.
     """
 
     def __init__(
-        self, slots: Mapping[str, ComponentSlot], lock: threading.RLock, timeout: float
+        self,
+        slots: Mapping[str, ComponentSlot],
+        lock: threading.RLock,
+        timeout: float,
+        observers: Observers,
     ) -> None:
         self.slots = slots
         self.timeout = timeout
+        self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: deque[str] = deque()
-        self.waits = 0
-        self.waited_seconds = 0.0
 
     def acquire(
         self,
         request_id: str,
         position: int,
-        uses: Sequence[str],
+        stage: StageSpec,
         attempt: Callable[[str, int], T],
         release: Callable[[str, int], object],
     ) -> T:
-        """Run ``attempt`` (hold and onload the stage) when it may; wait while others hold.
+        """Run ``attempt`` (use and onload ``stage``) when it may; wait while others use it.
 
-        Call with the lock held. ``attempt(request_id, position)`` holds every component
-        ``uses`` names, the stage at ``position``, or, when it raises, none;
+        Call with the lock held. ``attempt(request_id, position)`` marks in use every
+        component of ``stage``, the stage at ``position``, or, when it raises, none;
         ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
         should anything after it fail (writing the wait's event).
 
@@ -105,7 +105,7 @@ class MemoryWaiter:
                         last = err
                     else:
                         try:
-                            self._record(request_id, uses, time.monotonic() - started)
+                            self._record(request_id, stage, started, "acquired")
                         except BaseException:
                             # an event that cannot be written must not keep the stage
                             release(request_id, position)
@@ -113,7 +113,8 @@ class MemoryWaiter:
                         return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise self._timed_out(last, uses)
+                    self._record(request_id, stage, started, "refused")
+                    raise self._timed_out(last, stage.uses)
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
@@ -122,11 +123,11 @@ class MemoryWaiter:
     @staticmethod
     def _try(attempt: Callable[[str, int], T], request_id: str, position: int) -> T:
         """Run ``attempt``; its refusals' events say a refusal here may only mean a wait."""
-        token = _MAY_WAIT.set(True)
+        token = MAY_WAIT.set(True)
         try:
             return attempt(request_id, position)
         finally:
-            _MAY_WAIT.reset(token)
+            MAY_WAIT.reset(token)
 
     @property
     def queue(self) -> tuple[str, ...]:
@@ -171,12 +172,29 @@ class MemoryWaiter:
         source = self.slots[component].lifecycle.state
         return TransitionRefused(component, "onload", source, [refusal])
 
-    def _record(self, request_id: str, uses: Sequence[str], seconds: float) -> None:
-        self.waits += 1
-        self.waited_seconds += seconds
+    def _record(
+        self,
+        request_id: str,
+        stage: StageSpec,
+        started: float,
+        outcome: Literal["acquired", "refused"],
+    ) -> None:
+        """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
+        seconds = round(time.monotonic() - started, 6)
         log.info(
             "residency.waited",
             request_id=request_id,
-            components=list(uses),
-            seconds=round(seconds, 6),
+            stage=stage.name,
+            components=list(stage.uses),
+            seconds=seconds,
+            outcome=outcome,
         )
+        if self.observers.attached:
+            wait = MemoryWait(
+                request_id=request_id,
+                stage=stage.name,
+                components=stage.uses,
+                seconds=seconds,
+                outcome=outcome,
+            )
+            self.observers.emit(wait)

@@ -7,17 +7,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from lifecycle import ComponentState, Orchestrator
+from lifecycle.logs import saved_logging
 
 
 @pytest.fixture
 def restore_structlog() -> Iterator[None]:
     """Put structlog's configuration back after the tour configured it."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+    with saved_logging():
+        yield
 
 
 @pytest.mark.usefixtures("restore_structlog")

@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
-import structlog
 from msgspec import UnsetType
 
 from lifecycle import diagrams, exits
@@ -45,35 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_logs = getattr(args, "json_logs", False)
     fmt: LogFormat = "json" if json_logs else args.log_format
     level: str = "info" if json_logs else args.log_level
-    configure_logging(fmt, level)
-    if level == DEFAULT_LOG_LEVEL and _renders_console(fmt):
-        _hide_refusal_events()
+    # check and run print every refusal with its fix: at the default level a person's
+    # console would say it a second time (JSON lines and more verbose levels keep it)
+    hidden = ("lifecycle.refused",) if level == DEFAULT_LOG_LEVEL else ()
+    configure_logging(fmt, level, omit_on_console=hidden)
     code: int = args.handler(args)
     return code
-
-
-def _renders_console(fmt: str) -> bool:
-    # the rule configure_logging follows: auto means a person when stderr is a terminal
-    return fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-
-
-def _hide_refusal_events() -> None:
-    """Leave refusals to the command's own formatted text on a person's terminal.
-
-    ``check`` and ``run`` print every refusal with its fix; at the default
-    level a console log line would say it a second time. JSON logs keep the
-    event, as does any more verbose level.
-    """
-    processors = structlog.get_config()["processors"]
-    structlog.configure(processors=[_drop_refusal_event, *processors])
-
-
-def _drop_refusal_event(
-    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    if event_dict.get("event") == "lifecycle.refused":
-        raise structlog.DropEvent
-    return event_dict
 
 
 def _parser() -> argparse.ArgumentParser:

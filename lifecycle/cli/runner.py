@@ -20,10 +20,10 @@ from components.batch import Batch
 from components.loader import ComponentLoader
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.config import PipelineSpec
+from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.png import write_png
-from lifecycle.residency import Move
 
 
 class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -81,7 +81,7 @@ class _Totals:
 
 
 class MoveTally:
-    """The orchestrator's move observer during a run: running totals per component.
+    """An observer of the orchestrator during a run: running totals of each component's moves.
 
     Args:
         components: the pipeline's components.
@@ -93,16 +93,18 @@ class MoveTally:
         self._totals = {name: _Totals() for name in components}
         self.moves: list[Move] | None = [] if keep_moves else None
 
-    def __call__(self, move: Move) -> None:
-        totals = self._totals[move.component]
-        if move.direction == "onload":
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, Move):
+            return  # only moves add to the totals
+        totals = self._totals[event.component]
+        if event.direction == "onload":
             totals.onloads += 1
         else:
             totals.offloads += 1
-        totals.bytes += move.bytes
-        totals.seconds += move.seconds
+        totals.bytes += event.bytes
+        totals.seconds += event.seconds
         if self.moves is not None:
-            self.moves.append(move)
+            self.moves.append(event)
 
     def report(self, snapshot: PipelineSnapshot) -> dict[str, ComponentReport]:
         """Return each component's totals with its state and backends from ``snapshot``."""

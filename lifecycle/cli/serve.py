@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,9 +47,4 @@ def serve_command(args: argparse.Namespace) -> int:
     from lifecycle.serving.server import serve  # needs the serve extra
 
     threads = torch_threads(args.threads, event_loop=True)
-    return serve(args.spec, args.host, args.port, threads, _log_level(args))
-
-
-def _log_level(args: argparse.Namespace) -> int:
-    name = str(getattr(args, "log_level", "warning")).upper()
-    return logging.getLevelNamesMapping().get(name, logging.WARNING)
+    return serve(args.spec, args.host, args.port, threads)

@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lifecycle.logs import get_logger
 from lifecycle.png import encode_png
 from lifecycle.refusals import RequestRefused, TransitionFailed, TransitionRefused
 from lifecycle.serving.batcher import Draining, QueueFull
 from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
 from lifecycle.serving.worker import Phase, Worker
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""

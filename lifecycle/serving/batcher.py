@@ -19,13 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import structlog
-
 from lifecycle.config import ServingConfig
+from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import Job, Shapes, merged_batch, split_outputs
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 RUNNERS = 2
 """Batches that run at once: one computes while the next onloads or waits its turn."""

@@ -7,15 +7,14 @@ import threading
 from concurrent.futures import Future
 from enum import StrEnum
 
-import structlog
-
+from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import Job, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 
 class Phase(StrEnum):
@@ -31,7 +30,7 @@ class Worker:
     """Own one orchestrator for the HTTP layer: its start, its queue and its end.
 
     Args:
-        orchestrator: the pipeline to serve (its move observer feeds ``metrics``).
+        orchestrator: the pipeline to serve (its observer feeds ``metrics``).
         metrics: the worker's metrics.
     """
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import yaml
 from hypothesis import strategies as st
 
 from lifecycle.cli import main
+from lifecycle.logs import saved_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 BASES = [
@@ -217,12 +217,8 @@ def lifecycle(*argv: str) -> Outcome:
     back, so that later tests capture their events as before.
     """
     out, err = io.StringIO(), io.StringIO()
-    saved = structlog.get_config()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-    finally:
-        structlog.configure(**saved)
+    with saved_logging(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
     return Outcome(code, out.getvalue(), err.getvalue())
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeAlias
 
 import pytest
-import structlog
 from torch import nn
 
 from components import registry
@@ -18,6 +17,7 @@ from components.loader import ComponentLoader
 from lifecycle import cli
 from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
+from lifecycle.logs import saved_logging
 from tests.lifecycle.kinds_for_tests import BrokenKind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +40,14 @@ Lifecycle: TypeAlias = Callable[..., Result]
 @pytest.fixture
 def lifecycle(capsys: pytest.CaptureFixture[str]) -> Iterator[Lifecycle]:
     """Call ``cli.main`` with arguments; put the logging configuration back afterwards."""
-    saved = structlog.get_config()
 
     def call(*args: str | Path) -> Result:
         code = cli.main([str(arg) for arg in args])
         out, err = capsys.readouterr()
         return Result(code, out, err)
 
-    yield call
-    structlog.configure(**saved)
+    with saved_logging():
+        yield call
 
 
 def subprocess_lifecycle(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 import structlog
 
-from lifecycle.logs import configuration_changed, configure_logging, get_logger
+from attention import Platform
+from lifecycle.config import PipelineSpec
+from lifecycle.logs import configure_logging, get_logger, saved_logging
+from lifecycle.orchestrator import Orchestrator
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
+from tests.lifecycle.test_requests import NEXT_USES
+from tests.lifecycle.test_waiting import wait_behind
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,10 +47,10 @@ with Orchestrator.from_file("examples/tiny_t2i.toml", platform=Platform("cpu")) 
 """
 
 
-def embed(prelude: str) -> subprocess.CompletedProcess[str]:
-    """Run the embedding program after ``prelude``; return what it wrote."""
+def run_python(program: str) -> subprocess.CompletedProcess[str]:
+    """Run ``program`` in a fresh interpreter at the repository root; return what it wrote."""
     return subprocess.run(
-        [sys.executable, "-c", EMBEDDER.format(prelude=prelude)],
+        [sys.executable, "-c", program],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -53,13 +59,16 @@ def embed(prelude: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def embed(prelude: str) -> subprocess.CompletedProcess[str]:
+    """Run the embedding program after ``prelude``; return what it wrote."""
+    return run_python(EMBEDDER.format(prelude=prelude))
+
+
 @pytest.fixture(autouse=True)
 def restore_structlog() -> Iterator[None]:
     """Put structlog's configuration back after each test, and let cached loggers see it."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
-    configuration_changed()
+    with saved_logging():
+        yield
 
 
 class TestConfigureLogging:
@@ -135,14 +144,7 @@ class TestEmbedded:
             "with component_attention_scope(requests, platform=Platform('cpu')):\n"
             "    Attention('self', AttentionRole.SELF)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", program],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-            check=True,
-        )
+        done = run_python(program)
         quiet, configured = done.stdout.split("quiet\n")
         assert quiet == ""
         assert "attention event=attention.selected component=vae" in configured
@@ -197,3 +199,46 @@ class TestCachedLoggers:
         log.info("lifecycle.second")
         assert json.loads(first.getvalue())["event"] == "lifecycle.first"
         assert json.loads(second.getvalue())["event"] == "lifecycle.second"
+
+
+def run_with_a_wait(cpu: Platform, spec: PipelineSpec) -> None:
+    """Run two requests on a fresh orchestrator, the second waiting for the first's memory."""
+    with Orchestrator(spec, platform=cpu) as orch:
+        orch.load()
+        errors, _ = wait_behind(orch)
+        assert errors == []
+
+
+def written(stream: io.StringIO) -> list[tuple[str, str, str]]:
+    """Return each event a JSON stream holds: its name, component and request, sorted."""
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    return sorted((e["event"], str(e.get("component")), str(e.get("request_id"))) for e in events)
+
+
+class TestReconfiguring:
+    def test_a_closed_stream_is_left_behind(self, cpu: Platform, vae_pipeline: VaePipeline) -> None:
+        """After configuring onto B and closing A, a whole run writes every event to B."""
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        first, second = io.StringIO(), io.StringIO()
+        configure_logging("json", "info", first)
+        run_with_a_wait(cpu, spec)
+        before = written(first)
+        first.close()
+        configure_logging("json", "info", second)
+        run_with_a_wait(cpu, spec)  # raises, or its threads hang, if anything writes to A
+        assert ("residency.waited", "None", "r2") in before
+        assert written(second) == before
+
+    def test_importing_keeps_the_applications_configuration(self) -> None:
+        """An application that configured structlog first keeps its configuration on import."""
+        program = (
+            "import structlog\n"
+            "structlog.configure(processors=[structlog.processors.KeyValueRenderer()],"
+            " cache_logger_on_first_use=True)\n"
+            "before = structlog.get_config()\n"
+            "import attention, components, lifecycle, lifecycle.cli, lifecycle.serving.server\n"
+            "after = structlog.get_config()\n"
+            "print(sorted(key for key in before if after[key] is not before[key]))\n"
+        )
+        done = run_python(program)
+        assert done.stdout == "[]\n"

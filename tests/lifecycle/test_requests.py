@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from attention import Attention, Platform
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.events import Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
 from lifecycle.states import ComponentState
-from lifecycle.testing import capture_events, events_named
+from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, ReferenceSpec, VaePipeline
 
 STAGES = ("encode", "denoise", "decode")
@@ -193,15 +193,15 @@ name = "second"
 uses = ["vae"]
 """
         )
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("first", "second"):
                     with request.stage(stage):
                         pass
-        assert [(m.direction, m.request_id) for m in moves] == [
+        assert [(m.direction, m.request_id) for m in observed.of(Move)] == [
             ("onload", "r1"),
             ("offload", "r1"),
         ]
@@ -248,15 +248,15 @@ class TestMemoryBudget:
     ) -> None:
         """Onloading c evicts b (next used at s4), not a (used at s3), though a is older."""
         spec = vae_pipeline(2 * VAE_BYTES + 1000, NEXT_USES)
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("s0", "s1", "s2", "s3", "s4"):
                     with request.stage(stage):
                         assert orch.resident_bytes() <= 2 * VAE_BYTES + 1000
-        sequence = [(m.component, m.direction) for m in moves]
+        sequence = [(m.component, m.direction) for m in observed.of(Move)]
         assert sequence[:4] == [
             ("a", "onload"),
             ("b", "onload"),
@@ -295,9 +295,9 @@ class TestMemoryBudget:
         and the eviction is the request's.
         """
         stages = {"s0": ["a"], "s1": ["b"], "s2": ["c"], "s3": ["b"], "s4": ["a"]}
-        moves: list[Move] = []
+        observed = EventRecorder()
         spec = vae_pipeline(2 * VAE_BYTES + 1000, stages)
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             orch.onload("a")
             orch.onload("b")
@@ -305,10 +305,11 @@ class TestMemoryBudget:
             assert orch.state("b") is ComponentState.OFFLOADED
             orch.offload("c")
             orch.onload("b")
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request, request.stage("s2"):
                 assert orch.state("a") is ComponentState.OFFLOADED
                 assert orch.state("b") is ComponentState.RESIDENT
+        moves = observed.of(Move)
         assert [(m.component, m.direction, m.request_id) for m in moves][:2] == [
             ("a", "offload", "r1"),
             ("c", "onload", "r1"),
@@ -326,14 +327,15 @@ class TestMemoryBudget:
         """
         stages = {"s0": ["a"], "s1": ["x"]} if x_is_used else {"s0": ["a"]}
         spec = vae_pipeline(VAE_BYTES + 1000, stages, residency={"x": None}, wait_timeout=0)
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             assert orch.state("x") is ComponentState.RESIDENT
-            moves.clear()
+            observed.clear()
             if x_is_used:
                 with orch.request("r1") as request, request.stage("s0"):
                     assert orch.state("a") is ComponentState.RESIDENT
+                moves = observed.of(Move)
                 assert [(m.component, m.direction) for m in moves][:2] == [
                     ("x", "offload"),
                     ("a", "onload"),
@@ -347,7 +349,7 @@ class TestMemoryBudget:
                     pass
                 assert err.value.codes == ("residency.memory_budget",)
                 assert "(x cannot be evicted now)" in err.value.refusals[0].message
-                assert moves == []
+                assert observed.of(Move) == []
                 assert orch.state("x") is ComponentState.RESIDENT
                 assert orch.state("a") is ComponentState.OFFLOADED
 

@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 
 from lifecycle.cli.runner import MoveTally, RunOutputs, run_requests
 from lifecycle.config import load_spec
-from lifecycle.logs import configure_logging
+from lifecycle.logs import configure_logging, saved_logging
 from lifecycle.orchestrator import Orchestrator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +27,11 @@ def resident_set_bytes() -> int:
 @pytest.fixture
 def quiet() -> Iterator[None]:
     """Log at warning level to a throwaway stream, on one thread; restore both afterwards."""
-    saved, threads = structlog.get_config(), torch.get_num_threads()
-    configure_logging("json", "warning", stream=io.StringIO())
-    torch.set_num_threads(1)
-    yield
-    structlog.configure(**saved)
+    threads = torch.get_num_threads()
+    with saved_logging():
+        configure_logging("json", "warning", stream=io.StringIO())
+        torch.set_num_threads(1)
+        yield
     torch.set_num_threads(threads)
 
 

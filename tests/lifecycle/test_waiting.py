@@ -11,12 +11,12 @@ import pytest
 import structlog
 
 from attention import Platform
-from lifecycle.logs import configuration_changed, configure_logging
+from lifecycle.events import MemoryWait, Move, Refused
+from lifecycle.logs import configure_logging, saved_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
-from lifecycle.residency import Move
 from lifecycle.states import ComponentState
-from lifecycle.testing import capture_events, events_named
+from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 from tests.lifecycle.test_requests import NEXT_USES
 
@@ -85,15 +85,21 @@ class TestWaiting:
     ) -> None:
         """A stage that fits only once another request lets go waits, then runs; no refusal."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
             errors, entered = wait_behind(orch)
             assert errors == []
         assert entered == ["r1", "r2"]
         (waited,) = events_named(events, "residency.waited")
-        assert waited["request_id"] == "r2"
-        assert waited["components"] == ["b"]
-        assert orch.waiter.waits == 1
+        assert (waited["request_id"], waited["stage"], waited["components"]) == ("r2", "s1", ["b"])
+        assert waited["outcome"] == "acquired"
+        (wait,) = observed.of(MemoryWait)
+        assert (wait.request_id, wait.stage, wait.components) == ("r2", "s1", ("b",))
+        assert (wait.outcome, wait.seconds) == ("acquired", waited["seconds"])
 
     def test_turns_are_first_come_first_served(
         self, cpu: Platform, vae_pipeline: VaePipeline
@@ -139,7 +145,8 @@ class TestWaiting:
     ) -> None:
         """Past memory.wait_timeout the request is refused, naming who holds what."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=0.2)
-        with Orchestrator(spec, platform=cpu) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -154,6 +161,9 @@ class TestWaiting:
                 assert "request r1 holds a" in message
                 assert "raise memory.wait_timeout" in err.value.refusals[0].hint
                 assert orch.waiter.queue == ()
+                (wait,) = observed.of(MemoryWait)
+                assert (wait.request_id, wait.stage, wait.outcome) == ("r2", "s1", "refused")
+                assert wait.seconds >= 0.2
             assert orch.component("b").in_use_by == ()
 
     def test_only_a_stage_attempt_is_marked_as_possibly_waiting(
@@ -161,7 +171,11 @@ class TestWaiting:
     ) -> None:
         """Refusals of a stage's onload attempts carry may_wait; a manual onload's does not."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=0.05)
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -178,17 +192,21 @@ class TestWaiting:
         assert {(e["request_id"], e.get("may_wait")) for e in attempts} == {("r2", True)}
         assert (manual["request_id"], manual.get("may_wait")) == ("r1", None)
         assert manual["codes"] == ["residency.memory_budget"]
+        *typed, typed_manual = observed.of(Refused)
+        assert {(r.request_id, r.may_wait) for r in typed} == {("r2", True)}
+        assert (typed_manual.request_id, typed_manual.may_wait) == ("r1", False)
 
     def test_nested_stage_does_not_wait(self, cpu: Platform, vae_pipeline: VaePipeline) -> None:
         """A request that already holds a stage is refused at once: it never holds and waits."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
-        with Orchestrator(spec, platform=cpu) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as request, request.stage("s0"):
                 with pytest.raises(TransitionRefused) as err, request.stage("s1"):
                     pass
                 assert "waited" not in err.value.refusals[0].message
-                assert orch.waiter.waits == 0
+                assert observed.of(MemoryWait) == []
 
 
 PAIRS = {"ab": ["a", "b"], "bc": ["b", "c"], "ca": ["c", "a"]}
@@ -202,8 +220,8 @@ class TestNoDeadlock:
         """Six threads walk overlapping two-component stages in every order: all finish."""
         budget = 2 * VAE_BYTES + 1000  # exactly one stage at a time
         spec = vae_pipeline(budget, PAIRS)
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             orders = list(itertools.permutations(("ab", "bc", "ca")))
 
@@ -220,7 +238,7 @@ class TestNoDeadlock:
             errors = run_threads([walk(i, order) for i, order in enumerate(orders)])
             assert errors == []
             assert all(orch.component(n).in_use_by == () for n in ("a", "b", "c"))
-        onloads = [m for m in moves if m.direction == "onload"]
+        onloads = [m for m in observed.of(Move) if m.direction == "onload"]
         assert len(onloads) >= len(orders) * 3 * 2  # they really moved under the budget
 
 
@@ -243,16 +261,14 @@ class BreaksOn(io.StringIO):
 @pytest.fixture
 def break_log() -> Iterator[Callable[[str], BreaksOn]]:
     """Log JSON lines at info onto a stream that breaks on one event; restore after the test."""
-    saved = structlog.get_config()
 
     def configure(event: str) -> BreaksOn:
         stream = BreaksOn(event)
         configure_logging("json", "info", stream)
         return stream
 
-    yield configure
-    structlog.configure(**saved)
-    configuration_changed()
+    with saved_logging():
+        yield configure
 
 
 class TestBrokenLogStream:

@@ -159,7 +159,8 @@ class TestEntryPoints:
         assert message.startswith(
             "Expected an installed component kind (tiny_text_encoder, tiny_dit, tiny_vae, "
             "tiny_upsampler, minilm_text_encoder, plugin_echo, plugin_factory, "
-            "plugin_rank_fault, plugin_sequential_stack), got 'evilmod:go'; entry point 'plugin_missing' failed to load "
+            "plugin_rank_fault, plugin_sequential_stack), got 'evilmod:go'; "
+            "entry point 'plugin_missing' failed to load "
             "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
         )
         assert "whose kind is 'plugin_echo'; name the entry point after the kind" in message

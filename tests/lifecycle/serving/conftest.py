@@ -17,8 +17,8 @@ import torch
 
 from attention import Platform
 from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.residency import Move
 from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
@@ -67,14 +67,15 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
     def serve(spec: PipelineSpec) -> Served:
         holder: list[Served] = []
 
-        def observe(move: Move) -> None:
-            served = holder[0]
-            metrics.observe_move(move)
-            served.moves.append(move)
-            served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
+        def observe_moves(event: Event) -> None:
+            if isinstance(event, Move):
+                served = holder[0]
+                served.moves.append(event)
+                served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
 
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-        orchestrator = Orchestrator(spec, platform=cpu, observer=observe)
+        orchestrator = Orchestrator(spec, platform=cpu, observer=metrics.observe)
+        orchestrator.observe(observe_moves)  # a second observer beside the metrics
         worker = Worker(orchestrator, metrics)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

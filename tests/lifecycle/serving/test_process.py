@@ -21,6 +21,7 @@ import torch
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
 from tests.lifecycle.serving.conftest import WATCHDOG_S, decode_png
+from tests.lifecycle.serving.test_metrics import counted
 
 openai = pytest.importorskip("openai")
 
@@ -104,7 +105,8 @@ class TestOpenAiClient:
         assert response.usage.prompt_tokens > len(SENTENCES)
 
     def test_images_generate_returns_a_png_of_the_size(self, root: Path, tmp_path: Path) -> None:
-        """client.images.generate returns n PNGs of the declared size."""
+        """client.images.generate returns n PNGs of the declared size; /metrics counts its moves
+        while the worker logs at the default level, warning."""
         spec = root / "examples" / "tiny_t2i.toml"
         with serving(spec, tmp_path / "serve.log") as (_, url):
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -118,7 +120,13 @@ class TestOpenAiClient:
             )
             assert response.data is not None
             images = [decode_png(base64.b64decode(d.b64_json or "")) for d in response.data]
+            metrics = httpx.get(url + "/metrics").text
         assert [tuple(image.shape) for image in images] == [(16, 32, 3)] * 2
+        counts = counted(metrics)
+        assert counts["lifecycle_pipeline_request_seconds_count"] == 2  # the warm-up, the request
+        assert counts['lifecycle_transitions_total{trigger="onload"}'] > 0
+        assert counts['lifecycle_moved_bytes_total{direction="onload"}'] > 0
+        assert "lifecycle.transition" not in (tmp_path / "serve.log").read_text()
 
 
 class TestShutdown:
