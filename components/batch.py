@@ -66,6 +66,8 @@ class Batch:
             tensor per prompt (embedded negative prompts); None means the empty prompt,
             one zero embedding.
         images: images ``(B, 3, H, W)`` in [-1, 1].
+        truncated: per prompt, whether a text encoder cut it to the longest
+            tokenisation it reads (None until a text encoder ran).
     """
 
     generator: torch.Generator
@@ -80,3 +82,11 @@ class Batch:
     guidance_scale: float | None = None
     negative_prompts: list[str] | None = None
     negative_context: list[torch.Tensor] | None = None
+    truncated: list[bool] | None = None
+
+    def mark_truncated(self, truncated: list[bool]) -> None:
+        """Record which prompts a text encoder cut (a prompt cut by any encoder stays cut)."""
+        if self.truncated is None:
+            self.truncated = list(truncated)
+        else:
+            self.truncated = [a or b for a, b in zip(self.truncated, truncated, strict=True)]

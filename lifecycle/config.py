@@ -99,7 +99,12 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How ``lifecycle serve`` queues and batches requests (DESIGN §5.5).
+    """How ``lifecycle serve`` queues, batches and bounds requests (DESIGN §5.5, §13).
+
+    The bounds on one request and one connection are checked before any work is
+    queued: a request over one is answered 400 naming its key (413 for the body, 431
+    for the headers), never 500. Their defaults suit a worker on an open port:
+    generous for what the endpoints serve, small against a hostile client.
 
     Attributes:
         max_batch: the most requests run together as one batch.
@@ -109,6 +114,28 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             while another batch runs (an idle worker starts it at once).
         max_queue: requests waiting or running at once; one more is answered 429.
         drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        max_body_bytes: the largest request body (413 beyond; counted as it arrives,
+            never read whole). 2 MiB holds ``max_inputs`` sentences of ~1,000
+            characters, about what a 256-token encoder reads of each.
+        max_inputs: embeddings inputs per request (OpenAI's own limit, 2048).
+        max_input_chars: characters of one embeddings input; a text encoder reads
+            only its first tokens (the response lists the inputs it truncated).
+        max_n: images per request (OpenAI's limit for ``n``, 10).
+        max_steps: denoising steps per request; samplers converge in 20 to 50.
+        max_image_side: pixels of an image's width or height.
+        max_pixels: pixels of every image of one request together (``n`` x width x
+            height): 16 Mi is four 2048 x 2048 images or sixteen 1024 x 1024 ones.
+        max_prompt_chars: characters of a prompt or negative prompt (OpenAI's 4,000).
+        max_header_bytes: the request line and headers together (431 beyond).
+        max_connections: open connections at once: one more is answered 503 and
+            closed at once, and so is a request beyond it (uvicorn's
+            ``limit_concurrency``).
+        header_timeout: seconds a client has to send its request line and headers,
+            from its connection or its previous response; then it is closed (408).
+        body_timeout: seconds a client has to send a whole body once its headers
+            arrived; then it is closed (408).
+        warmup: warm-up requests run through every stage before ``/readyz`` answers
+            200 (at least one: the worker reads what the pipeline produces off it).
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -116,6 +143,20 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # what one request and one connection may ask, and the start-up (DESIGN §13)
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 2 * 2**20
+    max_inputs: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    max_input_chars: Annotated[int, msgspec.Meta(ge=1)] = 32_768
+    max_n: Annotated[int, msgspec.Meta(ge=1)] = 10
+    max_steps: Annotated[int, msgspec.Meta(ge=1)] = 200
+    max_image_side: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 16 * 2**20
+    max_prompt_chars: Annotated[int, msgspec.Meta(ge=1)] = 4000
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 * 2**10
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 512
+    header_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    body_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    warmup: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -4,14 +4,28 @@ The plan never changes after admission: a component is built through the path
 admission chose, its attention layers take the planned backends from its scope,
 and a path that turns out to be unavailable at load fails the transition (rolled
 back) rather than re-planning the component.
+
+Builds may run ahead, in parallel threads (``build_ahead``): a build reads the spec,
+the admitted plan and the weight files, and touches no state the machine guards, so
+it needs no lock. What it made becomes the component's only when that component's
+``load`` transition runs, in order, under the machine's lock; a build that failed
+fails that transition (the component stays ADMITTED), and whatever no transition took
+is dropped (``discard_ahead``). Seen from outside, a parallel load is the sequential
+one, sooner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
+from torch import nn
+
 from attention import Platform
+from components import ResidencyMode
 from components.loader import LoaderPath
 from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
@@ -47,6 +61,48 @@ class Loading:
         self.residency = residency
         self.mesh: ParallelMesh | None = None
         self._mesh_built = False
+        self._ahead: dict[str, Future[nn.Module]] = {}
+        self.build_ms: dict[str, float] = {}
+        """How long each component's last build took, in milliseconds."""
+
+    def parallel_builds(self, names: Sequence[str]) -> list[str]:
+        """Return which of ``names`` may be built at once, ahead of their transitions.
+
+        Only in a single process (a layout's ranks build in lockstep, collectives in
+        order), and never a component offloaded to disk: the host memory check counts
+        those one at a time, each freed once its file is written. Every other component
+        stays in host memory once loaded (a master copy, or the weights themselves), so
+        building them together holds no more than the loaded pipeline does. Fewer than
+        two is none: a thread would only add its start-up.
+        """
+        if self.spec.parallel.world_size != 1:
+            return []
+        to_disk = self.spec.memory.offload_target == "disk"
+        found = [
+            name
+            for name in names
+            if not (to_disk and self.slots[name].mode is not ResidencyMode.RESIDENT)
+        ]
+        return found if len(found) > 1 else []
+
+    def build_ahead(self, names: Sequence[str]) -> None:
+        """Start building ``names`` in parallel threads; their ``load`` transitions take them."""
+        if not names:
+            return
+        pool = ThreadPoolExecutor(min(len(names), os.cpu_count() or 1), thread_name_prefix="load")
+        self._ahead = {name: pool.submit(self._build, name) for name in names}
+        pool.shutdown(wait=False)  # its threads end with the builds
+
+    def discard_ahead(self) -> None:
+        """Drop the builds no transition took (a load failed first), once they end.
+
+        Waiting for them means that nothing still builds, holding memory, once
+        ``Orchestrator.load()`` has returned or raised.
+        """
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            future.cancel()
+        wait(ahead.values())
 
     def load(self, name: str, context: TransitionContext) -> None:
         """Build ``name`` through its admitted path; undone by forgetting the module.
@@ -58,17 +114,27 @@ class Loading:
             self.mesh = setup_parallel(self.spec, self.slots, self.residency.device)
             self._mesh_built = True
         slot = self.slots[name]
+        ahead = self._ahead.pop(name, None)
+        # a build that failed ahead raises here, inside the transition: it fails as inline
+        slot.module = self._build(name) if ahead is None else ahead.result()
+        context.on_rollback(slot.forget)
+        slot.footprint = self.residency.footprint(slot)  # may refuse what was built: undone
+
+    def _build(self, name: str) -> nn.Module:
+        """Build ``name`` through its admitted path, timed; nothing is assigned."""
+        started = time.perf_counter()
+        slot = self.slots[name]
         admitted = _admitted(slot)
         path: LoaderPath = "native" if admitted.plan.loader == "native" else "custom"
-        slot.module = construct_module(
+        module = construct_module(
             path,
             admitted.requests,
             admitted.planned,
             self.platform,
             partial(slot.loader.build, path),
         )
-        context.on_rollback(slot.forget)
-        slot.footprint = self.residency.footprint(slot)  # may refuse what was built: undone
+        self.build_ms[name] = round((time.perf_counter() - started) * 1e3, 3)
+        return module
 
     def plan_honoured(self, name: str) -> list[Refusal]:
         """Refuse a build whose attention sites differ from the admitted plan.

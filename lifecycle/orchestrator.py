@@ -44,6 +44,7 @@ from lifecycle.plan import (
     AdmissionPlan,
     ComponentPlan,
     ComponentSnapshot,
+    LoadReport,
     PipelineSnapshot,
     RefusalReport,
 )
@@ -187,28 +188,51 @@ class Orchestrator:
                 components={name: slot.plan for name, slot in self._slots.items() if slot.plan},
             )
 
-    def load(self) -> None:
-        """Load every admitted component and put it in its initial place.
+    def load(self) -> LoadReport:
+        """Load every admitted component and put it in its initial place; say how long it took.
 
         Resident components end RESIDENT, offloaded ones OFFLOADED. Admits
-        first when that has not happened.
+        first when that has not happened. Components whose builds the host can hold
+        together are built in parallel threads (``Loading.parallel_builds``), while
+        their transitions run in order under the machine's lock, as a sequential load.
 
         Raises:
             AdmissionRefused: admission was needed and refused.
             TransitionRefused: the layout's world size differs from the launched one.
-            TransitionFailed: a component failed to load; it stays ADMITTED.
+            TransitionFailed: a component failed to load; it stays ADMITTED, and so do
+                the components after it.
         """
+        started = time.perf_counter()
+        placed: dict[str, float] = {}
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            for slot in self._slots.values():
-                if slot.lifecycle.state is ComponentState.ADMITTED:
-                    slot.lifecycle.load()
-                if slot.lifecycle.state is ComponentState.LOADED:
-                    if slot.spec.residency_mode is ResidencyMode.RESIDENT:
-                        slot.lifecycle.onload()
-                    else:
-                        slot.lifecycle.offload()
+            admitted = [
+                name
+                for name, slot in self._slots.items()
+                if slot.lifecycle.state is ComponentState.ADMITTED
+            ]
+            parallel = self._loading.parallel_builds(admitted)
+            self._loading.build_ahead(parallel)
+            try:
+                for name, slot in self._slots.items():
+                    if slot.lifecycle.state is ComponentState.ADMITTED:
+                        slot.lifecycle.load()
+                    if slot.lifecycle.state is ComponentState.LOADED:
+                        placing = time.perf_counter()
+                        if slot.spec.residency_mode is ResidencyMode.RESIDENT:
+                            slot.lifecycle.onload()
+                        else:
+                            slot.lifecycle.offload()
+                        placed[name] = (time.perf_counter() - placing) * 1e3
+            finally:
+                self._loading.discard_ahead()
+        built = {name: self._loading.build_ms.get(name, 0.0) for name in admitted}
+        return LoadReport(
+            duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+            components={name: round(built.get(name, 0.0) + placed[name], 3) for name in placed},
+            parallel=tuple(parallel),
+        )
 
     @property
     def parallel(self) -> ParallelMesh | None:

@@ -102,3 +102,20 @@ class AdmissionPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     pipeline: str
     platform: str
     components: dict[str, ComponentPlan]
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How long ``Orchestrator.load()`` took, whole and per component.
+
+    Attributes:
+        duration_ms: the whole load, wall time.
+        components: for each component this load loaded, the milliseconds spent
+            building it (its weights read or drawn) and putting it in its initial
+            place; builds that ran in parallel overlap, so these may add up to more
+            than ``duration_ms``.
+        parallel: the components built in parallel threads (in spec order).
+    """
+
+    duration_ms: float
+    components: dict[str, float]
+    parallel: tuple[str, ...] = ()

@@ -413,19 +413,23 @@ class MiniLmLoader(ComponentLoader):
                 f"the request carries {len(prompts)} prompts but size = {batch.size}; "
                 "give one prompt per image"
             )
-        hidden, mask = self._encode(module, prompts)
+        hidden, mask, truncated = self._encode(module, prompts)
         batch.prompts = prompts
         batch.context = [hidden[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
         batch.sentence_embeddings = mean_pool(hidden, mask)  # (B, E)
+        batch.mark_truncated(list(truncated))
         if batch.negative_prompts is not None:
-            hidden, mask = self._encode(module, batch.negative_prompts)
+            hidden, mask, _ = self._encode(module, batch.negative_prompts)
             batch.negative_context = [hidden[i][mask[i]] for i in range(len(mask))]
 
-    def _encode(self, module: nn.Module, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the hidden states ``(B, S, E)`` and the token mask ``(B, S)`` of ``sentences``."""
+    def _encode(
+        self, module: nn.Module, sentences: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[bool, ...]]:
+        """Return hidden states ``(B, S, E)``, token mask ``(B, S)``, and which were cut."""
         device = device_of(module)
-        tokens, mask = (t.to(device) for t in self.tokenizer(sentences))  # (B, S) each
-        return module(tokens, mask), mask
+        tokens = self.tokenizer(sentences)
+        mask = tokens.mask.to(device)  # (B, S)
+        return module(tokens.ids.to(device), mask), mask, tokens.truncated
 
     def build_custom(self) -> MiniLmEncoder:
         """Build the project's BERT on ``attention.Attention`` layers of site ``self``.

@@ -7,7 +7,9 @@ Both name their tensors alike, so one seed or file gives both the same weights.
 
 from __future__ import annotations
 
+import re
 import zlib
+from itertools import islice
 from typing import Annotated, ClassVar, NamedTuple
 
 import msgspec
@@ -24,6 +26,9 @@ from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
 # B batch, H heads, S seq, D head dim, E model width (dim)
+
+_WORD = re.compile(r"\S+")
+"""A word: what ``str.split()`` separates (regex whitespace is ``str.isspace``)."""
 
 DEFAULT_DIM = 32
 """The default width; ``tiny_dit``'s ``context_dim`` defaults to it."""
@@ -200,16 +205,16 @@ class TinyTextEncoderLoader(ComponentLoader):
 
         The context is each prompt's real tokens only.
         """
-        inputs = (
-            example_inputs(self.options, batch.size, batch.generator)
-            if batch.prompts is None
-            else prompt_inputs(self.options, batch.prompts)
-        )
+        if batch.prompts is None:
+            inputs = example_inputs(self.options, batch.size, batch.generator)
+        else:
+            found = prompt_inputs(self.options, batch.prompts)
+            inputs = TextEncoderInputs(found.tokens, found.mask)
+            batch.mark_truncated(list(found.truncated))
         batch.context = _encode(module, *inputs)
         if batch.negative_prompts is not None:
-            batch.negative_context = _encode(
-                module, *prompt_inputs(self.options, batch.negative_prompts)
-            )
+            negative = prompt_inputs(self.options, batch.negative_prompts)
+            batch.negative_context = _encode(module, negative.tokens, negative.mask)
 
     def build_custom(self) -> TinyTextEncoder:
         """Build the encoder on ``attention.Attention`` layers of site ``self``."""
@@ -238,25 +243,36 @@ class TinyTextEncoderLoader(ComponentLoader):
         return TinyTextEncoder(opts, layers)
 
 
-def prompt_inputs(options: TinyTextEncoderOptions, prompts: list[str]) -> TextEncoderInputs:
+class PromptTokens(NamedTuple):
+    """Prompts tokenised by words, padded to the longest."""
+
+    tokens: torch.Tensor  # (B, S) int64
+    mask: torch.Tensor  # (B, S) bool, True = real token
+    truncated: tuple[bool, ...]  # (B,) whether each prompt had words past max_len
+
+
+def prompt_inputs(options: TinyTextEncoderOptions, prompts: list[str]) -> PromptTokens:
     """Tokenise ``prompts`` by words: a word's id is its CRC-32 modulo ``vocab_size``.
 
     A toy tokenizer (the kind has no vocabulary file) that makes the text matter: the
     same prompt always gives the same tokens, whatever else is in the batch. Words past
-    ``max_len`` are dropped; an empty prompt is one padding token.
+    ``max_len`` are dropped, and never read: a prompt of megabytes costs what one of
+    ``max_len`` words does. An empty prompt is one padding token.
     """
-    rows = [
-        [zlib.crc32(word.encode()) % options.vocab_size for word in text.lower().split()] or [0]
-        for text in prompts
-    ]
-    rows = [row[: options.max_len] for row in rows]
+    rows: list[list[int]] = []
+    truncated: list[bool] = []
+    for text in prompts:
+        words = [m.group().lower() for m in islice(_WORD.finditer(text), options.max_len + 1)]
+        truncated.append(len(words) > options.max_len)
+        rows.append([zlib.crc32(w.encode()) % options.vocab_size for w in words][: options.max_len])
+    rows = [row or [0] for row in rows]
     width = max((len(row) for row in rows), default=1)
     tokens = torch.zeros(len(rows), width, dtype=torch.int64)  # (B, S)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)  # (B, S)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
         mask[i, : len(row)] = True
-    return TextEncoderInputs(tokens, mask)
+    return PromptTokens(tokens, mask, tuple(truncated))
 
 
 def example_inputs(

@@ -1,4 +1,4 @@
-"""``lifecycle serve SPEC [--host] [--port] [--threads]``: the HTTP worker's command.
+"""``lifecycle serve SPEC [--host] [--port] [--threads] [--api-key] [--admin-key]``: the worker.
 
 The HTTP libraries are the optional ``serve`` extra: they are imported only when
 the command runs, and their absence is bad input (exit 2) naming the extra.
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lifecycle.cli.arguments import positive
+from lifecycle.cli.arguments import port_number, positive
 from lifecycle.cli.cores import torch_threads
 from lifecycle.exits import ExitCode
 
@@ -24,12 +24,22 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
     serve = command("serve", "serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)")
     serve.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     serve.add_argument(
         "--threads",
         type=positive,
         help="torch intra-op threads (default: the physical cores this process may use, "
         "less one for the HTTP event loop)",
+    )
+    serve.add_argument(
+        "--api-key",
+        help="require Authorization: Bearer KEY on every /v1 route (default: "
+        "$LIFECYCLE_API_KEY, which keeps the key out of the process list)",
+    )
+    serve.add_argument(
+        "--admin-key",
+        help="enable the admin routes (those that change pipelines or adapters), with "
+        "Authorization: Bearer KEY (default: $LIFECYCLE_ADMIN_KEY)",
     )
     serve.set_defaults(handler=serve_command)
 
@@ -44,7 +54,13 @@ def serve_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return ExitCode.BAD_INPUT
-    from lifecycle.serving.server import serve  # needs the serve extra
+    from lifecycle.serving.auth import DoorKeys  # needs the serve extra
+    from lifecycle.serving.server import serve
 
+    try:
+        keys = DoorKeys.from_options(args.api_key, args.admin_key)
+    except ValueError as err:
+        print(f"lifecycle serve: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     threads = torch_threads(args.threads, event_loop=True)
-    return serve(args.spec, args.host, args.port, threads)
+    return serve(args.spec, args.host, args.port, threads, keys)

@@ -2,18 +2,22 @@
 
 ``POST /v1/embeddings`` and ``POST /v1/images/generations`` queue jobs on the
 worker's batcher; ``GET /v1/models``, ``/v1/pipeline``, ``/healthz``, ``/readyz``
-and ``/metrics`` read its state. Errors are OpenAI error objects: 400 for bad input
-or a refused override, 404 for an endpoint the pipeline does not serve, 429 when
-the queue is full, 503 while starting or draining. Every response carries the
-request id (``x-request-id``) that the logs use; jobs that shared a batch ran as
-one orchestrator request whose id joins theirs (``x-batch-id``).
+and ``/metrics`` read its state. Errors are OpenAI error objects: 400 for bad input,
+a refused override or a request over a ``[serving]`` bound, 401 without the API key
+(``serving.auth``), 404 for an endpoint the pipeline does not serve, 413 and 415 for
+a body too large or not JSON, 429 when the queue is full, 503 while starting or
+draining. Every response carries the request id (``x-request-id``) that the logs
+use; jobs that shared a batch ran as one orchestrator request whose id joins theirs
+(``x-batch-id``).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
+from lifecycle.serving.auth import DoorKeys
 from lifecycle.serving.errors import add_error_handler
+from lifecycle.serving.limits import BodyLimits
 from lifecycle.serving.middleware import RequestIds
 from lifecycle.serving.routes.embeddings import embeddings_routes
 from lifecycle.serving.routes.health import health_routes
@@ -21,9 +25,12 @@ from lifecycle.serving.routes.images import images_routes
 from lifecycle.serving.worker import Worker
 
 
-def create_app(worker: Worker) -> FastAPI:
-    """Build the FastAPI app serving ``worker``'s pipeline."""
+def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
+    """Build the FastAPI app serving ``worker``'s pipeline, its door locked with ``keys``."""
     app = FastAPI(title=f"lifecycle serve: {worker.name}", docs_url=None, redoc_url=None)
+    app.state.door = keys or DoorKeys()
+    # the last added runs first: every answer, a refused body's too, carries its id
+    app.add_middleware(BodyLimits, limit=worker.orchestrator.spec.serving.max_body_bytes)
     app.add_middleware(RequestIds, worker=worker)
     add_error_handler(app)
     for routes in (health_routes, embeddings_routes, images_routes):

@@ -10,6 +10,10 @@ from msgspec import Meta
 
 from lifecycle.serving.errors import ApiError
 
+MAX_GUIDANCE_SCALE = 100.0
+"""The largest ``guidance_scale`` taken: pipelines use 1 to 20, and far beyond that the
+guided prediction overflows float32 into an image of NaN."""
+
 
 class EmbeddingsBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/embeddings`` (OpenAI's fields this worker honours)."""
@@ -29,9 +33,9 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     size: str | None = None
     response_format: Literal["b64_json"] = "b64_json"
     user: str | None = None
-    steps: Annotated[int, Meta(ge=1, le=1000)] = 4
+    steps: Annotated[int, Meta(ge=1)] = 4  # at most serving.max_steps
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    guidance_scale: Annotated[float, Meta(ge=0)] = 1.0
+    guidance_scale: Annotated[float, Meta(ge=0, le=MAX_GUIDANCE_SCALE)] = 1.0
     negative_prompt: str | None = None
     attention_backend: str | None = None
 

@@ -18,6 +18,7 @@ class ApiError(Exception):
         code: a stable code (a refusal code where there is one).
         param: the body field at fault, if any.
         extra: more fields for the error object (e.g. the refusals).
+        headers: response headers it needs (a 401's ``www-authenticate``).
     """
 
     def __init__(
@@ -29,9 +30,11 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         extra: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
         self.body = {"message": message, "type": kind, "param": param, "code": code}
         self.body.update(extra or {})
 
@@ -41,8 +44,13 @@ def add_error_handler(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        headers = {"retry-after": "1"} if err.status in (429, 503) else None
-        return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
+        return error_response(err)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    """Return ``err`` as its HTTP response (429 and 503 say when to retry)."""
+    headers = {"retry-after": "1", **err.headers} if err.status in (429, 503) else err.headers
+    return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
 
 
 def server_error(err: Exception) -> JSONResponse:

@@ -10,7 +10,7 @@ its output run alone, up to float rounding (``OUTPUT_TOLERANCE``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -50,7 +50,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the pipeline produces, read off its warm-up request.
+    """What the pipeline produces, read off its first warm-up request.
 
     Attributes:
         embeddings: it writes sentence embeddings.
@@ -81,6 +81,9 @@ class Job:
         batch_id: the orchestrator request it ran in (its members' ids joined by ``+``),
             the ``request_id`` of the transitions and moves it caused.
         batch_size: how many jobs shared that batch.
+        truncated: the indices of its prompts a text encoder cut, once run.
+        non_finite: whether its output, or the latents its images were decoded from,
+            holds NaN or infinity (never answered as a result), once run.
     """
 
     id: str
@@ -93,6 +96,8 @@ class Job:
     prompt_tokens: int = 0
     batch_id: str = ""
     batch_size: int = 1
+    truncated: list[int] = field(default_factory=list)
+    non_finite: bool = False
 
 
 def estimate_tokens(prompts: Sequence[str]) -> int:
@@ -138,19 +143,40 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
     if produced is None:
         raise ValueError(f"the pipeline produced no {endpoint}")
     context = batch.context or []
+    latents = batch.latents or []
+    truncated = batch.truncated or [False] * len(produced)
     start = 0
     for job in jobs:
         rows = slice(start, start + len(job.prompts))
         job.output = produced[rows].detach().cpu()
         job.prompt_tokens = sum(int(c.shape[0]) for c in context[rows])
+        job.truncated = [i for i, cut in enumerate(truncated[rows]) if cut]
+        job.non_finite = not bool(job.output.isfinite().all()) or any(
+            not bool(latent.isfinite().all()) for latent in latents[rows]
+        )
         start = rows.stop
 
 
-def warm_up(orchestrator: Orchestrator) -> Shapes:
-    """Run one request through every stage and read off what the pipeline produces."""
+def warm_up(orchestrator: Orchestrator, requests: int) -> Shapes:
+    """Run ``requests`` (at least one) through every stage; read what the pipeline produces.
+
+    The first tells the shapes; later ones warm what a first run leaves cold (allocator
+    pools, kernel choices, caches).
+    """
+    shapes = _shapes_of(_warm_request(orchestrator, 1))
+    for number in range(2, requests + 1):
+        _warm_request(orchestrator, number)
+    return shapes
+
+
+def _warm_request(orchestrator: Orchestrator, number: int) -> Batch:
     batch = Batch(generator=torch.Generator().manual_seed(0), steps=1, prompts=["warm up"])
-    with orchestrator.request("warm-up") as request:
+    with orchestrator.request(f"warm-up-{number}") as request:
         request.run_all(batch)
+    return batch
+
+
+def _shapes_of(batch: Batch) -> Shapes:
     latents = batch.latents or []
     images = batch.images
     return Shapes(

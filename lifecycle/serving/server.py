@@ -8,21 +8,26 @@ process the default way (exit 143): nothing is loaded then.
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
 import torch
 import uvicorn
 
-from lifecycle.config import ConfigError, load_spec
+from lifecycle.config import ConfigError, PipelineSpec, load_spec
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.serving.app import create_app
+from lifecycle.serving.auth import DoorKeys
+from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Worker
 
@@ -34,16 +39,22 @@ class DrainingServer(uvicorn.Server):
 
     While draining it keeps answering (new jobs get 503); once the queued and running
     jobs are done and everything is released, it stops. A second signal forces the exit.
+    A drain that outlives ``serving.drain_timeout`` stops it too, with the reason.
 
     Args:
         config: uvicorn's settings.
         worker: the worker to drain.
+
+    Attributes:
+        drained: whether a drain ran to its end (cleanly or not).
+        problem: what the drain left behind, or None.
     """
 
     def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
         super().__init__(config)
         self.worker = worker
         self.drained = False
+        self.problem: str | None = None
         self._signal = signal.SIGTERM
         self._signalled = threading.Event()
         # started now, not by the handler: a signal handler may interrupt the main thread
@@ -62,21 +73,41 @@ class DrainingServer(uvicorn.Server):
     def _drain(self) -> None:
         self._signalled.wait()
         log.info("serving.draining", signal=self._signal.name)
-        self.drained = self.worker.drain()
-        self.should_exit = True
+        try:
+            self.problem = self.worker.drain()
+            self.drained = True
+        finally:  # whatever the drain met, the server stops: never wait for a second signal
+            self.should_exit = True
 
 
-def serve(spec_path: Path, host: str, port: int, threads: int) -> int:
+def serve(spec_path: Path, host: str, port: int, threads: int, keys: DoorKeys) -> int:
     """Admit and serve the pipeline at ``spec_path`` on ``threads`` torch threads until drained.
 
-    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec, 3 jobs or
-    components left when the drain timed out, or the pipeline failed to load.
+    The address is bound before anything is admitted or loaded, so a port that is taken
+    or not allowed is bad input. ``keys`` lock the door (``lifecycle.serving.auth``).
+
+    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec or address, 3 jobs
+    or components left when the drain timed out, or the pipeline failed to load.
     """
     try:
         spec = load_spec(spec_path)
     except ConfigError as err:
         print(f"lifecycle serve: {spec_path}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    try:
+        listener = _listen(host, port)
+    except OSError as err:
+        print(
+            f"lifecycle serve: cannot listen on {host}:{port}: {err.strerror or err}; pick "
+            "another --port or --host, or stop what holds that one",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+    with listener:
+        return _serve(spec, listener, threads, keys)
+
+
+def _serve(spec: PipelineSpec, listener: socket.socket, threads: int, keys: DoorKeys) -> int:
     torch.set_num_threads(threads)
     holder: list[Orchestrator] = []
     metrics = ServingMetrics(
@@ -85,17 +116,16 @@ def serve(spec_path: Path, host: str, port: int, threads: int) -> int:
     )
     orchestrator = Orchestrator(spec, observer=metrics.observe)
     holder.append(orchestrator)
+    admitting = time.perf_counter()
     try:
         orchestrator.admit()
     except AdmissionRefused as err:
         print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
         return ExitCode.REFUSED
-    worker = Worker(orchestrator, metrics)
+    worker = Worker(orchestrator, metrics, admit_ms=(time.perf_counter() - admitting) * 1e3)
     config = uvicorn.Config(
-        create_app(worker),
-        host=host,
-        port=port,
-        http="httptools",
+        create_app(worker, keys),
+        http=guarded_protocol(spec.serving),
         loop="uvloop",
         log_config=None,
         access_log=False,
@@ -104,9 +134,42 @@ def serve(spec_path: Path, host: str, port: int, threads: int) -> int:
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.handle_exit)
-    log.info("serving.listening", pipeline=spec.name, host=host, port=port, threads=threads)
+    host, port = listener.getsockname()[:2]
+    log.info(
+        "serving.listening",
+        pipeline=spec.name,
+        host=host,
+        port=port,
+        threads=threads,
+        api_key=keys.api is not None,  # whether the door is locked; never the keys
+        admin_routes=keys.admin is not None,
+    )
     threading.Thread(target=worker.start, name="load", daemon=True).start()
-    server.run()
-    if not server.drained:  # stopped by uvicorn itself (e.g. the port was taken)
-        server.drained = worker.drain()
-    return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
+    server.run(sockets=[listener])
+    if not server.drained:  # stopped by uvicorn itself, or the drain itself broke
+        server.problem = worker.drain()
+    if worker.batcher is not None and worker.batcher.in_flight:
+        # jobs outlived the drain: their runner threads still compute, and the interpreter
+        # would wait for them at exit; the reason is logged, nothing is left to save
+        sys.stderr.flush()
+        os._exit(ExitCode.FAILED)
+    return ExitCode.OK if server.problem is None and worker.error is None else ExitCode.FAILED
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Return a socket bound to ``host:port`` (uvicorn listens on it).
+
+    Raises:
+        OSError: the host is unknown, the port is taken or not allowed.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from concurrent.futures import Future
 from enum import StrEnum
 
+import msgspec
+
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import Job, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
@@ -26,19 +28,48 @@ class Phase(StrEnum):
     FAILED = "failed"
 
 
+class Startup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How long the worker's start took, part by part (the ``serving.ready`` event).
+
+    Attributes:
+        admit_ms: admitting the pipeline.
+        load_ms: loading it, wall time.
+        components_ms: each component's build and initial placement (builds run in
+            parallel overlap).
+        parallel: the components built in parallel threads.
+        warmup_ms: the warm-up requests together.
+        warmup: how many warm-up requests ran (``serving.warmup``).
+    """
+
+    admit_ms: float
+    load_ms: float
+    components_ms: dict[str, float]
+    parallel: tuple[str, ...]
+    warmup_ms: float
+    warmup: int
+
+
 class Worker:
     """Own one orchestrator for the HTTP layer: its start, its queue and its end.
 
     Args:
         orchestrator: the pipeline to serve (its observer feeds ``metrics``).
         metrics: the worker's metrics.
+        admit_ms: how long admitting it took, for ``serving.ready`` (0: not measured).
+
+    Attributes:
+        startup: how long each part of the start took, once ready.
     """
 
-    def __init__(self, orchestrator: Orchestrator, metrics: ServingMetrics) -> None:
+    def __init__(
+        self, orchestrator: Orchestrator, metrics: ServingMetrics, admit_ms: float = 0.0
+    ) -> None:
         self.orchestrator = orchestrator
         self.metrics = metrics
+        self.admit_ms = admit_ms
         self.phase = Phase.STARTING
         self.error: str | None = None
+        self.startup: Startup | None = None
         self.shapes = Shapes(embeddings=False, images=False)
         self.batcher: Batcher | None = None
         self._ids = itertools.count(1)
@@ -51,16 +82,27 @@ class Worker:
         return self.orchestrator.spec.name
 
     def start(self) -> None:
-        """Load the pipeline and warm it up; the worker is ready after (or failed).
+        """Load the pipeline and run ``serving.warmup`` requests; the worker is ready after.
 
-        A worker already draining (a signal came first) loads nothing.
+        ``serving.ready`` says how long admission, the load (each component's too) and
+        the warm-up took. A worker already draining (a signal came first) loads nothing.
         """
         with self._starting:
             if self.phase is not Phase.STARTING:
                 return
             try:
-                self.orchestrator.load()
-                self.shapes = warm_up(self.orchestrator)
+                loaded = self.orchestrator.load()
+                warming = time.perf_counter()
+                warmup = self.orchestrator.spec.serving.warmup
+                self.shapes = warm_up(self.orchestrator, warmup)
+                self.startup = Startup(
+                    admit_ms=round(self.admit_ms, 3),
+                    load_ms=loaded.duration_ms,
+                    components_ms=loaded.components,
+                    parallel=loaded.parallel,
+                    warmup_ms=round((time.perf_counter() - warming) * 1e3, 3),
+                    warmup=warmup,
+                )
             except Exception as err:  # reported by /readyz and the log; the process stays up
                 self.phase = Phase.FAILED
                 self.error = f"{type(err).__name__}: {err}"
@@ -73,7 +115,12 @@ class Worker:
                 on_batch=self.metrics.batch_size.observe,
             )
             self.phase = Phase.READY
-            log.info("serving.ready", pipeline=self.name, shapes=self.shapes)
+            log.info(
+                "serving.ready",
+                pipeline=self.name,
+                shapes=self.shapes,
+                **msgspec.structs.asdict(self.startup),
+            )
 
     def next_id(self) -> str:
         """Return a fresh request id."""
@@ -85,20 +132,29 @@ class Worker:
         assert self.batcher is not None  # the HTTP layer checks readiness first
         return self.batcher.submit(job)
 
-    def drain(self) -> bool:
+    def drain(self) -> str | None:
         """Stop taking jobs, finish the queued ones and release everything.
 
-        Returns whether every job finished within ``serving.drain_timeout`` and every
-        component was released (its offload files removed).
+        Returns None when every job finished within ``serving.drain_timeout`` and every
+        component was released (its offload files removed); else what was left behind,
+        also logged as ``serving.drain_failed``. Components that jobs still running
+        hold stay; every other one is released, and the offload folder is removed.
         """
         with self._starting:  # a load in progress finishes first; none starts after
             self.phase = Phase.DRAINING
-        finished = True
-        if self.batcher is not None:
-            finished = self.batcher.drain(self.orchestrator.spec.serving.drain_timeout)
+        timeout = self.orchestrator.spec.serving.drain_timeout
+        problems = []
+        if self.batcher is not None and not self.batcher.drain(timeout):
+            problems.append(
+                f"{self.batcher.in_flight} job(s) still running after serving.drain_timeout "
+                f"= {timeout:g} s were abandoned"
+            )
         try:
             self.orchestrator.close()
-        except TransitionRefused as err:  # a job outlived the drain timeout
-            log.error("serving.unreleased", error=str(err))
-            return False
-        return finished
+        except ExceptionGroup as err:  # a job outlived the drain: its components stay
+            problems.append(str(err))
+        if not problems:
+            return None
+        reason = "; ".join(problems)
+        log.error("serving.drain_failed", reason=reason)
+        return reason

@@ -9,9 +9,11 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.bodies import EmbeddingsBody, decode_body, documented
 from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
 from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
+from lifecycle.serving.limits import check_embeddings
 from lifecycle.serving.worker import Worker
 
 EMBEDDINGS = BatchKey(endpoint="embeddings")
@@ -24,13 +26,13 @@ def embeddings_routes(worker: Worker) -> APIRouter:
     """Return the embeddings endpoint."""
     router = APIRouter()
 
-    @router.post("/v1/embeddings", openapi_extra=documented(EmbeddingsBody))
+    @router.post("/v1/embeddings", openapi_extra=documented(EmbeddingsBody), dependencies=API_KEY)
     async def embeddings(request: Request) -> Response:
         body = decode_body(EMBEDDINGS_BODY, await request.body())
+        prompts = check_embeddings(body, worker.orchestrator.spec.serving)
         check_ready(worker, body.model)
         if not worker.shapes.embeddings:
             raise not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
-        prompts = [body.input] if isinstance(body.input, str) else body.input
         job = Job(
             id=request.state.id,
             key=EMBEDDINGS,
@@ -42,7 +44,13 @@ def embeddings_routes(worker: Worker) -> APIRouter:
         rows = _encoded_rows(done.output, body.encoding_format)
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
         usage = {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}
-        content = {"object": "list", "data": data, "model": worker.name, "usage": usage}
+        content = {
+            "object": "list",
+            "data": data,
+            "model": worker.name,
+            "usage": usage,
+            "truncated_inputs": done.truncated,  # cut to the text encoder's longest input
+        }
         return job_response(content, done)
 
     return router

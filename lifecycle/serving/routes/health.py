@@ -1,4 +1,4 @@
-"""Health, readiness, metrics and what the worker serves: open to every client."""
+"""Health, readiness and metrics, open to every client; what the worker serves, behind the key."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import msgspec
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.worker import Phase, Worker
 
 
@@ -29,14 +30,14 @@ def health_routes(worker: Worker) -> APIRouter:
     async def prometheus() -> Response:
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", dependencies=API_KEY)
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [{"id": worker.name, "object": "model", "created": 0, "owned_by": "lifecycle"}],
         }
 
-    @router.get("/v1/pipeline")
+    @router.get("/v1/pipeline", dependencies=API_KEY)
     async def pipeline() -> Response:
         snapshot = msgspec.json.encode(worker.orchestrator.snapshot())
         return Response(snapshot, media_type="application/json")

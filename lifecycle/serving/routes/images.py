@@ -11,10 +11,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from lifecycle.png import encode_png
+from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.limits import ImageSize, check_images, image_pixels
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
@@ -27,13 +29,16 @@ def images_routes(worker: Worker) -> APIRouter:
     """Return the image generation endpoint."""
     router = APIRouter()
 
-    @router.post("/v1/images/generations", openapi_extra=documented(ImagesBody))
+    @router.post(
+        "/v1/images/generations", openapi_extra=documented(ImagesBody), dependencies=API_KEY
+    )
     async def images(request: Request) -> Response:
         body = decode_body(IMAGES_BODY, await request.body())
+        size = check_images(body, worker.orchestrator.spec.serving)
         check_ready(worker, body.model)
         if not worker.shapes.images:
             raise not_served(worker, "images", "examples/tiny_t2i.toml")
-        latent_size = _latent_size(worker, body.size, body.n)
+        latent_size = _latent_size(worker, size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         key = BatchKey(
             endpoint="images",
@@ -53,28 +58,40 @@ def images_routes(worker: Worker) -> APIRouter:
         )
         done = await run_job(worker, job)
         assert done.output is not None
+        if done.non_finite:
+            raise ApiError(
+                500,
+                "the pipeline produced NaN or infinite values for this request, so no image "
+                "is returned; a lower guidance_scale or fewer steps may keep it finite",
+                kind="server_error",
+                code="non_finite_output",
+            )
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
-        content = {"created": int(time.time()), "data": data, "seed": seed}
+        content = {
+            "created": int(time.time()),
+            "data": data,
+            "seed": seed,
+            "truncated_prompt": bool(done.truncated),  # cut to the text encoder's longest input
+        }
         return job_response(content, done)
 
     return router
 
 
-def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
-    """Return the latent grid of ``size`` ("WxH"), checked against the pipeline's range."""
+def _latent_size(worker: Worker, size: ImageSize | None, n: int) -> tuple[int, int]:
+    """Return the latent grid of ``size`` (None: the default), within the pipeline's range."""
     scale = worker.shapes.image_scale
     settings = worker.orchestrator.spec.serving
     if size is None:
+        side = DEFAULT_LATENT_SIDE * scale
+        image_pixels(n, ImageSize(width=side, height=side), settings)
         return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
-    width, _, height = size.partition("x")
-    if not (width.isdigit() and height.isdigit()):
-        raise ApiError(400, f"size '{size}' is not WIDTHxHEIGHT, e.g. '16x16'", param="size")
-    w, h = int(width), int(height)
+    w, h = size.width, size.height
     largest = settings.max_batch_tokens // n
     if w % scale or h % scale or not w or not h or (w // scale) * (h // scale) > largest:
         raise ApiError(
             400,
-            f"size '{size}' is outside this pipeline's range: width and height must be "
+            f"size '{w}x{h}' is outside this pipeline's range: width and height must be "
             f"positive multiples of {scale} pixels, with (width/{scale}) x (height/{scale}) "
             f"x n at most serving.max_batch_tokens = {settings.max_batch_tokens}",
             param="size",

@@ -114,7 +114,7 @@ class TestOverrideOverHttp:
 class TestQueue:
     def test_full_queue_is_429(self, serve_spec: ServeSpec, t2i_spec: SpecMaker) -> None:
         """With serving.max_queue jobs in flight, the next request is answered 429."""
-        served = serve_spec(t2i_spec(max_queue=1))
+        served = serve_spec(t2i_spec(max_queue=1, max_steps=300))
         batcher = served.worker.batcher
         assert batcher is not None
         with served.client() as client, ThreadPoolExecutor(1) as pool:

@@ -140,6 +140,7 @@ class TestShutdown:
                 'offload_target = "host"',
                 f'offload_target = "disk"\noffload_dir = "{offload}"',
             )
+            + "\n[serving]\nmax_steps = 600\n"
         )
         with serving(spec, tmp_path / "serve.log") as (process, url):
             assert any(offload.rglob("*.safetensors"))  # the offloaded weights live on disk
