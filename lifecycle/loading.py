@@ -26,7 +26,7 @@ from torch import nn
 
 from attention import Platform
 from components import ResidencyMode
-from components.loader import LoaderPath
+from components.loader import LoaderPath, SeededOptions
 from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
 from lifecycle.admission.construction import construct_module
@@ -46,6 +46,8 @@ class Loading:
         slots: the orchestrator's components by name.
         platform: where the attention layers will run.
         residency: sizes a built component for the budget.
+        threads: the most components built at once (None: one thread per component
+            that may be, up to the CPU count; 1: one at a time, in order).
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class Loading:
         slots: Mapping[str, ComponentSlot],
         platform: Platform,
         residency: Residency,
+        threads: int | None = None,
     ) -> None:
         self.spec = spec
+        self.threads = threads
         self.slots = slots
         self.platform = platform
         self.residency = residency
@@ -68,28 +72,31 @@ class Loading:
     def parallel_builds(self, names: Sequence[str]) -> list[str]:
         """Return which of ``names`` may be built at once, ahead of their transitions.
 
-        Only in a single process (a layout's ranks build in lockstep, collectives in
-        order), and never a component offloaded to disk: the host memory check counts
-        those one at a time, each freed once its file is written. Every other component
-        stays in host memory once loaded (a master copy, or the weights themselves), so
-        building them together holds no more than the loaded pipeline does. Fewer than
-        two is none: a thread would only add its start-up.
+        None with ``threads`` = 1, in a layout of several processes (ranks build in
+        lockstep, their collectives in order), or when a component keeps the weights
+        its builder drew from torch's global generator (neither a file nor a seed):
+        threads would interleave those draws, and a load must give the same weights
+        every time. Never a component offloaded to disk: the host memory check counts
+        those one at a time, each freed once its file is written. Every other
+        component stays in host memory once loaded (a master copy, or the weights
+        themselves), so building them together holds no more than the loaded pipeline.
+        Fewer than two is none: a thread would only add its start-up.
         """
-        if self.spec.parallel.world_size != 1:
+        slots = [self.slots[name] for name in names]
+        if self.threads == 1 or self.spec.parallel.world_size != 1:
+            return []
+        if not all(_weights_fixed(slot) for slot in slots):
             return []
         to_disk = self.spec.memory.offload_target == "disk"
-        found = [
-            name
-            for name in names
-            if not (to_disk and self.slots[name].mode is not ResidencyMode.RESIDENT)
-        ]
+        found = [s.name for s in slots if not (to_disk and s.mode is not ResidencyMode.RESIDENT)]
         return found if len(found) > 1 else []
 
     def build_ahead(self, names: Sequence[str]) -> None:
         """Start building ``names`` in parallel threads; their ``load`` transitions take them."""
         if not names:
             return
-        pool = ThreadPoolExecutor(min(len(names), os.cpu_count() or 1), thread_name_prefix="load")
+        threads = min(len(names), self.threads or os.cpu_count() or 1)
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
         self._ahead = {name: pool.submit(self._build, name) for name in names}
         pool.shutdown(wait=False)  # its threads end with the builds
 
@@ -163,6 +170,12 @@ class Loading:
                 "it builds on each path",
             )
         ]
+
+
+def _weights_fixed(slot: ComponentSlot) -> bool:
+    """Tell whether ``slot``'s weights come from a file or a seed, not its builder's draws."""
+    options = slot.loader.options
+    return options.weights is not None or isinstance(options, SeededOptions)
 
 
 def _admitted(slot: ComponentSlot) -> ComponentAdmission:

@@ -89,6 +89,8 @@ class Orchestrator:
         spec: the decoded pipeline spec.
         platform: where it runs; by default the spec's ``device`` decides.
         observer: receives every event (``lifecycle.events``); ``observe`` attaches more.
+        load_threads: the most components ``load()`` builds at once; None: as many as
+            may be (see ``load``), up to the CPU count; 1: one at a time, in order.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Orchestrator:
         *,
         platform: Platform | None = None,
         observer: Observer | None = None,
+        load_threads: int | None = None,
     ) -> None:
         self.spec = spec
         self.platform = platform or _platform_for(spec)
@@ -108,7 +111,9 @@ class Orchestrator:
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
         self._residency = Residency(spec, self._slots, self.device, self._observers)
-        self._loading = Loading(spec, self._slots, self.platform, self._residency)
+        self._loading = Loading(
+            spec, self._slots, self.platform, self._residency, threads=load_threads
+        )
         self._stages = StageKeeper(
             self._slots, self._residency, self._machine.lock, self._observers
         )
@@ -126,13 +131,14 @@ class Orchestrator:
         *,
         platform: Platform | None = None,
         observer: Observer | None = None,
+        load_threads: int | None = None,
     ) -> Orchestrator:
-        """Decode the spec at ``path`` and build its orchestrator.
+        """Decode the spec at ``path`` and build its orchestrator (arguments as for the class).
 
         Raises:
             ConfigError: the spec is missing or bad.
         """
-        return cls(load_spec(path), platform=platform, observer=observer)
+        return cls(load_spec(path), platform=platform, observer=observer, load_threads=load_threads)
 
     # -- the public surface -------------------------------------------------
 
@@ -192,9 +198,11 @@ class Orchestrator:
         """Load every admitted component and put it in its initial place; say how long it took.
 
         Resident components end RESIDENT, offloaded ones OFFLOADED. Admits
-        first when that has not happened. Components whose builds the host can hold
-        together are built in parallel threads (``Loading.parallel_builds``), while
-        their transitions run in order under the machine's lock, as a sequential load.
+        first when that has not happened. Components are built in parallel threads
+        where that changes nothing but the time: in one process, with weights from a
+        file or a seed, and not offloaded to disk (the host memory check counts those
+        one at a time). Their transitions still run in order under the machine's lock,
+        each taking its component's build, as a sequential load does.
 
         Raises:
             AdmissionRefused: admission was needed and refused.

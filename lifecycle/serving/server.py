@@ -19,8 +19,9 @@ from types import FrameType
 
 import torch
 import uvicorn
+from fastapi import FastAPI
 
-from lifecycle.config import ConfigError, PipelineSpec, load_spec
+from lifecycle.config import ConfigError, PipelineSpec, ServingConfig, load_spec
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
@@ -123,14 +124,7 @@ def _serve(spec: PipelineSpec, listener: socket.socket, threads: int, keys: Door
         print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
         return ExitCode.REFUSED
     worker = Worker(orchestrator, metrics, admit_ms=(time.perf_counter() - admitting) * 1e3)
-    config = uvicorn.Config(
-        create_app(worker, keys),
-        http=guarded_protocol(spec.serving),
-        loop="uvloop",
-        log_config=None,
-        access_log=False,
-    )
-    server = DrainingServer(config, worker)
+    server = DrainingServer(uvicorn_config(create_app(worker, keys), spec.serving), worker)
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.handle_exit)
@@ -154,6 +148,25 @@ def _serve(spec: PipelineSpec, listener: socket.socket, threads: int, keys: Door
         sys.stderr.flush()
         os._exit(ExitCode.FAILED)
     return ExitCode.OK if server.problem is None and worker.error is None else ExitCode.FAILED
+
+
+def uvicorn_config(app: FastAPI, settings: ServingConfig) -> uvicorn.Config:
+    """Return uvicorn's settings for ``app``, with the connection bounds of ``settings``.
+
+    httptools (bounded by ``guarded_protocol``) on uvloop, and no logging of uvicorn's
+    own: the worker logs through structlog. uvicorn's ``timeout_keep_alive`` (5 s)
+    closes idle keep-alive connections; its ``limit_concurrency`` and
+    ``h11_max_incomplete_event_size`` are not set: the first counts only requests whose
+    headers arrived, the second applies to h11 alone, and ``guarded_protocol`` bounds
+    both at the connection instead.
+    """
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(settings),
+        loop="uvloop",
+        log_config=None,
+        access_log=False,
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -6,7 +6,7 @@ import socket
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -28,8 +28,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import uvicorn
+from fastapi import APIRouter
 
 from lifecycle.serving.app import create_app
+from lifecycle.serving.auth import DoorKeys
+from lifecycle.serving.server import uvicorn_config
 
 WATCHDOG_S = 120.0
 """The longest any serving test waits for anything."""
@@ -56,15 +59,19 @@ class Served:
         return httpx.Client(base_url=self.url, timeout=WATCHDOG_S, **kwargs)
 
 
-ServeSpec: TypeAlias = Callable[[PipelineSpec], Served]
+ServeSpec: TypeAlias = Callable[..., Served]
+"""``serve_spec(spec, keys=None, routes=())``: serve ``spec`` with the door locked by
+``keys``, with ``routes`` (APIRouters) beside the worker's own."""
 
 
 @pytest.fixture
 def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
-    """Serve specs on loopback in this process; every server is drained after the test."""
+    """Serve specs on loopback in this process, as the worker's uvicorn runs; drain them after."""
     running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
 
-    def serve(spec: PipelineSpec) -> Served:
+    def serve(
+        spec: PipelineSpec, keys: DoorKeys | None = None, routes: Sequence[APIRouter] = ()
+    ) -> Served:
         holder: list[Served] = []
 
         def observe_moves(event: Event) -> None:
@@ -84,8 +91,10 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
         holder.append(served)
         worker.start()
         assert worker.phase is Phase.READY, worker.error
-        config = uvicorn.Config(create_app(worker), log_config=None, access_log=False)
-        server = uvicorn.Server(config)
+        app = create_app(worker, keys)
+        for router in routes:
+            app.include_router(router)
+        server = uvicorn.Server(uvicorn_config(app, spec.serving))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         with served.client() as client:

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,15 +37,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
+def serving(
+    spec: Path, log: Path, options: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``lifecycle serve spec [options]`` on a free loopback port until it is ready;
+    kill it after."""
     port = free_port()
+    command = [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)]
     with log.open("wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
+            [*command, *options],
             stdout=subprocess.DEVNULL,
             stderr=err,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"},
         )
     url = f"http://127.0.0.1:{port}"
     try:
