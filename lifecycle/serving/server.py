@@ -78,6 +78,7 @@ class DrainingServer(uvicorn.Server):
             self.problem = self.worker.drain()
             self.drained = True
         finally:  # whatever the drain met, the server stops: never wait for a second signal
+            _exit_if_abandoned(self.worker)
             self.should_exit = True
 
 
@@ -142,12 +143,21 @@ def _serve(spec: PipelineSpec, listener: socket.socket, threads: int, keys: Door
     server.run(sockets=[listener])
     if not server.drained:  # stopped by uvicorn itself, or the drain itself broke
         server.problem = worker.drain()
-    if worker.batcher is not None and worker.batcher.in_flight:
-        # jobs outlived the drain: their runner threads still compute, and the interpreter
-        # would wait for them at exit; the reason is logged, nothing is left to save
+    _exit_if_abandoned(worker)
+    return ExitCode.OK if server.problem is None and worker.error is None else ExitCode.FAILED
+
+
+def _exit_if_abandoned(worker: Worker) -> None:
+    """End the process with exit 3 at once when jobs outlived the drain.
+
+    Their runner threads still compute and their clients still hold connections: the
+    interpreter would wait for the threads at exit, and uvicorn for the connections.
+    The drain has released the rest and logged the reason; nothing is left to save.
+    """
+    if worker.abandoned:
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(ExitCode.FAILED)
-    return ExitCode.OK if server.problem is None and worker.error is None else ExitCode.FAILED
 
 
 def uvicorn_config(app: FastAPI, settings: ServingConfig) -> uvicorn.Config:

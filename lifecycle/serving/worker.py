@@ -132,6 +132,13 @@ class Worker:
         assert self.batcher is not None  # the HTTP layer checks readiness first
         return self.batcher.submit(job)
 
+    @property
+    def abandoned(self) -> int:
+        """Return how many jobs still run once a drain gave up waiting for them."""
+        if self.phase is not Phase.DRAINING or self.batcher is None:
+            return 0
+        return self.batcher.in_flight
+
     def drain(self) -> str | None:
         """Stop taking jobs, finish the queued ones and release everything.
 
