@@ -23,7 +23,8 @@ def health_routes(worker: Worker) -> APIRouter:
     @router.get("/readyz")
     async def readyz() -> JSONResponse:
         status = 200 if worker.phase is Phase.READY else 503
-        body = {"status": worker.phase.value, "error": worker.error}
+        startup = None if worker.startup is None else msgspec.to_builtins(worker.startup)
+        body = {"status": worker.phase.value, "error": worker.error, "startup": startup}
         return JSONResponse(body, status_code=status)
 
     @router.get("/metrics")
