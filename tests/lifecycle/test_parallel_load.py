@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 from attention import Platform
 from components import registry as kinds
-from components.batch import Batch
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Transitioned
 from lifecycle.orchestrator import Orchestrator
@@ -21,6 +20,7 @@ from lifecycle.states import ComponentState
 from lifecycle.testing import EventRecorder
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import PlainGenericKind
+from tests.lifecycle.test_requests import generate
 
 NAMES = ("text_encoder", "transformer", "vae")
 
@@ -45,15 +45,6 @@ def load_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("load")]
 
 
-def image_of(orchestrator: Orchestrator) -> torch.Tensor:
-    """Run one seeded request through every stage; return its image."""
-    batch = Batch(generator=torch.Generator().manual_seed(5), steps=2, prompts=["a red fox"])
-    with orchestrator.request() as request:
-        request.run_all(batch)
-    assert batch.images is not None
-    return batch.images
-
-
 class TestParallelLoad:
     def test_parallel_builds_equal_one_at_a_time(
         self, reference_spec: ReferenceSpec, cpu: Platform
@@ -76,7 +67,7 @@ class TestParallelLoad:
                     strict=True,
                 ):
                     assert torch.equal(a, b), (name, key)
-            assert torch.equal(image_of(parallel), image_of(sequential))
+            assert torch.equal(generate(parallel, 5), generate(sequential, 5))
         assert report.parallel == NAMES
         assert alone.parallel == ()
         assert set(report.components) == set(NAMES)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +17,7 @@ from lifecycle.config import PipelineSpec
 from lifecycle.serving.app import create_app
 from lifecycle.serving.auth import ADMIN, DoorKeys, Secret
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
-from tests.lifecycle.serving.test_process import free_port, serving
+from tests.lifecycle.serving.test_process import free_port, serve_once, serving
 
 openai = pytest.importorskip("openai")
 
@@ -215,14 +213,9 @@ class TestServeCommand:
 
     def test_an_empty_key_exits_2(self, root: Path) -> None:
         """An empty LIFECYCLE_API_KEY is bad input: exit 2 naming it, nothing starts."""
-        spec = root / "examples" / "tiny_t2i.toml"
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(free_port())],
-            capture_output=True,
-            text=True,
-            timeout=WATCHDOG_S,
-            env={**os.environ, "LIFECYCLE_API_KEY": ""},
-        )
+        spec = str(root / "examples" / "tiny_t2i.toml")
+        env = {**os.environ, "LIFECYCLE_API_KEY": ""}
+        result = serve_once(spec, "--port", str(free_port()), env=env)
         assert result.returncode == 2
         assert "--api-key (or LIFECYCLE_API_KEY) is empty" in result.stderr
         assert "Traceback" not in result.stderr

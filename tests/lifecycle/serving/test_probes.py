@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -17,7 +15,7 @@ import msgspec
 import pytest
 
 from tests.lifecycle.serving.conftest import WATCHDOG_S
-from tests.lifecycle.serving.test_process import accepted_jobs, free_port, serving
+from tests.lifecycle.serving.test_process import accepted_jobs, free_port, serve_once, serving
 
 MiB = 2**20
 GROWTH_BOUND = 8 * MiB
@@ -95,20 +93,7 @@ class TestPorts:
     )
     def test_a_port_out_of_range_exits_2(self, root: Path, port: str, words: str) -> None:
         """--port -1 or 70000 (which bound 4464) is bad input: exit 2 naming the range."""
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lifecycle",
-                "serve",
-                str(root / "examples" / "tiny_t2i.toml"),
-                "--port",
-                port,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=WATCHDOG_S,
-        )
+        result = serve_once(str(root / "examples" / "tiny_t2i.toml"), "--port", port)
         assert result.returncode == 2
         assert "--port: expected a port" in result.stderr
         assert words in result.stderr
@@ -116,26 +101,12 @@ class TestPorts:
 
     def test_a_taken_port_exits_2_before_loading(self, root: Path) -> None:
         """A port another socket holds is exit 2 naming the address (it was SIGABRT)."""
+        spec = str(root / "examples" / "tiny_t2i.toml")
         with socket.socket() as holder:
             holder.bind(("127.0.0.1", 0))
             holder.listen()
             port = holder.getsockname()[1]
-            result = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "lifecycle",
-                    "serve",
-                    str(root / "examples" / "tiny_t2i.toml"),
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "info",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=WATCHDOG_S,
-            )
+            result = serve_once(spec, "--port", str(port), "--log-level", "info")
         assert result.returncode == 2
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
         assert "lifecycle.transition" not in result.stderr  # nothing was admitted or loaded
@@ -143,22 +114,8 @@ class TestPorts:
 
     def test_an_unknown_host_exits_2(self, root: Path) -> None:
         """A host that does not resolve is exit 2 naming it."""
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lifecycle",
-                "serve",
-                str(root / "examples" / "tiny_t2i.toml"),
-                "--host",
-                "no-such-host.invalid",
-                "--port",
-                str(free_port()),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=WATCHDOG_S,
-        )
+        spec = str(root / "examples" / "tiny_t2i.toml")
+        result = serve_once(spec, "--host", "no-such-host.invalid", "--port", str(free_port()))
         assert result.returncode == 2
         assert "cannot listen on no-such-host.invalid:" in result.stderr
         assert "Traceback" not in result.stderr

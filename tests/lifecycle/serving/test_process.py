@@ -70,6 +70,19 @@ def serving(
             process.wait(timeout=WATCHDOG_S)
 
 
+def serve_once(
+    *arguments: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``lifecycle serve ARGUMENTS`` to its end (bad input ends it at once); capture it."""
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle", "serve", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=WATCHDOG_S,
+        env=env,
+    )
+
+
 def metric(metrics: str, name: str) -> float:
     """Return the sample ``name`` (without labels) from a worker's Prometheus text, else 0."""
     for line in metrics.splitlines():
@@ -209,13 +222,7 @@ class TestShutdown:
 class TestCommand:
     def test_threads_below_one_exit_2(self, root: Path) -> None:
         """`lifecycle serve --threads 0` is bad input: exit 2 naming the rule, nothing starts."""
-        spec = root / "examples" / "minilm_embed.toml"
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--threads", "0"],
-            capture_output=True,
-            text=True,
-            timeout=WATCHDOG_S,
-        )
+        result = serve_once(str(root / "examples" / "minilm_embed.toml"), "--threads", "0")
         assert result.returncode == 2
         assert "--threads: expected a count >= 1, got 0" in result.stderr
         assert "Traceback" not in result.stderr
@@ -225,15 +232,7 @@ class TestCommand:
         bad = tmp_path / "bad.toml"
         bad.write_text('name = "x"\n[components.a]\nkind = "tiny_vae"\nresidency = "offlaod"\n')
         refused = root / "examples" / "refused" / "capability_missing.toml"
-        results = [
-            subprocess.run(
-                [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", "1"],
-                capture_output=True,
-                text=True,
-                timeout=WATCHDOG_S,
-            )
-            for spec in (bad, refused)
-        ]
+        results = [serve_once(str(spec), "--port", str(free_port())) for spec in (bad, refused)]
         assert [r.returncode for r in results] == [2, 1]
         assert "$.components.a.residency" in results[0].stderr
         assert "attention.capability_missing" in results[1].stderr
