@@ -91,7 +91,7 @@ def ours(loader: MiniLmLoader) -> Encoder:
 
     def encode(texts: Sequence[str]) -> torch.Tensor:
         tokens = loader.tokenizer(texts)
-        return mean_pool(module(*tokens), tokens.mask)
+        return mean_pool(module(tokens.ids, tokens.mask), tokens.mask)
 
     return encode
 
@@ -198,7 +198,10 @@ def main() -> None:
             for size, tokens in batches.items():
                 rounds, inner = PLAN[size]
                 times = interleaved(
-                    {"native": partial(native, *tokens), "custom": partial(module, *tokens)},
+                    {
+                        "native": partial(native, tokens.ids, tokens.mask),
+                        "custom": partial(module, tokens.ids, tokens.mask),
+                    },
                     rounds=rounds,
                     inner=inner,
                 )

@@ -129,7 +129,7 @@ def native_embeddings(native: nn.Module, tokens: Tokens) -> torch.Tensor:
 def encode(module: nn.Module, tokens: Tokens) -> torch.Tensor:
     """Return the sentence embeddings ``(B, 384)`` of ``tokens``."""
     with torch.inference_mode():
-        return mean_pool(module(*tokens), tokens.mask)
+        return mean_pool(module(tokens.ids, tokens.mask), tokens.mask)
 
 
 class TestMiniLmLoader:
