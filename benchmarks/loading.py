@@ -11,13 +11,16 @@ within a round. Pipelines:
   file, a seeded tiny DiT and VAE): one component dominates;
 - ``seeded``: examples/tiny_t2i.toml with its text encoder and DiT widened (width
   768, 8 layers: ~62 M and ~106 M parameters), weights drawn from their seeds;
-- ``files``: the same three read from safetensors files written beforehand.
+- ``files``: the same three read from safetensors files written beforehand, from the
+  page cache, and ``files, cold``: each file dropped from the page cache before each
+  load (``posix_fadvise(POSIX_FADV_DONTNEED)``), so that reading waits on the disk.
 
 Run: ``python -m benchmarks loading`` (``BENCH_THREADS`` sets torch's intra-op threads).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -59,16 +62,31 @@ def from_files(spec: PipelineSpec, folder: Path) -> PipelineSpec:
     return msgspec.structs.replace(spec, components=components)
 
 
-def timed_load(spec: PipelineSpec, threads: int | None) -> tuple[float, tuple[str, ...]]:
+def drop_from_page_cache(spec: PipelineSpec) -> None:
+    """Drop every weights file of ``spec`` from the page cache (the next read waits on disk)."""
+    for component in spec.components.values():
+        fd = os.open(component.options["weights"], os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the kernel drops only clean pages: a file just written is dirty
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed_load(
+    spec: PipelineSpec, threads: int | None, cold: bool = False
+) -> tuple[float, tuple[str, ...]]:
     """Load ``spec`` on a fresh orchestrator; return the wall seconds and what was parallel."""
     with Orchestrator(spec, load_threads=threads) as orchestrator:
         orchestrator.admit()
+        if cold:
+            drop_from_page_cache(spec)
         started = time.perf_counter()
         report = orchestrator.load()
         return time.perf_counter() - started, report.parallel
 
 
-def compare(label: str, spec: PipelineSpec) -> None:
+def compare(label: str, spec: PipelineSpec, cold: bool = False) -> None:
     """Time sequential and parallel loads of ``spec`` in interleaved rounds; print a row."""
     timed_load(spec, None)  # first touches: imports, files into the page cache
     sequential: list[float] = []
@@ -77,7 +95,7 @@ def compare(label: str, spec: PipelineSpec) -> None:
     for round_ in range(ROUNDS):
         # alternate which goes first, so that drift over a round hits both alike
         for threads in (1, None) if round_ % 2 == 0 else (None, 1):
-            seconds, found = timed_load(spec, threads)
+            seconds, found = timed_load(spec, threads, cold)
             if threads == 1:
                 sequential.append(seconds)
             else:
@@ -101,4 +119,6 @@ def main() -> None:
     seeded = widened(load_spec(ROOT / "examples" / "tiny_t2i.toml"))
     compare("seeded", seeded)
     with tempfile.TemporaryDirectory() as folder:
-        compare("files", from_files(seeded, Path(folder)))
+        files = from_files(seeded, Path(folder))
+        compare("files", files)
+        compare("files, cold", files, cold=True)
