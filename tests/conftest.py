@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple, TypeAlias
 
 import pytest
+import structlog
 import torch
+from PIL import Image
 
 from attention import Platform
+from lifecycle.cli import main
+from lifecycle.logs import configuration_changed
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,3 +45,78 @@ def cpu() -> Platform:
 def fixed_seed() -> None:
     """Seed torch's global generator before each test, so implicit draws (layer init) repeat."""
     torch.manual_seed(0)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def process_state() -> Iterator[None]:
+    """Put back what a test changed of the process: logging, torch threads, signals, env.
+
+    The CLI configures structlog and sets torch's thread count; ``serve`` and ``run``
+    install signal handlers. A test that leaks one of them would change every later
+    test on the same worker, in an order that depends on how the suite is split.
+    """
+    config = structlog.get_config()
+    context = structlog.contextvars.get_contextvars()
+    threads = torch.get_num_threads()
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    environ = dict(os.environ)
+    yield
+    if structlog.get_config() != config:
+        structlog.configure(**config)
+        configuration_changed()  # the project's cached loggers follow the restored one
+    if structlog.contextvars.get_contextvars() != context:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**context)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    for number, handler in handlers.items():
+        if signal.getsignal(number) is not handler:
+            signal.signal(number, handler)
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+class CliResult(NamedTuple):
+    """What one call of the ``lifecycle`` command returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Lifecycle: TypeAlias = Callable[..., CliResult]
+"""Call the ``lifecycle`` command in this process with these arguments (str or Path)."""
+
+
+@pytest.fixture
+def lifecycle(capsys: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Call ``lifecycle.cli.main`` in this process; its exit code is the return value.
+
+    What it printed is read back from ``capsys``; ``process_state`` puts back the
+    logging configuration and thread count it set.
+    """
+
+    def call(*args: str | Path) -> CliResult:
+        capsys.readouterr()  # what the test printed before is not the command's
+        code = main([str(arg) for arg in args])
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return call
+
+
+def decode_png(data: bytes) -> torch.Tensor:
+    """Decode a PNG with Pillow, which checks every chunk; return its pixels ``(H, W, 3)``.
+
+    The image must be 8-bit RGB, what the project writes.
+    """
+    with Image.open(io.BytesIO(data)) as image:
+        image.verify()  # chunk CRCs and structure; the image must be opened again after
+    with Image.open(io.BytesIO(data)) as image:
+        assert (image.format, image.mode) == ("PNG", "RGB"), (image.format, image.mode)
+        pixels = bytearray(image.tobytes())
+        return torch.frombuffer(pixels, dtype=torch.uint8).reshape(image.height, image.width, 3)

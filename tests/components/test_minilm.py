@@ -34,6 +34,7 @@ from components.offload import LayerwiseStore
 from components.weights import stored_bytes
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import load_spec
+from tests.conftest import Lifecycle
 
 pytest.importorskip("tokenizers")
 if shipped_file(WEIGHTS_FILE) is None:
@@ -327,18 +328,10 @@ class TestPipelines:
         ]
 
     @pytest.mark.parametrize("name", ["minilm_embed", "t2i_minilm"])
-    def test_example_runs(self, name: str, root: Path) -> None:
+    def test_example_runs(self, name: str, root: Path, lifecycle: Lifecycle) -> None:
         """The example pipeline serves two requests through ``lifecycle run`` and exits 0."""
-        result = subprocess.run(
-            [
-                *(sys.executable, "-m", "lifecycle", "run", f"examples/{name}.toml"),
-                *("--requests", "2", "--steps", "2"),
-            ],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+        result = lifecycle(
+            "run", root / "examples" / f"{name}.toml", "--requests", "2", "--steps", "2"
         )
         assert result.returncode == 0, result.stderr
         pipeline = name.replace("_", "-")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
+from tests.conftest import Lifecycle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFUSED = sorted((EXAMPLES / "refused").glob("*.toml"))
@@ -229,16 +228,10 @@ kind = "tiny_upsampler"
         ]
         assert all(orchestrator.state(n) is ComponentState.CONFIGURED for n in ("vae", "upsampler"))
 
-    def test_check_json_reports_them(self, root: Path) -> None:
+    def test_check_json_reports_them(self, root: Path, lifecycle: Lifecycle) -> None:
         """``lifecycle check --json`` prints the contract's object with every refusal, exit 1."""
         path = root / "examples" / "refused" / "unsupported_backend.toml"
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "check", "--json", str(path)],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        result = lifecycle("check", "--json", path)
         assert result.returncode == 1
         report = json.loads(result.stdout)
         assert list(report) == ["pipeline", "admitted", "components", "refusals"]

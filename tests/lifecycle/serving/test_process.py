@@ -1,8 +1,7 @@
-"""``lifecycle serve`` as a process: the openai client, SIGTERM drain, the optional extra."""
+"""``lifecycle serve``: SIGTERM drains a real process; bad input, called in-process."""
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import socket
@@ -16,15 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from components.batch import Batch
-from lifecycle.orchestrator import Orchestrator
-from tests.lifecycle.serving.conftest import WATCHDOG_S, decode_png
-
-openai = pytest.importorskip("openai")
-
-SENTENCES = ["A red fox leaps over a snowy fence.", "Ramen with a soft-boiled egg.", "Hi"]
+from tests.conftest import Lifecycle
+from tests.lifecycle.serving.conftest import WATCHDOG_S
 
 
 def free_port() -> int:
@@ -77,48 +70,6 @@ def accepted_jobs(metrics: str) -> int:
     """Return the jobs the worker holds: those in batches it started, and those queued."""
     started = metric(metrics, "lifecycle_batch_size_sum")
     return int(started + metric(metrics, "lifecycle_queue_depth"))
-
-
-class TestOpenAiClient:
-    def test_embeddings_equal_the_embedded_api(self, root: Path, tmp_path: Path) -> None:
-        """client.embeddings.create returns the vectors the Python API computes."""
-        pytest.importorskip("tokenizers")
-        spec = root / "examples" / "minilm_embed.toml"
-        with Orchestrator.from_file(spec) as orch:
-            orch.load()
-            batch = Batch(generator=torch.Generator(), prompts=SENTENCES, size=len(SENTENCES))
-            with orch.request() as request:
-                request.run("encode", batch)
-            assert batch.sentence_embeddings is not None
-            expected = batch.sentence_embeddings
-        with serving(spec, tmp_path / "serve.log") as (_, url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            response = client.embeddings.create(model="minilm-embed", input=SENTENCES)
-            floats = client.embeddings.create(
-                model="minilm-embed", input=SENTENCES[0], encoding_format="float"
-            )
-        got = torch.tensor([item.embedding for item in response.data])
-        assert got.shape == expected.shape
-        assert torch.allclose(got, expected, atol=1e-5)
-        assert torch.allclose(torch.tensor(floats.data[0].embedding), expected[0], atol=1e-5)
-        assert response.usage.prompt_tokens > len(SENTENCES)
-
-    def test_images_generate_returns_a_png_of_the_size(self, root: Path, tmp_path: Path) -> None:
-        """client.images.generate returns n PNGs of the declared size."""
-        spec = root / "examples" / "tiny_t2i.toml"
-        with serving(spec, tmp_path / "serve.log") as (_, url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            response = client.images.generate(
-                model="tiny-t2i",
-                prompt="a lighthouse in a storm",
-                n=2,
-                size="32x16",  # type: ignore[arg-type]  # this pipeline's sizes are small
-                response_format="b64_json",
-                extra_body={"seed": 3, "steps": 2},
-            )
-            assert response.data is not None
-            images = [decode_png(base64.b64decode(d.b64_json or "")) for d in response.data]
-        assert [tuple(image.shape) for image in images] == [(16, 32, 3)] * 2
 
 
 class TestShutdown:
@@ -193,47 +144,32 @@ class TestShutdown:
 
 
 class TestCommand:
-    def test_threads_below_one_exit_2(self, root: Path) -> None:
+    def test_threads_below_one_exit_2(self, root: Path, lifecycle: Lifecycle) -> None:
         """`lifecycle serve --threads 0` is bad input: exit 2 naming the rule, nothing starts."""
-        spec = root / "examples" / "minilm_embed.toml"
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--threads", "0"],
-            capture_output=True,
-            text=True,
-            timeout=WATCHDOG_S,
-        )
+        result = lifecycle("serve", root / "examples" / "minilm_embed.toml", "--threads", "0")
         assert result.returncode == 2
         assert "--threads: expected a count >= 1, got 0" in result.stderr
         assert "Traceback" not in result.stderr
 
-    def test_bad_spec_exits_2_and_refused_spec_exits_1(self, root: Path, tmp_path: Path) -> None:
+    def test_bad_spec_exits_2_and_refused_spec_exits_1(
+        self, root: Path, tmp_path: Path, lifecycle: Lifecycle
+    ) -> None:
         """A spec that does not decode exits 2; one admission refuses exits 1 with the reason."""
         bad = tmp_path / "bad.toml"
         bad.write_text('name = "x"\n[components.a]\nkind = "tiny_vae"\nresidency = "offlaod"\n')
         refused = root / "examples" / "refused" / "capability_missing.toml"
-        results = [
-            subprocess.run(
-                [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", "1"],
-                capture_output=True,
-                text=True,
-                timeout=WATCHDOG_S,
-            )
-            for spec in (bad, refused)
-        ]
+        results = [lifecycle("serve", spec, "--port", "1") for spec in (bad, refused)]
         assert [r.returncode for r in results] == [2, 1]
         assert "$.components.a.residency" in results[0].stderr
         assert "attention.capability_missing" in results[1].stderr
         assert all("Traceback" not in r.stderr for r in results)
 
-    def test_serve_without_the_extra_names_it(self, root: Path) -> None:
+    def test_serve_without_the_extra_names_it(
+        self, root: Path, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """Without fastapi, `lifecycle serve` exits 2 naming the serve extra, no traceback."""
-        script = (
-            "import sys; sys.modules['fastapi'] = None; from lifecycle.cli import main; "
-            f"sys.exit(main(['serve', {str(root / 'examples' / 'tiny_t2i.toml')!r}]))"
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=WATCHDOG_S
-        )
+        monkeypatch.setitem(sys.modules, "fastapi", None)  # what a failed import leaves
+        result = lifecycle("serve", root / "examples" / "tiny_t2i.toml")
         assert result.returncode == 2
         assert "pipeline-lifecycle[serve]" in result.stderr
         assert "Traceback" not in result.stderr
