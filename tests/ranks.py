@@ -1,25 +1,27 @@
-"""Start the ranks of a gloo process group as spawned processes, and wait for them."""
+"""Start the ranks of a gloo process group as processes of their own, and wait for them."""
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from tests.processes import fork_server
+
 
 def run_ranks(
     target: Callable[..., None], world: int, folder: Path, *args: object, deadline_s: float
 ) -> list[int | None]:
-    """Run ``target(rank, world, init_file, *args)`` on ``world`` spawned processes.
+    """Run ``target(rank, world, init_file, *args)`` on ``world`` new processes.
 
-    The ranks meet through a file under ``folder`` (no TCP port that another test
-    could take first). A rank that fails leaves its peers blocked in a collective, so
-    the first failure, or the deadline, stops every rank still running. Returns each
-    rank's exit code (None: it was still running at the deadline).
+    Each is forked from the fork server, which has imported torch. The ranks meet
+    through a file under ``folder`` (no TCP port that another test could take first).
+    A rank that fails leaves its peers blocked in a collective, so the first failure,
+    or the deadline, stops every rank still running. Returns each rank's exit code
+    (None: it was still running at the deadline).
     """
-    context = multiprocessing.get_context("spawn")
+    context = fork_server()
     init_file = str(folder / "rendezvous")
     processes = [
         context.Process(target=target, args=(rank, world, init_file, *args))

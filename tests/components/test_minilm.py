@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from components.weights import stored_bytes
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import load_spec
 from tests.conftest import Lifecycle
+from tests.processes import run_python
 
 pytest.importorskip("tokenizers")
 if shipped_file(WEIGHTS_FILE) is None:
@@ -414,15 +413,8 @@ NO_WEIGHTS = (
 
 
 def run_blocking(root: Path, script: str, *blocked: str) -> list[str]:
-    """Run ``script`` from ``root`` in a fresh interpreter where ``blocked`` cannot be imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", BLOCKER + script, *blocked],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    """Run ``script`` from ``root`` in a new process where ``blocked`` cannot be imported."""
+    result = run_python(BLOCKER + script, *blocked, cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 

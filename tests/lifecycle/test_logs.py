@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import structlog
 from lifecycle.logs import configuration_changed, configure_logging, get_logger
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
+from tests.processes import Finished, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +40,11 @@ with Orchestrator.from_file("examples/tiny_t2i.toml", platform=Platform("cpu")) 
 """
 
 
-def embed(prelude: str) -> subprocess.CompletedProcess[str]:
-    """Run the embedding program after ``prelude``; return what it wrote."""
-    return subprocess.run(
-        [sys.executable, "-c", EMBEDDER.format(prelude=prelude)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
+def embed(prelude: str) -> Finished:
+    """Run the embedding program after ``prelude`` in a new process; return what it wrote."""
+    done = run_python(EMBEDDER.format(prelude=prelude), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 @pytest.fixture(autouse=True)
@@ -135,14 +129,8 @@ class TestEmbedded:
             "with component_attention_scope(requests, platform=Platform('cpu')):\n"
             "    Attention('self', AttentionRole.SELF)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", program],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-            check=True,
-        )
+        done = run_python(program, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
         quiet, configured = done.stdout.split("quiet\n")
         assert quiet == ""
         assert "attention event=attention.selected component=vae" in configured

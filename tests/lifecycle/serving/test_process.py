@@ -1,11 +1,9 @@
-"""``lifecycle serve``: SIGTERM drains a real process; bad input, called in-process."""
+"""``lifecycle serve``: SIGTERM drains a process of its own; bad input, called in this one."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ import pytest
 
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.processes import Program, start_python
 
 
 def free_port() -> int:
@@ -29,20 +28,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def serving(spec: Path, *options: str) -> Iterator[tuple[Program, str]]:
     """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
     port = free_port()
-    with log.open("wb") as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
+    command = ("serve", str(spec), "--port", str(port), "--threads", "1", *options)
+    with start_python("lifecycle", *command, cwd=spec.parent, module=True) as program:
+        url = f"http://127.0.0.1:{port}"
         for _ in range(int(WATCHDOG_S / 0.1)):
-            assert process.poll() is None, log.read_text()
+            assert program.process.is_alive(), program.stderr()
             try:
                 if httpx.get(url + "/readyz", timeout=5).status_code == 200:
                     break
@@ -51,11 +44,7 @@ def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], st
             threading.Event().wait(0.1)
         else:
             raise AssertionError("the worker never became ready")
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=WATCHDOG_S)
+        yield program, url
 
 
 def metric(metrics: str, name: str) -> float:
@@ -84,7 +73,7 @@ class TestShutdown:
                 f'offload_target = "disk"\noffload_dir = "{offload}"',
             )
         )
-        with serving(spec, tmp_path / "serve.log") as (process, url):
+        with serving(spec) as (program, url):
             assert any(offload.rglob("*.safetensors"))  # the offloaded weights live on disk
             body = {"prompt": "a cat", "steps": 600, "size": "32x32", "seed": 1}
             with (
@@ -98,14 +87,14 @@ class TestShutdown:
                     if accepted_jobs(client.get("/metrics").text) == len(running):
                         break
                     threading.Event().wait(0.01)
-                process.send_signal(signal.SIGTERM)
+                program.send_signal(signal.SIGTERM)
                 for _ in range(int(WATCHDOG_S / 0.01)):
                     if client.get("/readyz").status_code == 503:
                         break
                     threading.Event().wait(0.01)
                 refused = client.post("/v1/images/generations", json={"prompt": "late"})
                 answers = [future.result(timeout=WATCHDOG_S) for future in running]
-            code = process.wait(timeout=WATCHDOG_S)
+            code = program.wait(timeout=WATCHDOG_S).returncode
         assert [a.status_code for a in answers] == [200] * 4
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "draining"
@@ -123,21 +112,14 @@ class TestShutdown:
                 f'offload_target = "disk"\noffload_dir = "{offload}"',
             )
         )
-        command = [sys.executable, "-m", "lifecycle", "--log-level", "info", "serve", str(spec)]
-        with subprocess.Popen(
-            [*command, "--port", str(free_port()), "--threads", "1"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        ) as process:
-            try:
-                assert process.stderr is not None
-                listening = next(line for line in process.stderr if "serving.listening" in line)
-                process.send_signal(signal.SIGTERM)
-                _, stderr = process.communicate(timeout=WATCHDOG_S)
-            finally:
-                process.kill()
-        assert process.returncode == 0, stderr
+        command = ("--log-level", "info", "serve", spec, "--port", str(free_port()))
+        with start_python(
+            "lifecycle", *command, "--threads", "1", cwd=tmp_path, module=True
+        ) as program:
+            listening = program.wait_for_line("serving.listening", WATCHDOG_S)
+            program.send_signal(signal.SIGTERM)
+            returncode, _, stderr = program.wait(timeout=WATCHDOG_S)
+        assert returncode == 0, stderr
         assert '"threads":1' in listening
         assert "Traceback" not in stderr
         assert not any(offload.rglob("*.safetensors"))
