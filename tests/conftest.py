@@ -20,9 +20,14 @@ from lifecycle.logs import configuration_changed
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``cuda`` tests where no CUDA device is present (they run where a GPU is lent)."""
+    """Put ``long`` files first; skip ``cuda`` tests where no CUDA device is present.
+
+    xdist hands whole files to its workers in this order: a long file handed out last
+    would end the run on one worker while the others wait.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
     if torch.cuda.is_available():
-        return
+        return  # the cuda tests run where a GPU is lent
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("cuda"):
@@ -47,7 +52,9 @@ def fixed_seed() -> None:
     torch.manual_seed(0)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""``run`` and ``serve`` handle the first two; the torchrun agent that ``run --nproc``
+starts in its own process handles all four."""
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +62,14 @@ def process_state() -> Iterator[None]:
     """Put back what a test changed of the process: logging, torch threads, signals, env.
 
     The CLI configures structlog and sets torch's thread count; ``serve`` and ``run``
-    install signal handlers. A test that leaks one of them would change every later
-    test on the same worker, in an order that depends on how the suite is split.
+    install signal handlers, and torchrun sets ``OMP_NUM_THREADS``. A test that leaks
+    one of them would change every later test on the same worker, in an order that
+    depends on how the suite is split.
     """
     config = structlog.get_config()
     context = structlog.contextvars.get_contextvars()
     threads = torch.get_num_threads()
-    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    handlers = {number: signal.getsignal(number) for number in HANDLED_SIGNALS}
     environ = dict(os.environ)
     yield
     if structlog.get_config() != config:
@@ -92,21 +100,35 @@ Lifecycle: TypeAlias = Callable[..., CliResult]
 """Call the ``lifecycle`` command in this process with these arguments (str or Path)."""
 
 
+def cli_caller(capture: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Return a caller of ``lifecycle.cli.main`` that reads the output back from ``capture``."""
+
+    def call(*args: str | Path) -> CliResult:
+        capture.readouterr()  # what the test printed before is not the command's
+        code = main([str(arg) for arg in args])
+        out, err = capture.readouterr()
+        return CliResult(code, out, err)
+
+    return call
+
+
 @pytest.fixture
 def lifecycle(capsys: pytest.CaptureFixture[str]) -> Lifecycle:
     """Call ``lifecycle.cli.main`` in this process; its exit code is the return value.
 
-    What it printed is read back from ``capsys``; ``process_state`` puts back the
-    logging configuration and thread count it set.
+    ``process_state`` puts back the logging configuration, thread count and signal
+    handlers it set.
     """
+    return cli_caller(capsys)
 
-    def call(*args: str | Path) -> CliResult:
-        capsys.readouterr()  # what the test printed before is not the command's
-        code = main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return CliResult(code, out, err)
 
-    return call
+@pytest.fixture
+def lifecycle_fd(capfd: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Call ``lifecycle.cli.main`` here, reading stdout and stderr at the file descriptors.
+
+    What processes it starts write there too: the workers of ``run --nproc``.
+    """
+    return cli_caller(capfd)
 
 
 def decode_png(data: bytes) -> torch.Tensor:

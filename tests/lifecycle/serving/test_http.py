@@ -21,6 +21,8 @@ from tests.conftest import decode_png
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.long
+
 SpecMaker = Callable[..., PipelineSpec]
 SENTENCES = ["A red fox leaps over a snowy fence.", "Ramen with a soft-boiled egg.", "Hi"]
 

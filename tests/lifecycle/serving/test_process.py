@@ -18,6 +18,8 @@ from tests.conftest import Lifecycle
 from tests.lifecycle.serving.conftest import WATCHDOG_S
 from tests.processes import Program, start_python
 
+pytestmark = pytest.mark.long
+
 
 def free_port() -> int:
     """Return a loopback port nothing listens on now."""
