@@ -19,6 +19,16 @@ from lifecycle.cli import main
 from lifecycle.logs import configuration_changed
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Share the cores among xdist workers: each one's torch computes on its part of them.
+
+    Two workers with a thread a core each would run twice as many threads as cores,
+    which spin waiting for each other.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put ``long`` files first; skip ``cuda`` tests where no CUDA device is present.
 

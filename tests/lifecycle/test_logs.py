@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
 
-from lifecycle.logs import configuration_changed, configure_logging, get_logger
+from lifecycle.logs import configure_logging, get_logger
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.processes import Finished, run_python
@@ -45,15 +44,6 @@ def embed(prelude: str) -> Finished:
     done = run_python(EMBEDDER.format(prelude=prelude), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return done
-
-
-@pytest.fixture(autouse=True)
-def restore_structlog() -> Iterator[None]:
-    """Put structlog's configuration back after each test, and let cached loggers see it."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
-    configuration_changed()
 
 
 class TestConfigureLogging:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import gc
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 
 from lifecycle.cli.runner import MoveTally, RunOutputs, run_requests
@@ -26,14 +24,10 @@ def resident_set_bytes() -> int:
 
 
 @pytest.fixture
-def quiet() -> Iterator[None]:
-    """Log at warning level to a throwaway stream, on one thread; restore both afterwards."""
-    saved, threads = structlog.get_config(), torch.get_num_threads()
+def quiet() -> None:
+    """Log at warning level to a throwaway stream, on one thread (``process_state`` restores)."""
     configure_logging("json", "warning", stream=io.StringIO())
     torch.set_num_threads(1)
-    yield
-    structlog.configure(**saved)
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
