@@ -7,6 +7,8 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import torch
+
 from tests.processes import fork_server
 
 
@@ -15,7 +17,8 @@ def run_ranks(
 ) -> list[int | None]:
     """Run ``target(rank, world, init_file, *args)`` on ``world`` new processes.
 
-    Each is forked from the fork server, which has imported torch. The ranks meet
+    Each is forked from the fork server, which has imported torch, and computes on one
+    thread, as torchrun's workers do (``OMP_NUM_THREADS=1``). The ranks meet
     through a file under ``folder`` (no TCP port that another test could take first).
     A rank that fails leaves its peers blocked in a collective, so the first failure,
     or the deadline, stops every rank still running. Returns each rank's exit code
@@ -24,7 +27,7 @@ def run_ranks(
     context = fork_server()
     init_file = str(folder / "rendezvous")
     processes = [
-        context.Process(target=target, args=(rank, world, init_file, *args))
+        context.Process(target=_rank, args=(target, rank, world, init_file, *args))
         for rank in range(world)
     ]
     for process in processes:
@@ -45,3 +48,8 @@ def run_ranks(
                 process.terminate()
             process.join()
     return exits
+
+
+def _rank(target: Callable[..., None], *args: object) -> None:
+    torch.set_num_threads(1)
+    target(*args)
