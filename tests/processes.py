@@ -155,13 +155,14 @@ def _run_program(
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a new interpreter has
     status = 0
+    # as ``python -m`` and ``-c`` do: the working directory first on the path
+    sys.path.insert(0, cwd if module else "")
     try:
         if module:
             sys.argv = [program, *argv]
             runpy.run_module(program, run_name="__main__", alter_sys=True)
         else:
             sys.argv = ["-c", *argv]
-            sys.path.insert(0, "")  # as ``python -c`` does: the working directory first
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
             exec(compile(program, "<string>", "exec"), main.__dict__)
