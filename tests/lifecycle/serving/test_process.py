@@ -63,18 +63,27 @@ def accepted_jobs(metrics: str) -> int:
     return int(started + metric(metrics, "lifecycle_queue_depth"))
 
 
+def disk_spec(root: Path, offload: Path) -> Path:
+    """Write the reference spec offloading to disk under ``offload``; return its path.
+
+    Its drain waits up to the watchdog: on a loaded machine the four long requests of
+    the drain test outlast the default 30 s, and the test is about the drain, not its
+    timeout.
+    """
+    text = (root / "examples" / "tiny_t2i.toml").read_text()
+    text = text.replace(
+        'offload_target = "host"', f'offload_target = "disk"\noffload_dir = "{offload}"'
+    )
+    spec = offload.parent / "t2i.toml"
+    spec.write_text(text + f"\n[serving]\ndrain_timeout = {WATCHDOG_S}\n")
+    return spec
+
+
 class TestShutdown:
     def test_sigterm_drains_in_flight_requests(self, root: Path, tmp_path: Path) -> None:
         """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files."""
         offload = tmp_path / "offload"
-        spec = tmp_path / "t2i.toml"
-        text = (root / "examples" / "tiny_t2i.toml").read_text()
-        spec.write_text(
-            text.replace(
-                'offload_target = "host"',
-                f'offload_target = "disk"\noffload_dir = "{offload}"',
-            )
-        )
+        spec = disk_spec(root, offload)
         with serving(spec) as (program, url):
             assert any(offload.rglob("*.safetensors"))  # the offloaded weights live on disk
             body = {"prompt": "a cat", "steps": 600, "size": "32x32", "seed": 1}
@@ -106,14 +115,7 @@ class TestShutdown:
     def test_sigterm_while_loading_drains(self, root: Path, tmp_path: Path) -> None:
         """SIGTERM sent once the worker says it listens, as it loads: exit 0, no files left."""
         offload = tmp_path / "offload"
-        spec = tmp_path / "t2i.toml"
-        text = (root / "examples" / "tiny_t2i.toml").read_text()
-        spec.write_text(
-            text.replace(
-                'offload_target = "host"',
-                f'offload_target = "disk"\noffload_dir = "{offload}"',
-            )
-        )
+        spec = disk_spec(root, offload)
         command = ("--log-level", "info", "serve", spec, "--port", str(free_port()))
         with start_python(
             "lifecycle", *command, "--threads", "1", cwd=tmp_path, module=True
