@@ -13,7 +13,7 @@ from torch import nn
 
 
 RGB = 3  # the colour channels of Batch.images
-BatchField = Literal["prompts", "context", "sentence_embeddings", "latents", "images"]
+BatchField = Literal["prompts", "context", "pooled", "sentence_embeddings", "latents", "images"]
 
 
 class Port(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

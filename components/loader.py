@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import reduce
+from itertools import chain
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
@@ -80,8 +82,10 @@ class ComponentLoader:
     options_type: ClassVar[type[KindOptions]] = KindOptions
     allows_global_fallback: ClassVar[bool] = False
     """Whether an explicit global backend this kind cannot serve may fall back."""
-    block_stack: ClassVar[str | None] = None
-    """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
+    block_stack: ClassVar[str | tuple[str, ...] | None] = None
+    """The attribute (a dotted path) holding the ``nn.ModuleList`` that layerwise offload
+    streams, or several, whose blocks stream one stack after the other (Flux's double-stream
+    then single-stream blocks)."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites);
     a kind that says so implements ``parallelize``."""
@@ -92,6 +96,9 @@ class ComponentLoader:
     fully_shardable: ClassVar[bool] = False
     """Whether the custom path's module works sharded by FSDP2 ``fully_shard``: it is
     called only through its ``forward`` (where FSDP gathers the weights)."""
+    classes: ClassVar[tuple[str, ...]] = ()
+    """The library classes this kind loads, as a pipeline folder's ``model_index.json`` names
+    them (``T5EncoderModel``): a folder's component of such a class is of this kind."""
     switchable_backends: ClassVar[bool] = False
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
 
@@ -139,6 +146,22 @@ class ComponentLoader:
     def block_count(self) -> int | None:
         """Return how many blocks the block stack will hold, from the options; None if none."""
         return None
+
+    def blocks(self, module: nn.Module) -> nn.ModuleList | None:
+        """Return the blocks of ``module`` that layerwise offload streams, in the order they run.
+
+        With several stacks the blocks are gathered into one list (which ``module`` does
+        not hold: the blocks stay where they are). None when the kind declares no stack
+        or ``module`` lacks one of them.
+        """
+        if self.block_stack is None:
+            return None
+        paths = (self.block_stack,) if isinstance(self.block_stack, str) else self.block_stack
+        stacks = [reduce(getattr, path.split("."), module) for path in paths]
+        lists = [stack for stack in stacks if isinstance(stack, nn.ModuleList)]
+        if len(lists) != len(stacks):
+            return None
+        return lists[0] if len(lists) == 1 else nn.ModuleList(chain.from_iterable(lists))
 
     def reads(self) -> tuple[Port, ...]:
         """Return the ``Batch`` fields ``run`` uses when an earlier stage wrote them."""
