@@ -82,7 +82,7 @@ class Dims(NamedTuple):
 DIMS: dict[Size, Dims] = {
     "tiny": Dims(
         text=64, text_layers=2, clip=16, clip_layers=2, heads=2, head_dim=16, layers=2,
-        vae=(8, 8), sample=8,
+        vae=(8, 8, 8, 8), sample=32,
     ),
     "bench": Dims(
         text=256, text_layers=6, clip=64, clip_layers=4, heads=6, head_dim=64, layers=8,

@@ -14,18 +14,33 @@ import math
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
 from components.folders.files import stored_tensors, weight_files
 from components.folders.meta import Expected, assign_weights, build_empty, expected_tensors
+from components.folders.names import module_names
 from components.libraries import Library, library_class, missing
 from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
 from components.weights import DeclaredTensors, StoredTensor, is_floating, tensor_bytes
 
 CONFIG_FILE = "config.json"
+
+
+class Layout(NamedTuple):
+    """How a folder's tensors fit its class.
+
+    Attributes:
+        expected: the tensors the class expects, and the buffers it computes.
+        names: each stored tensor's name in the module -> its key in the files.
+    """
+
+    expected: Expected
+    names: dict[str, str]
+
+
 MODEL_BASES: dict[Library, str] = {"diffusers": "ModelMixin", "transformers": "PreTrainedModel"}
 """The class every model a folder names must derive from, per library."""
 
@@ -134,45 +149,64 @@ class FolderLoader(ComponentLoader):
         return stored_tensors(weight_files(self.folder))
 
     @cached_property
-    def expected(self) -> Expected | None:
-        """The tensors the class expects, from building it on ``meta``; None without the library."""
+    def layout(self) -> Layout | None:
+        """What the class expects and the module name of each stored tensor; None without
+        the library (both come from building the class on ``meta``).
+
+        Raises:
+            OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
+                library does and this version does not.
+        """
         if missing(self.library) is not None:
             return None
-        return expected_tensors(build_empty(self._factory()))
+        module = build_empty(self._factory())
+        return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
 
     def tensors(self) -> DeclaredTensors | None:
         """Declare the tensors the class expects (tied names once); None without the library."""
-        expected = self.expected
-        return None if expected is None else expected.tensors
+        layout = self.layout
+        return None if layout is None else layout.expected.tensors
 
     def weight_problems(self) -> list[str]:
         """Say how the folder's weights fail what the class expects, from headers alone.
 
         Raises:
-            OSError, ValueError: as ``stored`` does.
+            OSError, ValueError: as ``layout`` does.
         """
-        expected = self.expected
-        if expected is None:
+        layout = self.layout
+        if layout is None:
             return []
-        return expected.problems({name: tensor for name, (tensor, _) in self.stored.items()})
+        stored = {name: self.stored[key][0] for name, key in layout.names.items()}
+        return layout.expected.problems(stored)
 
     def declared_bytes(self) -> int:
-        """Return the bytes the weights take once loaded in ``dtype``, from the headers.
+        """Return the bytes the module holds once loaded in ``dtype``, from headers and config.
 
         Floating tensors take ``dtype``'s size (float32 where the class keeps them so);
-        integer ones keep their stored size.
+        integer ones keep their stored size. Buffers the class computes rather than
+        stores (known from the ``meta`` build) count as well.
 
         Raises:
             OSError, ValueError: as ``stored`` does.
         """
         keeps_float32 = self.float32_rule()
-        total = 0
-        for name, (tensor, path) in self.stored.items():
-            if is_floating(tensor):
-                dtype = torch.float32 if keeps_float32(name) else self.dtype
-                total += math.prod(tensor.shape) * dtype.itemsize
-            else:
-                total += tensor_bytes(name, tensor, path)
+
+        def loaded(name: str, floating: bool, stored: int, numel: int) -> int:
+            if not floating:
+                return stored
+            dtype = torch.float32 if keeps_float32(name) else self.dtype
+            return numel * dtype.itemsize
+
+        total = sum(
+            loaded(name, is_floating(tensor), tensor_bytes(name, tensor, path), _numel(tensor))
+            for name, (tensor, path) in self.stored.items()
+        )
+        layout = self.layout
+        if layout is not None:
+            total += sum(
+                loaded(name, b.is_floating_point(), b.numel() * b.element_size(), b.numel())
+                for name, b in layout.expected.unstored.items()
+            )
         return total
 
     def float32_rule(self) -> Callable[[str], bool]:
@@ -219,7 +253,13 @@ class FolderLoader(ComponentLoader):
         reason = self.unavailable_reason("native")
         if reason is not None:
             raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
+        layout = self.layout
+        assert layout is not None  # the library is installed: unavailable_reason said so
         module = build_empty(self._factory())
-        stored = {name: path for name, (_, path) in self.stored.items()}
+        stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
         assign_weights(module, stored, self.dtype, self.float32_rule())
         return module
+
+
+def _numel(tensor: StoredTensor) -> int:
+    return math.prod(tensor.shape)

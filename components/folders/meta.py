@@ -63,10 +63,13 @@ class Expected(NamedTuple):
         tensors: each stored tensor by its canonical name (the first of its tie group).
         aliases: every other name of a tied tensor -> its canonical name; a file may
             store a tied tensor under any one of its names.
+        unstored: the buffers the class computes and never stores (position tables,
+            ids), which the module holds besides its weights.
     """
 
     tensors: DeclaredTensors
     aliases: dict[str, str]
+    unstored: dict[str, torch.Tensor]
 
     def problems(self, stored: Mapping[str, StoredTensor]) -> list[str]:
         """Say how ``stored`` (a header, shards merged) fails these tensors; [] when it fits."""
@@ -85,20 +88,23 @@ def expected_tensors(module: nn.Module) -> Expected:
             aliases[name] = owner
             continue
         tensors[name] = DeclaredTensor(tuple(tensor.shape), tensor.is_floating_point())
-    return Expected(tensors, aliases)
+    stored = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
+    unstored = {name: b.to("meta") for name, b in module.named_buffers() if id(b) not in stored}
+    return Expected(tensors, aliases, unstored)
 
 
 def assign_weights(
     module: nn.Module,
-    stored: Mapping[str, Path],
+    stored: Mapping[str, tuple[Path, str]],
     dtype: torch.dtype,
     keep_float32: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Give ``module`` (built by ``build_empty``) the tensors of its files, mapped, not copied.
 
-    ``stored`` maps each tensor name to its file. Floating tensors are cast to ``dtype``
-    (a cast makes the one copy the module keeps; an equal dtype keeps the mapped
-    tensor), except those ``keep_float32`` names; integer tensors keep theirs. Tied
+    ``stored`` maps each tensor's name in ``module`` to its file and its key there.
+    Floating tensors are cast to ``dtype`` (a cast makes the one copy the module keeps;
+    an equal dtype keeps the mapped tensor), except those ``keep_float32`` names;
+    integer tensors keep theirs. Tied
     names get one shared tensor. Floating buffers that the files do not store are cast
     to ``dtype`` too, as ``module.to(dtype)`` would.
 
@@ -114,10 +120,10 @@ def assign_weights(
             found = next((name for name in names if name in stored), None)
             if found is None:
                 continue
-            path = stored[found]
+            path, key = stored[found]
             if path not in opened:
                 opened[path] = files.enter_context(safe_open(path, framework="pt"))
-            tensor = opened[path].get_tensor(found)
+            tensor = opened[path].get_tensor(key)
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32 if keep_float32(found) else dtype)
             _put(module, names, tensor)

@@ -34,13 +34,13 @@ class FolderPipeline(NamedTuple):
     """A pipeline folder as its recipe runs it.
 
     Attributes:
-        index: its ``model_index.json``.
+        model_index: its ``model_index.json``.
         recipe: the recipe of its pipeline class; None when no recipe supports it.
         components: the kind and options of each component the recipe uses.
         problems: what admission must refuse, each with its code.
     """
 
-    index: PipelineIndex
+    model_index: PipelineIndex
     recipe: type[Recipe] | None
     components: dict[str, ComponentPlan]
     problems: list[Problem]

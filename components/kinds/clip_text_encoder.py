@@ -42,6 +42,16 @@ class ClipTextEncoderLoader(TextEncoderLoader):
         """Whether the pooled output is projected (``CLIPTextModelWithProjection``)."""
         return self.class_name == "CLIPTextModelWithProjection"
 
+    def blocks(self, module: nn.Module) -> nn.ModuleList | None:
+        """Return the encoder's layers, inside ``text_model`` where the class keeps its tower.
+
+        transformers 5 builds ``CLIPTextModel`` as the tower itself (``encoder.layers``)
+        and ``CLIPTextModelWithProjection`` around one (``text_model.encoder.layers``).
+        """
+        tower = getattr(module, "text_model", module)
+        layers = tower.encoder.layers
+        return layers if isinstance(layers, nn.ModuleList) else None
+
     def block_count(self) -> int:
         """Return the encoder's layers (``num_hidden_layers``)."""
         return int(self.config["num_hidden_layers"])
