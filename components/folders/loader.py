@@ -125,9 +125,10 @@ class FolderLoader(ComponentLoader):
         """Say why ``path`` cannot build this component here (library, files, class)."""
         if path == "custom":
             return super().unavailable_reason(path)
-        if self.class_name not in self.classes:
-            return f"kind '{self.kind}' loads {', '.join(self.classes)}, not '{self.class_name}'"
-        return missing(self.library) or self._file_problem()
+        reason = missing(self.library) or self._file_problem()
+        if reason is None and self.class_name not in self.classes:
+            reason = f"kind '{self.kind}' loads {', '.join(self.classes)}, not '{self.class_name}'"
+        return reason
 
     def _file_problem(self) -> str | None:
         try:
