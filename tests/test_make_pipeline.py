@@ -63,5 +63,6 @@ class TestMakePipeline:
         )
         assert result.returncode == 2
         assert (
-            "invalid choice: 'sdxl' (choose from pixart, pixart-sigma, flux, sd3)" in result.stderr
+            "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3')"
+            in result.stderr
         )
