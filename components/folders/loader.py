@@ -87,6 +87,7 @@ class FolderLoader(ComponentLoader):
         super().__init__(options)
         self.options: FolderOptions = options
         self.dtype = torch.float32
+        self._spare: nn.Module | None = None
 
     @property
     def folder(self) -> Path:
@@ -160,7 +161,8 @@ class FolderLoader(ComponentLoader):
         """
         if missing(self.library) is not None:
             return None
-        module = build_empty(self._factory())
+        module = self.empty()
+        self._spare = module  # the next native build takes it rather than build another
         return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
 
     def tensors(self) -> DeclaredTensors | None:
@@ -236,13 +238,26 @@ class FolderLoader(ComponentLoader):
         )
         return found
 
-    def _factory(self) -> Callable[[], nn.Module]:
-        """Return what builds the class from ``config.json`` with random (or meta) weights."""
+    def empty(self) -> nn.Module:
+        """Build the class from ``config.json`` with its parameters on ``meta``, uninitialised.
+
+        Initialisers are skipped through the library's own switch (as its loading does):
+        on meta tensors they do nothing but cost time.
+        """
         model = self.model_class()
         if self.library == "transformers":
+            from transformers.initialization import no_init_weights
+
             config = model.config_class.from_dict(self.config)  # type: ignore[attr-defined]
-            return lambda: model(config)
-        return lambda: model.from_config(self.config)  # type: ignore[attr-defined]
+            with no_init_weights():
+                module = build_empty(lambda: model(config))
+            # skipping transformers' init_weights skips its tying too (T5's shared embedding)
+            module.tie_weights()  # type: ignore[operator]
+            return module
+        from diffusers.models.modeling_utils import no_init_weights as no_diffusers_init
+
+        with no_diffusers_init():
+            return build_empty(lambda: model.from_config(self.config))  # type: ignore[attr-defined]
 
     def build_native(self) -> nn.Module:
         """Build the library's class on ``meta`` and give it the folder's mapped weights.
@@ -256,7 +271,7 @@ class FolderLoader(ComponentLoader):
             raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
         layout = self.layout
         assert layout is not None  # the library is installed: unavailable_reason said so
-        module = build_empty(self._factory())
+        module, self._spare = self._spare or self.empty(), None
         stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
         assign_weights(module, stored, self.dtype, self.float32_rule())
         return module

@@ -82,13 +82,14 @@ def expected_tensors(module: nn.Module) -> Expected:
     tensors: DeclaredTensors = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    state = module.state_dict(keep_vars=True)
+    for name, tensor in state.items():
         owner = first.setdefault(id(tensor), name)
         if owner != name:
             aliases[name] = owner
             continue
         tensors[name] = DeclaredTensor(tuple(tensor.shape), tensor.is_floating_point())
-    stored = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
+    stored = {id(tensor) for tensor in state.values()}
     unstored = {name: b.to("meta") for name, b in module.named_buffers() if id(b) not in stored}
     return Expected(tensors, aliases, unstored)
 
@@ -114,6 +115,7 @@ def assign_weights(
     groups: dict[int, list[str]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append(name)
+    modules = dict(module.named_modules(remove_duplicate=False))
     with ExitStack() as files, torch.no_grad():
         opened: dict[Path, _TensorFile] = {}
         for names in groups.values():
@@ -126,10 +128,10 @@ def assign_weights(
             tensor = opened[path].get_tensor(key)
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32 if keep_float32(found) else dtype)
-            _put(module, names, tensor)
+            _put(modules, names, tensor)
         for name, buffer in module.named_buffers():
             if buffer.is_floating_point() and buffer.dtype != dtype and not keep_float32(name):
-                _put(module, [name], buffer.to(dtype))
+                _put(modules, [name], buffer.to(dtype))
     left = [name for name, param in module.named_parameters() if param.device.type == "meta"]
     if left:
         shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
@@ -142,15 +144,18 @@ class _TensorFile(Protocol):
     def get_tensor(self, name: str) -> torch.Tensor: ...
 
 
-def _put(module: nn.Module, names: list[str], tensor: torch.Tensor) -> None:
-    """Set every one of ``names`` (a tie group) to one parameter or buffer holding ``tensor``."""
+def _put(modules: Mapping[str, nn.Module], names: list[str], tensor: torch.Tensor) -> None:
+    """Set every one of ``names`` (a tie group) to one parameter or buffer holding ``tensor``.
+
+    ``modules`` is the model's ``named_modules()`` (looked up once, not per name).
+    """
     owner_name, _, leaf = names[0].rpartition(".")
-    if leaf in module.get_submodule(owner_name)._parameters:
+    if leaf in modules[owner_name]._parameters:
         parameter = nn.Parameter(tensor, requires_grad=False)
         for name in names:
             owner_name, _, leaf = name.rpartition(".")
-            module.get_submodule(owner_name)._parameters[leaf] = parameter
+            modules[owner_name]._parameters[leaf] = parameter
         return
     for name in names:
         owner_name, _, leaf = name.rpartition(".")
-        module.get_submodule(owner_name)._buffers[leaf] = tensor
+        modules[owner_name]._buffers[leaf] = tensor

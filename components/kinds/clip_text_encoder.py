@@ -48,8 +48,8 @@ class ClipTextEncoderLoader(TextEncoderLoader):
         transformers 5 builds ``CLIPTextModel`` as the tower itself (``encoder.layers``)
         and ``CLIPTextModelWithProjection`` around one (``text_model.encoder.layers``).
         """
-        tower = getattr(module, "text_model", module)
-        layers = tower.encoder.layers
+        inside = "text_model." if hasattr(module, "text_model") else ""
+        layers = module.get_submodule(f"{inside}encoder.layers")
         return layers if isinstance(layers, nn.ModuleList) else None
 
     def block_count(self) -> int:

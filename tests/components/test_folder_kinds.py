@@ -14,7 +14,6 @@ from components import registry
 from components.accounting import module_bytes
 from components.folders.files import UnsafeWeightsError, weight_files
 from components.folders.loader import FolderLoader
-from components.folders.meta import build_empty
 from components.folders.pipeline import FolderPipeline
 from components.loader import PathUnavailable
 from tests.conftest import PipelineFolders
@@ -67,6 +66,19 @@ class TestDeclarations:
         blocks = loader.blocks(module)
         assert (None if blocks is None else len(blocks)) == loader.block_count()
 
+    @pytest.mark.parametrize(("family", "name", "kind"), COMPONENTS)
+    def test_load_equals_the_library_load(
+        self, family: str, name: str, kind: str, pipeline_folder: PipelineFolders
+    ) -> None:
+        """Every parameter and buffer equals what the library's own from_pretrained loads."""
+        loader = loader_of(pipeline_folder(family), name)
+        ours = loader.build("native")
+        theirs = loader.model_class().from_pretrained(str(loader.folder))  # type: ignore[attr-defined]
+        for held in ("named_parameters", "named_buffers"):
+            mine, library = dict(getattr(ours, held)()), dict(getattr(theirs, held)())
+            assert mine.keys() == library.keys()
+            assert all(torch.equal(mine[n], library[n]) for n in mine), held
+
     def test_tied_weights_are_declared_once(self, pipeline_folder: PipelineFolders) -> None:
         """T5's embedding is one tensor under two names; the file stores it once, as loaded."""
         loader = loader_of(pipeline_folder("pixart"), "text_encoder")
@@ -78,7 +90,7 @@ class TestDeclarations:
     def test_the_meta_build_holds_no_weights(self, pipeline_folder: PipelineFolders) -> None:
         """Parameters are built on meta; computed buffers are real (PixArt's position table)."""
         loader = loader_of(pipeline_folder("pixart"), "transformer")
-        module = build_empty(loader._factory())
+        module = loader.empty()
         assert {p.device.type for p in module.parameters()} == {"meta"}
         assert {b.device.type for b in module.buffers()} == {"cpu"}
 
