@@ -17,6 +17,7 @@ from components.folders.files import UnsafeWeightsError, weight_files
 from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import CONFIG_FILE
 from components.folders.problems import Problem
+from components.loader import ComponentLoader
 from components.recipes import RECIPES, Recipe
 from components.recipes.base import ENCODE
 
@@ -102,6 +103,14 @@ class FolderPipeline(NamedTuple):
                 options["tokenizer_class"] = index.entries[tokenizer].class_name
             components[name] = ComponentPlan(kind, options)
         return cls(index, recipe, components, problems)
+
+
+    def loaders(self) -> dict[str, ComponentLoader]:
+        """Return each component's loader, made from its plan's kind and options."""
+        return {
+            name: registry.get(plan.kind).from_options(plan.options)
+            for name, plan in self.components.items()
+        }
 
 
 def kind_for_class(class_name: str) -> str | None:

@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from components import registry
 from components.batch import Batch
 from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline
@@ -44,8 +43,7 @@ def load(folder: Path, dtype: torch.dtype = torch.float32) -> Loaded:
     assert not pipeline.problems, pipeline.problems
     assert pipeline.recipe is not None
     loaders: dict[str, FolderLoader] = {}
-    for name, plan in pipeline.components.items():
-        loader = registry.get(plan.kind).from_options(plan.options)
+    for name, loader in pipeline.loaders().items():
         assert isinstance(loader, FolderLoader)
         loader.dtype = dtype
         loaders[name] = loader
@@ -57,11 +55,7 @@ def recipe_of(folder: Path) -> Recipe:
     """Return the recipe of ``folder`` without building any module."""
     pipeline = FolderPipeline.read(folder)
     assert pipeline.recipe is not None
-    loaders = {
-        name: registry.get(plan.kind).from_options(plan.options)
-        for name, plan in pipeline.components.items()
-    }
-    return pipeline.recipe(pipeline.model_index, loaders)
+    return pipeline.recipe(pipeline.model_index, pipeline.loaders())
 
 
 def batch_of(request: Request) -> Batch:

@@ -33,8 +33,7 @@ COMPONENTS = [
 
 def loader_of(folder: Path, name: str) -> FolderLoader:
     """Return the loader of component ``name`` of the pipeline ``folder``."""
-    plan = FolderPipeline.read(folder).components[name]
-    loader = registry.get(plan.kind).from_options(plan.options)
+    loader = FolderPipeline.read(folder).loaders()[name]
     assert isinstance(loader, FolderLoader)
     return loader
 
