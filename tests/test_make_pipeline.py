@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import PipelineFolders
+from tests.processes import run_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,14 +25,7 @@ class TestMakePipeline:
         self, pipeline_folder: PipelineFolders, root: Path, tmp_path: Path
     ) -> None:
         """The command prints the folder it wrote; the same seed writes the same weights."""
-        result = subprocess.run(
-            [sys.executable, "-m", "benchmarks.make_pipeline", "flux", str(tmp_path / "f")],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        result = run_python(root, "-m", "benchmarks.make_pipeline", "flux", str(tmp_path / "f"))
         assert result.returncode == 0, result.stderr
         assert result.stdout == f"{tmp_path / 'f'}\n"
         index = json.loads((tmp_path / "f" / "model_index.json").read_text())
@@ -53,14 +45,7 @@ class TestMakePipeline:
 
     def test_unknown_family_is_bad_input(self, root: Path, tmp_path: Path) -> None:
         """A family the command does not make is exit 2 with the choices."""
-        result = subprocess.run(
-            [sys.executable, "-m", "benchmarks.make_pipeline", "sdxl", str(tmp_path)],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        result = run_python(root, "-m", "benchmarks.make_pipeline", "sdxl", str(tmp_path))
         assert result.returncode == 2
         assert (
             "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3')"

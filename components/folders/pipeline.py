@@ -104,7 +104,6 @@ class FolderPipeline(NamedTuple):
             components[name] = ComponentPlan(kind, options)
         return cls(index, recipe, components, problems)
 
-
     def loaders(self) -> dict[str, ComponentLoader]:
         """Return each component's loader, made from its plan's kind and options."""
         return {

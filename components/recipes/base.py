@@ -20,9 +20,11 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-from components.batch import Batch, BatchField, Port
+from components.batch import Batch, BatchField, Port, device_of
 from components.folders.index import PipelineIndex
+from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
+from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.libraries import library_class
 from components.loader import ComponentLoader
 
@@ -57,8 +59,9 @@ class RecipeError(ValueError):
 class Recipe(ABC):
     """Run one diffusers pipeline class on a folder's components.
 
-    Subclasses set ``pipeline_class``, ``stages`` and the defaults diffusers' ``__call__``
-    has, and implement each stage.
+    Subclasses set ``pipeline_class``, ``stages``, the defaults diffusers' ``__call__``
+    has and ``noise_dtype_of``, and implement each stage. Every supported class has a
+    ``transformer`` and a ``vae``.
 
     Args:
         index: the folder's ``model_index.json``.
@@ -75,6 +78,9 @@ class Recipe(ABC):
     default_steps: ClassVar[int]
     default_guidance: ClassVar[float]
     takes_negative_prompt: ClassVar[bool] = True
+    noise_dtype_of: ClassVar[str]
+    """The text encoder whose dtype the noise is drawn in (diffusers draws it in the dtype
+    of the prompt embeddings)."""
 
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
@@ -88,6 +94,10 @@ class Recipe(ABC):
         except OSError as err:
             raise FileNotFoundError(f"cannot read {path} ({err})") from err
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
+        self.transformer = self.loader("transformer", FolderLoader)
+        self.vae = self.loader("vae", AutoencoderKlLoader)
+        self.channels = width(self.transformer, "latents", written=False) or 0
+        """C: the latent channels the VAE decodes (Flux's DiT reads them packed by four)."""
 
     @classmethod
     def components(cls) -> tuple[str, ...]:
@@ -138,23 +148,75 @@ class Recipe(ABC):
         """Return the batch's guidance scale, else the pipeline's default."""
         return self.default_guidance if batch.guidance_scale is None else batch.guidance_scale
 
+    @property
     @abstractmethod
+    def multiple(self) -> int:
+        """What the image's height and width must be multiples of."""
+
+    def default_size(self) -> tuple[int, int]:
+        """Return diffusers' default (height, width): the DiT's ``sample_size`` in pixels."""
+        side = int(self.transformer.config["sample_size"]) * self.vae.scale_factor
+        return side, side
+
+    def requested_size(self, batch: Batch) -> tuple[int, int]:
+        """Return the size the batch asks for, else the default."""
+        return batch.image_size or self.default_size()
+
+    def binned(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the size the latents are made at for ``size`` asked (the same by default)."""
+        return size
+
     def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the (height, width) in pixels the batch's images are made at.
+        """Return the (height, width) in pixels the batch's latents are made at.
 
         Raises:
-            ValueError: the size is one this pipeline cannot make (the message names
-                the multiple it must be).
+            ValueError: the size is off the grid this pipeline can make (the message
+                names the multiple it must be).
         """
+        height, width = self.binned(self.requested_size(batch))
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
+                f"width must be multiples of {self.multiple}"
+            )
+        return height, width
 
-    @abstractmethod
+    def latent_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the latent grid (h, w) of an image of ``size`` pixels."""
+        height, width = size
+        return height // self.vae.scale_factor, width // self.vae.scale_factor
+
     def draw_latents(
         self, generator: torch.Generator, count: int, size: tuple[int, int]
     ) -> list[torch.Tensor]:
-        """Draw the starting noise of ``count`` images of ``size``, as diffusers draws it.
+        """Draw the noise of ``count`` images of ``size`` (pixels) as diffusers draws it.
 
-        Returns one ``(N, C)`` tensor per image, row-major over the latent grid.
+        One ``torch.randn`` of every image's latents together, in the dtype of
+        ``noise_dtype_of``; returns one ``(N, C)`` tensor per image, row-major over the grid.
         """
+        dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
+        h, w = self.latent_size(size)
+        noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
+        return [x.flatten(1).T for x in noise]  # (N, C) each
+
+    def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
+        """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
+        latents = batch.latents or self.draw_latents(batch.generator, batch.size, size)
+        return latent_grid(latents, *self.latent_size(size))
+
+    def decode_latents(self, module: nn.Module, batch: Batch, *, shifted: bool) -> torch.Tensor:
+        """Decode the batch's latents, unscaled (and shifted) as the VAE's config says.
+
+        Returns images ``(B, 3, H, W)`` in [-1, 1].
+        """
+        config = self.vae.config
+        latents = latent_grid(batch.latents or [], *self.latent_size(self.image_size(batch)))
+        latents = latents.to(device_of(module), self.vae.dtype) / config["scaling_factor"]
+        if shifted:
+            latents = latents + config["shift_factor"]
+        decoder: Any = module
+        images: torch.Tensor = decoder.decode(latents, return_dict=False)[0]
+        return images
 
     @abstractmethod
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
@@ -168,9 +230,20 @@ class Recipe(ABC):
     def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Decode the batch's latents into images ``(B, 3, H, W)`` in [-1, 1]."""
 
-    @abstractmethod
     def interface_problems(self) -> list[Problem]:
         """Say where the components' widths do not fit together (from configs alone)."""
+        latents = mismatch(
+            "vae",
+            "latents",
+            width(self.vae, "latents", written=False),
+            ["transformer"],
+            width(self.transformer, "latents", written=True),
+        )
+        return [*self.text_problems(), *latents]
+
+    @abstractmethod
+    def text_problems(self) -> list[Problem]:
+        """Say where the text encoders' widths do not fit what the DiT reads."""
 
 
 def width(loader: ComponentLoader, field: BatchField, *, written: bool) -> int | None:

@@ -19,11 +19,8 @@ import torch
 from torch import nn
 
 from components.batch import Batch, device_of
-from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
-from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
-from components.kinds.flux_transformer import PACKING
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.recipes.base import (
     DECODE,
@@ -31,7 +28,6 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
-    latent_grid,
     mismatch,
     unique_texts,
     width,
@@ -58,43 +54,26 @@ class FluxRecipe(Recipe):
     default_steps = 28
     default_guidance = 3.5
     takes_negative_prompt = False
+    noise_dtype_of = "text_encoder_2"
     max_tokens: ClassVar[int] = 512
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.clip = self.loader("text_encoder", ClipTextEncoderLoader)
         self.t5 = self.loader("text_encoder_2", T5EncoderLoader)
-        self.transformer = self.loader("transformer", FolderLoader)
-        self.vae = self.loader("vae", AutoencoderKlLoader)
-        self.channels = int(self.transformer.config["in_channels"]) // PACKING
-        # height and width are cut to multiples of this (2 x 2 packing of the latents)
-        self.multiple = self.vae.scale_factor * 2
 
-    def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the batch's size, else 1024 pixels at an 8x VAE (diffusers' default).
+    @property
+    def multiple(self) -> int:
+        """Sizes must be multiples of twice the VAE's scale (2 x 2 packing of the latents).
 
-        Raises:
-            ValueError: the size is not a multiple of twice the VAE's scale (diffusers
-                would cut it down silently).
+        diffusers cuts other sizes down silently; they are refused here instead.
         """
-        side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor
-        height, width = batch.image_size or (side, side)
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
-                f"width must be multiples of {self.multiple}"
-            )
-        return height, width
+        return self.vae.scale_factor * 2
 
-    def draw_latents(
-        self, generator: torch.Generator, count: int, size: tuple[int, int]
-    ) -> list[torch.Tensor]:
-        """Draw ``count`` unpacked latents of ``size`` (pixels) in one ``randn`` call."""
-        h, w = (side // self.vae.scale_factor for side in size)
-        noise = torch.randn(
-            (count, self.channels, h, w), generator=generator, dtype=self.t5.dtype
-        )  # (B, C, h, w)
-        return [x.flatten(1).T for x in noise]  # (h * w, C) each
+    def default_size(self) -> tuple[int, int]:
+        """Return 128 latents a side in pixels (diffusers' ``default_sample_size``)."""
+        side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor
+        return side, side
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Pool each prompt with CLIP and embed it with T5 (no mask, 512 tokens).
@@ -122,10 +101,9 @@ class FluxRecipe(Recipe):
         device = device_of(module)
         if batch.context is None or batch.pooled is None:
             raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        height, width = self.image_size(batch)
-        h, w = height // self.vae.scale_factor, width // self.vae.scale_factor
-        noise = batch.latents or self.draw_latents(batch.generator, batch.size, (height, width))
-        latents = pack(latent_grid(noise, h, w)).to(device)  # (B, N, 4C)
+        size = self.image_size(batch)
+        h, w = self.latent_size(size)
+        latents = pack(self.noise(batch, size)).to(device)  # (B, N, 4C)
         context = torch.stack(batch.context).to(device)  # (B, L, E)
         pooled = batch.pooled.to(device)
         text_ids = torch.zeros(context.shape[1], 3, device=device, dtype=self.clip.dtype)
@@ -166,18 +144,11 @@ class FluxRecipe(Recipe):
 
     def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Unscale and shift the latents as the VAE's config says, and decode them."""
-        module = modules["vae"]
-        height, width = self.image_size(batch)
-        scale = self.vae.scale_factor
-        latents = latent_grid(batch.latents or [], height // scale, width // scale)
-        config = self.vae.config
-        latents = latents.to(device_of(module)) / config["scaling_factor"] + config["shift_factor"]
-        decoder: Any = module
-        batch.images = decoder.decode(latents, return_dict=False)[0]
+        batch.images = self.decode_latents(modules["vae"], batch, shifted=True)
 
-    def interface_problems(self) -> list[Problem]:
-        """Check T5's width, CLIP's pooled width and the latent channels against the DiT."""
-        transformer, vae = self.transformer, self.vae
+    def text_problems(self) -> list[Problem]:
+        """Check T5's width and CLIP's pooled width against the DiT."""
+        transformer = self.transformer
         return [
             *mismatch(
                 "transformer",
@@ -192,13 +163,6 @@ class FluxRecipe(Recipe):
                 width(transformer, "pooled", written=False),
                 ["text_encoder"],
                 width(self.clip, "pooled", written=True),
-            ),
-            *mismatch(
-                "vae",
-                "latents",
-                width(vae, "latents", written=False),
-                ["transformer"],
-                width(transformer, "latents", written=True),
             ),
         ]
 

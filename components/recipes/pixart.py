@@ -21,9 +21,7 @@ import torch
 from torch import nn
 
 from components.batch import Batch, device_of
-from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
-from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.libraries import is_importable
 from components.recipes.base import (
@@ -32,7 +30,6 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
-    latent_grid,
     mismatch,
     step_options,
     unique_texts,
@@ -58,6 +55,7 @@ class PixArtAlphaRecipe(Recipe):
     )
     default_steps = 20
     default_guidance = 4.5
+    noise_dtype_of = "text_encoder"
     max_tokens: ClassVar[int] = 120
     bin_tables: ClassVar[dict[int, str]] = {
         128: "ASPECT_RATIO_1024_BIN",
@@ -65,21 +63,27 @@ class PixArtAlphaRecipe(Recipe):
         32: "ASPECT_RATIO_256_BIN",
     }
     """The aspect-ratio bins diffusers uses for each DiT ``sample_size`` (names in diffusers)."""
+    starts_at_first_step: ClassVar[bool] = True
+    """Whether the pipeline sets the scheduler's begin index (alpha's does, sigma's not)."""
+    one_step_keeps_original: ClassVar[bool] = True
+    """Whether a one-step run keeps the scheduler's predicted original (alpha's quirk)."""
+    micro_conditioned: ClassVar[bool] = True
+    """Whether the 1024-pixel DiT (sample size 128) gets resolution and ratio conditions."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.text_encoder = self.loader("text_encoder", T5EncoderLoader)
-        self.transformer = self.loader("transformer", FolderLoader)
-        self.vae = self.loader("vae", AutoencoderKlLoader)
         config = self.transformer.config
         self.sample_size = int(config["sample_size"])
-        self.channels = int(config["in_channels"])
         self.learned_sigma = int(config.get("out_channels") or self.channels) // 2 == self.channels
-        self.multiple = math.lcm(
+        self._multiple = math.lcm(
             SIZE_MULTIPLE, self.vae.scale_factor * int(config.get("patch_size") or 1)
         )
 
-    # Sizes --------------------------------------------------------------------------
+    @property
+    def multiple(self) -> int:
+        """Sizes must be multiples of 8 (diffusers' check) and of the VAE and patch scale."""
+        return self._multiple
 
     def bins(self) -> dict[str, list[float]] | None:
         """Return diffusers' aspect-ratio bins for this DiT, or None when it bins none."""
@@ -93,41 +97,15 @@ class PixArtAlphaRecipe(Recipe):
         )
         return table
 
-    def requested_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the size asked for: the batch's, else the DiT's own."""
-        side = self.sample_size * self.vae.scale_factor
-        return batch.image_size or (side, side)
-
-    def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the size the latents are made at: the requested one, or its bin.
-
-        Raises:
-            ValueError: the size is not a multiple of 8 and of the VAE and patch scale.
-        """
-        height, width = self.requested_size(batch)
+    def binned(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the aspect-ratio bin nearest ``size`` where diffusers bins, else ``size``."""
         bins = self.bins()
-        if bins is not None:
-            from diffusers.image_processor import PixArtImageProcessor
+        if bins is None:
+            return size
+        from diffusers.image_processor import PixArtImageProcessor
 
-            height, width = PixArtImageProcessor.classify_height_width_bin(height, width, bins)
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
-                f"width must be multiples of {self.multiple}"
-            )
-        return height, width
-
-    def draw_latents(
-        self, generator: torch.Generator, count: int, size: tuple[int, int]
-    ) -> list[torch.Tensor]:
-        """Draw ``count`` latents of ``size`` (pixels) in one ``randn`` call."""
-        h, w = (side // self.vae.scale_factor for side in size)
-        noise = torch.randn(
-            (count, self.channels, h, w), generator=generator, dtype=self.text_encoder.dtype
-        )  # (B, C, h, w)
-        return [x.flatten(1).T for x in noise]  # (N, C) each
-
-    # Stages -------------------------------------------------------------------------
+        binned: tuple[int, int] = PixArtImageProcessor.classify_height_width_bin(*size, bins)
+        return binned
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and, under guidance, the negative prompts) with masked T5."""
@@ -164,12 +142,13 @@ class PixArtAlphaRecipe(Recipe):
             context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
         scheduler = self.new_scheduler()
         scheduler.set_timesteps(batch.steps, device=device)
-        self.begin(scheduler)
-        noise = batch.latents or self.draw_latents(batch.generator, batch.size, (height, width))
-        h, w = height // self.vae.scale_factor, width // self.vae.scale_factor
-        latents = latent_grid(noise, h, w).to(device) * scheduler.init_noise_sigma  # (B, C, h, w)
+        if self.starts_at_first_step and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        noise = self.noise(batch, (height, width)).to(device)
+        latents = noise * scheduler.init_noise_sigma  # (B, C, h, w)
         conditions = self.micro_conditions(batch.size * (2 if guided else 1), height, width)
         options = step_options(scheduler, batch.generator)
+        original = self.one_step_keeps_original and batch.steps == 1
         for t in scheduler.timesteps:
             model_input = torch.cat([latents] * 2) if guided else latents
             model_input = scheduler.scale_model_input(model_input, t)
@@ -187,37 +166,17 @@ class PixArtAlphaRecipe(Recipe):
                 prediction = uncond + scale * (cond - uncond)
             if self.learned_sigma:
                 prediction = prediction.chunk(2, dim=1)[0]
-            latents = self.step(scheduler, prediction, t, latents, options, batch.steps)
+            out = scheduler.step(prediction, t, latents, **options, return_dict=False)
+            # (where a one-step run finds no predicted original, diffusers' alpha pipeline
+            # fails; this keeps the previous sample)
+            latents = out[1] if original and len(out) > 1 else out[0]
         batch.latents = [x.flatten(1).T for x in latents]  # (N, C) each
-
-    def begin(self, scheduler: Any) -> None:
-        """Start the scheduler at its first step (PixArt-alpha's pipeline sets it)."""
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-
-    def step(
-        self,
-        scheduler: Any,
-        prediction: torch.Tensor,
-        t: torch.Tensor,
-        latents: torch.Tensor,
-        options: dict[str, Any],
-        steps: int,
-    ) -> torch.Tensor:
-        """Step the scheduler; with one step alpha's pipeline keeps the predicted original.
-
-        (Where the scheduler returns no predicted original, diffusers' pipeline fails; this
-        keeps the previous sample.)
-        """
-        out = scheduler.step(prediction, t, latents, **options, return_dict=False)
-        result: torch.Tensor = out[1] if steps == 1 and len(out) > 1 else out[0]
-        return result
 
     def micro_conditions(
         self, count: int, height: int, width: int
     ) -> dict[str, torch.Tensor | None]:
         """Return the resolution and aspect-ratio conditions of the 1024-pixel model, else none."""
-        if self.sample_size != MICRO_CONDITIONED:
+        if not self.micro_conditioned or self.sample_size != MICRO_CONDITIONED:
             return {"resolution": None, "aspect_ratio": None}
         dtype = self.text_encoder.dtype
         return {
@@ -227,43 +186,27 @@ class PixArtAlphaRecipe(Recipe):
 
     def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Decode the latents, and resize and crop binned images back to the size asked."""
-        module = modules["vae"]
-        height, width = self.image_size(batch)
-        scale = self.vae.scale_factor
-        latents = latent_grid(batch.latents or [], height // scale, width // scale)
-        latents = latents.to(device_of(module), self.vae.dtype)
-        decoder: Any = module
-        images = decoder.decode(latents / self.vae.config["scaling_factor"], return_dict=False)[0]
-        asked_height, asked_width = self.requested_size(batch)
+        images = self.decode_latents(modules["vae"], batch, shifted=False)
         if self.bins() is not None:
             from diffusers.image_processor import PixArtImageProcessor
 
-            images = PixArtImageProcessor.resize_and_crop_tensor(images, asked_width, asked_height)
+            height, width = self.requested_size(batch)
+            images = PixArtImageProcessor.resize_and_crop_tensor(images, width, height)
         batch.images = images
 
-    def interface_problems(self) -> list[Problem]:
-        """Check T5's width against the DiT's caption width, and the latent channels."""
-        transformer, vae, text = self.transformer, self.vae, self.text_encoder
-        return [
-            *mismatch(
-                "transformer",
-                "context",
-                width(transformer, "context", written=False),
-                ["text_encoder"],
-                width(text, "context", written=True),
-            ),
-            *mismatch(
-                "vae",
-                "latents",
-                width(vae, "latents", written=False),
-                ["transformer"],
-                width(transformer, "latents", written=True),
-            ),
-        ]
+    def text_problems(self) -> list[Problem]:
+        """Check T5's width against the DiT's caption width."""
+        return mismatch(
+            "transformer",
+            "context",
+            width(self.transformer, "context", written=False),
+            ["text_encoder"],
+            width(self.text_encoder, "context", written=True),
+        )
 
 
 class PixArtSigmaRecipe(PixArtAlphaRecipe):
-    """Run ``PixArtSigmaPipeline``: 300 tokens, a 2048-pixel bin, no micro-conditions."""
+    """Run ``PixArtSigmaPipeline``: 300 tokens, a 2048-pixel bin, none of alpha's quirks."""
 
     pipeline_class: ClassVar[str] = "PixArtSigmaPipeline"
     max_tokens = 300
@@ -271,30 +214,9 @@ class PixArtSigmaRecipe(PixArtAlphaRecipe):
         256: "ASPECT_RATIO_2048_BIN",
         **PixArtAlphaRecipe.bin_tables,
     }
-
-    def begin(self, scheduler: Any) -> None:
-        """Leave the scheduler to find its first step (sigma's pipeline sets no begin index)."""
-
-    def step(
-        self,
-        scheduler: Any,
-        prediction: torch.Tensor,
-        t: torch.Tensor,
-        latents: torch.Tensor,
-        options: dict[str, Any],
-        steps: int,
-    ) -> torch.Tensor:
-        """Step the scheduler and keep the previous sample."""
-        result: torch.Tensor = scheduler.step(prediction, t, latents, **options, return_dict=False)[
-            0
-        ]
-        return result
-
-    def micro_conditions(
-        self, count: int, height: int, width: int
-    ) -> dict[str, torch.Tensor | None]:
-        """Return no conditions: sigma's pipeline passes none."""
-        return {"resolution": None, "aspect_ratio": None}
+    starts_at_first_step = False
+    one_step_keeps_original = False
+    micro_conditioned = False
 
 
 def clean_captions(pipeline_class: str, texts: list[str]) -> list[str]:

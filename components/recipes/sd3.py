@@ -18,9 +18,7 @@ from torch import nn
 from torch.nn import functional
 
 from components.batch import Batch, device_of
-from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
-from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.recipes.base import (
@@ -29,7 +27,6 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
-    latent_grid,
     mismatch,
     unique_texts,
     width,
@@ -54,42 +51,19 @@ class Sd3Recipe(Recipe):
     )
     default_steps = 28
     default_guidance = 7.0
+    noise_dtype_of = "text_encoder"
     max_tokens: ClassVar[int] = 256
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.clips = [self.loader(name, ClipTextEncoderLoader) for name in CLIPS]
         self.t5 = self.loader("text_encoder_3", T5EncoderLoader)
-        self.transformer = self.loader("transformer", FolderLoader)
-        self.vae = self.loader("vae", AutoencoderKlLoader)
-        self.channels = int(self.transformer.config["in_channels"])
         self.patch = int(self.transformer.config["patch_size"])
-        self.multiple = self.vae.scale_factor * self.patch
 
-    def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the batch's size, else the DiT's ``sample_size`` in pixels.
-
-        Raises:
-            ValueError: the size is not a multiple of the VAE's scale times the patch.
-        """
-        side = int(self.transformer.config["sample_size"]) * self.vae.scale_factor
-        height, width = batch.image_size or (side, side)
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
-                f"width must be multiples of {self.multiple}"
-            )
-        return height, width
-
-    def draw_latents(
-        self, generator: torch.Generator, count: int, size: tuple[int, int]
-    ) -> list[torch.Tensor]:
-        """Draw ``count`` latents of ``size`` (pixels) in one ``randn`` call."""
-        h, w = (side // self.vae.scale_factor for side in size)
-        noise = torch.randn(
-            (count, self.channels, h, w), generator=generator, dtype=self.clips[0].dtype
-        )  # (B, C, h, w)
-        return [x.flatten(1).T for x in noise]  # (N, C) each
+    @property
+    def multiple(self) -> int:
+        """Sizes must be multiples of the VAE's scale times the patch (diffusers' check)."""
+        return self.vae.scale_factor * self.patch
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts with both CLIP and T5 (and the negatives under guidance)."""
@@ -123,7 +97,6 @@ class Sd3Recipe(Recipe):
         device = device_of(module)
         if batch.context is None or batch.pooled is None:
             raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        height, width = self.image_size(batch)
         scale = self.guidance_scale(batch)
         guided = scale > 1
         context, pooled = torch.stack(batch.context), batch.pooled
@@ -133,9 +106,9 @@ class Sd3Recipe(Recipe):
             context = torch.cat([torch.stack(batch.negative_context), context])
             pooled = torch.cat([batch.negative_pooled, pooled])
         context, pooled = context.to(device), pooled.to(device)
-        h, w = height // self.vae.scale_factor, width // self.vae.scale_factor
-        noise = batch.latents or self.draw_latents(batch.generator, batch.size, (height, width))
-        latents = latent_grid(noise, h, w).to(device)  # (B, C, h, w)
+        size = self.image_size(batch)
+        h, w = self.latent_size(size)
+        latents = self.noise(batch, size).to(device)  # (B, C, h, w)
         scheduler = self.new_scheduler()
         options = {}
         if scheduler.config.get("use_dynamic_shifting"):
@@ -160,18 +133,11 @@ class Sd3Recipe(Recipe):
 
     def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Unscale and shift the latents as the VAE's config says, and decode them."""
-        module = modules["vae"]
-        height, width = self.image_size(batch)
-        scale = self.vae.scale_factor
-        latents = latent_grid(batch.latents or [], height // scale, width // scale)
-        config = self.vae.config
-        latents = latents.to(device_of(module)) / config["scaling_factor"] + config["shift_factor"]
-        decoder: Any = module
-        batch.images = decoder.decode(latents, return_dict=False)[0]
+        batch.images = self.decode_latents(modules["vae"], batch, shifted=True)
 
-    def interface_problems(self) -> list[Problem]:
-        """Check the joined text and pooled widths and the latent channels against the DiT."""
-        transformer, vae = self.transformer, self.vae
+    def text_problems(self) -> list[Problem]:
+        """Check the joined text and pooled widths against the DiT."""
+        transformer = self.transformer
         clip_states = [width(clip, "context", written=True) or 0 for clip in self.clips]
         t5_width = width(self.t5, "context", written=True) or 0
         found = [
@@ -188,13 +154,6 @@ class Sd3Recipe(Recipe):
                 width(transformer, "pooled", written=False),
                 list(CLIPS),
                 sum(width(clip, "pooled", written=True) or 0 for clip in self.clips),
-            ),
-            *mismatch(
-                "vae",
-                "latents",
-                width(vae, "latents", written=False),
-                ["transformer"],
-                width(transformer, "latents", written=True),
             ),
         ]
         if sum(clip_states) > t5_width:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -19,6 +17,7 @@ from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
 from components.weights import stored_bytes
 from tests.conftest import PipelineFolders
+from tests.processes import run_python
 
 KINDS = {
     "pixart": {
@@ -258,14 +257,7 @@ class TestOptionalLibraries:
     ) -> None:
         """Kinds come from the index; bytes from the headers; the native path names the extra."""
         folder = pipeline_folder("pixart")
-        result = subprocess.run(
-            [sys.executable, "-c", WITHOUT_LIBRARIES, str(folder)],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        result = run_python(root, "-c", WITHOUT_LIBRARIES, str(folder))
         assert result.returncode == 0, result.stderr
         weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
         assert result.stdout.splitlines() == [
@@ -316,14 +308,7 @@ class TestOneCopy:
             d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
         )
         T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
-        result = subprocess.run(
-            [sys.executable, "-c", LOAD_PEAK, str(tmp_path / "t5")],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        result = run_python(root, "-c", LOAD_PEAK, str(tmp_path / "t5"))
         assert result.returncode == 0, result.stderr
         grown, weights = map(int, result.stdout.split())
         assert weights > 100 * 2**20  # large enough that a second copy could not hide

@@ -37,6 +37,14 @@ CASES = {
 }
 
 
+def with_config(folder: Path, into: Path, component: str, **changes: object) -> Path:
+    """Copy pipeline ``folder`` into ``into`` with keys of ``component``'s config.json changed."""
+    copy = shutil.copytree(folder, into / folder.name)
+    path = copy / component / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return copy
+
+
 @pytest.fixture(scope="module")
 def loaded(pipeline_folder: PipelineFolders) -> dict[str, Loaded]:
     """Every tiny folder's recipe with its components built natively, once per module."""
@@ -69,10 +77,7 @@ class TestEqualToDiffusers:
         self, pipeline_folder: PipelineFolders, tmp_path: Path
     ) -> None:
         """A DiT of a size diffusers does not bin runs at the size asked, like binning off."""
-        folder = shutil.copytree(pipeline_folder("pixart"), tmp_path / "pixart")
-        config_path = folder / "transformer" / "config.json"
-        config = json.loads(config_path.read_text())
-        config_path.write_text(json.dumps({**config, "sample_size": 8}))
+        folder = with_config(pipeline_folder("pixart"), tmp_path, "transformer", sample_size=8)
         request = Request(size=(16, 32), steps=3)
         ours = run_recipe(load(folder), request)
         theirs = run_diffusers(folder, request, use_resolution_binning=False)
@@ -157,12 +162,22 @@ class TestInterfaces:
         self, pipeline_folder: PipelineFolders, tmp_path: Path
     ) -> None:
         """A DiT whose caption width differs from T5's is named with both widths."""
-        folder = shutil.copytree(pipeline_folder("pixart"), tmp_path / "pixart")
-        config_path = folder / "transformer" / "config.json"
-        config = json.loads(config_path.read_text())
-        config_path.write_text(json.dumps({**config, "caption_channels": 48}))
+        folder = with_config(
+            pipeline_folder("pixart"), tmp_path, "transformer", caption_channels=48
+        )
         (problem,) = recipe_of(folder).interface_problems()
         assert problem.code == "pipeline.interface_mismatch"
         assert problem.message == (
             "component 'transformer' reads context 48 wide, but 'text_encoder' writes it 64 wide"
         )
+
+    def test_every_width_problem_is_named(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """SD3 with a narrow T5: the DiT's joint width and the CLIP padding both fail."""
+        folder = with_config(pipeline_folder("sd3"), tmp_path, "text_encoder_3", d_model=32)
+        assert [p.message for p in recipe_of(folder).interface_problems()] == [
+            "component 'transformer' reads context 64 wide, but 'text_encoder_3' writes it 32 wide",
+            "the CLIP states (16 + 32 wide) must fit inside T5's 32, where they are padded to "
+            "its width",
+        ]
