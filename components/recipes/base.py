@@ -78,6 +78,7 @@ class Recipe(ABC):
     default_steps: ClassVar[int]
     default_guidance: ClassVar[float]
     takes_negative_prompt: ClassVar[bool] = True
+    """Whether guidance has an unconditional pass for a negative prompt to steer."""
     noise_dtype_of: ClassVar[str]
     """The text encoder whose dtype the noise is drawn in (diffusers draws it in the dtype
     of the prompt embeddings)."""
@@ -143,6 +144,25 @@ class Recipe(ABC):
             DECODE: self.decode,
         }
         runs[stage](modules, batch)
+
+    def check(self, batch: Batch) -> list[str]:
+        """Refuse a request this pipeline class cannot honour; return its prompts.
+
+        ``encode`` asks it before anything runs; a worker may ask it before queuing.
+
+        Raises:
+            ValueError: it has no prompts, a negative prompt the class would ignore, or a
+                size off its grid (each message says what to change).
+        """
+        if not batch.prompts:
+            raise ValueError(f"a {self.pipeline_class} request needs prompts")
+        if batch.negative_prompts is not None and not self.takes_negative_prompt:
+            raise ValueError(
+                f"{self.pipeline_class} guides by its distilled guidance embedding and has no "
+                "unconditional pass: a negative prompt would be ignored; drop it"
+            )
+        self.image_size(batch)
+        return batch.prompts
 
     def guidance_scale(self, batch: Batch) -> float:
         """Return the batch's guidance scale, else the pipeline's default."""

@@ -82,14 +82,7 @@ class FluxRecipe(Recipe):
             ValueError: the batch has no prompts, or negative prompts (distilled guidance
                 has no unconditional pass to use them).
         """
-        if batch.prompts is None:
-            raise ValueError(f"a {self.pipeline_class} request needs prompts")
-        if batch.negative_prompts is not None:
-            raise ValueError(
-                f"{self.pipeline_class} guides by its distilled guidance embedding and has no "
-                "unconditional pass: a negative prompt would be ignored; drop it"
-            )
-        distinct, rows = unique_texts(batch.prompts)
+        distinct, rows = unique_texts(self.check(batch))
         pooled = self.clip.encode(modules["text_encoder"], distinct).pooled  # (B', P)
         hidden = self.t5.encode(modules["text_encoder_2"], distinct, self.max_tokens, masked=False)
         batch.pooled = pooled[rows]

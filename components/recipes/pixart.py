@@ -109,12 +109,11 @@ class PixArtAlphaRecipe(Recipe):
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and, under guidance, the negative prompts) with masked T5."""
-        if batch.prompts is None:
-            raise ValueError(f"a {self.pipeline_class} request needs prompts")
+        prompts = self.check(batch)
         module = modules["text_encoder"]
-        batch.context, batch.context_mask = self._embed(module, batch.prompts)
+        batch.context, batch.context_mask = self._embed(module, prompts)
         if self.guidance_scale(batch) > 1:
-            negative = batch.negative_prompts or [""] * len(batch.prompts)
+            negative = batch.negative_prompts or [""] * len(prompts)
             batch.negative_context, batch.negative_context_mask = self._embed(module, negative)
 
     def _embed(

@@ -67,11 +67,10 @@ class Sd3Recipe(Recipe):
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts with both CLIP and T5 (and the negatives under guidance)."""
-        if batch.prompts is None:
-            raise ValueError(f"a {self.pipeline_class} request needs prompts")
-        batch.context, batch.pooled = self._embed(modules, batch.prompts)
+        prompts = self.check(batch)
+        batch.context, batch.pooled = self._embed(modules, prompts)
         if self.guidance_scale(batch) > 1:
-            negative = batch.negative_prompts or [""] * len(batch.prompts)
+            negative = batch.negative_prompts or [""] * len(prompts)
             batch.negative_context, batch.negative_pooled = self._embed(modules, negative)
 
     def _embed(
