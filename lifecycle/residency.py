@@ -363,6 +363,4 @@ def _module_of(slot: ComponentSlot) -> nn.Module:
 
 
 def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
-    attribute = slot.loader.block_stack
-    blocks = None if attribute is None else getattr(slot.module, attribute, None)
-    return blocks if isinstance(blocks, nn.ModuleList) else None
+    return None if slot.module is None else slot.loader.blocks(slot.module)
