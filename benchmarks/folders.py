@@ -45,7 +45,7 @@ PROMPT = "A watercolour painting of a lighthouse in a storm at dusk"
 STEPS = 4
 SIZE = (256, 256)
 LOAD_ROUNDS = 5
-REQUEST_ROUNDS = 3
+REQUEST_ROUNDS = 5
 
 
 class Loaded(NamedTuple):
