@@ -13,7 +13,7 @@ from torch import nn
 
 
 RGB = 3  # the colour channels of Batch.images
-BatchField = Literal["prompts", "context", "sentence_embeddings", "latents", "images"]
+BatchField = Literal["prompts", "context", "pooled", "sentence_embeddings", "latents", "images"]
 
 
 class Port(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,6 +66,13 @@ class Batch:
             tensor per prompt (embedded negative prompts); None means the empty prompt,
             one zero embedding.
         images: images ``(B, 3, H, W)`` in [-1, 1].
+        image_size: the images' (height, width) in pixels, for a pipeline from a folder;
+            None takes the pipeline's default (a kind's images follow ``latent_size``).
+        context_mask: which tokens of ``context`` are real, ``(B, L)``, where the
+            denoiser masks padding (PixArt); None when it attends to every token.
+        negative_context_mask: the same for ``negative_context``.
+        pooled: one pooled text vector per prompt, ``(B, P)`` (Flux, SD3).
+        negative_pooled: the same for the negative prompts.
     """
 
     generator: torch.Generator
@@ -80,3 +87,8 @@ class Batch:
     guidance_scale: float | None = None
     negative_prompts: list[str] | None = None
     negative_context: list[torch.Tensor] | None = None
+    image_size: tuple[int, int] | None = None
+    context_mask: torch.Tensor | None = None
+    negative_context_mask: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    negative_pooled: torch.Tensor | None = None

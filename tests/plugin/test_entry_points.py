@@ -158,7 +158,9 @@ class TestEntryPoints:
         message = err.value.message
         assert message.startswith(
             "Expected an installed component kind (tiny_text_encoder, tiny_dit, tiny_vae, "
-            "tiny_upsampler, minilm_text_encoder, plugin_echo, plugin_factory, "
+            "tiny_upsampler, minilm_text_encoder, t5_encoder, clip_text_encoder, "
+            "pixart_transformer, flux_transformer, sd3_transformer, autoencoder_kl, "
+            "plugin_echo, plugin_factory, "
             "plugin_rank_fault, plugin_sequential_stack), got 'evilmod:go'; "
             "entry point 'plugin_missing' failed to load "
             "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
