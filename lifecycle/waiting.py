@@ -1,5 +1,18 @@
 """Waiting for memory: an onload that cannot fit only because other requests hold
-components waits its turn, in FIFO order, instead of being refused (DESIGN §5.5).
+components waits its turn, by priority with ageing, instead of being refused
+(DESIGN §5.5, §15).
+
+The order: the waiter with the highest *effective priority* goes first, where a
+waiter's effective priority is its request's priority plus the number of stages
+granted to others while it waited (each grant that passes over it ages it by
+one); ties go to the earlier arrival. With one priority this is FIFO.
+
+The bound: a waiter of priority ``p`` is passed over at most ``(P - p) + (W - 1)``
+times, where ``P`` is the highest priority any request carries and ``W`` the waiters
+present once it has been passed over ``P - p`` times. Proof: a later arrival that
+came after ``d`` of those passes has aged ``d`` less, so it goes first only if its
+priority exceeds ``p + d``; once ``d >= P - p`` no later arrival can, and only the
+waiters already present can go first, each once.
 
 Why this cannot deadlock:
 
@@ -13,22 +26,26 @@ Why this cannot deadlock:
 3. *The head always fits eventually.* Admission refuses a pipeline whose largest
    stage does not fit the budget together with the pinned components; so once
    every holder has dropped its holds, the head's stage fits after evicting idle
-   components. Newcomers queue behind waiters (FIFO), so the set of holders the
-   head waits for only shrinks.
+   components. Only the head acquires, so while it waits the set of holders only
+   shrinks; a newcomer that goes ahead of it holds nothing either, and the bound
+   above limits how often that happens.
 
 Hence the head of the queue always progresses, and every waiter becomes the head.
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
-``residency.memory_budget``, naming the requests that hold what it needs.
+``residency.memory_budget``, naming the requests that hold what it needs. A request
+cancelled while it waits (``Request.cancel()``) leaves the queue at once.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
+from components.batch import Cancelled
 from lifecycle.config import StageSpec
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
@@ -40,8 +57,16 @@ log = get_logger("lifecycle")  # follows a later configure_logging, as the machi
 T = TypeVar("T")
 
 
+class _Waiter(NamedTuple):
+    """One waiting request; the queue is sorted on these (first in line first)."""
+
+    rank: int  # -(priority - grants before it arrived): lower goes first, and never changes
+    arrival: int
+    request_id: str
+
+
 class MemoryWaiter:
-    """Let requests wait, first come first served, for others to release the device.
+    """Let requests wait, by priority with ageing, for others to release the device.
 
     Args:
         slots: the orchestrator's components by name.
@@ -61,7 +86,9 @@ class MemoryWaiter:
         self.timeout = timeout
         self.observers = observers
         self._turns = threading.Condition(lock)
-        self._queue: deque[str] = deque()
+        self._queue: list[_Waiter] = []
+        self._granted = 0  # stages granted to waiters: what ages the others
+        self._arrivals = itertools.count()
 
     def acquire(
         self,
@@ -70,19 +97,25 @@ class MemoryWaiter:
         stage: StageSpec,
         attempt: Callable[[str, int], T],
         release: Callable[[str, int], object],
+        *,
+        priority: int = 0,
+        check: Callable[[], object] = lambda: None,
     ) -> T:
         """Run ``attempt`` (use and onload ``stage``) when it may; wait while others use it.
 
         Call with the lock held. ``attempt(request_id, position)`` marks in use every
         component of ``stage``, the stage at ``position``, or, when it raises, none;
         ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
-        should anything after it fail (writing the wait's event).
+        should anything after it fail (writing the wait's event). Waiters go in order
+        of ``priority`` with ageing (see the module); ``check`` is asked on every
+        wake-up and raises ``Cancelled`` to stop waiting.
 
         Raises:
             TransitionRefused: the budget refused for another reason than other
                 requests' holds, or they still held it after ``timeout``; the
                 refusal names them.
             TransitionFailed: an onload failed.
+            Cancelled: ``check`` said the request was cancelled while it waited.
         """
         if not self._queue:
             try:
@@ -93,10 +126,16 @@ class MemoryWaiter:
         started = time.monotonic()
         deadline = started + self.timeout
         last: TransitionRefused | None = None
-        self._queue.append(request_id)
+        me = _Waiter(-(priority - self._granted), next(self._arrivals), request_id)
+        bisect.insort(self._queue, me)
         try:
             while True:
-                if self._queue[0] == request_id:
+                try:
+                    check()
+                except Cancelled:
+                    self._record(request_id, stage, started, "cancelled")
+                    raise
+                if self._queue[0] is me:
                     try:
                         result = self._try(attempt, request_id, position)
                     except TransitionRefused as err:
@@ -104,6 +143,7 @@ class MemoryWaiter:
                             raise
                         last = err
                     else:
+                        self._granted += 1  # every other waiter was passed over: it ages
                         try:
                             self._record(request_id, stage, started, "acquired")
                         except BaseException:
@@ -117,7 +157,7 @@ class MemoryWaiter:
                     raise self._timed_out(last, stage.uses)
                 self._turns.wait(remaining)
         finally:
-            self._queue.remove(request_id)
+            self._queue.remove(me)
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
@@ -132,12 +172,17 @@ class MemoryWaiter:
     @property
     def queue(self) -> tuple[str, ...]:
         """Return the ids of the waiting requests, first in line first."""
-        return tuple(self._queue)
+        return tuple(waiter.request_id for waiter in self._queue)
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""
         if self._queue:  # whoever waits on the condition is in the queue
             self._turns.notify_all()
+
+    def wake(self) -> None:
+        """Wake the waiters from any thread, so that a cancelled one leaves at once."""
+        with self._turns:
+            self.released()
 
     def users(self) -> dict[str, list[str]]:
         """Return each request that holds (uses) a component, with what it holds."""
@@ -177,7 +222,7 @@ class MemoryWaiter:
         request_id: str,
         stage: StageSpec,
         started: float,
-        outcome: Literal["acquired", "refused"],
+        outcome: Literal["acquired", "refused", "cancelled"],
     ) -> None:
         """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
         seconds = round(time.monotonic() - started, 6)
