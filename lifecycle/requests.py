@@ -228,6 +228,7 @@ class Request:
                         slots[name].loader.run(module, batch)
                 finally:
                     self._keeper.leave(self.id, position)
+                batch.drop_cancelled()  # what was cancelled during the stage leaves now
         finally:
             self._batch = None
             if len(batch.left) > reported:

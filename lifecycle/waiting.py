@@ -2,17 +2,8 @@
 components waits its turn, by priority with ageing, instead of being refused
 (DESIGN §5.5, §15).
 
-The order: the waiter with the highest *effective priority* goes first, where a
-waiter's effective priority is its request's priority plus the number of stages
-granted to others while it waited (each grant that passes over it ages it by
-one); ties go to the earlier arrival. With one priority this is FIFO.
-
-The bound: a waiter of priority ``p`` is passed over at most ``(P - p) + (W - 1)``
-times, where ``P`` is the highest priority any request carries and ``W`` the waiters
-present once it has been passed over ``P - p`` times. Proof: a later arrival that
-came after ``d`` of those passes has aged ``d`` less, so it goes first only if its
-priority exceeds ``p + d``; once ``d >= P - p`` no later arrival can, and only the
-waiters already present can go first, each once.
+The order and its bound are ``lifecycle.priorities``'s: a turn is a stage granted to
+a waiter; every other waiter ages by one. With one priority the order is FIFO.
 
 Why this cannot deadlock:
 
@@ -27,8 +18,8 @@ Why this cannot deadlock:
    stage does not fit the budget together with the pinned components; so once
    every holder has dropped its holds, the head's stage fits after evicting idle
    components. Only the head acquires, so while it waits the set of holders only
-   shrinks; a newcomer that goes ahead of it holds nothing either, and the bound
-   above limits how often that happens.
+   shrinks; a newcomer that goes ahead of it holds nothing either, and ageing
+   bounds how often that happens.
 
 Hence the head of the queue always progresses, and every waiter becomes the head.
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
@@ -38,31 +29,22 @@ cancelled while it waits (``Request.cancel()``) leaves the queue at once.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, TypeVar
 
 from components.batch import Cancelled
 from lifecycle.config import StageSpec
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
+from lifecycle.priorities import PriorityQueue
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
 
 T = TypeVar("T")
-
-
-class _Waiter(NamedTuple):
-    """One waiting request; the queue is sorted on these (first in line first)."""
-
-    rank: int  # -(priority - grants before it arrived): lower goes first, and never changes
-    arrival: int
-    request_id: str
 
 
 class MemoryWaiter:
@@ -86,9 +68,7 @@ class MemoryWaiter:
         self.timeout = timeout
         self.observers = observers
         self._turns = threading.Condition(lock)
-        self._queue: list[_Waiter] = []
-        self._granted = 0  # stages granted to waiters: what ages the others
-        self._arrivals = itertools.count()
+        self._queue: PriorityQueue[str] = PriorityQueue()
 
     def acquire(
         self,
@@ -126,8 +106,7 @@ class MemoryWaiter:
         started = time.monotonic()
         deadline = started + self.timeout
         last: TransitionRefused | None = None
-        me = _Waiter(-(priority - self._granted), next(self._arrivals), request_id)
-        bisect.insort(self._queue, me)
+        self._queue.push(request_id, priority)
         try:
             while True:
                 try:
@@ -135,7 +114,7 @@ class MemoryWaiter:
                 except Cancelled:
                     self._record(request_id, stage, started, "cancelled")
                     raise
-                if self._queue[0] is me:
+                if self._queue.head() is request_id:
                     try:
                         result = self._try(attempt, request_id, position)
                     except TransitionRefused as err:
@@ -143,7 +122,7 @@ class MemoryWaiter:
                             raise
                         last = err
                     else:
-                        self._granted += 1  # every other waiter was passed over: it ages
+                        self._queue.served()  # every other waiter was passed over: it ages
                         try:
                             self._record(request_id, stage, started, "acquired")
                         except BaseException:
@@ -157,7 +136,7 @@ class MemoryWaiter:
                     raise self._timed_out(last, stage.uses)
                 self._turns.wait(remaining)
         finally:
-            self._queue.remove(me)
+            self._queue.remove(request_id)
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
@@ -172,7 +151,7 @@ class MemoryWaiter:
     @property
     def queue(self) -> tuple[str, ...]:
         """Return the ids of the waiting requests, first in line first."""
-        return tuple(waiter.request_id for waiter in self._queue)
+        return tuple(self._queue)
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""
