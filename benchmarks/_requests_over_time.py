@@ -1,0 +1,160 @@
+"""Requests over time (issue 22), part of ``python -m benchmarks serving``.
+
+- Streaming: the p50 latency of one image request (tiny_t2i, 8 steps, 32x32) over
+  HTTP, answered as JSON, streamed with a progress event per step, and streamed with
+  3 previews; one client, sequential, modes alternating in rounds (order reversed
+  every round), medians over rounds.
+- Previews: what one preview costs (``lifecycle.serving.preview.preview_png`` on a
+  32x32 image's latents) against one denoising step of that image, and how far the
+  preview of the final latents is from the decoded image (mean absolute difference
+  of pixels in [-1, 1]) against a flat image of the mean colour.
+- Priorities: the latency of one high-priority job submitted to the worker's queue
+  (no HTTP) right behind 48 queued low-priority jobs, against the same job on an
+  empty queue, and against a job of the low priority behind the same 48 (FIFO).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import torch
+
+from components.batch import Batch, StepDone
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.metrics import ServingMetrics
+from lifecycle.serving.preview import preview_image, preview_png
+from lifecycle.serving.worker import Worker
+
+STEPS = 8
+SIZE = "32x32"
+ROUNDS = 5
+PER_ROUND = 10
+QUEUED = 48
+HIGH = 10
+
+
+def streaming(url: str) -> None:
+    """Print the latency of plain, streamed and previewed image requests over HTTP."""
+    body = {"prompt": "a red fox", "steps": STEPS, "size": SIZE, "seed": 1}
+    modes: dict[str, dict[str, object]] = {
+        "JSON answer": body,
+        "streamed, a progress event per step": {**body, "stream": True},
+        "streamed, 3 previews": {**body, "stream": True, "partial_images": 3},
+    }
+    medians: dict[str, list[float]] = {mode: [] for mode in modes}
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for request in modes.values():  # warm each path once
+            client.post("/v1/images/generations", json=request).raise_for_status()
+        for round_ in range(ROUNDS):
+            order = list(modes) if round_ % 2 == 0 else list(modes)[::-1]
+            for mode in order:
+                seconds = []
+                for _ in range(PER_ROUND):
+                    started = time.perf_counter()
+                    answer = client.post("/v1/images/generations", json=modes[mode])
+                    answer.raise_for_status()  # the whole body, to the last event
+                    seconds.append(time.perf_counter() - started)
+                medians[mode].append(statistics.median(seconds))
+    plain = statistics.median(medians["JSON answer"])
+    print(f"\n| image request ({STEPS} steps, {SIZE}), one client | p50 ms | vs JSON |")
+    print("|---|---:|---:|")
+    for mode, values in medians.items():
+        p50 = statistics.median(values)
+        print(f"| {mode} | {p50 * 1e3:.1f} | {p50 / plain:.2f}x |")
+
+
+def previews(spec: Path) -> None:
+    """Print the cost of one preview against one denoising step, and its fidelity."""
+    orchestrator = Orchestrator.from_file(spec)
+    orchestrator.load()
+    stamps: list[float] = []
+    kept: list[torch.Tensor] = []
+
+    def hook(done: StepDone) -> None:
+        stamps.append(time.perf_counter())
+        kept.append(done.latents[0].clone())
+
+    steps = []
+    for _ in range(ROUNDS):
+        generator = torch.Generator().manual_seed(1)
+        latents = [torch.randn(64, 4, generator=generator)]
+        batch = Batch(
+            generator=generator,
+            steps=STEPS,
+            prompts=["a red fox"],
+            latents=latents,
+            latent_size=(8, 8),
+            on_step=hook,
+        )
+        stamps.clear()
+        with orchestrator.request() as request:
+            request.run_all(batch)
+        steps += [b - a for a, b in itertools.pairwise(stamps)]
+    worker = Worker(orchestrator, ServingMetrics(lambda: 0, lambda: 0))
+    worker.start()
+    mapping, scale = worker.shapes.preview, worker.shapes.image_scale
+    calls = 200
+    started = time.perf_counter()
+    for i in range(calls):
+        preview_png(kept[i % len(kept)], mapping, (8, 8), scale)
+    preview = (time.perf_counter() - started) / calls
+    step = statistics.median(steps)
+    assert batch.images is not None
+    assert batch.latents is not None
+    image = batch.images[0]
+    guess = preview_image(batch.latents[0], mapping, (8, 8), scale)
+    flat = image.mean(dim=(1, 2), keepdim=True).expand_as(image)
+    print("\n| preview (32x32 image, linear latent-to-RGB map) | value |\n|---|---:|")
+    print(f"| one preview (map, upsample, PNG, in the runner thread) | {preview * 1e3:.3f} ms |")
+    print(f"| one denoising step of that image | {step * 1e3:.2f} ms |")
+    print(f"| preview / step | {preview / step:.1%} |")
+    print(
+        f"| preview vs decoded image, mean abs pixel error | {(guess - image).abs().mean():.3f} |"
+    )
+    print(f"| flat mean colour vs decoded image (baseline) | {(flat - image).abs().mean():.3f} |")
+    worker.drain()
+
+
+def priorities(spec: Path) -> None:
+    """Print the latency of a high-priority job behind a full low-priority queue."""
+    worker = Worker(Orchestrator.from_file(spec), ServingMetrics(lambda: 0, lambda: 0))
+    worker.start()
+    key = BatchKey(endpoint="images", steps=STEPS, latent_size=(8, 8))
+    count = iter(range(10**9))
+
+    def job(priority: int) -> Job:
+        return Job(id=f"b{next(count)}", key=key, prompts=["a fox"], tokens=64, priority=priority)
+
+    def latency(priority: int, behind: int) -> float:
+        lows: list[Future[Job]] = [worker.submit(job(0)) for _ in range(behind)]
+        started = time.perf_counter()
+        worker.submit(job(priority)).result()
+        seconds = time.perf_counter() - started
+        for future in lows:
+            future.result()
+        return seconds
+
+    latency(HIGH, 0)  # warm up
+    cases: dict[str, Callable[[], float]] = {
+        "high priority, empty queue": lambda: latency(HIGH, 0),
+        f"high priority, behind {QUEUED} low-priority jobs": lambda: latency(HIGH, QUEUED),
+        f"low priority, behind {QUEUED} low-priority jobs (FIFO)": lambda: latency(0, QUEUED),
+    }
+    results = {
+        name: statistics.median(case() for _ in range(ROUNDS)) for name, case in cases.items()
+    }
+    empty = results["high priority, empty queue"]
+    print(
+        f"\n| one job ({STEPS} steps, 32x32), worker queue without HTTP | latency ms | vs empty |"
+    )
+    print("|---|---:|---:|")
+    for name, seconds in results.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / empty:.2f}x |")
+    worker.drain()
