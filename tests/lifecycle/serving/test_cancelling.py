@@ -203,6 +203,8 @@ class TestDelete:
         assert answer.headers["x-request-id"] == "queued-1"
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "request_not_found"
+        metrics = httpx.get(served.url + "/metrics").text
+        assert 'lifecycle_cancelled_requests_total{stage="queued"} 1.0' in metrics
 
     def test_delete_of_a_finished_request_is_409(
         self, serve_spec: ServeSpec, t2i_spec: SpecMaker
