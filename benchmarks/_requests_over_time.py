@@ -9,8 +9,9 @@
   preview of the final latents is from the decoded image (mean absolute difference
   of pixels in [-1, 1]) against a flat image of the mean colour.
 - Priorities: the latency of one high-priority job submitted to the worker's queue
-  (no HTTP) right behind 48 queued low-priority jobs, against the same job on an
-  empty queue, and against a job of the low priority behind the same 48 (FIFO).
+  (no HTTP) right behind 160 queued low-priority jobs (10 batches of 16), against the
+  same job on an empty queue, and against a low-priority job behind the same 160
+  (FIFO); the cases alternate, their order reversed every round.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ STEPS = 8
 SIZE = "32x32"
 ROUNDS = 5
 PER_ROUND = 10
-QUEUED = 48
+QUEUED = 160
 HIGH = 10
 
 
@@ -147,9 +148,11 @@ def priorities(spec: Path) -> None:
         f"high priority, behind {QUEUED} low-priority jobs": lambda: latency(HIGH, QUEUED),
         f"low priority, behind {QUEUED} low-priority jobs (FIFO)": lambda: latency(0, QUEUED),
     }
-    results = {
-        name: statistics.median(case() for _ in range(ROUNDS)) for name, case in cases.items()
-    }
+    timings: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(ROUNDS):  # cases alternate, order reversed every round: drift hits all
+        for name in list(cases) if round_ % 2 == 0 else list(cases)[::-1]:
+            timings[name].append(cases[name]())
+    results = {name: statistics.median(values) for name, values in timings.items()}
     empty = results["high priority, empty queue"]
     print(
         f"\n| one job ({STEPS} steps, 32x32), worker queue without HTTP | latency ms | vs empty |"
