@@ -108,15 +108,15 @@ class MemoryWait(
         stage: the stage it waited to enter.
         components: the stage's components it waited to hold.
         seconds: how long it waited.
-        outcome: ``acquired`` (the stage went on) or ``refused`` (``memory.wait_timeout``
-            passed first).
+        outcome: ``acquired`` (the stage went on), ``refused`` (``memory.wait_timeout``
+            passed first) or ``cancelled`` (the request was cancelled while it waited).
     """
 
     request_id: str
     stage: str
     components: tuple[str, ...]
     seconds: float
-    outcome: Literal["acquired", "refused"]
+    outcome: Literal["acquired", "refused", "cancelled"]
 
 
 class RequestBegan(
@@ -147,7 +147,26 @@ class RequestEnded(
     duration_ms: float
 
 
-Event: TypeAlias = Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded
+class RequestCancelled(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.cancelled"
+):
+    """A request was cancelled; its work stopped there (``request.cancelled``).
+
+    Attributes:
+        request_id: the request cancelled (a worker's job: the job's id, also when it
+            shared a batch with others that went on).
+        stage: the stage it stopped in or was about to enter; None while it was queued.
+        step: the denoising steps that stage had done.
+    """
+
+    request_id: str
+    stage: str | None
+    step: int
+
+
+Event: TypeAlias = (
+    Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded | RequestCancelled
+)
 """Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
 under ``type``."""
 

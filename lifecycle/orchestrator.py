@@ -24,6 +24,7 @@ from torch import nn
 from attention import Platform
 from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
+from components.batch import Left
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
@@ -217,7 +218,11 @@ class Orchestrator:
 
     @contextmanager
     def request(
-        self, request_id: str | None = None, *, attention_backend: str | None = None
+        self,
+        request_id: str | None = None,
+        *,
+        attention_backend: str | None = None,
+        priority: int = 0,
     ) -> Iterator[Request]:
         """Open a request; enter its stages with ``request.stage(name)``.
 
@@ -225,6 +230,9 @@ class Orchestrator:
         is put back where its plan says, and ``request.end`` is logged.
         ``attention_backend`` switches the switchable sites for this request only
         (DESIGN §4.6); it is validated and prepared before the request opens.
+        ``priority`` orders its stages among those waiting for memory (higher first,
+        with ageing: ``lifecycle.waiting``). ``request.cancel()`` stops it from any
+        thread (DESIGN §15).
 
         Raises:
             ValueError: a request with that id is already open.
@@ -237,7 +245,7 @@ class Orchestrator:
             if rid in self._stages.open_requests:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
             self._stages.open_requests.add(rid)
-        request = Request(self._stages, rid)
+        request = Request(self._stages, rid, priority)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
@@ -297,6 +305,14 @@ class Orchestrator:
             TransitionRefused: an open request is using it.
         """
         self._slot(name).lifecycle.release()
+
+    def report_cancelled(self, request_id: str) -> None:
+        """Log and announce ``request.cancelled`` for a request cancelled before it opened.
+
+        A serving worker calls it for a job that left its queue; a request cancelled
+        once open is reported by the orchestrator itself.
+        """
+        self._stages.cancelled([Left(request_id, (), None, 0)])
 
     @property
     def waiter(self) -> MemoryWaiter:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from concurrent.futures import Future
 from enum import StrEnum
@@ -11,7 +12,7 @@ from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.batcher import Batcher
-from lifecycle.serving.jobs import Job, Shapes, warm_up
+from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 
 log = get_logger("lifecycle")
@@ -76,9 +77,23 @@ class Worker:
             log.info("serving.ready", pipeline=self.name, shapes=self.shapes)
 
     def next_id(self) -> str:
-        """Return a fresh request id."""
+        """Return a fresh request id: ``req-N-`` and 12 random hex digits.
+
+        The count makes it unique in this process; the random part keeps a client
+        from guessing (and taking first, as its own ``x-request-id``) an id the
+        worker will assign, in this process or a restarted one.
+        """
         with self._ids_lock:
-            return f"req-{next(self._ids)}"
+            count = next(self._ids)
+        return f"req-{count}-{secrets.token_hex(6)}"
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """Return where job ``request_id`` stands, or None when no recent job has that id."""
+        return None if self.batcher is None else self.batcher.status(request_id)
+
+    def cancel(self, request_id: str, reason: str) -> RequestStatus | None:
+        """Cancel job ``request_id`` (see ``Batcher.cancel``); None when there is none."""
+        return None if self.batcher is None else self.batcher.cancel(request_id, reason)
 
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job`` (see ``Batcher.submit``)."""
