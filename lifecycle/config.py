@@ -29,6 +29,7 @@ from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
 Device = Literal["cpu", "cuda", "auto"]
+StatusPage = Literal["open", "private"]
 ALL_ROLES = "all"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _T = TypeVar("_T")
@@ -109,6 +110,9 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             while another batch runs (an idle worker starts it at once).
         max_queue: requests waiting or running at once; one more is answered 429.
         drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        status_page: who may read the status page (``GET /``, ``/status``) and its event
+            stream (``GET /v1/events``): ``open`` to every client, like ``/healthz``, or
+            ``private``: only with the API key (``Authorization: Bearer``).
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -116,6 +120,7 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    status_page: StatusPage = "open"
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -62,6 +62,7 @@ class MemoryWaiter:
         self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: deque[str] = deque()
+        self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
 
     def acquire(
         self,
@@ -94,6 +95,7 @@ class MemoryWaiter:
         deadline = started + self.timeout
         last: TransitionRefused | None = None
         self._queue.append(request_id)
+        self._stages[request_id] = stage
         try:
             while True:
                 if self._queue[0] == request_id:
@@ -118,6 +120,7 @@ class MemoryWaiter:
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
+            del self._stages[request_id]
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
@@ -133,6 +136,11 @@ class MemoryWaiter:
     def queue(self) -> tuple[str, ...]:
         """Return the ids of the waiting requests, first in line first."""
         return tuple(self._queue)
+
+    def waiting(self) -> tuple[tuple[str, StageSpec], ...]:
+        """Return each waiting request with the stage it waits to enter, first in line first."""
+        stages = dict(self._stages)  # one copy: the waiting threads change it under the lock
+        return tuple((rid, stages[rid]) for rid in tuple(self._queue) if rid in stages)
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""

@@ -32,6 +32,9 @@ RUNNERS = 2
 BatchObserver = Callable[[int], None]
 """Called with the size of every batch that starts."""
 
+QueueObserver = Callable[[], None]
+"""Called whenever the queue or the running batches changed (read them with ``view``)."""
+
 
 class QueueFull(Exception):
     """``serving.max_queue`` jobs are already queued or running."""
@@ -39,6 +42,19 @@ class QueueFull(Exception):
 
 class Draining(Exception):
     """The worker is shutting down and takes no new jobs."""
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What the batcher holds at one moment (the status page shows it).
+
+    Attributes:
+        queued: each waiting job with when it arrived (``time.monotonic``), oldest first.
+        running: each running batch's id with its jobs.
+    """
+
+    queued: tuple[tuple[Job, float], ...]
+    running: tuple[tuple[str, tuple[Job, ...]], ...]
 
 
 @dataclass
@@ -56,6 +72,7 @@ class Batcher:
         settings: the spec's ``[serving]`` table.
         shapes: what the pipeline produces (from its warm-up).
         on_batch: called with each batch's size.
+        on_change: called whenever a job is queued, a batch starts or a batch ends.
     """
 
     def __init__(
@@ -64,13 +81,16 @@ class Batcher:
         settings: ServingConfig,
         shapes: Shapes,
         on_batch: BatchObserver | None = None,
+        on_change: QueueObserver | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.settings = settings
         self.shapes = shapes
         self.on_batch = on_batch
+        self.on_change = on_change
         self._changed = threading.Condition()
         self._queue: deque[_Entry] = deque()
+        self._running: dict[str, tuple[Job, ...]] = {}
         self._in_flight = 0
         self._free_runners = RUNNERS
         self._draining = False
@@ -91,6 +111,14 @@ class Batcher:
         """Return how many jobs are queued or running."""
         return self._in_flight
 
+    def view(self) -> QueueView:
+        """Return the queued jobs and the running batches now."""
+        with self._changed:
+            return QueueView(
+                queued=tuple((entry.job, entry.arrived) for entry in self._queue),
+                running=tuple(self._running.items()),
+            )
+
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job``; the future completes with it, output set, or with its error.
 
@@ -107,6 +135,7 @@ class Batcher:
             self._in_flight += 1
             self._queue.append(_Entry(job, future))
             self._changed.notify_all()
+        self._tell_change()
         return future
 
     def drain(self, timeout: float) -> bool:
@@ -187,6 +216,9 @@ class Batcher:
     def _run(self, group: list[_Entry]) -> None:
         jobs = [entry.job for entry in group]
         batch_id = "+".join(job.id for job in jobs)
+        with self._changed:
+            self._running[batch_id] = tuple(jobs)
+        self._tell_change()  # the jobs left the queue and run
         try:
             # inside the try that frees the runner: an event that cannot be written must
             # not keep it, nor leave the clients waiting
@@ -210,4 +242,10 @@ class Batcher:
             with self._changed:
                 self._in_flight -= len(group)
                 self._free_runners += 1
+                del self._running[batch_id]
                 self._changed.notify_all()
+            self._tell_change()
+
+    def _tell_change(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

@@ -65,8 +65,7 @@ async def run_job(worker: Worker, job: Job) -> Job:
         ) from None
     try:
         return await asyncio.wrap_future(future)
-    except RequestRefused as err:
-        worker.metrics.refused(tuple(code.value for code in err.codes))
+    except RequestRefused as err:  # the orchestrator's observer counted it (lifecycle.refused)
         raise ApiError(
             400,
             "; ".join(f"{r.message}; fix: {r.hint}" for r in err.refusals),
