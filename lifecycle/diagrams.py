@@ -76,16 +76,17 @@ def dot(machine: LifecycleMachine | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def svg(machine: LifecycleMachine | None = None) -> str:
+def svg(machine: LifecycleMachine | None = None, *, upright: bool = False) -> str:
     """Return the lifecycle as an SVG drawing: triggers on the arrows, guards in the legend.
 
-    The status page inlines this same drawing and highlights the states in it.
+    The status page inlines this same drawing (and, for narrow screens, the ``upright``
+    one, whose flow runs top to bottom) and highlights the states in it.
     """
     machine = machine or LifecycleMachine()
     legend = [_label(trigger, machine.transitions_of(trigger)[0]) for trigger in machine.events]
     edges = [(src, dst, label.split(" ")[0]) for src, dst, label in _edges(machine)]
     states = [state.value for state in ComponentState]
-    return state_svg(DIAGRAM_NAME, states, INITIAL_STATE.value, edges, legend)
+    return state_svg(DIAGRAM_NAME, states, INITIAL_STATE.value, edges, legend, upright=upright)
 
 
 def plan_name(spec: PipelineSpec) -> str:

@@ -14,6 +14,7 @@ with an empty ``<text class="occupants">`` that the page fills with its componen
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
@@ -47,8 +48,31 @@ class _Arc:
     source: str
     dest: str
     label: str
-    above: bool
+    above: bool  # on the side before the nodes across the flow: above, or left when upright
     level: int
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """Where a state diagram's parts go, along the flow (main) and across it (cross).
+
+    Lying (the docs): the flow runs left to right. Upright (a phone's screen): top to
+    bottom, arcs to the left (forward) and right (back), labels beside them.
+    """
+
+    upright: bool
+    node_w: int  # a node's width on the page, whichever way the flow runs
+
+    def point(self, main: int, cross: int) -> tuple[int, int]:
+        return (cross, main) if self.upright else (main, cross)
+
+    @property
+    def along(self) -> int:  # a node's extent along the flow
+        return NODE_H if self.upright else self.node_w
+
+    @property
+    def across(self) -> int:  # and across it
+        return self.node_w if self.upright else NODE_H
 
 
 def state_svg(
@@ -57,6 +81,8 @@ def state_svg(
     initial: str,
     edges: Sequence[Edge],
     legend: Sequence[str] = (),
+    *,
+    upright: bool = False,
 ) -> str:
     """Return a state machine drawn as an SVG document.
 
@@ -65,7 +91,9 @@ def state_svg(
         states: every state, in declaration order (the order within a column).
         initial: the state the start dot points at.
         edges: every transition, in table order.
-        legend: lines written under the drawing (what each trigger is guarded by).
+        legend: lines written under the drawing (what each trigger is guarded by),
+            wrapped to its width.
+        upright: draw the flow top to bottom (narrow screens) instead of left to right.
     """
     column = _columns(states, initial, edges)
     rows: dict[int, int] = {}
@@ -73,36 +101,51 @@ def state_svg(
     for state in states:
         row[state] = rows.get(column[state], 0)
         rows[column[state]] = row[state] + 1
-    node_w = round(max(len(s) for s in states) * CHAR_PX + 28)
-    pitch = node_w + COLUMN_GAP
+    frame = _Frame(upright, round(max(len(s) for s in states) * CHAR_PX + 28))
     straight = [e for e in edges if _is_straight(e, column, row)]
     arcs = _levels([e for e in edges if e not in straight], column, row)
     above = max((a.level for a in arcs if a.above), default=0)
     below = max((a.level for a in arcs if not a.above), default=0)
-    top = MARGIN + above * TRACK_PX + (FONT_PX + 6 if above else 0)
-    row_pitch = NODE_H + below * TRACK_PX + (FONT_PX + 10 if below else 0) + 16
-    x = {s: MARGIN + INITIAL_PX + column[s] * pitch for s in states}  # left edge
-    y = {s: top + row[s] * row_pitch for s in states}  # top edge
-    width = MARGIN * 2 + INITIAL_PX + (max(column.values()) + 1) * pitch - COLUMN_GAP
-    legend_top = top + max(rows.values()) * row_pitch + 4
-    height = legend_top + len(legend) * (FONT_PX + 4) + MARGIN - (4 if legend else 16)
+    # room for the arcs' labels across the flow: a line of text, or its width upright
+    label_room = round(max(len(e[2]) for e in edges) * CHAR_PX) + 8 if upright else FONT_PX + 8
+    gap = 40 if upright else COLUMN_GAP
+    start = INITIAL_PX - 8 if upright else INITIAL_PX
+    near = MARGIN + above * TRACK_PX + (label_room if above else 0)
+    row_pitch = frame.across + below * TRACK_PX + (label_room if below else 0) + 16
+    main = {s: MARGIN + start + column[s] * (frame.along + gap) for s in states}
+    cross = {s: near + row[s] * row_pitch for s in states}
+    flow_end = MARGIN + start + (max(column.values()) + 1) * (frame.along + gap) - gap + MARGIN
+    cross_end = near + max(rows.values()) * row_pitch - 16 + MARGIN
+    width, drawn_to = (cross_end, flow_end) if upright else (flow_end, cross_end)
+    columns = max(20, (width - 2 * MARGIN) * 10 // 66)  # legend characters (11 px) a line holds
+    lines = [
+        wrapped
+        for line in legend
+        for wrapped in textwrap.wrap(line, columns, subsequent_indent="  ")
+    ]
+    height = drawn_to + len(lines) * (FONT_PX + 4) + (MARGIN // 2 if lines else 0)
     finals = {s for s in states if not any(src == s for src, _, _ in edges)}
 
     out = _open(name, width, height)
-    ports = _ports(arcs, x, node_w, column)
+    ports = _ports(arcs, main, frame.along, column)
     for arc in arcs:
-        out.append(_arc(arc, ports, x, y, node_w))
+        out.append(_arc(arc, ports, cross, frame))
     for source, dest, label in straight:
-        out.append(_straight(source, dest, label, x, y, node_w))
-    mid = y[initial] + NODE_H // 2
-    dot_x = x[initial] - INITIAL_PX + 8
-    out.append(f'<circle class="start" cx="{dot_x}" cy="{mid}" r="6"/>')
-    out.append(_line(dot_x + 6, mid, x[initial], mid))
+        out.append(_straight(source, dest, label, main, cross, frame))
+    mid = cross[initial] + frame.across // 2
+    dot = main[initial] - start + 8
+    dot_x, dot_y = frame.point(dot, mid)
+    out.append(f'<circle class="start" cx="{dot_x}" cy="{dot_y}" r="6"/>')
+    out.append(_line(*frame.point(dot + 6, mid), *frame.point(main[initial], mid)))
     for state in states:
-        out.append(_node(state, x[state], y[state], node_w, state in finals))
-    for index, line in enumerate(legend):
-        baseline = legend_top + index * (FONT_PX + 4) + FONT_PX
-        out.append(f'<text class="legend" x="{MARGIN}" y="{baseline}">{escape(line)}</text>')
+        left, top = frame.point(main[state], cross[state])
+        out.append(_node(state, left, top, frame.node_w, state in finals))
+    for index, line in enumerate(lines):
+        baseline = drawn_to + index * (FONT_PX + 4) + FONT_PX - 4
+        out.append(
+            f'<text class="legend" x="{MARGIN}" y="{baseline}" xml:space="preserve">'
+            f"{escape(line)}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -223,21 +266,21 @@ def _levels(edges: Sequence[Edge], column: Mapping[str, int], row: Mapping[str, 
 
 
 def _ports(
-    arcs: Sequence[_Arc], x: Mapping[str, int], node_w: int, column: Mapping[str, int]
+    arcs: Sequence[_Arc], main: Mapping[str, int], along: int, column: Mapping[str, int]
 ) -> dict[tuple[_Arc, str], int]:
-    """Spread the arcs meeting each node side over it: nested arcs keep nested ends."""
+    """Spread the arcs meeting each node side along it: nested arcs keep nested ends."""
     sides: dict[tuple[str, bool], list[tuple[tuple[int, int], _Arc, str]]] = {}
     for arc in arcs:
         for end, other in ((arc.source, arc.dest), (arc.dest, arc.source)):
-            goes_left = column[other] < column[end]
-            # toward the left: outer arcs further right; toward the right: further left
-            key = (0, arc.level) if goes_left else (1, -arc.level)
+            goes_back = column[other] < column[end]
+            # toward the start: outer arcs further on; toward the end: further back
+            key = (0, arc.level) if goes_back else (1, -arc.level)
             sides.setdefault((end, arc.above), []).append((key, arc, end))
     ports: dict[tuple[_Arc, str], int] = {}
     for (state, _), found in sides.items():
         found.sort(key=lambda item: item[0])
         for i, (_, arc, end) in enumerate(found):
-            ports[arc, end] = x[state] + round(node_w * (0.2 + 0.6 * (i + 0.5) / len(found)))
+            ports[arc, end] = main[state] + round(along * (0.2 + 0.6 * (i + 0.5) / len(found)))
     return ports
 
 
@@ -277,41 +320,55 @@ def _line(x1: int, y1: int, x2: int, y2: int) -> str:
 
 
 def _straight(
-    source: str, dest: str, label: str, x: Mapping[str, int], y: Mapping[str, int], node_w: int
+    source: str,
+    dest: str,
+    label: str,
+    main: Mapping[str, int],
+    cross: Mapping[str, int],
+    frame: _Frame,
 ) -> str:
-    mid = y[source] + NODE_H // 2
-    left, right = x[source] + node_w, x[dest]
-    text_x = (left + right) // 2
+    mid = cross[source] + frame.across // 2
+    start, end = main[source] + frame.along, main[dest]
+    if frame.upright:  # the label beside the arrow
+        text = f'x="{mid + 8}" y="{(start + end) // 2 + 4}"'
+    else:  # the label on the arrow
+        text = f'x="{(start + end) // 2}" y="{mid - 6}" text-anchor="middle"'
     return (
         f'<g class="transition" data-source="{source}" data-dest="{dest}">'
-        f"{_line(left, mid, right, mid)}"
-        f'<text class="label" x="{text_x}" y="{mid - 6}" text-anchor="middle">'
-        f"{escape(label)}</text></g>"
+        f"{_line(*frame.point(start, mid), *frame.point(end, mid))}"
+        f'<text class="label" {text}>{escape(label)}</text></g>'
     )
 
 
 def _arc(
     arc: _Arc,
     ports: Mapping[tuple[_Arc, str], int],
-    x: Mapping[str, int],
-    y: Mapping[str, int],
-    node_w: int,
+    cross: Mapping[str, int],
+    frame: _Frame,
 ) -> str:
-    x1, x2 = ports[arc, arc.source], ports[arc, arc.dest]
+    m1, m2 = ports[arc, arc.source], ports[arc, arc.dest]
     sign = -1 if arc.above else 1
-    y1 = y[arc.source] + (0 if arc.above else NODE_H)
-    y2 = y[arc.dest] + (0 if arc.above else NODE_H)
+    c1 = cross[arc.source] + (0 if arc.above else frame.across)
+    c2 = cross[arc.dest] + (0 if arc.above else frame.across)
     rise = arc.level * TRACK_PX  # a cubic's apex lies 3/4 of the way to its controls
-    base = min(y1, y2) if arc.above else max(y1, y2)
+    base = min(c1, c2) if arc.above else max(c1, c2)
     control = base + sign * round(rise * 4 / 3)
     apex = base + sign * rise
-    text_y = apex - 4 if arc.above else apex + FONT_PX + 2
+    points = [frame.point(m1, c1), frame.point(m1, control), frame.point(m2, control)]
+    points.append(frame.point(m2, c2))
+    (x1, y1), (xa, ya), (xb, yb), (x2, y2) = points
+    middle = (m1 + m2) // 2
+    if frame.upright:  # beside the apex, away from the nodes
+        anchor = "end" if arc.above else "start"
+        text = f'x="{apex + sign * 4}" y="{middle + 4}" text-anchor="{anchor}"'
+    else:
+        text_y = apex - 4 if arc.above else apex + FONT_PX + 2
+        text = f'x="{middle}" y="{text_y}" text-anchor="middle"'
     return (
         f'<g class="transition" data-source="{arc.source}" data-dest="{arc.dest}">'
-        f'<path class="edge" d="M{x1},{y1} C{x1},{control} {x2},{control} {x2},{y2}" '
+        f'<path class="edge" d="M{x1},{y1} C{xa},{ya} {xb},{yb} {x2},{y2}" '
         'marker-end="url(#lc-arrow)"/>'
-        f'<text class="label" x="{(x1 + x2) // 2}" y="{text_y}" text-anchor="middle">'
-        f"{escape(arc.label)}</text></g>"
+        f'<text class="label" {text}>{escape(arc.label)}</text></g>'
     )
 
 

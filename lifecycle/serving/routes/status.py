@@ -41,17 +41,21 @@ def render_page() -> tuple[str, str]:
     static = resources.files("lifecycle.serving") / "static"
     style = (static / "status.css").read_text(encoding="utf-8")
     script = (static / "status.js").read_text(encoding="utf-8")
-    # one copy of the drawing per pipeline is cloned from the template: no element ids
-    drawing = diagrams.svg().replace(f' id="{diagrams.DIAGRAM_NAME}"', "", 1)
+    # one copy of each drawing per pipeline is cloned from the template: no element ids
+    lying, upright = (
+        diagrams.svg(upright=upright).replace(f' id="{diagrams.DIAGRAM_NAME}"', "", 1)
+        for upright in (False, True)
+    )
     page = (
         (static / "status.html")
         .read_text(encoding="utf-8")
         .replace("{{style}}", style)
         .replace("{{script}}", script)
-        .replace("{{diagram}}", drawing)
+        .replace("{{diagram}}", lying)
+        .replace("{{diagram_upright}}", upright)
     )
-    # the drawing's own <style> is inline too: its hash is allowed beside the page's
-    styles = [style, *_inline_styles(drawing)]
+    # the drawings' own <style> is inline too: its hash is allowed beside the page's
+    styles = dict.fromkeys([style, *_inline_styles(lying), *_inline_styles(upright)])
     policy = "; ".join(
         [
             "default-src 'none'",

@@ -8,6 +8,7 @@ import queue
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -93,3 +94,17 @@ def event_of(kind: str) -> Callable[[Message], bool]:
 def moves(messages: list[Message]) -> list[Message]:
     """Return the ``residency.moved`` events among ``messages``, in order."""
     return [m["event"] for m in messages if event_of("residency.moved")(m)]
+
+
+def evicting_spec(root: Path, folder: Path) -> Path:
+    """Write examples/tiny_t2i.toml with a budget that evicts and batches of one into
+    ``folder``; return its path.
+
+    300,000 B holds the transformer (170,384 B) or the VAE (248,588 B), never the text
+    encoder (138,240 B) beside the transformer: every request evicts.
+    """
+    text = (root / "examples" / "tiny_t2i.toml").read_text(encoding="utf-8")
+    text = text.replace("[memory]\n", "[memory]\ndevice_budget = 300000\n", 1)
+    path = folder / "tiny_t2i_evicting.toml"
+    path.write_text(text + "\n[serving]\nmax_batch = 1\n", encoding="utf-8")
+    return path

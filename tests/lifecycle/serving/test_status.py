@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -22,8 +23,14 @@ from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
 from lifecycle.serving.page_access import API_KEY_ENV
 from lifecycle.states import ComponentState
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
-from tests.lifecycle.serving.streams import EventReader, event_of, is_snapshot
-from tests.lifecycle.serving.test_process import metric
+from tests.lifecycle.serving.streams import (
+    EventReader,
+    event_of,
+    evicting_spec,
+    is_snapshot,
+    moves,
+)
+from tests.lifecycle.serving.test_process import metric, serving
 from tests.lifecycle.test_waiting import until
 
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
@@ -260,6 +267,44 @@ class TestEventStream:
         assert idle["pipelines"][0]["resident_bytes"] <= BUDGET
 
 
+MOVE_FIELDS = ("component", "direction", "target", "bytes", "seconds", "request_id")
+"""What a residency.moved log line carries (the typed move adds ``at``)."""
+
+
+class TestStreamAgainstTheLogs:
+    def test_stream_carries_every_logged_move_in_order(self, root: Path, tmp_path: Path) -> None:
+        """Over one run of ``lifecycle serve`` (load, concurrent requests that evict, a refusal,
+        SIGTERM's drain) the stream carries every residency.moved of the JSON log, in order."""
+        spec = evicting_spec(root, tmp_path)
+        log = tmp_path / "serve.log"
+        options = ("--log-format", "json", "--log-level", "info", "--threads", "1")
+        with serving(spec, log, *options) as (process, url):
+            reader = EventReader(url)
+            reader.until(is_snapshot)
+
+            def generate(body: dict[str, object]) -> int:
+                answer = httpx.post(url + "/v1/images/generations", json=body, timeout=WATCHDOG_S)
+                return answer.status_code
+
+            bodies = [{"prompt": f"a fox {i}", "steps": 2, "seed": i} for i in range(6)]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                assert list(pool.map(generate, bodies)) == [200] * len(bodies)
+            assert generate({"prompt": "a fox", "attention_backend": "sliding_window"}) == 400
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=WATCHDOG_S) == 0
+            assert reader.ended.wait(WATCHDOG_S)  # the drain ended the stream
+            reader.close()
+        lines = [msgspec.json.decode(line) for line in log.read_text().splitlines()]
+        logged = [
+            {key: line[key] for key in MOVE_FIELDS}
+            for line in lines
+            if line.get("event") == "residency.moved"
+        ]
+        streamed = [{key: m[key] for key in MOVE_FIELDS} for m in moves(reader.seen)]
+        assert len(logged) > 6 * 4  # each request onloads and offloads, with evictions
+        assert streamed == logged
+
+
 class TestStatusPage:
     def test_page_is_one_self_contained_document(
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
@@ -276,9 +321,9 @@ class TestStatusPage:
         assert "connect-src 'self'" in policy
         assert "unsafe-inline" not in policy
         body = page.text
-        for state in ComponentState:
-            assert f'data-state="{state.value}"' in body
-        assert re.findall(r"https?://[^\"' )]+", body) == ["http://www.w3.org/2000/svg"]
+        for state in ComponentState:  # drawn lying (wide screens) and upright (phones)
+            assert body.count(f'data-state="{state.value}"') == 2
+        assert set(re.findall(r"https?://[^\"' )]+", body)) == {"http://www.w3.org/2000/svg"}
         assert not re.search(r"<(link|img|iframe)\b|<script\s+src|@import", body)
 
     def test_private_page_needs_the_api_key(
