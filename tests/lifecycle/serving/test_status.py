@@ -322,7 +322,7 @@ class TestStatusPage:
         assert "unsafe-inline" not in policy
         body = page.text
         for state in ComponentState:  # drawn lying (wide screens) and upright (phones)
-            assert body.count(f'data-state="{state.value}"') == 2
+            assert body.count(f'<g class="state" data-state="{state.value}"') == 2
         assert set(re.findall(r"https?://[^\"' )]+", body)) == {"http://www.w3.org/2000/svg"}
         assert not re.search(r"<(link|img|iframe)\b|<script\s+src|@import", body)
 
