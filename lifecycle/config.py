@@ -29,6 +29,7 @@ from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
 Device = Literal["cpu", "cuda", "auto"]
+StatusPage = Literal["open", "private"]
 ALL_ROLES = "all"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _T = TypeVar("_T")
@@ -117,6 +118,9 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         max_priority: the highest ``priority`` a request may carry (0 is the
             default and the lowest); it also sets the ageing bound of
             ``lifecycle.serving.priorities``.
+        status_page: who may read the status page (``GET /``, ``/status``) and its event
+            stream (``GET /v1/events``): ``open`` to every client, like ``/healthz``, or
+            ``private``: only with the API key (``Authorization: Bearer``).
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -127,6 +131,7 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     # requests over time (DESIGN §15)
     max_request_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     max_priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
+    status_page: StatusPage = "open"
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -77,12 +77,17 @@ class Refused(
 ):
     """A guard said no: the component stayed where it was (``lifecycle.refused``).
 
+    ``trigger`` is ``request`` for a request refused before it opened (a per-request
+    attention backend override that breaks a rule, DESIGN §4.6): nothing moved then.
+
     Attributes:
         component: the component.
         trigger: the trigger refused.
         source: the state it stayed in.
         codes: every refusal's code.
         messages: every refusal's message, in the same order.
+        hints: every refusal's fix, in the same order (none for a trigger not valid from
+            ``source``, which has no refusal to name one).
         request_id: the request it happened for, or None.
         may_wait: refused while a stage tried to onload: the request may wait for
             memory and try again instead of being refused (``MemoryWait`` says how
@@ -95,6 +100,7 @@ class Refused(
     codes: tuple[str, ...]
     messages: tuple[str, ...]
     request_id: str | None
+    hints: tuple[str, ...] = ()
     may_wait: bool = False
 
 

@@ -69,6 +69,7 @@ class MemoryWaiter:
         self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: PriorityQueue[str] = PriorityQueue()
+        self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
 
     def acquire(
         self,
@@ -107,6 +108,7 @@ class MemoryWaiter:
         deadline = started + self.timeout
         last: TransitionRefused | None = None
         self._queue.push(request_id, priority)
+        self._stages[request_id] = stage
         try:
             while True:
                 try:
@@ -137,6 +139,7 @@ class MemoryWaiter:
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
+            del self._stages[request_id]
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
@@ -152,6 +155,11 @@ class MemoryWaiter:
     def queue(self) -> tuple[str, ...]:
         """Return the ids of the waiting requests, first in line first."""
         return tuple(self._queue)
+
+    def waiting(self) -> tuple[tuple[str, StageSpec], ...]:
+        """Return each waiting request with the stage it waits to enter, first in line first."""
+        stages = dict(self._stages)  # one copy: the waiting threads change it under the lock
+        return tuple((rid, stages[rid]) for rid in tuple(self._queue) if rid in stages)
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""

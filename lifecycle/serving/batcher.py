@@ -54,6 +54,9 @@ FINISHED_KEPT = 1024
 BatchObserver = Callable[[int], None]
 """Called with the size of every batch that starts."""
 
+QueueObserver = Callable[[], None]
+"""Called whenever the queue or the running batches changed (read them with ``view``)."""
+
 
 class QueueFull(Exception):
     """``serving.max_queue`` jobs of this priority are already queued or running."""
@@ -65,6 +68,19 @@ class Draining(Exception):
 
 class DuplicateRequest(Exception):
     """A queued or running job already has this request id."""
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What the batcher holds at one moment (the status page shows it).
+
+    Attributes:
+        queued: each waiting job with when it arrived (``time.monotonic``), first in line first.
+        running: each running batch's id with its jobs and the denoising steps it has done.
+    """
+
+    queued: tuple[tuple[Job, float], ...]
+    running: tuple[tuple[str, tuple[Job, ...], int], ...]
 
 
 @dataclass
@@ -103,6 +119,7 @@ class Batcher:
         settings: the spec's ``[serving]`` table.
         shapes: what the pipeline produces (from its warm-up).
         on_batch: called with each batch's size.
+        on_change: called whenever a job is queued, a batch starts or a batch ends.
     """
 
     def __init__(
@@ -111,15 +128,18 @@ class Batcher:
         settings: ServingConfig,
         shapes: Shapes,
         on_batch: BatchObserver | None = None,
+        on_change: QueueObserver | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.settings = settings
         self.shapes = shapes
         self.on_batch = on_batch
+        self.on_change = on_change
         self._changed = threading.Condition()
         self._queue: PriorityQueue[_Entry] = PriorityQueue()
         self._live: dict[str, _Entry] = {}  # queued or running, by request id
         self._finished: OrderedDict[str, RequestStatus] = OrderedDict()
+        self._running: dict[str, list[_Entry]] = {}
         self._in_flight = 0
         self._by_priority: Counter[int] = Counter()
         self._free_runners = RUNNERS
@@ -140,6 +160,17 @@ class Batcher:
     def in_flight(self) -> int:
         """Return how many jobs are queued or running."""
         return self._in_flight
+
+    def view(self) -> QueueView:
+        """Return the queued jobs and the running batches now."""
+        with self._changed:
+            return QueueView(
+                queued=tuple((entry.job, entry.arrived) for entry in self._queue),
+                running=tuple(
+                    (batch_id, tuple(entry.job for entry in group), _steps_done(group))
+                    for batch_id, group in self._running.items()
+                ),
+            )
 
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job``; the future completes with it, output set, or with its error.
@@ -165,6 +196,7 @@ class Batcher:
             self._queue.push(entry, job.priority)
             self._live[job.id] = entry
             self._changed.notify_all()
+        self._tell_change()
         return future
 
     def status(self, job_id: str) -> RequestStatus | None:
@@ -204,6 +236,7 @@ class Batcher:
             self.orchestrator.waiter.wake()  # its batch may be waiting for memory
         else:
             self.orchestrator.report_cancelled(job_id)
+            self._tell_change()  # it left the queue
         return status
 
     def drain(self, timeout: float) -> bool:
@@ -300,6 +333,9 @@ class Batcher:
     def _run(self, group: list[_Entry]) -> None:
         jobs = [entry.job for entry in group]
         batch_id = "+".join(job.id for job in jobs)
+        with self._changed:
+            self._running[batch_id] = group
+        self._tell_change()  # the jobs left the queue and run
         try:
             # inside the try that frees the runner: an event that cannot be written must
             # not keep it, nor leave the clients waiting
@@ -307,7 +343,7 @@ class Batcher:
                 self.on_batch(len(jobs))
             log.info("serving.batched", batch_id=batch_id, size=len(jobs))
             batch = merged_batch(jobs, self.shapes)
-            batch.on_step = _steps_hook(group)
+            batch.on_step = _steps_hook(group, self.on_change)
             with self._changed:  # cancellations from now on reach the batch itself
                 for entry, rows in zip(group, job_rows(jobs), strict=True):
                     entry.rows, entry.batch = rows, batch
@@ -338,7 +374,13 @@ class Batcher:
             with self._changed:
                 self._forget(group, *(self._final(entry) for entry in group))
                 self._free_runners += 1
+                del self._running[batch_id]
                 self._changed.notify_all()
+            self._tell_change()
+
+    def _tell_change(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _final(self, entry: _Entry) -> RequestStatus:
         """Return the status a job of a finished batch keeps: done, or where it was cancelled.
@@ -350,12 +392,21 @@ class Batcher:
         return entry.status(self._queue, RequestState.DONE)
 
 
-def _steps_hook(group: list[_Entry]) -> StepHook | None:
-    """Return the batch's step hook: each listening job hears of its own rows' latents."""
+def _steps_done(group: list[_Entry]) -> int:
+    """Return the denoising steps a running batch has done (0 until its batch is made)."""
+    batch = group[0].batch
+    return 0 if batch is None else batch.step
+
+
+def _steps_hook(group: list[_Entry], on_change: QueueObserver | None) -> StepHook | None:
+    """Return the batch's step hook: each listening job hears of its own rows' latents.
+
+    ``on_change`` hears of every step too (the status page shows the step reached).
+    """
     listeners: list[tuple[JobSteps, _Entry]] = [
         (entry.job.on_step, entry) for entry in group if entry.job.on_step is not None
     ]
-    if not listeners:
+    if not listeners and on_change is None:
         return None
 
     def hook(done: StepDone) -> None:
@@ -363,5 +414,7 @@ def _steps_hook(group: list[_Entry]) -> StepHook | None:
             mine = [x for row, x in zip(done.rows, done.latents, strict=True) if row in entry.rows]
             if mine:
                 listener(done.step, done.steps, mine)
+        if on_change is not None:
+            on_change()
 
     return hook

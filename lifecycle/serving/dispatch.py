@@ -142,8 +142,7 @@ def job_error(worker: Worker, job: Job, err: Exception) -> Exception:
             code=code,
             extra={"request": msgspec.to_builtins(err.status)},
         )
-    if isinstance(err, RequestRefused):
-        worker.metrics.refused(tuple(code.value for code in err.codes))
+    if isinstance(err, RequestRefused):  # the orchestrator's observer counted it
         return ApiError(
             400,
             "; ".join(f"{r.message}; fix: {r.hint}" for r in err.refusals),

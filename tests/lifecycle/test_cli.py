@@ -438,9 +438,37 @@ class TestDiagramCommand:
     def test_check_passes_on_the_committed_diagrams(
         self, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``diagram --check`` exits 0 on the repository's diagrams."""
+        """``diagram --check`` exits 0 on the repository's diagrams and plan picture."""
         monkeypatch.chdir(ROOT)
-        assert lifecycle("diagram", "--check").returncode == 0
+        assert lifecycle("diagram", "--check", "--spec", EXAMPLE).returncode == 0
+
+    def test_format_svg_writes_the_pictures_only(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``--format svg --spec`` writes the lifecycle and the plan as SVG, nothing else."""
+        result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "component_lifecycle.svg",
+            "tiny-t2i_plan.svg",
+        ]
+
+    def test_a_plan_in_another_format_is_bad_input(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """A plan is drawn only as SVG: ``--format dot --spec`` is exit 2 naming the fix."""
+        result = lifecycle("diagram", "--format", "dot", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 2
+        assert "give --format svg (or all) with --spec" in result.stderr
+        assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+    def test_a_refused_spec_draws_no_plan(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A spec that admission refuses is exit 1 with every reason, and nothing is written."""
+        spec = REFUSED / "backend_not_consumed.toml"
+        result = lifecycle("diagram", "--spec", spec, "--out", tmp_path / "d")
+        assert result.returncode == 1
+        assert "attention.backend_not_consumed" in result.stderr
+        assert not (tmp_path / "d").exists()
 
     def test_check_fails_on_a_stale_file(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """``diagram --check`` exits 1 and names the file when one is stale."""

@@ -37,12 +37,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
+def serving(spec: Path, log: Path, *options: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``lifecycle serve spec [options]`` on a free loopback port until it is ready;
+    kill it after."""
     port = free_port()
     with log.open("wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
+            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port), *options],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
