@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from attention.plugins import UnknownPluginError
+
 
 class SelectionCode(StrEnum):
     """The refusal codes the attention package raises (a subset of ``lifecycle.RefusalCode``)."""
@@ -25,7 +27,8 @@ class BackendSelectionError(Exception):
         component: the component whose layer or scope failed.
         message: what is wrong and why.
         hint: how to fix it.
-        rejected: each candidate backend that was tried, mapped to why it was refused.
+        rejected: each candidate backend that was tried, mapped to every reason it was
+            refused.
     """
 
     def __init__(
@@ -34,7 +37,7 @@ class BackendSelectionError(Exception):
         component: str,
         message: str,
         hint: str,
-        rejected: dict[str, str] | None = None,
+        rejected: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         super().__init__(f"{message}; fix: {hint}")
         self.code = code
@@ -50,32 +53,17 @@ class BackendSelectionError(Exception):
         )
 
 
-class UnknownBackendError(KeyError):
+class UnknownBackendError(UnknownPluginError):
     """Report an attention backend name that is neither built in nor registered.
 
     Attributes:
         name: the name that was looked up.
         known: every known name, built-ins first.
+        failed: entry point -> why it did not load.
     """
 
-    def __init__(self, name: str, known: tuple[str, ...], failed: dict[str, str]) -> None:
-        super().__init__(name)
-        self.name = name
-        self.known = known
-        self.failed = dict(failed)
-        broken = "".join(
-            f"; entry point '{entry}' failed to load: {why}" for entry, why in failed.items()
-        )
-        self.text = (
-            f"unknown attention backend '{name}'; known: {', '.join(known)}{broken}; "
-            "register out-of-tree backends with attention.register_backend"
-        )
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.known, self.failed))
+    noun = "attention backend"
+    fix = "register out-of-tree backends with attention.register_backend"
 
 
 class NotResidentError(RuntimeError):

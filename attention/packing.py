@@ -1,12 +1,16 @@
-"""Read the segment boundaries of packed variable-length sequences."""
+"""Read the segment boundaries of packed variable-length sequences, and attend per segment."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 
-# T packed tokens
+from attention.backend import AttentionImpl
+
+# B batch, H heads, S seq, D head dim, T packed tokens
 
 
 def segments(
@@ -41,3 +45,51 @@ def segments(
 def as_batch(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """View rows ``start:end`` of a packed ``(T, H, D)`` tensor as one ``(1, H, S, D)`` batch."""
     return packed[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def attend_segments(
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor,  # (Tq, Hq, D)
+    k: torch.Tensor,  # (Tk, Hk, D)
+    v: torch.Tensor,  # (Tk, Hk, D)
+    bounds: Iterable[tuple[int, int, int, int]],
+) -> torch.Tensor:
+    """Attend each ``(q_start, q_end, k_start, k_end)`` segment alone, into one packed output.
+
+    ``attend`` is a dense kernel on ``(1, H, S, D)`` batches. This is how a kernel
+    without a varlen entry of its own (torch has none on CPU) serves packed
+    sequences. Every query row must lie in one segment; an empty one is skipped.
+    """
+    out = q.new_empty(q.shape)  # (Tq, Hq, D)
+    for q0, q1, k0, k1 in bounds:
+        if q1 == q0:
+            continue
+        seg = attend(as_batch(q, q0, q1), as_batch(k, k0, k1), as_batch(v, k0, k1))
+        out[q0:q1] = seg[0].transpose(0, 1)  # (1, Hq, Sq_i, D) -> (Sq_i, Hq, D)
+    return out
+
+
+class PerSegmentVarlen(AttentionImpl):
+    """Serve packed sequences with one ``forward`` call per sequence.
+
+    For kernels with no varlen entry of their own: torch has none on CPU, where a loop
+    over a fused kernel is still far cheaper than padding.
+    """
+
+    def forward_varlen(
+        self,
+        q: torch.Tensor,  # (Tq, Hq, D)
+        k: torch.Tensor,  # (Tk, Hk, D)
+        v: torch.Tensor,  # (Tk, Hk, D)
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        is_causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Run ``forward`` once per packed sequence, writing into one packed output."""
+        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        bounds = segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        return attend_segments(forward, q, k, v, bounds)

@@ -2,123 +2,52 @@
 
 Out-of-tree backends come from the entry-point group ``pipeline_lifecycle.backends``
 (each entry point names an ``AttentionBackend`` subclass), read lazily and once, and from
-``register_backend(...)``. The module functions use one process-wide registry.
+``register_backend(...)``. The module functions use one process-wide registry,
+``default_registry``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from typing import Any
 
 import msgspec
-import structlog
 
 from attention.backend import AttentionBackend, AttentionImpl
 from attention.backends import BUILTIN_BACKENDS
 from attention.errors import UnknownBackendError
+from attention.plugins import PluginRegistry
 
 ENTRY_POINT_GROUP = "pipeline_lifecycle.backends"
 
 
-class BackendRegistry:
-    """Hold the built-in backends and the out-of-tree ones, loading entry points once.
+class BackendRegistry(PluginRegistry[type[AttentionBackend]]):
+    """Hold the built-in backends and the out-of-tree ones (``attention.plugins``).
 
     Args:
-        group: the entry-point group out-of-tree backends are read from.
+        distributions: the distributions whose entry points are read; None (the default)
+            reads every installed one.
     """
 
-    def __init__(self, group: str = ENTRY_POINT_GROUP) -> None:
-        self.group = group
-        self._builtin = {cls.name: cls for cls in BUILTIN_BACKENDS}
-        self._registered: dict[str, type[AttentionBackend]] = {}
-        self._failed: dict[str, str] = {}
-        self._lock = threading.RLock()
-        self._entry_points_read = False
+    group = ENTRY_POINT_GROUP
+    unknown_error = UnknownBackendError
+    load_failed_event = "attention.backend_load_failed"
+    builtins = BUILTIN_BACKENDS
 
-    def names(self) -> tuple[str, ...]:
-        """Return every known backend name: built-ins first, then out-of-tree ones."""
-        self._read_entry_points()
-        return (*self._builtin, *self._registered)
+    def name_of(self, plugin: type[AttentionBackend]) -> str:
+        """Return the backend's ``name``."""
+        return plugin.name
 
-    def get(self, name: str) -> type[AttentionBackend]:
-        """Return the backend class called ``name``.
+    def checked(self, plugin: object) -> type[AttentionBackend]:
+        """Return ``plugin`` once it is a complete ``AttentionBackend`` subclass.
 
         Raises:
-            UnknownBackendError: no backend has that name; the message lists the known ones.
+            TypeError: it is not; the message says what it lacks.
         """
-        found = self._builtin.get(name)
-        if found is not None:
-            return found
-        self._read_entry_points()
-        found = self._registered.get(name)
-        if found is None:
-            raise UnknownBackendError(name, self.names(), self._failed)
-        return found
-
-    def out_of_tree(self) -> tuple[type[AttentionBackend], ...]:
-        """Return the registered (not built-in) backends in registration order."""
-        self._read_entry_points()
-        return tuple(self._registered.values())
-
-    def register(self, backend_cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        """Add an out-of-tree backend; registering the same class again is a no-op.
-
-        Raises:
-            TypeError: the class is not a complete ``AttentionBackend``.
-            ValueError: another backend already has its name.
-        """
-        _check_backend(backend_cls)
-        self._read_entry_points()
-        with self._lock:
-            taken = self._builtin.get(backend_cls.name) or self._registered.get(backend_cls.name)
-            if taken is backend_cls:
-                return backend_cls
-            if taken is not None:
-                raise ValueError(
-                    f"attention backend name '{backend_cls.name}' is taken by "
-                    f"{taken.__module__}.{taken.__qualname__}; give "
-                    f"{backend_cls.__qualname__} another name"
-                )
-            self._registered[backend_cls.name] = backend_cls
-        return backend_cls
-
-    def unregister(self, name: str) -> None:
-        """Remove an out-of-tree backend.
-
-        Raises:
-            ValueError: ``name`` is a built-in backend.
-            UnknownBackendError: no out-of-tree backend has that name.
-        """
-        if name in self._builtin:
-            raise ValueError(f"built-in attention backend '{name}' cannot be unregistered")
-        with self._lock:
-            if self._registered.pop(name, None) is None:
-                raise UnknownBackendError(name, self.names(), self._failed)
-
-    def _read_entry_points(self) -> None:
-        if self._entry_points_read:
-            return
-        with self._lock:
-            if self._entry_points_read:
-                return
-            # Set first: a plugin that registers itself on import must not recurse here.
-            self._entry_points_read = True
-            for entry in entry_points(group=self.group):
-                try:
-                    self.register(entry.load())
-                except Exception as err:  # a broken plugin must not hide the working ones
-                    self._failed[entry.name] = f"{type(err).__name__}: {err}"
-                    structlog.get_logger("attention").warning(
-                        "attention.backend_load_failed",
-                        entry_point=entry.name,
-                        value=entry.value,
-                        error=self._failed[entry.name],
-                    )
+        return _check_backend(plugin)
 
 
-def _check_backend(backend_cls: object) -> None:
+def _check_backend(backend_cls: object) -> type[AttentionBackend]:
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, AttentionBackend)):
         raise TypeError(f"register_backend takes an AttentionBackend subclass, got {backend_cls!r}")
     where = f"attention backend {backend_cls.__qualname__}"
@@ -132,14 +61,15 @@ def _check_backend(backend_cls: object) -> None:
         raise TypeError(f"{where}: {impl_cls.__qualname__} must implement forward")
     if not issubclass(backend_cls.options_type, msgspec.Struct):
         raise TypeError(f"{where}: options_type must be a msgspec.Struct subclass")
+    return backend_cls
 
 
-_default = BackendRegistry()
+default_registry = BackendRegistry()
 
 
 def names() -> tuple[str, ...]:
     """Return every known backend name: built-ins first, then out-of-tree ones."""
-    return _default.names()
+    return default_registry.names()
 
 
 def get(name: str) -> type[AttentionBackend]:
@@ -148,7 +78,7 @@ def get(name: str) -> type[AttentionBackend]:
     Raises:
         UnknownBackendError: no backend has that name; the message lists the known ones.
     """
-    return _default.get(name)
+    return default_registry.get(name)
 
 
 def decode_options(name: str, raw: Mapping[str, Any]) -> msgspec.Struct:
@@ -163,7 +93,7 @@ def decode_options(name: str, raw: Mapping[str, Any]) -> msgspec.Struct:
 
 def out_of_tree() -> tuple[type[AttentionBackend], ...]:
     """Return the registered (not built-in) backends in registration order."""
-    return _default.out_of_tree()
+    return default_registry.out_of_tree()
 
 
 def register_backend(backend_cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -175,7 +105,7 @@ def register_backend(backend_cls: type[AttentionBackend]) -> type[AttentionBacke
         TypeError: the class is not a complete ``AttentionBackend``.
         ValueError: another backend already has its name.
     """
-    return _default.register(backend_cls)
+    return default_registry.register(backend_cls)
 
 
 def unregister_backend(name: str) -> None:
@@ -185,4 +115,4 @@ def unregister_backend(name: str) -> None:
         ValueError: ``name`` is a built-in backend.
         UnknownBackendError: no out-of-tree backend has that name.
     """
-    _default.unregister(name)
+    default_registry.unregister(name)

@@ -93,13 +93,14 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         reason: None when the requested backend (with nothing requested: the layer
             default, else the platform default) was chosen; otherwise the fallback reason.
         provenance: the provenance of the request, not of the backend that won.
-        rejected: each refused candidate, mapped to why.
+        rejected: each refused candidate, mapped to every reason it was refused, in
+            the order they were checked.
     """
 
     backend: str
     reason: str | None
     provenance: Provenance
-    rejected: dict[str, str] = msgspec.field(default_factory=dict)
+    rejected: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
 
 
 class ComponentRequests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

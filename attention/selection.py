@@ -23,7 +23,7 @@ _CAPABILITY_CODES = (SelectionCode.RING_REQUIRES_LSE, SelectionCode.CAPABILITY_M
 
 @dataclass(frozen=True)
 class _Failure:
-    """Why one candidate was refused; the message is written only if it is reported."""
+    """One reason a candidate was refused; the message is written only if it is reported."""
 
     name: str
     code: SelectionCode
@@ -74,23 +74,21 @@ def select_backend(request: BackendRequest, platform: Platform) -> Selection:
     problem = _Problem(
         request, platform, needs, ring_strict=request.ring and provenance is Provenance.EXPLICIT
     )
-    failure = _check(primary, problem)
-    if failure is None:
+    first = _check(primary, problem)
+    if not first:
         return Selection(backend=primary, reason=None, provenance=provenance)
-    failures = [failure]
-    reason = _fallback_reason(request, provenance, source, failure)
+    refused = [first]
+    # A candidate's reasons are in check order: its first one decides, the rest inform.
+    reason = _fallback_reason(request, provenance, source, first[0])
     if reason is not None:
         for name in _chain(request, platform, primary):
-            candidate = _check(name, problem)
-            if candidate is None:
+            failures = _check(name, problem)
+            if not failures:
                 return Selection(
-                    backend=name,
-                    reason=reason,
-                    provenance=provenance,
-                    rejected={f.name: f.why for f in failures},
+                    backend=name, reason=reason, provenance=provenance, rejected=_why(refused)
                 )
-            failures.append(candidate)
-    raise _error(problem, failures, fell_back=reason is not None)
+            refused.append(failures)
+    raise _error(problem, refused, fell_back=reason is not None)
 
 
 def _fallback_reason(
@@ -123,47 +121,67 @@ def _chain(request: BackendRequest, platform: Platform, primary: str) -> list[st
     return [name for name in dict.fromkeys([*named, *automatic]) if name != primary]
 
 
-def _check(name: str, problem: _Problem) -> _Failure | None:
-    """Return why backend ``name`` cannot serve the layer, or None when it can."""
+def _check(name: str, problem: _Problem) -> tuple[_Failure, ...]:
+    """Return every reason backend ``name`` cannot serve the layer; none when it can."""
     request = problem.request
     try:
         backend = registry.get(name)
     except UnknownBackendError:
-        return _Failure(
-            name, SelectionCode.UNSUPPORTED_BACKEND, "not a registered backend", unknown=True
+        return (
+            _Failure(
+                name, SelectionCode.UNSUPPORTED_BACKEND, "not a registered backend", unknown=True
+            ),
         )
+    failures: list[_Failure] = []
     if backend.is_sparse and request.role is AttentionRole.CROSS:
-        return _Failure(
-            name,
-            SelectionCode.UNSUPPORTED_BACKEND,
-            "sparse, never used for cross-attention",
-            sparse_on_cross=True,
+        failures.append(
+            _Failure(
+                name,
+                SelectionCode.UNSUPPORTED_BACKEND,
+                "sparse, never used for cross-attention",
+                sparse_on_cross=True,
+            )
         )
     if request.supported is not None and name not in request.supported:
-        return _Failure(name, SelectionCode.UNSUPPORTED_BACKEND, "not in the layer's supported set")
+        failures.append(
+            _Failure(name, SelectionCode.UNSUPPORTED_BACKEND, "not in the layer's supported set")
+        )
     unavailable = problem.platform.unavailable_reason(name)
     if unavailable is not None:
-        return _Failure(name, SelectionCode.UNAVAILABLE_BACKEND, unavailable)
+        failures.append(_Failure(name, SelectionCode.UNAVAILABLE_BACKEND, unavailable))
+    needs = problem.needs
     if problem.ring_strict and not backend.supports_lse():
-        return _Failure(
-            name, SelectionCode.RING_REQUIRES_LSE, "no softmax LSE, which ring attention needs"
+        failures.append(
+            _Failure(
+                name, SelectionCode.RING_REQUIRES_LSE, "no softmax LSE, which ring attention needs"
+            )
         )
-    missing = backend.unsupported_requirements(problem.needs)
+        needs = request.requirements  # the LSE ring attention adds is reported just above
+    missing = backend.unsupported_requirements(needs)
     if missing:
-        return _Failure(
-            name,
-            SelectionCode.CAPABILITY_MISSING,
-            f"does not implement {_join(missing)}",
-            missing=missing,
+        failures.append(
+            _Failure(
+                name,
+                SelectionCode.CAPABILITY_MISSING,
+                f"does not implement {_join(missing)}",
+                missing=missing,
+            )
         )
-    return None
+    return tuple(failures)
+
+
+def _why(refused: list[tuple[_Failure, ...]]) -> dict[str, tuple[str, ...]]:
+    """Map each refused candidate to every reason it was refused."""
+    return {failures[0].name: tuple(f.why for f in failures) for failures in refused}
 
 
 def _error(
-    problem: _Problem, failures: list[_Failure], *, fell_back: bool
+    problem: _Problem, refused: list[tuple[_Failure, ...]], *, fell_back: bool
 ) -> BackendSelectionError:
-    """Report the most useful failure: missing capability, else unsupported, else none left."""
-    rejected = {f.name: f.why for f in failures}
+    """Report the most useful candidate's first reason: missing capability, else unsupported,
+    else none left; ``rejected`` carries every reason of every candidate."""
+    rejected = _why(refused)
+    failures = [reasons[0] for reasons in refused]
     chosen = next((f for f in failures if f.code in _CAPABILITY_CODES), None) or next(
         (f for f in failures if f.code is SelectionCode.UNSUPPORTED_BACKEND), None
     )
@@ -171,7 +189,7 @@ def _error(
         chosen = failures[0]
     component = problem.request.component
     if chosen is None:
-        tried = "; ".join(f"{f.name}: {f.why}" for f in failures)
+        tried = "; ".join(f"{name}: {' and '.join(whys)}" for name, whys in rejected.items())
         return BackendSelectionError(
             SelectionCode.NO_BACKEND,
             component,
@@ -235,7 +253,7 @@ def _explain(failure: _Failure, problem: _Problem) -> tuple[str, str]:
 
 def _capable(problem: _Problem) -> str:
     """List the registered backends that would serve this layer here, or say none would."""
-    fit = [name for name in registry.names() if _check(name, problem) is None]
+    fit = [name for name in registry.names() if not _check(name, problem)]
     return ", ".join(fit) if fit else "none is available on this platform"
 
 

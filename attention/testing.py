@@ -1,4 +1,4 @@
-"""Helpers for tests of code that uses attention: tolerances, random inputs, FLOP counts."""
+"""Helpers for tests of code that uses attention: tolerances, inputs, FLOPs, a plain kernel."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from attention.backend import AttentionImpl
 from attention.request import BackendChoice
 from attention.roles import Provenance
 
@@ -36,6 +37,28 @@ def explicit(name: str) -> BackendChoice:
 def automatic(name: str) -> BackendChoice:
     """Return a backend the framework derived."""
     return BackendChoice(name=name, provenance=Provenance.AUTOMATIC)
+
+
+class SdpaImpl(AttentionImpl):
+    """A minimal out-of-tree kernel: ``forward`` through SDPA and no other capability.
+
+    A test subclasses it to grant one capability at a time, since a backend's
+    capabilities are what its implementation overrides.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (B, Hq, Sq, D)
+        k: torch.Tensor,  # (B, Hk, Sk, D)
+        v: torch.Tensor,  # (B, Hk, Sk, D)
+        *,
+        is_causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend with SDPA."""
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale
+        )  # (B, Hq, Sq, D)
 
 
 def count_attention_flops() -> FlopCounterMode:

@@ -16,9 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.layout import ParallelLayout
 
-SEQUENCE_DIMS = ("ring", "ulysses")
-GATHER_DIMS = ("kv_gather",)
-
 
 @dataclass(frozen=True)
 class SequenceGroups:

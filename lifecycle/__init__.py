@@ -1,5 +1,6 @@
 """A typed state-machine orchestrator for the components of a serving pipeline."""
 
+from components.batch import Cancelled
 from lifecycle.config import (
     AttentionConfig,
     ComponentSpec,
@@ -11,7 +12,7 @@ from lifecycle.config import (
     load_spec,
 )
 from lifecycle.logs import configure_logging
-from lifecycle.machine import ComponentLifecycle, LifecycleMachine, TransitionContext
+from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
 from lifecycle.orchestrator import ComponentView, Orchestrator
 from lifecycle.plan import AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
 from lifecycle.refusals import (
@@ -20,6 +21,8 @@ from lifecycle.refusals import (
     InvalidTransition,
     Refusal,
     RefusalCode,
+    Refused,
+    RequestRefused,
     TransitionFailed,
     TransitionRefused,
 )
@@ -31,6 +34,7 @@ __all__ = [
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",
+    "Cancelled",
     "ComponentLifecycle",
     "ComponentPlan",
     "ComponentSpec",
@@ -40,11 +44,14 @@ __all__ = [
     "InvalidTransition",
     "LifecycleMachine",
     "MemoryConfig",
+    "MoveArgs",
     "Orchestrator",
     "PipelineSnapshot",
     "PipelineSpec",
     "Refusal",
     "RefusalCode",
+    "Refused",
+    "RequestRefused",
     "SitePlan",
     "StageSpec",
     "TransitionContext",

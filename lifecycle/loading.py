@@ -9,10 +9,13 @@ back) rather than re-planning the component.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
-from attention import Platform, component_attention_scope
+from attention import Platform
+from components.loader import LoaderPath
 from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
+from lifecycle.admission.construction import construct_module
 from lifecycle.config import PipelineSpec
 from lifecycle.distributed import setup_parallel
 from lifecycle.machine import TransitionContext
@@ -56,16 +59,16 @@ class Loading:
             self._mesh_built = True
         slot = self.slots[name]
         admitted = _admitted(slot)
-        if admitted.plan.loader == "native":
-            module = slot.loader.build("native")
-        else:
-            with component_attention_scope(
-                admitted.requests, plan=admitted.planned, platform=self.platform
-            ):
-                module = slot.loader.build("custom")
-        slot.module = module
-        slot.footprint = self.residency.footprint(slot)
+        path: LoaderPath = "native" if admitted.plan.loader == "native" else "custom"
+        slot.module = construct_module(
+            path,
+            admitted.requests,
+            admitted.planned,
+            self.platform,
+            partial(slot.loader.build, path),
+        )
         context.on_rollback(slot.forget)
+        slot.footprint = self.residency.footprint(slot)  # may refuse what was built: undone
 
     def plan_honoured(self, name: str) -> list[Refusal]:
         """Refuse a build whose attention sites differ from the admitted plan.

@@ -6,14 +6,17 @@ this module only decides how those events are rendered and where they go.
 - Unconfigured (a program embeds the orchestrator and configures nothing):
   the import routes structlog into the standard ``logging`` module
   (:mod:`attention.log_routing`, the package every other one imports), so
-  nothing reaches stdout.
-- ``configure_logging`` (the CLI, the benchmarks): JSON lines or a console
-  renderer on stderr, filtered at a level.
+  nothing reaches stdout. An application that configured structlog first keeps
+  its configuration.
+- ``configure_logging`` (the CLI, ``serve``, the benchmarks, the tests): JSON
+  lines or a console renderer on stderr, filtered at a level.
 
-The project's hot paths log through ``get_logger``: an ``EventLogger`` keeps
-its assembled structlog logger until the configuration changes, and answers
-``is_enabled_for`` so that a call site builds its fields only when the event
-will be written.
+The project's modules log through ``get_logger``: one ``EventLogger`` per name,
+which assembles its structlog logger on first use and asks it (structlog's own
+``is_enabled_for``) whether a level is on, so that a call site builds its fields
+only when the event will be written. Every change the project makes to structlog's
+configuration goes through ``reconfigure``, which makes those loggers assemble
+again: after it no event goes to a stream or a level of an earlier configuration.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Collection, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any, Literal, TextIO, TypeAlias
 
 import msgspec
 import structlog
-from structlog.typing import Processor
-
-from attention.log_routing import StdlibEventLogger
+from structlog.typing import FilteringBoundLogger, Processor
 
 LogFormat: TypeAlias = Literal["json", "console", "auto"]
 
@@ -41,77 +43,68 @@ def _encode_json(event: Any, **_: Any) -> str:
     return _ENCODER.encode(event).decode()
 
 
-class _Generation:
-    """Counts configuration changes, so that cached loggers know when to reassemble."""
-
-    value = 0
-
-
-def configuration_changed() -> None:
-    """Make every ``EventLogger`` assemble its logger again from structlog's configuration."""
-    _Generation.value += 1
-
-
-def _always(level: int) -> bool:
-    return True
-
-
 class EventLogger:
     """A named event logger whose filtered events cost one level check.
 
-    The assembled structlog logger is cached on first use and assembled again
-    after ``configure_logging``, ``capture_events`` or ``configuration_changed``
-    (as with structlog's own
-    ``cache_logger_on_first_use``, an application that calls
-    ``structlog.configure`` should do so before the first event).
+    Its structlog logger is assembled on first use from structlog's configuration
+    (so an application may configure structlog after importing the project, as
+    long as it does so before the first event), and again after every ``reconfigure``.
 
     Args:
         name: the standard ``logging`` name events go to when unconfigured.
     """
 
-    __slots__ = ("_enabled", "_generation", "_logger", "_name")
+    __slots__ = ("_logger", "_name")
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._generation = -1
-        self._logger: Any = None
-        self._enabled: Callable[[int], bool] = _always
+        self._logger: FilteringBoundLogger | None = None
 
     def is_enabled_for(self, level: int) -> bool:
         """Tell whether an event at ``level`` would be written: build costly fields only then."""
-        if self._generation != _Generation.value:
-            self._assemble()
-        return self._enabled(level)
+        logger = self._logger
+        if logger is None:
+            logger = self._assemble()
+        return logger.is_enabled_for(level)
 
     def debug(self, event: str, **fields: Any) -> None:
         """Log ``event`` at debug level."""
-        if self.is_enabled_for(logging.DEBUG):
-            self._logger.debug(event, **fields)
+        logger = self._current()
+        if logger.is_enabled_for(logging.DEBUG):
+            logger.debug(event, **fields)
 
     def info(self, event: str, **fields: Any) -> None:
         """Log ``event`` at info level."""
-        if self.is_enabled_for(logging.INFO):
-            self._logger.info(event, **fields)
+        logger = self._current()
+        if logger.is_enabled_for(logging.INFO):
+            logger.info(event, **fields)
 
     def warning(self, event: str, **fields: Any) -> None:
         """Log ``event`` at warning level."""
-        if self.is_enabled_for(logging.WARNING):
-            self._logger.warning(event, **fields)
+        logger = self._current()
+        if logger.is_enabled_for(logging.WARNING):
+            logger.warning(event, **fields)
 
     def error(self, event: str, **fields: Any) -> None:
         """Log ``event`` at error level."""
-        if self.is_enabled_for(logging.ERROR):
-            self._logger.error(event, **fields)
+        logger = self._current()
+        if logger.is_enabled_for(logging.ERROR):
+            logger.error(event, **fields)
 
-    def _assemble(self) -> None:
-        self._logger = structlog.get_logger(self._name).bind()
-        if isinstance(self._logger, StdlibEventLogger):
-            # the standard logger's test itself: one call less on every event (issue 12)
-            self._enabled = self._logger.level_check
-        else:
-            check = getattr(self._logger, "is_enabled_for", None)
-            self._enabled = _always if check is None else check
-        self._generation = _Generation.value
+    def _current(self) -> FilteringBoundLogger:
+        logger = self._logger
+        return self._assemble() if logger is None else logger
+
+    def _assemble(self) -> FilteringBoundLogger:
+        logger: FilteringBoundLogger = structlog.get_logger(self._name).bind()
+        self._logger = logger
+        return logger
+
+    def _forget(self) -> None:
+        self._logger = None
+
+
+_LOGGERS: dict[str, EventLogger] = {}
 
 
 def context_variable(key: str) -> contextvars.ContextVar[Any]:
@@ -132,21 +125,64 @@ def context_variable(key: str) -> contextvars.ContextVar[Any]:
 REQUEST_ID = context_variable("request_id")
 """The ``request_id`` every event inside a request carries (``...`` outside one)."""
 
+MAY_WAIT = context_variable("may_wait")
+"""True while a stage tries to onload: a refusal then may mean a wait (``lifecycle.waiting``)."""
+
 
 def get_logger(name: str) -> EventLogger:
-    """Return an event logger for the project module family ``name`` (e.g. ``lifecycle``)."""
-    return EventLogger(name)
+    """Return the event logger of the project module family ``name`` (e.g. ``lifecycle``)."""
+    logger = _LOGGERS.get(name)
+    if logger is None:
+        logger = _LOGGERS.setdefault(name, EventLogger(name))
+    return logger
+
+
+def reconfigure(**settings: Any) -> None:
+    """Change structlog's configuration (``structlog.configure``'s keywords) for the project.
+
+    The one place the project changes it: the project's loggers assemble again from
+    the new configuration on their next event, so none keeps writing to a stream, a
+    level or processors the configuration no longer names.
+    """
+    structlog.configure(**settings)
+    for logger in list(_LOGGERS.values()):
+        logger._forget()
+
+
+@contextmanager
+def saved_logging() -> Iterator[None]:
+    """Put structlog's configuration back on exit as it was on entry.
+
+    For code that configures logging for a while (a test, the CLI run in-process).
+    """
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        reconfigure(**saved)
 
 
 def configure_logging(
-    fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None
+    fmt: LogFormat = "auto",
+    level: str = "info",
+    stream: TextIO | None = None,
+    *,
+    omit_on_console: Collection[str] = (),
 ) -> None:
     """Route every structlog event to ``stream`` (stderr by default).
 
     ``auto`` renders for a person when the stream is a terminal and as JSON
     lines otherwise. Tracebacks never carry frame locals, which may hold
-    secrets. Loggers are cached on first use: the project's own follow a later
-    call, but call it before the first event so that every other does too.
+    secrets. The project's loggers follow a later call; structlog's own cached
+    loggers (``cache_logger_on_first_use``) do not, so call it before the first
+    event.
+
+    Args:
+        fmt: ``json``, ``console`` or ``auto``.
+        level: the least severe level written (``debug``, ``info``, ``warning``, ``error``).
+        stream: where events go; stderr by default.
+        omit_on_console: event names left out when rendering for a person (the
+            command says the same in its own words); JSON lines keep them.
 
     Raises:
         ValueError: ``level`` is not a logging level name.
@@ -156,6 +192,7 @@ def configure_logging(
     if numeric_level is None:
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
     console = fmt == "console" or (fmt == "auto" and out.isatty())
+    omitted: list[Processor] = [_Omit(frozenset(omit_on_console))] if console else []
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -175,10 +212,23 @@ def configure_logging(
             structlog.processors.JSONRenderer(serializer=_encode_json),
         ]
     )
-    structlog.configure(
-        processors=[*shared, *renderer],
+    reconfigure(
+        processors=[*omitted, *shared, *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
-    configuration_changed()
+
+
+class _Omit:
+    """A processor that drops the events named in ``names``."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def __call__(
+        self, logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        if event_dict.get("event") in self.names:
+            raise structlog.DropEvent
+        return event_dict

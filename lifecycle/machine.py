@@ -13,9 +13,11 @@ Two extension points of ``transitions`` carry the project's semantics:
 A move is on the hot path of every request (issue 12: at most 15 µs of
 orchestrator time), so the event hands the component and its context straight
 to the transition, which runs the guards by name from a tuple built once: no
-``EventData`` is built and no callback list is walked. ``transitions``' own
-path (``EventData`` through ``GuardCondition.check``) still serves the
-``may_*`` probes.
+``EventData`` is built and no callback list is walked. The ``may_*`` probes run
+the same guards the same way (``GuardedTransition.passes``), without the work.
+
+A trigger takes one typed value, ``MoveArgs``; what its guards decide for the
+work travels on typed fields of the ``TransitionContext``.
 
 The machine knows no loader and no kernel: guards and work are injected per
 component by whoever owns the component (the orchestrator).
@@ -29,15 +31,38 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
-from transitions.core import Condition, Event, EventData, Machine, State, Transition
+import msgspec
+from transitions.core import Condition, Event, Machine, State, Transition
 
-from lifecycle.logs import REQUEST_ID, get_logger
+from lifecycle.events import Observers, Refused, Transitioned
+from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
 
 log = get_logger("lifecycle")
 
 _DESTS = {rule.trigger: rule.dest for rule in TRANSITIONS}
+
+
+class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a trigger is fired with; its guards and its work read it from the context.
+
+    Attributes:
+        request_id: the request the move happens for; None: the one the logging
+            context binds (``Orchestrator.request`` binds it), if any.
+        position: where in the request timeline the move happens (the stage's index;
+            -1 before any stage): the budget measures next uses from there.
+        eviction: whether the budget evicts the component to make room for another's
+            onload (a component resident by default may go then, never otherwise).
+    """
+
+    request_id: str | None = None
+    position: int = -1
+    eviction: bool = False
+
+
+NO_ARGS = MoveArgs()
+"""A trigger fired with nothing to say: outside a stage, not an eviction."""
 
 
 class TransitionContext:
@@ -48,12 +73,12 @@ class TransitionContext:
         trigger: the trigger being fired.
         source: the state the component is in.
         dest: the state it will be in if the transition completes.
-        params: the keyword arguments given to the trigger.
-        request_id: the request the transition happens for, if any: the
-            ``request_id`` parameter when the caller gave one, else the
-            ``request_id`` bound in structlog's context variables.
-        decisions: what the guards decided for the work to carry out (e.g.
-            which components an onload must evict first).
+        args: what the trigger was fired with.
+        request_id: the request the transition happens for, if any: ``args.request_id``
+            when the caller gave one, else the ``request_id`` bound in structlog's
+            context variables.
+        evictions: the components the onload's budget guard decided to evict first,
+            in order (empty when the onload fits as it is).
         is_logged: whether the transition's info-level events (``lifecycle.transition``,
             ``residency.moved``) are written: asked once, so that a filtered move
             builds no event fields.
@@ -61,11 +86,11 @@ class TransitionContext:
 
     __slots__ = (
         "_undo",
+        "args",
         "component",
-        "decisions",
         "dest",
+        "evictions",
         "is_logged",
-        "params",
         "refusals",
         "request_id",
         "source",
@@ -77,20 +102,18 @@ class TransitionContext:
         component: str,
         trigger: str,
         source: ComponentState,
-        params: Mapping[str, object],
+        args: MoveArgs,
     ) -> None:
         self.component = component
         self.trigger = trigger
         self.source = source
         self.dest = _DESTS[trigger]
-        self.params = params
-        request_id = params["request_id"] if "request_id" in params else REQUEST_ID.get()
-        self.request_id: str | None = (
-            None if request_id is None or request_id is ... else str(request_id)
-        )
+        self.args = args
+        request_id = args.request_id if args.request_id is not None else REQUEST_ID.get()
+        self.request_id: str | None = None if request_id is ... else request_id
         self.is_logged = log.is_enabled_for(logging.INFO)
         self.refusals: list[Refusal] = []
-        self.decisions: dict[str, object] = {}
+        self.evictions: tuple[str, ...] = ()
         self._undo: list[Callable[[], object]] = []
 
     def on_rollback(self, undo: Callable[[], object]) -> None:
@@ -152,51 +175,51 @@ class ComponentLifecycle:
         self.work = dict(work or {})
 
     # The machine binds these; the bodies exist so that type checkers see them.
-    def admit(self, **params: object) -> bool:
+    def admit(self, args: MoveArgs = NO_ARGS) -> bool:
         """Configured -> admitted."""
         raise NotImplementedError
 
-    def load(self, **params: object) -> bool:
+    def load(self, args: MoveArgs = NO_ARGS) -> bool:
         """Admitted -> loaded."""
         raise NotImplementedError
 
-    def onload(self, **params: object) -> bool:
+    def onload(self, args: MoveArgs = NO_ARGS) -> bool:
         """Loaded or offloaded -> resident."""
         raise NotImplementedError
 
-    def offload(self, **params: object) -> bool:
+    def offload(self, args: MoveArgs = NO_ARGS) -> bool:
         """Loaded or resident -> offloaded."""
         raise NotImplementedError
 
-    def release(self, **params: object) -> bool:
+    def release(self, args: MoveArgs = NO_ARGS) -> bool:
         """Any state but released -> released."""
         raise NotImplementedError
 
-    def trigger(self, trigger_name: str, **params: object) -> bool:
+    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
         """Fire the trigger named ``trigger_name``."""
         raise NotImplementedError
 
-    def may_admit(self, **params: object) -> bool:
+    def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``admit`` would pass its guards now."""
         raise NotImplementedError
 
-    def may_load(self, **params: object) -> bool:
+    def may_load(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``load`` would pass its guards now."""
         raise NotImplementedError
 
-    def may_onload(self, **params: object) -> bool:
+    def may_onload(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``onload`` would pass its guards now."""
         raise NotImplementedError
 
-    def may_offload(self, **params: object) -> bool:
+    def may_offload(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``offload`` would pass its guards now."""
         raise NotImplementedError
 
-    def may_release(self, **params: object) -> bool:
+    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``release`` would pass its guards now."""
         raise NotImplementedError
 
-    def may_trigger(self, trigger_name: str, **params: object) -> bool:
+    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
@@ -227,22 +250,6 @@ class ComponentLifecycle:
         raise NotImplementedError
 
 
-def _context_of(event_data: EventData) -> TransitionContext:
-    """Return the context the trigger passed, or a fresh one for ``may_*`` probes."""
-    args = event_data.args
-    if isinstance(args, tuple) and args and isinstance(args[0], TransitionContext):
-        return args[0]
-    model = _component_of(event_data)
-    return TransitionContext(model.name, event_data.event.name, model.state, event_data.kwargs)
-
-
-def _component_of(event_data: EventData) -> ComponentLifecycle:
-    model = event_data.model
-    if not isinstance(model, ComponentLifecycle):
-        raise TypeError(f"the lifecycle machine only drives ComponentLifecycle, not {model!r}")
-    return model
-
-
 class LifecycleState(State):
     """A state whose name is read once (an Enum member's name is a slow lookup).
 
@@ -264,11 +271,7 @@ class LifecycleState(State):
 
 
 class GuardCondition(Condition):
-    """A named guard; passing means it returned no refusal, which it records.
-
-    Moves run the guards through ``GuardedTransition.passes``; ``check`` is
-    what ``transitions`` calls for the ``may_*`` probes.
-    """
+    """A guard named in the transition table; ``GuardedTransition.passes`` runs it."""
 
     def __init__(self, func: str, target: bool = True) -> None:
         if not isinstance(func, str):
@@ -276,19 +279,12 @@ class GuardCondition(Condition):
         super().__init__(func, target)
         self.name = func  # typed: ``func`` may be any callable to transitions
 
-    def check(self, event_data: EventData) -> bool:
-        """Run the guard and record what it refused (the ``may_*`` probes come here)."""
-        context = _context_of(event_data)
-        found = tuple(_component_of(event_data).checks[self.name](context))
-        context.refusals.extend(found)
-        return not found
-
 
 class GuardedTransition(Transition):
     """A transition that checks every guard and runs its work atomically.
 
     The work is the transition's one side effect: the lifecycle registers no
-    ``transitions`` prepare, before or after callbacks, so ``execute`` does not
+    ``transitions`` prepare, before or after callbacks, so ``apply`` does not
     walk those (empty) lists on every move.
     """
 
@@ -302,12 +298,8 @@ class GuardedTransition(Transition):
         self.dest_state = ComponentState[str(self.dest)]
         self.guard_names = tuple(str(condition.func) for condition in self.conditions)
 
-    def execute(self, event_data: EventData) -> bool:
-        """Check every guard; when all pass, run the work, then enter the destination."""
-        return self.apply(_component_of(event_data), _context_of(event_data))
-
     def apply(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
-        """``execute`` for the lifecycle's own event, which hands over what it already holds."""
+        """Check every guard; when all pass, run the work, then enter the destination."""
         if not self.passes(component, context):
             return False
         self.run_work(component, context)
@@ -367,14 +359,22 @@ class RefusingEvent(Event):
         self._from.setdefault(ComponentState[transition.source], []).append(transition)
 
     def trigger(self, model: object, *args: Any, **kwargs: Any) -> bool:
-        """Fire this trigger for ``model``; keyword arguments reach guards and work."""
-        machine = self.machine
-        if not isinstance(machine, LifecycleMachine) or not isinstance(model, ComponentLifecycle):
+        """Fire this trigger for ``model``; its one ``MoveArgs`` reaches guards and work."""
+        machine, component = self.machine, model
+        if not isinstance(machine, LifecycleMachine) or not isinstance(
+            component, ComponentLifecycle
+        ):
             raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
+        # the lifecycle's own calls pass one MoveArgs: tell that at once, without a call
+        typed = len(args) == 1 and not kwargs and type(args[0]) is MoveArgs
+        move: MoveArgs = args[0] if typed else self._args(args, kwargs)
         with machine.lock:
-            source = model.state
-            context = TransitionContext(model.name, self.name, source, kwargs)
-            started = time.perf_counter() if context.is_logged else 0.0
+            source = component.state
+            context = TransitionContext(component.name, self.name, source, move)
+            observers = machine.observers
+            # timed only when someone reads the duration: a log line or an observer
+            is_reported = context.is_logged or observers.attached != ()
+            started = time.perf_counter() if is_reported else 0.0
             try:
                 # The lock above serialises triggers and the machine registers no queue,
                 # prepare, exception or finalize callbacks: try the transitions directly,
@@ -382,48 +382,107 @@ class RefusingEvent(Event):
                 candidates = self._from.get(source)
                 if candidates is None:
                     raise InvalidTransition(
-                        model.name,
+                        component.name,
                         self.name,
                         source,
                         (ComponentState[s].value for s in self.transitions),
                     )
                 for transition in candidates:
-                    if transition.apply(model, context):
+                    if transition.apply(component, context):
                         break
                 else:
-                    raise TransitionRefused(model.name, self.name, source, context.refusals)
+                    raise TransitionRefused(component.name, self.name, source, context.refusals)
             except TransitionRefused as refused:
-                log.warning(  # a refusal is rare: its fields are built whatever the level
-                    "lifecycle.refused",
-                    component=model.name,
-                    trigger=self.name,
-                    source=source.value,
-                    codes=list(refused.codes),
-                    messages=[r.message for r in refused.refusals] or [str(refused)],
-                    request_id=context.request_id,
+                # a refusal is rare: its fields are built whatever the level
+                report_refused(
+                    Refused(
+                        component=component.name,
+                        trigger=self.name,
+                        source=source.value,
+                        codes=tuple(str(code) for code in refused.codes),
+                        messages=tuple(r.message for r in refused.refusals) or (str(refused),),
+                        request_id=context.request_id,
+                        hints=tuple(r.hint for r in refused.refusals),
+                        may_wait=MAY_WAIT.get() is True,
+                    ),
+                    observers,
                 )
                 raise
             except TransitionFailed as failed:
                 log.error(
                     "lifecycle.failed",
-                    component=model.name,
+                    component=component.name,
                     trigger=self.name,
                     source=source.value,
                     error=str(failed.__cause__),
                     request_id=context.request_id,
                 )
                 raise
-            if context.is_logged:
-                log.info(
-                    "lifecycle.transition",
-                    component=model.name,
+            if is_reported:
+                done = Transitioned(
+                    component=component.name,
                     trigger=self.name,
                     source=source.value,
                     dest=context.dest.value,
                     duration_ms=round((time.perf_counter() - started) * 1e3, 3),
                     request_id=context.request_id,
                 )
+                if context.is_logged:
+                    log.info("lifecycle.transition", **msgspec.structs.asdict(done))
+                if observers.attached:
+                    observers.emit(done)
             return True
+
+    def may(self, model: object, *args: Any, **kwargs: Any) -> bool:
+        """Tell whether this trigger would pass its guards now; nothing runs, nothing moves.
+
+        The guards run as they do for a move (``GuardedTransition.passes``); a trigger
+        not valid from the component's state would not pass.
+        """
+        machine, component = self._parties(model)
+        with machine.lock:
+            candidates = self._from.get(component.state)
+            if candidates is None:
+                return False
+            context = TransitionContext(
+                component.name, self.name, component.state, self._args(args, kwargs)
+            )
+            return any(transition.passes(component, context) for transition in candidates)
+
+    def _parties(self, model: object) -> tuple[LifecycleMachine, ComponentLifecycle]:
+        machine = self.machine
+        if not isinstance(machine, LifecycleMachine) or not isinstance(model, ComponentLifecycle):
+            raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
+        return machine, model
+
+    def _args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MoveArgs:
+        """Return the one ``MoveArgs`` a trigger takes (``transitions`` passes it untyped)."""
+        if not kwargs:
+            if not args:
+                return NO_ARGS
+            if len(args) == 1 and isinstance(args[0], MoveArgs):
+                return args[0]
+        given = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise TypeError(
+            f"{self.name}() takes one MoveArgs, not ({given}); "
+            f"e.g. {self.name}(MoveArgs(position=2))"
+        )
+
+
+def report_refused(refused: Refused, observers: Observers) -> None:
+    """Log ``refused`` (``lifecycle.refused``, a warning) and hand it to the observers."""
+    log.warning(
+        "lifecycle.refused",
+        component=refused.component,
+        trigger=refused.trigger,
+        source=refused.source,
+        codes=list(refused.codes),
+        messages=list(refused.messages),
+        hints=list(refused.hints),
+        request_id=refused.request_id,
+    )
+    if observers.attached:
+        observers.emit(refused)
 
 
 class LifecycleMachine(Machine):
@@ -432,13 +491,17 @@ class LifecycleMachine(Machine):
     Built from ``lifecycle.states.TRANSITIONS``; triggers are serialised on
     ``lock`` (re-entrant, so the work of one transition may fire another,
     e.g. an onload that evicts).
+
+    Args:
+        name: the machine's name (the pipeline's).
+        observers: who receives every transition and refusal; none by default.
     """
 
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
 
-    def __init__(self, name: str = "lifecycle") -> None:
+    def __init__(self, name: str = "lifecycle", observers: Observers | None = None) -> None:
         super().__init__(
             model=None,
             states=ComponentState,
@@ -449,6 +512,7 @@ class LifecycleMachine(Machine):
             name=name,
         )
         self.lock = threading.RLock()
+        self.observers = Observers() if observers is None else observers
         # transitions keys states by Enum name; reading a member's name costs an Enum lookup
         self._by_key = {
             key: self.states[member.name]
@@ -474,6 +538,16 @@ class LifecycleMachine(Machine):
     def get_model_state(self, model: Any) -> State:
         """Return the State object of ``model``'s current state."""
         return self.get_state(model.state)
+
+    def _can_trigger(self, model: Any, trigger: str, *args: Any, **kwargs: Any) -> bool:
+        """Answer the ``may_*`` probes (``transitions`` binds them here) as moves decide.
+
+        ``transitions``' own answer would run the guards a second way, through
+        ``EventData`` and ``Condition.check``; the lifecycle's event runs them the one way
+        its moves do.
+        """
+        event = self.events.get(trigger)
+        return isinstance(event, RefusingEvent) and event.may(model, *args, **kwargs)
 
     def add_component(self, component: ComponentLifecycle) -> None:
         """Attach ``component`` in the initial state; its triggers become live."""

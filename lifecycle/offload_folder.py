@@ -9,6 +9,7 @@ without a readable owner file is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,8 @@ log = get_logger("lifecycle")
 OWNER_FILE = "owner.lock"
 """The file in each orchestrator folder that names the process owning it."""
 
+_ATTEMPTS = 3
+"""How often a folder is made again after a concurrent probe removed the root it was in."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -46,12 +49,60 @@ def create(root: Path, name: str) -> Path:
     Raises:
         OSError: ``root`` or the folder cannot be created.
     """
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    reclaim(root)
-    folder = Path(tempfile.mkdtemp(prefix=f"{safe_name(name)}-", dir=root))  # mode 0700
-    owner = {"pid": os.getpid(), "boot_id": boot_id()}
-    (folder / OWNER_FILE).write_text(json.dumps(owner))
-    return folder
+    return _owned_folder(root, name, reclaiming=True)
+
+
+def probe(root: Path, name: str) -> OSError | None:
+    """Try what :func:`create` does under ``root`` and undo it; return what stopped it, or None.
+
+    The folders that did not exist (``root`` and missing parents) are made and
+    removed again, deepest first and only while empty, since another process may
+    have started using one meanwhile; the fresh folder and its owner file are
+    removed. Orphans are left for ``create`` to reclaim. Should this process die
+    half-way, its owner file lets a later ``create`` reclaim the fresh folder.
+    """
+    made = _missing(root)
+    try:
+        folder = _owned_folder(root, name, reclaiming=False)
+        (folder / OWNER_FILE).unlink()
+        folder.rmdir()
+    except OSError as err:
+        return err
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    return None
+
+
+def _owned_folder(root: Path, name: str, *, reclaiming: bool) -> Path:
+    """Make ``root``, reclaim its orphans when ``reclaiming``, then a fresh folder owned by us."""
+    attempt = 1
+    while True:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            if reclaiming:
+                reclaim(root)
+            folder = Path(tempfile.mkdtemp(prefix=f"{safe_name(name)}-", dir=root))  # mode 0700
+        except FileNotFoundError:
+            # a concurrent probe removed the root it had made, just after our mkdir
+            if attempt == _ATTEMPTS:
+                raise
+            attempt += 1
+            continue
+        owner = {"pid": os.getpid(), "boot_id": boot_id()}
+        (folder / OWNER_FILE).write_text(json.dumps(owner))
+        return folder
+
+
+def _missing(path: Path) -> list[Path]:
+    """Return ``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    for folder in (path, *path.parents):
+        if os.path.lexists(folder):
+            break
+        missing.append(folder)
+    return missing
 
 
 def reclaim(root: Path) -> list[Path]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -24,13 +24,22 @@ from torch import nn
 from attention import Platform
 from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
+from components.batch import Left
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
+from lifecycle.events import Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
-from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
+from lifecycle.machine import (
+    Check,
+    ComponentLifecycle,
+    LifecycleMachine,
+    TransitionContext,
+    Work,
+    report_refused,
+)
 from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
     AdmissionPlan,
@@ -43,9 +52,10 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
+    RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
-from lifecycle.residency import MoveObserver, Residency
+from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.waiting import MemoryWaiter
@@ -63,6 +73,8 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         state: where it stands now.
         in_use_by: the open requests using it now.
         prefetching: whether a prefetch has started its onload (CUDA host target).
+        footprint: the bytes it takes on the device while resident (0 until loaded).
+        resident_bytes: the bytes it holds on the device now.
     """
 
     name: str
@@ -71,6 +83,8 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     state: ComponentState
     in_use_by: tuple[str, ...] = ()
     prefetching: bool = False
+    footprint: int = 0
+    resident_bytes: int = 0
 
 
 class Orchestrator:
@@ -79,6 +93,7 @@ class Orchestrator:
     Args:
         spec: the decoded pipeline spec.
         platform: where it runs; by default the spec's ``device`` decides.
+        observer: receives every event (``lifecycle.events``); ``observe`` attaches more.
     """
 
     def __init__(
@@ -86,17 +101,22 @@ class Orchestrator:
         spec: PipelineSpec,
         *,
         platform: Platform | None = None,
-        observer: MoveObserver | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.spec = spec
         self.platform = platform or _platform_for(spec)
         self.device = torch.device(self.platform.kind)
-        self._machine = LifecycleMachine(name=spec.name)
+        self._observers = Observers()
+        if observer is not None:
+            self._observers.attach(observer)
+        self._machine = LifecycleMachine(name=spec.name, observers=self._observers)
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
-        self._residency = Residency(spec, self._slots, self.device, observer)
+        self._residency = Residency(spec, self._slots, self.device, self._observers)
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
-        self._stages = StageKeeper(self._slots, self._residency, self._machine.lock)
+        self._stages = StageKeeper(
+            self._slots, self._residency, self._machine.lock, self._observers
+        )
         self._request_ids = itertools.count(1)
         self._switch = BackendSwitch(self._slots, self.platform)
         for name, component in spec.components.items():
@@ -110,7 +130,7 @@ class Orchestrator:
         path: str | Path,
         *,
         platform: Platform | None = None,
-        observer: MoveObserver | None = None,
+        observer: Observer | None = None,
     ) -> Orchestrator:
         """Decode the spec at ``path`` and build its orchestrator.
 
@@ -120,6 +140,15 @@ class Orchestrator:
         return cls(load_spec(path), platform=platform, observer=observer)
 
     # -- the public surface -------------------------------------------------
+
+    def observe(self, observer: Observer) -> Callable[[], None]:
+        """Hand every event from now on to ``observer`` too; return the call that stops it.
+
+        Events (``lifecycle.events``) arrive on the thread that caused them, often
+        with the orchestrator's lock held: an observer returns quickly. One that
+        raises is logged and skipped; it never changes what the orchestrator does.
+        """
+        return self._observers.attach(observer)
 
     def admit(self) -> AdmissionPlan:
         """Admit every component, or none: return the plan.
@@ -145,16 +174,7 @@ class Orchestrator:
                 slot.admission = admission.components[name]
             refusals = admission.refusals()
             if refusals:
-                for component, found in _by_component(refusals).items():
-                    log.warning(
-                        "lifecycle.refused",
-                        component=component,
-                        trigger="admit",
-                        source=ComponentState.CONFIGURED.value,
-                        codes=[r.code.value for r in found],
-                        messages=[r.message for r in found],
-                        request_id=None,
-                    )
+                self._report(refusals, trigger="admit", request_id=None)
                 raise AdmissionRefused(self.spec.name, refusals)
             for slot in self._slots.values():
                 slot.lifecycle.admit()
@@ -194,7 +214,11 @@ class Orchestrator:
 
     @contextmanager
     def request(
-        self, request_id: str | None = None, *, attention_backend: str | None = None
+        self,
+        request_id: str | None = None,
+        *,
+        attention_backend: str | None = None,
+        priority: int = 0,
     ) -> Iterator[Request]:
         """Open a request; enter its stages with ``request.stage(name)``.
 
@@ -202,36 +226,56 @@ class Orchestrator:
         is put back where its plan says, and ``request.end`` is logged.
         ``attention_backend`` switches the switchable sites for this request only
         (DESIGN §4.6); it is validated and prepared before the request opens.
+        ``priority`` orders its stages among those waiting for memory (higher first,
+        with ageing: ``lifecycle.waiting``). ``request.cancel()`` stops it from any
+        thread (DESIGN §15).
 
         Raises:
             ValueError: a request with that id is already open.
             RequestRefused: ``attention_backend`` breaks a rule; nothing was switched.
         """
-        if attention_backend is not None:
-            self._switch.prepare(attention_backend)
         rid = request_id or f"r{next(self._request_ids)}"
+        if attention_backend is not None:
+            try:
+                self._switch.prepare(attention_backend)
+            except RequestRefused as err:
+                self._report(err.refusals, trigger="request", request_id=rid)
+                raise
         with self._machine.lock:
             if rid in self._stages.open_requests:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
             self._stages.open_requests.add(rid)
-        request = Request(self._stages, rid)
+        request = Request(self._stages, rid, priority)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
         token, backend = REQUEST_ID.set(rid), REQUEST_BACKEND.set(attention_backend)
+        observers = self._observers
         try:
-            log.info("request.begin", request_id=rid)
             try:
+                # inside the try that ends the request: an event that cannot be written
+                # must not leave its id open
+                log.info("request.begin", request_id=rid)
+                if observers.attached:
+                    observers.emit(RequestBegan(request_id=rid))
                 yield request
             finally:
                 self._stages.finish(rid, request.touched)
-                if log.is_enabled_for(logging.INFO):
-                    log.info(
-                        "request.end",
+                is_logged = log.is_enabled_for(logging.INFO)
+                if is_logged or observers.attached:
+                    ended = RequestEnded(
                         request_id=rid,
+                        stages=tuple(request.stages),
                         duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                        stages=list(request.stages),
                     )
+                    if is_logged:
+                        log.info(
+                            "request.end",
+                            request_id=rid,
+                            duration_ms=ended.duration_ms,
+                            stages=list(ended.stages),
+                        )
+                    observers.emit(ended)
         finally:
             REQUEST_BACKEND.reset(backend)
             REQUEST_ID.reset(token)
@@ -262,9 +306,17 @@ class Orchestrator:
         """
         self._slot(name).lifecycle.release()
 
+    def report_cancelled(self, request_id: str) -> None:
+        """Log and announce ``request.cancelled`` for a request cancelled before it opened.
+
+        A serving worker calls it for a job that left its queue; a request cancelled
+        once open is reported by the orchestrator itself.
+        """
+        self._stages.cancelled([Left(request_id, (), None, 0)])
+
     @property
     def waiter(self) -> MemoryWaiter:
-        """Return who queues requests waiting for memory (its counts feed metrics)."""
+        """Return who queues requests waiting for memory (``MemoryWait`` events say how long)."""
         return self._stages.waiter
 
     def resident_bytes(self) -> int:
@@ -285,8 +337,10 @@ class Orchestrator:
             spec=slot.spec,
             plan=slot.plan,
             state=slot.lifecycle.state,
-            in_use_by=tuple(sorted(slot.holders)),
+            in_use_by=tuple(sorted(slot.in_use_by)),
             prefetching=slot.reserved,
+            footprint=slot.footprint,
+            resident_bytes=0 if slot.store is None else slot.store.resident_bytes(),
         )
 
     def module(self, name: str) -> nn.Module:
@@ -411,6 +465,21 @@ class Orchestrator:
 
     # -- helpers ---------------------------------------------------------------
 
+    def _report(self, refusals: Sequence[Refusal], *, trigger: str, request_id: str | None) -> None:
+        """Log and observe one ``Refused`` per component of ``refusals`` (nothing moved)."""
+        for component, found in _by_component(refusals).items():
+            slot = self._slots.get(component)  # a request's own refusal names no component
+            refused = Refused(
+                component=component,
+                trigger=trigger,
+                source="none" if slot is None else slot.lifecycle.state.value,
+                codes=tuple(r.code.value for r in found),
+                messages=tuple(r.message for r in found),
+                hints=tuple(r.hint for r in found),
+                request_id=request_id,
+            )
+            report_refused(refused, self._observers)
+
     def _slot(self, name: str) -> ComponentSlot:
         try:
             return self._slots[name]
@@ -421,7 +490,7 @@ class Orchestrator:
             ) from None
 
 
-def _by_component(refusals: tuple[Refusal, ...]) -> dict[str, list[Refusal]]:
+def _by_component(refusals: Sequence[Refusal]) -> dict[str, list[Refusal]]:
     grouped: dict[str, list[Refusal]] = {}
     for refusal in refusals:
         grouped.setdefault(refusal.component, []).append(refusal)

@@ -11,9 +11,8 @@ was built, so that a failed prepare switches nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
-import structlog
 from msgspec import structs
 
 from attention import (
@@ -30,38 +29,18 @@ from attention import registry as backends
 from attention.backend import AttentionImpl
 from components.loader import ComponentLoader
 from lifecycle.admission import ComponentAdmission
+from lifecycle.logs import get_logger
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.refusals import RequestRefused as RequestRefused  # its first home: re-exported
 from lifecycle.slots import ComponentSlot
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 REQUEST = "<request>"
 """The component name of a refusal that is about the request, not one component."""
 
 SiteMap = Mapping[str, Mapping[str, PlannedSelection]]
 """Component -> switchable site -> what admission planned for it."""
-
-
-class RequestRefused(Exception):
-    """A request was refused before anything ran or was switched.
-
-    Attributes:
-        refusals: every reason.
-    """
-
-    def __init__(self, refusals: Iterable[Refusal]) -> None:
-        self.refusals = tuple(refusals)
-        super().__init__(
-            "request refused: "
-            + "; ".join(
-                f"{r.component}: {r.code}: {r.message}; fix: {r.hint}" for r in self.refusals
-            )
-        )
-
-    @property
-    def codes(self) -> tuple[RefusalCode, ...]:
-        """Return the refusal codes, in the order they were found."""
-        return tuple(r.code for r in self.refusals)
 
 
 def switchable_sites(

@@ -110,12 +110,27 @@ class RefusalCode(StrEnum):
         "residency.not_offloadable",
         True,
         "the component cannot be offloaded the way asked: an offload of a component "
-        "kept resident, or layerwise offload of a kind with no block stack",
+        "kept resident, or layerwise offload of a kind with no block stack to stream (none "
+        "declared, or one that is not an nn.ModuleList)",
     )
     INVALID_LAYERWISE = (
         "residency.invalid_layerwise",
         True,
         "the layerwise settings ask for more than the component's block stack has",
+    )
+    OFFLOAD_DIR_UNUSABLE = (
+        "residency.offload_dir_unusable",
+        True,
+        "a component offloads to disk, and memory.offload_dir cannot be created or written "
+        "there (a name too long, a read-only or virtual file system, a file in the way, "
+        "no permission)",
+    )
+    HOST_MEMORY = (
+        "residency.host_memory",
+        True,
+        "the declared weights the host must hold at once (every component with the host "
+        "target; with the disk target the resident ones and the largest offloaded one) "
+        "exceed the memory the host has available",
     )
     INTERFACE_MISMATCH = (
         "pipeline.interface_mismatch",
@@ -164,7 +179,27 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     hint: str
 
 
-class TransitionRefused(Exception):
+class Refused(Exception):
+    """Something was refused before anything happened; the reasons say why and how to fix it.
+
+    The base of ``TransitionRefused`` (a component's trigger) and ``RequestRefused``
+    (a whole request, before it runs): catch it to handle either.
+
+    Attributes:
+        refusals: every reason, not only the first.
+    """
+
+    def __init__(self, refusals: Iterable[Refusal], message: str) -> None:
+        self.refusals = tuple(refusals)
+        super().__init__(message)
+
+    @property
+    def codes(self) -> tuple[RefusalCode, ...]:
+        """Return the refusal codes, in the order they were found."""
+        return tuple(r.code for r in self.refusals)
+
+
+class TransitionRefused(Refused):
     """A guard said no: the transition did not start, the state is unchanged.
 
     Attributes:
@@ -185,24 +220,35 @@ class TransitionRefused(Exception):
         self.component = component
         self.trigger = trigger
         self.source = source
-        self.refusals = tuple(refusals)
-        super().__init__(message or self._describe())
+        found = tuple(refusals)
+        super().__init__(found, message or self._describe(found))
 
-    @property
-    def codes(self) -> tuple[RefusalCode, ...]:
-        """Return the refusal codes, in the order they were found."""
-        return tuple(r.code for r in self.refusals)
-
-    def _describe(self) -> str:
-        count = len(self.refusals)
+    def _describe(self, refusals: tuple[Refusal, ...]) -> str:
+        count = len(refusals)
         head = (
             f"{self.trigger} of {self.component!r} refused from state "
             f"{self.source.value!r} ({count} reason{'s' if count != 1 else ''})"
         )
-        lines = [head] + [
-            f"  {r.component}: {r.code}: {r.message}; fix: {r.hint}" for r in self.refusals
-        ]
-        return "\n".join(lines)
+        return "\n".join([head, *(f"  {_reason(r)}" for r in refusals)])
+
+
+class RequestRefused(Refused):
+    """A request was refused before anything ran or was switched.
+
+    Attributes:
+        refusals: every reason.
+    """
+
+    def __init__(self, refusals: Iterable[Refusal]) -> None:
+        found = tuple(refusals)
+        super().__init__(
+            found,
+            "request refused: " + "; ".join(_reason(r) for r in found),
+        )
+
+
+def _reason(refusal: Refusal) -> str:
+    return f"{refusal.component}: {refusal.code}: {refusal.message}; fix: {refusal.hint}"
 
 
 class InvalidTransition(TransitionRefused):

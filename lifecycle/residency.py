@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal, TypeAlias
 
 import msgspec
 import torch
@@ -23,10 +22,11 @@ from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from lifecycle import offload_folder
-from lifecycle.admission.budget import plan_onload
+from lifecycle.admission.budget import fits, plan_onload
 from lifecycle.config import PipelineSpec
+from lifecycle.events import Direction, Move, Observers
 from lifecycle.logs import get_logger
-from lifecycle.machine import TransitionContext
+from lifecycle.machine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
@@ -34,33 +34,7 @@ from lifecycle.timeline import Timeline
 
 log = get_logger("lifecycle")
 
-Direction: TypeAlias = Literal["onload", "offload"]
-
-
-class Move(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One movement of a component's weights (the ``residency.moved`` event as data).
-
-    Attributes:
-        component: the component that moved.
-        direction: onto the device, or off it.
-        target: where offloaded weights live (host or disk).
-        bytes: the bytes moved (the accounted bytes where nothing needs to move).
-        seconds: how long the move took.
-        request_id: the request it happened for, or None.
-        at: seconds since the orchestrator started, when the move finished.
-    """
-
-    component: str
-    direction: Direction
-    target: str
-    bytes: int
-    seconds: float
-    request_id: str | None
-    at: float
-
-
-MoveObserver: TypeAlias = Callable[[Move], None]
-"""Called with every move, after it is logged (e.g. to draw a timeline)."""
+__all__ = ["Move", "Residency"]  # Move lives in lifecycle.events; kept importable from here
 
 
 class Residency:
@@ -70,7 +44,7 @@ class Residency:
         spec: the pipeline spec (memory settings, stages).
         slots: the orchestrator's components by name.
         device: the compute device.
-        observer: called with every move.
+        observers: who receives every move.
 
     Attributes:
         prefetches: whether stages prefetch the next stage's components (CUDA only).
@@ -81,7 +55,7 @@ class Residency:
         spec: PipelineSpec,
         slots: Mapping[str, ComponentSlot],
         device: torch.device,
-        observer: MoveObserver | None = None,
+        observers: Observers,
     ) -> None:
         self.spec = spec
         self.slots = slots
@@ -89,38 +63,42 @@ class Residency:
         # only on CUDA does a copy overlap compute, so only there does a stage prefetch
         self.prefetches = device.type == "cuda"
         self.timeline = Timeline(spec.stages)
-        self.observer = observer
+        self.observers = observers
         self._started = time.perf_counter()
         self._folder: Path | None = None
-        # the budget's running total: what each resident or reserved component holds
-        self._held: dict[str, int] = {}
-        self._held_total = 0
+        # the budget's running total: the bytes charged for each component on the device
+        # (or reserved there by a prefetch), and their sum
+        self._charged: dict[str, int] = {}
+        self._charged_total = 0
 
     # -- guards ----------------------------------------------------------------
 
     def memory_budget(self, name: str, context: TransitionContext) -> list[Refusal]:
-        """Refuse an onload that cannot fit; otherwise record whom to evict first."""
+        """Refuse an onload that cannot fit; otherwise record whom to evict first.
+
+        A component may be evicted exactly when its own offload guards would let the
+        budget offload it now (``may_offload`` with an eviction), so that an onload is
+        refused up front rather than failing half-way through its evictions.
+        """
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return []
         needed = self.slots[name].footprint
-        if self._held_total - self._held.get(name, 0) + needed <= budget:
-            return []  # fits: no need to look at anyone else
-        position = context.params.get("position", -1)
-        after = position if isinstance(position, int) else -1
-        resident = {other: size for other, size in self._held.items() if other != name}
+        used = self._used_by_others(name)
+        if fits(used, needed, budget):
+            return []  # no need to look at anyone else
+        charged = {other: size for other, size in self._charged.items() if other != name}
+        eviction = MoveArgs(eviction=True, request_id=context.request_id)
+        after = context.args.position
         evictable = {
             other: self.timeline.distance_to_next_use(other, after)
-            for other in resident
-            if (slot := self.slots[other]).lifecycle.state is ComponentState.RESIDENT
-            and slot.is_idle
-            and slot.may_be_evicted
-            and self.timeline.is_used(other)
+            for other in charged
+            if self.slots[other].lifecycle.may_offload(eviction)
         }
-        decision = plan_onload(name, needed, budget, resident, evictable)
+        decision = plan_onload(name, needed, budget, charged, used, evictable)
         if decision.refusal is not None:
             return [decision.refusal]
-        context.decisions["evict"] = decision.victims
+        context.evictions = decision.victims
         return []
 
     def offloadable(self, name: str, context: TransitionContext) -> list[Refusal]:
@@ -128,7 +106,7 @@ class Residency:
         slot = self.slots[name]
         if slot.mode is not ResidencyMode.RESIDENT:
             return []
-        if context.params.get("eviction") is True and slot.may_be_evicted:
+        if context.args.eviction and slot.may_be_evicted:
             return []
         return [
             Refusal(
@@ -154,14 +132,15 @@ class Residency:
 
     def not_in_use(self, name: str, context: TransitionContext) -> list[Refusal]:
         """Refuse to move or release a component an open request is using."""
-        holders = self.slots[name].holders
-        if not holders:
+        in_use_by = self.slots[name].in_use_by
+        if not in_use_by:
             return []
+        users = sorted(in_use_by)
         return [
             Refusal(
                 code=RefusalCode.IN_USE,
                 component=name,
-                message=f"component '{name}' is in use by request(s) {', '.join(sorted(holders))}",
+                message=f"component '{name}' is in use by request(s) {', '.join(users)}",
                 hint="wait for those requests' stages to end, or cancel the requests",
             )
         ]
@@ -170,11 +149,11 @@ class Residency:
 
     def onload(self, name: str, context: TransitionContext) -> None:
         """Evict what the budget guard chose, then bring ``name`` onto the device and arm it."""
-        victims = context.decisions.get("evict", ())
-        assert isinstance(victims, tuple)
-        for victim in victims:
-            self.slots[victim].lifecycle.offload(eviction=True)
-            context.on_rollback(self.slots[victim].lifecycle.onload)
+        if context.evictions:
+            eviction = MoveArgs(eviction=True, request_id=context.request_id)
+            for victim in context.evictions:
+                self.slots[victim].lifecycle.offload(eviction)
+                context.on_rollback(self.slots[victim].lifecycle.onload)
         slot = self.slots[name]
         started = time.perf_counter()
         if slot.store is None:  # the first move builds the store (refusing a module not loaded)
@@ -185,8 +164,8 @@ class Residency:
         slot.reserved = False
         arm_all(slot.layers)
         context.on_rollback(lambda: self._stow(slot))
-        self._hold(slot)
-        if context.is_logged or self.observer is not None:
+        self._charge(slot)
+        if context.is_logged or self.observers.attached:
             self._record(slot, "onload", moved, started, context)
 
     def offload(self, name: str, context: TransitionContext) -> None:
@@ -202,9 +181,9 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
-        if self._unhold(slot):
-            context.on_rollback(lambda: self._hold(slot))
-        if context.is_logged or self.observer is not None:
+        if self._refund(slot):
+            context.on_rollback(lambda: self._charge(slot))
+        if context.is_logged or self.observers.attached:
             self._record(slot, "offload", moved, started, context)
 
     def release(self, name: str, context: TransitionContext) -> None:
@@ -212,7 +191,7 @@ class Residency:
         slot = self.slots[name]
         disarm_all(slot.layers)
         slot.forget()
-        self._unhold(slot)
+        self._refund(slot)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start onloading ``names`` early where the copy can overlap compute.
@@ -235,7 +214,7 @@ class Residency:
                 continue
             slot.reserved = slot.store.prefetch() > 0
             if slot.reserved:
-                self._hold(slot)
+                self._charge(slot)
 
     def cancel_prefetch(self, names: Iterable[str]) -> None:
         """Give up the prefetches of ``names`` that no onload completed."""
@@ -247,46 +226,51 @@ class Residency:
                 assert slot.store is not None
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
-                self._unhold(slot)
+                self._refund(slot)
 
-    def _hold(self, slot: ComponentSlot) -> None:
+    def _charge(self, slot: ComponentSlot) -> None:
         """Count ``slot``'s footprint in the running total (once, however often called)."""
-        if slot.name not in self._held:
-            self._held[slot.name] = slot.footprint
-            self._held_total += slot.footprint
+        if slot.name not in self._charged:
+            self._charged[slot.name] = slot.footprint
+            self._charged_total += slot.footprint
 
-    def _unhold(self, slot: ComponentSlot) -> bool:
+    def _refund(self, slot: ComponentSlot) -> bool:
         """Take ``slot`` out of the running total; tell whether it was in it."""
-        held = self._held.pop(slot.name, None)
-        if held is None:
+        charged = self._charged.pop(slot.name, None)
+        if charged is None:
             return False
-        self._held_total -= held
+        self._charged_total -= charged
         return True
+
+    def _used_by_others(self, name: str) -> int:
+        """Return the bytes the running total counts for every component but ``name``."""
+        return self._charged_total - self._charged.get(name, 0)
 
     def _stow(self, slot: ComponentSlot) -> None:
         """Undo an onload: disarm and take the weights back off the device."""
         disarm_all(slot.layers)
         if slot.store is not None:
             slot.store.offload()
-        self._unhold(slot)
+        self._refund(slot)
 
     def _fits(self, slot: ComponentSlot) -> bool:
+        """Tell whether ``slot`` fits the budget beside what it counts now, evicting nobody."""
         budget = self.spec.memory.device_budget
         if isinstance(budget, msgspec.UnsetType):
             return True
-        return self._held_total + slot.footprint <= budget
+        return fits(self._used_by_others(slot.name), slot.footprint, budget)
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the most bytes ``slot`` holds on the device, as its store reports it."""
         if slot.store is not None:
             return slot.store.footprint
         target = self.spec.memory.offload_target
-        return device_footprint(_module_of(slot), slot.mode, target, self._store_options(slot))
+        return device_footprint(slot.loaded_module(), slot.mode, target, self._store_options(slot))
 
     def _new_store(self, slot: ComponentSlot, *, resident: bool) -> WeightStore:
         target = self.spec.memory.offload_target
         options = self._store_options(slot)
-        return make_store(_module_of(slot), slot.mode, target, options, resident=resident)
+        return make_store(slot.loaded_module(), slot.mode, target, options, resident=resident)
 
     def _store_options(self, slot: ComponentSlot) -> StoreOptions:
         config = slot.spec.layerwise_config
@@ -330,7 +314,7 @@ class Residency:
         started: float,
         context: TransitionContext,
     ) -> None:
-        """Log one move and hand it to the observer (called only when one of them reads it)."""
+        """Log one move and hand it to the observers (called only when one of them reads it)."""
         finished = time.perf_counter()
         assert slot.store is not None  # every move goes through the store
         move = Move(
@@ -352,17 +336,17 @@ class Residency:
                 seconds=move.seconds,
                 request_id=move.request_id,
             )
-        if self.observer is not None:
-            self.observer(move)
-
-
-def _module_of(slot: ComponentSlot) -> nn.Module:
-    if slot.module is None:
-        raise RuntimeError(f"component '{slot.name}' has no module: it is not loaded")
-    return slot.module
+        if self.observers.attached:
+            self.observers.emit(move)
 
 
 def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
-    attribute = slot.loader.block_stack
-    blocks = None if attribute is None else getattr(slot.module, attribute, None)
-    return blocks if isinstance(blocks, nn.ModuleList) else None
+    """Return the blocks a layerwise component streams; None in any other mode.
+
+    Raises:
+        OffloadError: its kind builds no ``nn.ModuleList`` block stack (admission
+            refuses that first; a layerwise store is never a whole one instead).
+    """
+    if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD:
+        return None  # with no stack declared, the store factory refuses layerwise
+    return slot.loader.blocks(slot.loaded_module())

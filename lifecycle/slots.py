@@ -34,7 +34,7 @@ class ComponentSlot:
             without walking the module.
         store: where its weights live off the device, once it first moved.
         footprint: the bytes it takes on the device while resident.
-        holders: open requests using it now, with how many stages each.
+        in_use_by: the open requests using it now, with how many of their stages each.
         reserved: whether a prefetch started its onload and holds its footprint
             in the budget until the onload transition completes it.
     """
@@ -50,7 +50,7 @@ class ComponentSlot:
         self.layers: tuple[Attention, ...] = ()
         self.store: WeightStore | None = None
         self.footprint = 0
-        self.holders: Counter[str] = Counter()
+        self.in_use_by: Counter[str] = Counter()
         self.reserved = False
 
     @property
@@ -68,10 +68,15 @@ class ComponentSlot:
         self._module = module
         self.layers = () if module is None else find_layers(module)
 
-    @property
-    def is_idle(self) -> bool:
-        """Tell whether no open request uses the component."""
-        return not self.holders
+    def loaded_module(self) -> nn.Module:
+        """Return the built module.
+
+        Raises:
+            RuntimeError: the component is not loaded.
+        """
+        if self._module is None:
+            raise RuntimeError(f"component '{self.name}' has no module: load() the pipeline first")
+        return self._module
 
     @property
     def may_be_evicted(self) -> bool:

@@ -81,15 +81,3 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
 INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
 GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
-
-
-def rule_for(trigger: str) -> TransitionRule:
-    """Return the table row of ``trigger``.
-
-    Raises:
-        KeyError: ``trigger`` is not in the table.
-    """
-    for rule in TRANSITIONS:
-        if rule.trigger == trigger:
-            return rule
-    raise KeyError(f"no transition is triggered by {trigger!r}; triggers: {', '.join(TRIGGERS)}")

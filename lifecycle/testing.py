@@ -1,35 +1,35 @@
-"""Helpers for tests that assert on the project's structured events."""
+"""Helpers for tests that assert on the project's structured events and observed values."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from lifecycle.logs import configuration_changed
+from lifecycle.events import Event
+from lifecycle.logs import reconfigure, saved_logging
+
+E = TypeVar("E", bound=Event)
 
 
 @contextmanager
 def capture_events() -> Iterator[list[MutableMapping[str, Any]]]:
     """Collect every event logged inside the block, at every level, with its bound context.
 
-    Loggers cached before the block (``cache_logger_on_first_use``) are
-    reassembled for it, and again after it, from the configuration it restores.
+    The project's loggers follow the capture, and the configuration found is put
+    back afterwards.
     """
-    wrapper = structlog.get_config()["wrapper_class"]
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET))
-    configuration_changed()
-    try:
-        with structlog.testing.capture_logs(
-            processors=[structlog.contextvars.merge_contextvars]
-        ) as events:
-            yield events
-    finally:
-        structlog.configure(wrapper_class=wrapper)
-        configuration_changed()
+    capture = structlog.testing.LogCapture()
+    with saved_logging():
+        reconfigure(
+            processors=[structlog.contextvars.merge_contextvars, capture],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
+        )
+        yield capture.entries
 
 
 def events_named(
@@ -37,3 +37,29 @@ def events_named(
 ) -> list[MutableMapping[str, Any]]:
     """Return the captured events whose name is ``name``, in order."""
     return [e for e in events if e.get("event") == name]
+
+
+class EventRecorder:
+    """An observer that keeps every event it receives, in order (from any thread).
+
+    Attributes:
+        events: every event so far.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, kind: type[E]) -> list[E]:
+        """Return the events of type ``kind``, in order."""
+        with self._lock:
+            return [event for event in self.events if isinstance(event, kind)]
+
+    def clear(self) -> None:
+        """Forget every event so far."""
+        with self._lock:
+            self.events.clear()

@@ -15,8 +15,9 @@ import torch
 from PIL import Image
 
 from attention import Platform
+from benchmarks.make_pipeline import Family, write_pipeline
 from lifecycle.cli import main
-from lifecycle.logs import configuration_changed
+from lifecycle.logs import saved_logging
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,15 +77,12 @@ def process_state() -> Iterator[None]:
     one of them would change every later test on the same worker, in an order that
     depends on how the suite is split.
     """
-    config = structlog.get_config()
     context = structlog.contextvars.get_contextvars()
     threads = torch.get_num_threads()
     handlers = {number: signal.getsignal(number) for number in HANDLED_SIGNALS}
     environ = dict(os.environ)
-    yield
-    if structlog.get_config() != config:
-        structlog.configure(**config)
-        configuration_changed()  # the project's cached loggers follow the restored one
+    with saved_logging():  # the project's loggers follow the configuration put back
+        yield
     if structlog.contextvars.get_contextvars() != context:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(**context)
@@ -152,3 +150,47 @@ def decode_png(data: bytes) -> torch.Tensor:
         assert (image.format, image.mode) == ("PNG", "RGB"), (image.format, image.mode)
         pixels = bytearray(image.tobytes())
         return torch.frombuffer(pixels, dtype=torch.uint8).reshape(image.height, image.width, 3)
+
+
+class PipelineFolders:
+    """Tiny diffusers-format pipeline folders, each written once per test run when first asked.
+
+    Args:
+        root: where the folders are written.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.written: dict[str, Path] = {}
+
+    def __call__(self, family: Family) -> Path:
+        """Return the tiny folder of ``family``."""
+        if family not in self.written:
+            self.written[family] = write_pipeline(family, self.root / family)
+        return self.written[family]
+
+
+@pytest.fixture(scope="session")
+def pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> PipelineFolders:
+    """Write tiny pipeline folders with seeded weights (``benchmarks.make_pipeline``) on demand.
+
+    Skips where the ``diffusers`` extra is not installed: the folders are written by
+    diffusers' and transformers' own classes.
+    """
+    from components.libraries import is_importable
+
+    for library in ("diffusers", "transformers", "tokenizers"):
+        if not is_importable(library):
+            pytest.skip(f"{library} is not installed: pip install 'pipeline-lifecycle[diffusers]'")
+    return PipelineFolders(tmp_path_factory.mktemp("pipelines"))
+
+
+@pytest.fixture
+def one_thread() -> None:
+    """Run the test with one torch thread: tiny models run faster alone on a shared machine.
+
+    (Two OpenMP threads on a busy 2-core machine spin against each other: a tiny
+    pipeline request measured 0.3 s with one thread and 4 s with two.) ``process_state``
+    puts the count back.
+    """
+    torch.set_num_threads(1)

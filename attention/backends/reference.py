@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from attention.backend import AttentionBackend, AttentionImpl
+from attention.backend import AttentionBackend
 from attention.masks import additive_mask, causal_mask
-from attention.packing import as_batch, segments
+from attention.packing import PerSegmentVarlen
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -45,8 +45,11 @@ def _attend(
     return (probs @ vc).to(q.dtype), lse
 
 
-class ReferenceImpl(AttentionImpl):
-    """Compute scores, softmax and the weighted sum explicitly, with every capability."""
+class ReferenceImpl(PerSegmentVarlen):
+    """Compute scores, softmax and the weighted sum explicitly, with every capability.
+
+    Packed sequences run one at a time (``PerSegmentVarlen``).
+    """
 
     def forward(
         self,
@@ -84,33 +87,6 @@ class ReferenceImpl(AttentionImpl):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attend q to k and v and return the LSE in the compute dtype."""
         return _attend(q, k, v, None, is_causal=is_causal, scale=scale)
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,  # (Tq, Hq, D)
-        k: torch.Tensor,  # (Tk, Hk, D)
-        v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend each packed sequence on its own."""
-        out = q.new_empty(q.shape)  # (Tq, Hq, D)
-        for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            seg, _ = _attend(
-                as_batch(q, q0, q1),
-                as_batch(k, k0, k1),
-                as_batch(v, k0, k1),
-                None,
-                is_causal=is_causal,
-                scale=scale,
-            )  # (1, Hq, Sq_i, D)
-            out[q0:q1] = seg[0].transpose(0, 1)
-        return out
 
 
 class ReferenceBackend(AttentionBackend):

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from attention.backend import AttentionBackend, AttentionImpl, DeviceKind
+from attention.backend import AttentionBackend, DeviceKind
 from attention.backends.torch_sdpa import sdpa_masked
 from attention.masks import additive_mask, as_4d
-from attention.packing import as_batch, segments
+from attention.packing import PerSegmentVarlen
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -37,8 +37,11 @@ def _missing(op: str) -> str:
     return f"torch {torch.__version__} has no fused attention kernel aten.{op}"
 
 
-class TorchFlashImpl(AttentionImpl):
-    """Call the fused kernel of the tensors' device; it returns the output and the LSE."""
+class TorchFlashImpl(PerSegmentVarlen):
+    """Call the fused kernel of the tensors' device; it returns the output and the LSE.
+
+    Packed sequences run as one fused call per sequence (``PerSegmentVarlen``).
+    """
 
     def forward(
         self,
@@ -93,34 +96,6 @@ class TorchFlashImpl(AttentionImpl):
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
         )
         return result[0]
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,  # (Tq, Hq, D)
-        k: torch.Tensor,  # (Tk, Hk, D)
-        v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Run the fused kernel once per packed sequence, writing into one packed output."""
-        out = q.new_empty(q.shape)  # (Tq, Hq, D)
-        for q0, q1, k0, k1 in segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
-            if q1 == q0:
-                continue
-            seg = self.forward(
-                as_batch(q, q0, q1),
-                as_batch(k, k0, k1),
-                as_batch(v, k0, k1),
-                is_causal=is_causal,
-                scale=scale,
-            )  # (1, Hq, Sq_i, D)
-            out[q0:q1] = seg[0].transpose(0, 1)
-        return out
 
 
 def _cuda_with_lse(

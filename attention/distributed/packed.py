@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from attention.distributed.local import LocalAttention, LocalKernel
 from attention.distributed.ring import Ring, requires_lse
 from attention.distributed.traffic import record
 from attention.distributed.ulysses import kv_repeat, shard_heads, shard_sequence
+from attention.packing import as_batch, attend_segments
 
 # H heads, D head dim, T packed tokens (padded), P ranks; Tl = T / P rows on one rank
 
@@ -133,10 +135,6 @@ def _pairs(bounds: Sequence[int], q_start: int, q_len: int, k_start: int, k_len:
     return found
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1)[None]  # (n, H, D) -> (1, H, n, D)
-
-
 def _attend(
     kernel: LocalKernel,
     q: torch.Tensor,  # (Tq, Hq, D)
@@ -147,13 +145,7 @@ def _attend(
 ) -> torch.Tensor:
     """Attend every pair; every query row lies in exactly one pair here."""
     if not varlen:
-        out = q.new_empty(q.shape)
-        for q0, q1, k0, k1 in pairs:
-            o = kernel.forward(
-                _dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]), is_causal=False
-            )
-            out[q0:q1] = o[0].transpose(0, 1)
-        return out
+        return attend_segments(partial(kernel.forward, is_causal=False), q, k, v, pairs)
     first, last = pairs[0], pairs[-1]
     cu_q = torch.tensor([first[0], *(p[1] for p in pairs)], device=q.device) - first[0]
     cu_k = torch.tensor([first[2], *(p[3] for p in pairs)], device=q.device) - first[2]
@@ -194,7 +186,10 @@ def _ring(
         source = (rank - step) % world  # the rank this K/V block belongs to
         for q0, q1, k0, k1 in _pairs(bounds, rank * chunk, chunk, source * chunk, chunk):
             o, block_lse = kernel.forward_with_lse(
-                _dense(q[q0:q1]), _dense(kv[0][k0:k1]), _dense(kv[1][k0:k1]), is_causal=False
+                as_batch(q, q0, q1),
+                as_batch(kv[0], k0, k1),
+                as_batch(kv[1], k0, k1),
+                is_causal=False,
             )  # (1, Hq, n, D), (1, Hq, n)
             o, block_lse = o[0].transpose(0, 1).to(acc), block_lse[0].transpose(0, 1).to(acc)
             merged = torch.logaddexp(lse[q0:q1], block_lse)  # (n, Hq)

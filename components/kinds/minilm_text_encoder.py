@@ -33,11 +33,10 @@ from components.kinds.minilm_files import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
     SentenceTokenizer,
-    is_importable,
     shipped_file,
 )
+from components.libraries import is_importable
 from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
-from components.registry import register_kind
 from components.sites import AttentionSite
 from components.weights import DeclaredTensor, DeclaredTensors
 
@@ -294,7 +293,6 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return normalize(mean, dim=-1)
 
 
-@register_kind
 class MiniLmLoader(ComponentLoader):
     """Build ``minilm_text_encoder``; an auxiliary component, so global fallback is allowed.
 

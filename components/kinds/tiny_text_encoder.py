@@ -20,7 +20,6 @@ from components.batch import Batch, Port, device_of
 from components.kinds import tensors
 from components.kinds.projections import MultiheadProjections
 from components.loader import ComponentLoader, SeededOptions
-from components.registry import register_kind
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
@@ -144,7 +143,6 @@ class TinyTextEncoder(nn.Module):
         return out
 
 
-@register_kind
 class TinyTextEncoderLoader(ComponentLoader):
     """Build ``tiny_text_encoder``; an auxiliary component, so global fallback is allowed."""
 

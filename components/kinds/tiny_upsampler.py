@@ -12,7 +12,6 @@ from torch.nn.functional import interpolate, silu
 from components.batch import RGB, Batch, Port, device_of
 from components.kinds import tensors
 from components.loader import ComponentLoader, SeededOptions
-from components.registry import register_kind
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
@@ -60,7 +59,6 @@ class TinyUpsampler(nn.Module):
         return (base + residual).clamp(-1.0, 1.0)
 
 
-@register_kind
 class TinyUpsamplerLoader(ComponentLoader):
     """Build ``tiny_upsampler``; it builds no attention layer, so it declares no site."""
 

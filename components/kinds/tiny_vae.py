@@ -17,7 +17,6 @@ from attention import AttentionRole
 from components.batch import RGB, Batch, Port, device_of
 from components.kinds import tensors
 from components.loader import ComponentLoader, SeededOptions
-from components.registry import register_kind
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
@@ -155,7 +154,6 @@ class TinyVae(nn.Module):
         return torch.tanh(self.conv_out(silu(self.norm_out(x))))  # (B, 3, 4h, 4w)
 
 
-@register_kind
 class TinyVaeLoader(ComponentLoader):
     """Build ``tiny_vae``; an auxiliary component, so global fallback is allowed."""
 

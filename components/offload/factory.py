@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from components.offload.base import StoreOptions, WeightStore
+from components.offload.base import OffloadError, StoreOptions, WeightStore
 from components.offload.disk import DiskStore
 from components.offload.host import HostStore
 from components.offload.layerwise import LayerwiseStore
@@ -17,10 +17,18 @@ def store_type(
     """Return the store type that keeps a component of ``mode`` offloaded to ``target``.
 
     A resident component gets a host store (its weights never leave the device
-    but through an eviction, which needs no file); a layerwise one without a
-    block stack moves whole.
+    but through an eviction, which needs no file).
+
+    Raises:
+        OffloadError: a layerwise component came without a block stack: it is never
+            moved whole instead.
     """
-    if mode is ResidencyMode.LAYERWISE_OFFLOAD and options.blocks is not None:
+    if mode is ResidencyMode.LAYERWISE_OFFLOAD:
+        if options.blocks is None:
+            raise OffloadError(
+                "layerwise offload streams a block stack, and none was given; pass "
+                "StoreOptions.blocks, or use component_offload to move the module whole"
+            )
         return LayerwiseStore
     if mode is ResidencyMode.RESIDENT or target == "host":
         return HostStore

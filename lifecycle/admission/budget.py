@@ -32,11 +32,20 @@ class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     refusal: Refusal | None = None
 
 
+def fits(used: int, needed: int, budget: int) -> bool:
+    """Tell whether ``needed`` more bytes fit a ``budget`` of which ``used`` are taken.
+
+    The one test of "fits": the onload guard, its eviction plan and a prefetch ask it.
+    """
+    return used + needed <= budget
+
+
 def plan_onload(
     component: str,
     needed: int,
     budget: int,
-    resident: Mapping[str, int],
+    charged: Mapping[str, int],
+    used: int,
     evictable: Mapping[str, float],
 ) -> BudgetDecision:
     """Decide whether ``component`` fits, and whom to evict if it does not.
@@ -45,21 +54,22 @@ def plan_onload(
         component: the component to onload.
         needed: the bytes it will hold on the device.
         budget: ``memory.device_budget`` in bytes.
-        resident: each component now on the device, with its bytes.
-        evictable: each idle resident component that may be evicted, with the
-            distance to its next use (infinite when it has none).
+        charged: each other component the budget counts now (on the device, or
+            reserved by a prefetch), with its bytes.
+        used: their total (the budget keeps it as it goes).
+        evictable: each of them that may be evicted now, with the distance to its
+            next use (infinite when it has none).
     """
-    used = sum(resident.values())
-    if used + needed <= budget:
+    if fits(used, needed, budget):
         return BudgetDecision()
     victims: list[str] = []
     freed = 0
     for victim in sorted(evictable, key=lambda name: (-evictable[name], name)):
         victims.append(victim)
-        freed += resident[victim]
-        if used - freed + needed <= budget:
+        freed += charged[victim]
+        if fits(used - freed, needed, budget):
             return BudgetDecision(victims=tuple(victims))
-    pinned = sorted(set(resident) - set(evictable))
+    pinned = sorted(set(charged) - set(evictable))
     at_least = used - freed + needed
     needs, free, of, frees, raise_to = format_sizes(
         needed, max(budget - used, 0), budget, freed, at_least
@@ -87,7 +97,7 @@ def stage_fits(
     """Check at admission that one stage's components and the pinned ones fit at all."""
     together = dict.fromkeys((*pinned, *uses))
     needed = sum(sizes[name] for name in together)
-    if needed <= budget:
+    if fits(0, needed, budget):
         return None
     total, limit, *each = format_sizes(needed, budget, *(sizes[name] for name in together))
     parts = ", ".join(f"{name} {size}" for name, size in zip(together, each, strict=True))
@@ -115,7 +125,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
         name: size
         for name, component in spec.components.items()
         if component.residency_mode is not ResidencyMode.LAYERWISE_OFFLOAD
-        and (size := _declared_bytes(loaders[name])) is not None
+        and (size := declared_bytes(loaders[name])) is not None
     }
     pinned = tuple(
         name for name, component in spec.components.items() if name in sizes and component.is_pinned
@@ -138,7 +148,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
     return found
 
 
-def _declared_bytes(loader: ComponentLoader) -> int | None:
+def declared_bytes(loader: ComponentLoader) -> int | None:
     """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
     try:
         return loader.declared_bytes()

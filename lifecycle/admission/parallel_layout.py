@@ -8,14 +8,65 @@ path's refusal is ``loader.native_parallel_layout`` in ``lifecycle.admission.loa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+import msgspec
 
 from attention import Platform
-from components import ResidencyMode
+from components import ParallelLayout, ResidencyMode
 from components.loader import ComponentLoader, LoaderPath
 from components.sites import AttentionSite
 from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+
+
+class Split(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One split a layout asks for, and which kinds carry it out.
+
+    Attributes:
+        setting: the layout key as written (``tp_size = 2``).
+        fix: the same key asking for no split.
+        what: what it splits, in words.
+        implemented_by: tells whether a kind's custom path carries the split out.
+    """
+
+    setting: str
+    fix: str
+    what: str
+    implemented_by: Callable[[ComponentLoader], bool]
+
+
+def asked_splits(layout: ParallelLayout) -> list[Split]:
+    """Return each split of the work across ranks that ``layout`` asks for."""
+    splits = []
+    if layout.tp_size > 1:
+        splits.append(
+            Split(
+                setting=f"tp_size = {layout.tp_size}",
+                fix="tp_size = 1",
+                what="heads (tensor parallel)",
+                implemented_by=lambda loader: loader.tensor_parallel,
+            )
+        )
+    if layout.sp_degree > 1:
+        splits.append(
+            Split(
+                setting=f"sp_degree = {layout.sp_degree}",
+                fix="sp_degree = 1",
+                what="sequences",
+                implemented_by=lambda loader: loader.sequence_parallel,
+            )
+        )
+    if layout.cfg_parallel:
+        splits.append(
+            Split(
+                setting="cfg_parallel = true",
+                fix="cfg_parallel = false",
+                what="guidance branches",
+                implemented_by=lambda loader: loader.guidance_parallel,
+            )
+        )
+    return splits
 
 
 def split_refusals(
@@ -23,70 +74,71 @@ def split_refusals(
     loaders: Mapping[str, ComponentLoader],
     paths: Mapping[str, LoaderPath | None],
 ) -> list[Refusal]:
-    """Return a refusal for each split the layout asks for that nothing would carry out.
+    """Return a refusal for each split the layout asks for that no component carries out.
 
     Tensor and sequence parallel split the custom-path components whose kind implements
     them and replicate the others, so they are refused only when no component's kind
-    implements them (a native path is ``loader.native_parallel_layout``). FSDP names
-    components: each must be built by a custom path whose kind works sharded, not split
-    by tensor parallel too, in a replica of more than one rank.
+    implements them. A native component under a split layout is already refused for
+    that very split (``loader.native_parallel_layout``), so nothing is said here then.
     """
-    layout = spec.parallel
-    if layout.check():
+    if spec.parallel.check() or any(path == "native" for path in paths.values()):
         return []  # what the degrees mean is unclear until the invariants hold
-    custom = {name: loaders[name] for name, path in paths.items() if path == "custom"}
-    # a native component under a split layout is already refused, for that very split
-    native = any(path == "native" for path in paths.values())
     kinds = ", ".join(sorted({component.kind for component in spec.components.values()}))
-    asked = (
-        (f"tp_size = {layout.tp_size}", "tp_size = 1", "heads (tensor parallel)", "tensor_parallel")
-        if layout.tp_size > 1
-        else None,
-        (f"sp_degree = {layout.sp_degree}", "sp_degree = 1", "sequences", "sequence_parallel")
-        if layout.sp_degree > 1
-        else None,
-        ("cfg_parallel = true", "cfg_parallel = false", "guidance branches", "guidance_parallel")
-        if layout.cfg_parallel
-        else None,
-    )
-    found = [
+    return [
         Refusal(
             code=RefusalCode.INVALID_LAYOUT,
             component=spec.name,
-            message=f"[parallel] {setting} splits {what}, but no component of the pipeline "
-            f"has a kind that implements it (kinds: {kinds}): every rank would run the "
-            "whole model",
-            hint=f"set {fix}, or add a component whose kind implements {what}",
+            message=f"[parallel] {split.setting} splits {split.what}, but no component of the "
+            f"pipeline has a kind that implements it (kinds: {kinds}): every rank would run "
+            "the whole model",
+            hint=f"set {split.fix}, or add a component whose kind implements {split.what}",
         )
-        for setting, fix, what, implements in filter(None, asked)
-        if not native and not any(getattr(loader, implements) for loader in loaders.values())
+        for split in asked_splits(spec.parallel)
+        if not any(split.implemented_by(loader) for loader in loaders.values())
     ]
+
+
+def fsdp_refusals(
+    spec: PipelineSpec,
+    loaders: Mapping[str, ComponentLoader],
+    paths: Mapping[str, LoaderPath | None],
+) -> list[Refusal]:
+    """Refuse FSDP for a component it cannot shard.
+
+    Each component FSDP names must be built by a custom path whose kind works sharded,
+    not be split by tensor parallel too, and sit in a replica of more than one rank.
+    """
+    layout = spec.parallel
+    if layout.check():
+        return []  # the replica's size is unclear until the invariants hold
     replica = layout.world_size // layout.dp_size
+    found = []
     for name in sorted(layout.fsdp):
         loader = loaders[name]
-        problem = None
+        custom = paths[name] == "custom"
         if replica == 1:
             problem = (
                 f"FSDP shards '{name}' over the ranks of one replica (cfg x sp x tp), and "
                 f"this layout's replica has 1 rank: there is nothing to shard with"
             )
             hint = "raise tp_size, sp_degree or cfg_parallel, or drop it from fsdp"
-        elif name in custom and not loader.fully_shardable:
+        elif custom and not loader.fully_shardable:
             problem = (
                 f"kind '{loader.kind}' of '{name}' does not declare that its custom path "
                 "works sharded by FSDP"
             )
             hint = f"drop '{name}' from [parallel] fsdp"
-        elif name in custom and loader.tensor_parallel and layout.tp_size > 1:
+        elif custom and loader.tensor_parallel and layout.tp_size > 1:
             problem = (
                 f"'{name}' is split by tensor parallel (tp_size = {layout.tp_size}); FSDP "
                 "over tensor-parallel shards (2-D) is not built"
             )
             hint = f"drop '{name}' from [parallel] fsdp, or set tp_size = 1"
-        if problem is not None:
-            found.append(
-                Refusal(code=RefusalCode.INVALID_LAYOUT, component=name, message=problem, hint=hint)
-            )
+        else:
+            continue
+        found.append(
+            Refusal(code=RefusalCode.INVALID_LAYOUT, component=name, message=problem, hint=hint)
+        )
     return found
 
 

@@ -1,6 +1,7 @@
 """Admit a whole pipeline: every check, every component, every refusal at once.
 
-Nothing here touches a weight, a file or a device. Each component's refusals
+Nothing here touches a weight or a device; files are read for their headers, and
+the offload folder is tried and removed again. Each component's refusals
 are filed under the ``admit`` guard that found them (the guards of the
 transition table read them back), so a pipeline is refused with every reason
 of every component at once. The checks live beside this module, one file each.
@@ -9,6 +10,7 @@ of every component at once. The checks live beside this module, one file each.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import msgspec
 import torch
@@ -19,13 +21,17 @@ from components import registry as kinds
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.construction import construct_module
+from lifecycle.admission.host_memory import available_host_bytes, host_memory_refusals
 from lifecycle.admission.interfaces import interface_refusals
 from lifecycle.admission.loader_path import (
     choose_path,
     native_backend_refusals,
     native_layout_refusals,
 )
+from lifecycle.admission.offload_dir import offload_dir_refusals
 from lifecycle.admission.parallel_layout import (
+    fsdp_refusals,
     head_refusals,
     layout_refusals,
     sharded_offload_refusals,
@@ -36,12 +42,6 @@ from lifecycle.admission.weight_files import weights_refusals
 from lifecycle.config import ComponentSpec, PipelineSpec
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
-
-ATTENTION_PLAN = "attention_plan"
-LOADER_PATH = "loader_path"
-RESIDENCY_USE = "residency_use"
-BACKENDS_CONSUMABLE = "backends_consumable"
-
 
 ATTENTION_PLAN = "attention_plan"
 LOADER_PATH = "loader_path"
@@ -134,8 +134,11 @@ def admit_pipeline(
             *device_refusals(spec),
             *layout_refusals(spec),
             *split_refusals(spec, loaders, paths),
+            *fsdp_refusals(spec, loaders, paths),
             *sharded_offload_refusals(spec, loaders, paths, platform),
             *budget_refusals(spec, loaders),
+            *host_memory_refusals(spec, loaders, available_host_bytes()),
+            *offload_dir_refusals(spec),
             *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),
@@ -196,7 +199,14 @@ def admit_component(
         planned = plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
         refusals[BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
         refusals[LOADER_PATH] += head_refusals(name, spec, loader, declared)
-    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used)
+    construct = (
+        None
+        if path is None
+        else partial(
+            construct_module, path, requests, planned, platform, partial(loader.construct, path)
+        )
+    )
+    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
 from components import ResidencyMode
 from components.loader import ComponentLoader
+from components.offload import OffloadError
 from components.offload.layerwise_limits import layerwise_problems
 from lifecycle.config import ComponentSpec
 from lifecycle.refusals import Refusal, RefusalCode
 
+ModuleBuilder = Callable[[], nn.Module]
+"""Constructs a component's module through its admitted path, without weights."""
+
 
 def residency_refusals(
-    name: str, component: ComponentSpec, loader: ComponentLoader, used: bool
+    name: str,
+    component: ComponentSpec,
+    loader: ComponentLoader,
+    used: bool,
+    construct: ModuleBuilder | None,
 ) -> list[Refusal]:
+    """Refuse the component's residency when nothing would honour it.
+
+    ``construct`` builds the module on its admitted path (None: no path was admitted);
+    a layerwise component's block stack is looked for on what it builds on the meta
+    device, which allocates and reads nothing.
+    """
     mode = component.residency_mode
     found = []
     if mode is ResidencyMode.LAYERWISE_OFFLOAD:
-        found += _layerwise_refusals(name, component, loader)
+        found += _layerwise_refusals(name, component, loader, construct)
     if not used and mode is not ResidencyMode.RESIDENT:
         found.append(
             Refusal(
@@ -31,19 +50,16 @@ def residency_refusals(
 
 
 def _layerwise_refusals(
-    name: str, component: ComponentSpec, loader: ComponentLoader
+    name: str, component: ComponentSpec, loader: ComponentLoader, construct: ModuleBuilder | None
 ) -> list[Refusal]:
     blocks = loader.block_count()
     if loader.block_stack is None or blocks is None:
         return [
-            Refusal(
-                code=RefusalCode.NOT_OFFLOADABLE,
-                component=name,
-                message=f"component '{name}' asks for layerwise_offload, but kind "
-                f"'{component.kind}' declares no block stack to stream",
-                hint=f'use residency = "component_offload" for {name}',
-            )
+            _not_streamable(name, component, f"kind '{component.kind}' declares no block stack")
         ]
+    problem = None if construct is None else _stack_problem(construct, loader)
+    if problem is not None:
+        return [_not_streamable(name, component, problem)]
     config = component.layerwise_config
     problems = layerwise_problems(
         blocks, prefetch=config.prefetch, resident_layers=config.resident_layers
@@ -62,4 +78,30 @@ def _layerwise_refusals(
         ]
         if problems
         else []
+    )
+
+
+def _stack_problem(construct: ModuleBuilder, loader: ComponentLoader) -> str | None:
+    """Say why the module built on the meta device has no block stack to stream, if so."""
+    try:
+        with torch.device("meta"):
+            module = construct()
+    except Exception as err:  # a kind's own code: whatever it raises is the reason
+        return (
+            f"building kind '{loader.kind}' on the meta device to find its block stack failed "
+            f"({type(err).__name__}: {err})"
+        )
+    try:
+        loader.blocks(module)
+    except OffloadError as err:
+        return str(err)
+    return None
+
+
+def _not_streamable(name: str, component: ComponentSpec, why: str) -> Refusal:
+    return Refusal(
+        code=RefusalCode.NOT_OFFLOADABLE,
+        component=name,
+        message=f"component '{name}' asks for layerwise_offload, but {why}",
+        hint=f'use residency = "component_offload" for {name}',
     )

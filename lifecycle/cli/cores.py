@@ -1,4 +1,4 @@
-"""How many physical cores this process may run on: the default of ``run --threads``."""
+"""How many torch threads a command runs on: one policy for ``run`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,19 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _TOPOLOGY = Path("/sys/devices/system/cpu")
+
+
+def torch_threads(requested: int | None, *, processes: int = 1, event_loop: bool = False) -> int:
+    """Return torch's intra-op threads: ``requested``, else this process's share of the cores.
+
+    The physical cores this process may use are shared evenly by the ``processes``
+    of one node (the workers torchrun started there), since compute threads on
+    hyper-threads or another worker's cores only contend; a process that also runs
+    an HTTP event loop leaves it one core. Never fewer than one.
+    """
+    if requested is not None:
+        return requested
+    return max(1, physical_cores() // processes - (1 if event_loop else 0))
 
 
 def physical_cores(cpus: Iterable[int] | None = None, topology: Path = _TOPOLOGY) -> int:

@@ -26,8 +26,8 @@ from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
 from components.mesh import ParallelMesh
+from lifecycle.exits import ExitCode
 
-EXIT_FAILED = 3
 T = TypeVar("T")
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
@@ -102,13 +102,13 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def spawn(nproc: int, argv: Sequence[str]) -> int:
+def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
     """Run ``lifecycle <argv>`` on ``nproc`` local workers through ``torch.distributed.run``.
 
-    Returns 0 when every worker succeeded; else the common exit code of the workers that
-    failed on their own (1 refused, 2 bad input) when they agree, else 3, after naming
-    each failed rank and its cause on stderr. torchrun stops the other workers as soon
-    as one fails.
+    Returns OK when every worker succeeded; else the common exit code of the workers
+    that failed on their own (REFUSED, BAD_INPUT) when they agree, else FAILED, after
+    naming each failed rank and its cause on stderr. torchrun stops the other workers
+    as soon as one fails.
     """
     # torch leaves parse_args and run unannotated
     config = parse_args(  # type: ignore[no-untyped-call]
@@ -140,7 +140,7 @@ def spawn(nproc: int, argv: Sequence[str]) -> int:
             if failure.message and failure.message != "<N/A>":
                 cause += f": {failure.message}"
             print(f"lifecycle run: rank {failed_rank} failed: {cause}", file=sys.stderr)
-        if len(codes) == 1 and (code := codes.pop()) in (1, 2):
-            return code
-        return EXIT_FAILED
-    return 0
+        if len(codes) == 1 and (code := codes.pop()) in (ExitCode.REFUSED, ExitCode.BAD_INPUT):
+            return ExitCode(code)
+        return ExitCode.FAILED
+    return ExitCode.OK

@@ -9,19 +9,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
-import msgspec
-import structlog
 from msgspec import UnsetType
 
-from lifecycle import diagrams, exits
+from lifecycle import exits
 from lifecycle.cli.arguments import positive
 from lifecycle.cli.console import format_refusals, table
-from lifecycle.cli.paths import OutputPathError, prepare_folder
+from lifecycle.cli.diagram import add_diagram_command
+from lifecycle.cli.output import print_json
 from lifecycle.cli.run import run_command
 from lifecycle.cli.serve import add_serve_command
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
@@ -45,35 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_logs = getattr(args, "json_logs", False)
     fmt: LogFormat = "json" if json_logs else args.log_format
     level: str = "info" if json_logs else args.log_level
-    configure_logging(fmt, level)
-    if level == DEFAULT_LOG_LEVEL and _renders_console(fmt):
-        _hide_refusal_events()
+    # check and run print every refusal with its fix: at the default level a person's
+    # console would say it a second time (JSON lines and more verbose levels keep it)
+    hidden = ("lifecycle.refused",) if level == DEFAULT_LOG_LEVEL else ()
+    configure_logging(fmt, level, omit_on_console=hidden)
     code: int = args.handler(args)
     return code
-
-
-def _renders_console(fmt: str) -> bool:
-    # the rule configure_logging follows: auto means a person when stderr is a terminal
-    return fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-
-
-def _hide_refusal_events() -> None:
-    """Leave refusals to the command's own formatted text on a person's terminal.
-
-    ``check`` and ``run`` print every refusal with its fix; at the default
-    level a console log line would say it a second time. JSON logs keep the
-    event, as does any more verbose level.
-    """
-    processors = structlog.get_config()["processors"]
-    structlog.configure(processors=[_drop_refusal_event, *processors])
-
-
-def _drop_refusal_event(
-    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    if event_dict.get("event") == "lifecycle.refused":
-        raise structlog.DropEvent
-    return event_dict
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,19 +59,22 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    _logging_options(parser, top_level=True)
+    _logging_options(parser, default=True)
+    # every subcommand takes the logging options too; its copy has no default of its
+    # own, so that one not given after the subcommand never hides one given before it
+    logging_options = argparse.ArgumentParser(add_help=False)
+    _logging_options(logging_options, default=False)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(
+        return commands.add_parser(
             name,
             help=help_text,
             description=help_text,
             epilog=exits.HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[logging_options],
         )
-        _logging_options(sub, top_level=False)
-        return sub
 
     check = command("check", "validate a pipeline spec (admission dry run)")
     check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
@@ -144,29 +122,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=run_command)
 
-    diagram = command("diagram", "write the lifecycle diagrams")
-    diagram.add_argument(
-        "--out", type=Path, default=Path("diagrams"), help="output folder (default: %(default)s)"
-    )
-    diagram.add_argument(
-        "--check", action="store_true", help="exit 1 when the files differ from the machine"
-    )
-    diagram.set_defaults(handler=_diagram)
+    add_diagram_command(command)
 
     schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
 
-    add_serve_command(commands)
+    add_serve_command(command)
     return parser
 
 
-def _logging_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
-    """Add the logging options; after a subcommand they override those before it."""
-    # a subcommand's copy has no default of its own, so it never hides the top level's
+def _logging_options(parser: argparse.ArgumentParser, *, default: bool) -> None:
+    """Add the logging options, with their defaults or (a subcommand's copy) without."""
     parser.add_argument(
         "--log-format",
         choices=("json", "console", "auto"),
-        default=DEFAULT_LOG_FORMAT if top_level else argparse.SUPPRESS,
+        default=DEFAULT_LOG_FORMAT if default else argparse.SUPPRESS,
         help="log rendering; auto: console on a terminal, else JSON lines "
         f"(default: {DEFAULT_LOG_FORMAT})",
     )
@@ -174,7 +144,7 @@ def _logging_options(parser: argparse.ArgumentParser, *, top_level: bool) -> Non
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
-        default=DEFAULT_LOG_LEVEL if top_level else argparse.SUPPRESS,
+        default=DEFAULT_LOG_LEVEL if default else argparse.SUPPRESS,
         help=f"the least severe events logged (default: {DEFAULT_LOG_LEVEL})",
     )
 
@@ -191,7 +161,7 @@ def _check(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     except ConfigError as err:
         if args.json:
-            _print_json({"error": {"path": err.path, "message": err.message}})
+            print_json({"error": {"path": err.path, "message": err.message}})
         else:
             print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -200,7 +170,7 @@ def _check(args: argparse.Namespace) -> int:
         orchestrator.admit()
     snapshot = orchestrator.snapshot()
     if args.json:
-        _print_json(snapshot)
+        print_json(snapshot)
     elif snapshot.refusals:
         print(format_refusals("check", spec.name, snapshot.refusals, spec.components))
     else:
@@ -234,44 +204,6 @@ def _site_text(site: SitePlan) -> str:
     return text + (f", {site.reason})" if site.reason else ")")
 
 
-def _diagram(args: argparse.Namespace) -> int:
-    try:
-        if args.check:
-            return _check_diagrams(args.out)
-        prepare_folder(args.out, "the diagram folder")
-        written = diagrams.write_diagrams(args.out)
-    except (OutputPathError, OSError) as err:
-        print(f"lifecycle diagram: {_os_error_text(err)}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    for path in written:
-        print(path)
-    return ExitCode.OK
-
-
-def _check_diagrams(folder: Path) -> int:
-    stale = diagrams.stale_diagrams(folder)
-    for path in stale:
-        if path.is_file():
-            print(f"lifecycle diagram: {path} is stale; run `lifecycle diagram`", file=sys.stderr)
-        else:
-            print(
-                f"lifecycle diagram: {path} is missing; run `lifecycle diagram --check` from "
-                "the repository's root, or give --out the folder that holds the diagrams",
-                file=sys.stderr,
-            )
-    return ExitCode.REFUSED if stale else ExitCode.OK
-
-
-def _os_error_text(err: Exception) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
-    return str(err)
-
-
 def _schema(args: argparse.Namespace) -> int:
-    _print_json(spec_schema())
+    print_json(spec_schema())
     return ExitCode.OK
-
-
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")

@@ -2,6 +2,7 @@
 
 Everything that can be checked before work starts is (the spec, that each
 kind can run a request, the output paths), so a run never fails at its end.
+A run first decides what happened (a ``RunOutcome``), then prints it.
 """
 
 from __future__ import annotations
@@ -10,29 +11,71 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import msgspec
 import torch
 
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
-from lifecycle.cli.cores import physical_cores
+from lifecycle.cli.cores import torch_threads
+from lifecycle.cli.output import print_json
 from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
+from lifecycle.cli.progress import run_progress
 from lifecycle.cli.runner import (
     MoveTally,
     RunOutputs,
+    RunReport,
     run_requests,
     summarise,
     unrunnable_components,
 )
 from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.config import ConfigError, PipelineSpec, load_spec
+from lifecycle.events import Move
 from lifecycle.exits import ExitCode
 from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
+from lifecycle.plan import PipelineSnapshot
+from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run ended: its exit code and what went wrong.
+
+    Attributes:
+        code: the exit code, set by the first thing that went wrong (OK when nothing did).
+        refusals: every reason a transition was refused (code REFUSED).
+        invalid: why a trigger was not valid from its state, when that was the refusal.
+        failures: what failed while running, closing or writing the timeline, in order.
+    """
+
+    code: ExitCode = ExitCode.OK
+    refusals: tuple[Refusal, ...] = ()
+    invalid: str | None = None
+    failures: tuple[str, ...] = ()
+
+    def failed(self, text: str) -> Ending:
+        """Return this ending with one more failure, FAILED unless something went wrong before."""
+        return replace(self, code=self.code or ExitCode.FAILED, failures=(*self.failures, text))
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a run did, decided before anything is printed.
+
+    Attributes:
+        ending: how it ended.
+        report: what the completed requests did.
+        snapshot: every component's state when the requests ended, before closing.
+        notes: each output asked for that no component produced.
+    """
+
+    ending: Ending
+    report: RunReport
+    snapshot: PipelineSnapshot
+    notes: tuple[str, ...] = ()
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -63,19 +106,55 @@ def _run_here(args: argparse.Namespace) -> int:
             prepare_folder(args.out, "the output folder")
     except OutputPathError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
-    # the workers of one node share its cores
-    threads = args.threads or max(1, physical_cores() // launch.local_world_size())
+    threads = torch_threads(args.threads, processes=launch.local_world_size())
     with _torch_threads(threads), StopOnSignal() as stop:
-        code = _serve(args, spec, threads, stop)
-        return stop.exit_code or code
+        outcome = _run(args, spec, threads, stop)
+        _report(args, spec, outcome)
+        return stop.exit_code or outcome.ending.code
 
 
-def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: StopOnSignal) -> int:
+def _run(
+    args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: StopOnSignal
+) -> RunOutcome:
+    """Load the pipeline, run the requests, close it and write the timeline: what happened."""
     tally = MoveTally(spec.components, keep_moves=args.timeline is not None)
     outputs = RunOutputs()
     orchestrator = Orchestrator(spec, observer=tally)
-    result: dict[str, object] = {}
-    code = ExitCode.OK
+    try:
+        ending = _requests(args, orchestrator, outputs, stop)
+    finally:
+        snapshot = orchestrator.snapshot()
+        closing = _close(orchestrator)
+    if closing is not None:
+        ending = ending.failed(closing)
+    report = summarise(
+        snapshot,
+        tally,
+        outputs,
+        steps=args.steps,
+        threads=threads,
+        stopped_by=None if stop.received is None else stop.received.name,
+    )
+    if args.timeline is not None and ending.code is not ExitCode.REFUSED:
+        try:
+            moves_by_rank = launch.gather_on_main(tally.moves or [])
+            if moves_by_rank is not None:
+                _write_timeline(args.timeline, spec, report.requests, moves_by_rank)
+        except OSError as err:  # checked before the run; something changed it since
+            ending = ending.failed("writing the timeline failed: " + _describe(err))
+    return RunOutcome(
+        ending=ending, report=report, snapshot=snapshot, notes=_unused_outputs(args, outputs)
+    )
+
+
+def _requests(
+    args: argparse.Namespace, orchestrator: Orchestrator, outputs: RunOutputs, stop: StopOnSignal
+) -> Ending:
+    """Load the pipeline and run this rank's share of the requests; say how that ended."""
+    # JSON logs make stderr a stream of JSON lines: a display there would break it
+    is_quiet = args.json or args.json_logs or args.log_format == "json"
+    progress = run_progress(args.requests, is_quiet=is_quiet, is_main_rank=launch.is_main_rank())
+    detach = orchestrator.observe(progress.observe)
     try:
         try:
             orchestrator.load()
@@ -90,55 +169,56 @@ def _serve(args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: Sto
                 negative_prompt=args.negative_prompt,
                 out=args.out if launch.is_main_rank() else None,
                 should_stop=stop.should_stop,
-                on_request=_Progress(len(share)),
+                progress=progress,
             )
         finally:
             stop.settle()  # from here on a signal is only noted: reporting and cleanup finish
+            detach()
+            progress.close()
     except Abandoned:
-        pass  # the request in flight is given up; what completed is reported below
+        pass  # the request in flight is given up; what completed is reported
     except TransitionRefused as refused:
-        text = (
-            format_refusals("run", spec.name, refused.refusals, spec.components)
-            if refused.refusals
-            else f"lifecycle run: {args.spec}: {refused}"  # a trigger invalid from the state
+        return Ending(
+            code=ExitCode.REFUSED,
+            refusals=refused.refusals,
+            invalid=None if refused.refusals else str(refused),  # invalid from the state
         )
-        print(text, file=sys.stderr)
-        result["refusals"] = refused.refusals
-        code = ExitCode.REFUSED
     except (TransitionFailed, OSError, MemoryError, RuntimeError) as err:
-        result["error"] = {"message": _failed(args, err)}
-        code = ExitCode.FAILED
-    finally:
-        snapshot = orchestrator.snapshot()
-        try:
-            orchestrator.close()
-        except Exception as err:  # what completed still stands; say what was left behind
-            result["error"] = {"message": _failed(args, err, "closing the pipeline failed: ")}
-            code = code or ExitCode.FAILED
-    report = summarise(
-        snapshot,
-        tally,
-        outputs,
-        steps=args.steps,
-        threads=threads,
-        stopped_by=None if stop.received is None else stop.received.name,
-    )
-    if args.timeline is not None and code is not ExitCode.REFUSED:
-        try:
-            moves_by_rank = launch.gather_on_main(tally.moves or [])
-            if moves_by_rank is not None:
-                _write_timeline(args.timeline, spec, report.requests, moves_by_rank)
-        except OSError as err:  # checked before the run; something changed it since
-            result["error"] = {"message": _failed(args, err, "writing the timeline failed: ")}
-            code = code or ExitCode.FAILED
+        return Ending().failed(_describe(err))
+    return Ending()
+
+
+def _close(orchestrator: Orchestrator) -> str | None:
+    """Release every component; return what failed, or None."""
+    try:
+        orchestrator.close()
+    except Exception as err:  # what completed still stands; say what was left behind
+        return "closing the pipeline failed: " + _describe(err)
+    return None
+
+
+def _report(args: argparse.Namespace, spec: PipelineSpec, outcome: RunOutcome) -> None:
+    """Print ``outcome``: what went wrong on stderr (every rank), the results on rank 0."""
+    ending = outcome.ending
+    if ending.refusals:
+        print(format_refusals("run", spec.name, ending.refusals, spec.components), file=sys.stderr)
+    elif ending.invalid is not None:
+        print(f"lifecycle run: {args.spec}: {ending.invalid}", file=sys.stderr)
+    for failure in ending.failures:
+        print(f"lifecycle run: {args.spec}: {failure}", file=sys.stderr)
     if not launch.is_main_rank():
-        pass  # rank 0 prints the results of the run
-    elif args.json:
-        _print_json({"summary": report, "snapshot": snapshot, **result})
-    elif code is ExitCode.OK or report.requests:
-        print(run_summary(report))
-        _note_unused(args, outputs)
-    return code
+        return  # rank 0 prints the results of the run
+    if args.json:
+        result: dict[str, object] = {"summary": outcome.report, "snapshot": outcome.snapshot}
+        if ending.code is ExitCode.REFUSED:
+            result["refusals"] = ending.refusals
+        if ending.failures:
+            result["error"] = {"message": ending.failures[-1]}
+        print_json(result)
+    elif ending.code is ExitCode.OK or outcome.report.requests:
+        print(run_summary(outcome.report))
+        for note in outcome.notes:
+            print(f"lifecycle run: {note}", file=sys.stderr)
 
 
 def _write_timeline(
@@ -148,35 +228,29 @@ def _write_timeline(
     path.write_text(residency_gantt(title, list(spec.components), moves_by_rank), encoding="utf-8")
 
 
-def _note_unused(args: argparse.Namespace, outputs: RunOutputs) -> None:
+def _unused_outputs(args: argparse.Namespace, outputs: RunOutputs) -> tuple[str, ...]:
     """Say so when an output the user asked for was produced by no component."""
+    notes = []
     if args.prompt and not outputs.sentences:
-        print(
-            "lifecycle run: no component of this pipeline embeds sentences, so no nearest "
-            "neighbours are shown; the prompts are encoded as the pipeline's text",
-            file=sys.stderr,
+        notes.append(
+            "no component of this pipeline embeds sentences, so no nearest neighbours are "
+            "shown; the prompts are encoded as the pipeline's text"
         )
     if args.out is not None and not outputs.images and outputs.request_ms:
-        print(
-            f"lifecycle run: no component of this pipeline makes images; {args.out} stays empty",
-            file=sys.stderr,
-        )
+        notes.append(f"no component of this pipeline makes images; {args.out} stays empty")
+    return tuple(notes)
 
 
-def _failed(args: argparse.Namespace, err: BaseException, prefix: str = "") -> str:
-    """Say on stderr what failed while running, and return the sentence."""
-    text = prefix + (
-        str(err) if isinstance(err, TransitionFailed) else f"{type(err).__name__}: {err}"
-    )
-    print(f"lifecycle run: {args.spec}: {text}", file=sys.stderr)
-    return text
+def _describe(err: BaseException) -> str:
+    """Return what failed, in one sentence (a failed transition already names its cause)."""
+    return str(err) if isinstance(err, TransitionFailed) else f"{type(err).__name__}: {err}"
 
 
 def _bad_input(args: argparse.Namespace, text: str, error: dict[str, str]) -> int:
     """Say what is wrong on stderr (and as the one JSON object with ``--json``): exit 2."""
     print(f"lifecycle run: {text}", file=sys.stderr)
     if args.json:
-        _print_json({"error": error})
+        print_json({"error": error})
     return ExitCode.BAD_INPUT
 
 
@@ -188,22 +262,3 @@ def _torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-class _Progress:
-    """A progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.shown = sys.stderr.isatty()
-
-    def __call__(self, done: int) -> None:
-        if self.shown:
-            filled = 30 * done // self.total
-            bar = "#" * filled + "." * (30 - filled)
-            end = "\n" if done == self.total else ""
-            print(f"\r[{bar}] {done}/{self.total} requests", end=end, file=sys.stderr)
-
-
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from lifecycle.cli.arguments import positive
-from lifecycle.cli.cores import physical_cores
+from lifecycle.cli.cores import torch_threads
 from lifecycle.exits import ExitCode
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
 
 
-def add_serve_command(commands: Any) -> None:
-    """Register ``serve`` on the ``lifecycle`` parser's subcommands."""
-    serve = commands.add_parser(
-        "serve", help="serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)"
-    )
+def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """Register ``serve`` through ``command``, which makes a subcommand's parser from its help."""
+    serve = command("serve", "serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)")
     serve.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -49,11 +46,5 @@ def serve_command(args: argparse.Namespace) -> int:
         return ExitCode.BAD_INPUT
     from lifecycle.serving.server import serve  # needs the serve extra
 
-    # compute threads on every core would fight the event loop for one of them
-    threads = args.threads or max(1, physical_cores() - 1)
-    return serve(args.spec, args.host, args.port, threads, _log_level(args))
-
-
-def _log_level(args: argparse.Namespace) -> int:
-    name = str(getattr(args, "log_level", "warning")).upper()
-    return logging.getLevelNamesMapping().get(name, logging.WARNING)
+    threads = torch_threads(args.threads, event_loop=True)
+    return serve(args.spec, args.host, args.port, threads)

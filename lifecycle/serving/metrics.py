@@ -1,18 +1,29 @@
 """The worker's Prometheus metrics, on a registry of its own.
 
-Counts come from three places: the HTTP layer (requests, latency), the batcher
-(queue depth, batch sizes) and the orchestrator's own events (transitions,
-refusals, waits), read by a structlog processor, plus its move observer (bytes).
+Counts come from three places: the HTTP layer (requests, latency, refused
+requests), the batcher (queue depth, batch sizes) and the orchestrator, whose
+observer hands over every move, transition, refusal, wait and request as a typed
+value. None of them reads the log, so the counts do not depend on the log level.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lifecycle.residency import Move
+from lifecycle.events import (
+    Direction,
+    Event,
+    MemoryWait,
+    Move,
+    Refused,
+    RequestCancelled,
+    RequestEnded,
+    Transitioned,
+)
+from lifecycle.states import TRIGGERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -50,10 +61,26 @@ class ServingMetrics:
         self.moved = Counter(
             "lifecycle_moved_bytes", "weight bytes moved", ["direction"], registry=r
         )
+        # every move and transition counts: look their label children up once, not per event
+        self._moved = {d: self.moved.labels(direction=d) for d in get_args(Direction)}
+        self._transitions = {t: self.transitions.labels(trigger=t) for t in TRIGGERS}
         self.waited = Histogram(
             "lifecycle_memory_wait_seconds",
-            "time a stage waited for other requests to release memory",
+            "time a stage waited for other requests to release memory, by how it ended",
+            ["outcome"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "lifecycle_pipeline_request_seconds",
+            "time an orchestrator request (one batch) spent through its stages",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "lifecycle_cancelled_requests",
+            "requests cancelled, by the stage they stopped in (queued: before any)",
+            ["stage"],
             registry=r,
         )
         Gauge("lifecycle_queue_depth", "jobs waiting for a batch", registry=r).set_function(
@@ -74,28 +101,26 @@ class ServingMetrics:
         count.inc()
         latency.observe(seconds)
 
-    def observe_move(self, move: Move) -> None:
-        """Count the bytes of one move (the orchestrator's move observer)."""
-        self.moved.labels(direction=move.direction).inc(move.bytes)
-
-    def observe_event(
-        self, logger: Any, method: str, event: MutableMapping[str, Any]
-    ) -> MutableMapping[str, Any]:
-        """Count transitions, refusals and waits as their events pass (a structlog processor)."""
-        name = event.get("event")
-        if name == "lifecycle.transition":
-            self.transitions.labels(trigger=str(event.get("trigger"))).inc()
-        elif name == "lifecycle.refused" and not event.get("may_wait"):
+    def observe(self, event: Event) -> None:
+        """Count one event of the orchestrator (its observer)."""
+        if isinstance(event, Move):
+            self._moved[event.direction].inc(event.bytes)
+        elif isinstance(event, Transitioned):
+            self._transitions[event.trigger].inc()
+        elif isinstance(event, Refused):
             # a stage's onload refused while it may still wait is counted only if the
             # request is finally refused (``refused``), not on every try
-            for code in event.get("codes") or ():
-                self.refusals.labels(code=str(code)).inc()
-        elif name == "residency.waited":
-            self.waited.observe(float(event.get("seconds", 0.0)))
-        return event
+            if not event.may_wait:
+                self.refused(event.codes)
+        elif isinstance(event, MemoryWait):
+            self.waited.labels(outcome=event.outcome).observe(event.seconds)
+        elif isinstance(event, RequestEnded):
+            self.request_seconds.observe(event.duration_ms / 1e3)
+        elif isinstance(event, RequestCancelled):
+            self.cancelled.labels(stage=event.stage or "queued").inc()
 
     def refused(self, codes: tuple[str, ...]) -> None:
-        """Count the codes of a refused request (an override, or the memory budget)."""
+        """Count each code of a refusal: a transition's, or a request's the HTTP layer answers."""
         for code in codes:
             self.refusals.labels(code=code).inc()
 

@@ -8,29 +8,25 @@ process the default way (exit 143): nothing is loaded then.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
-from collections.abc import MutableMapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-import structlog
 import torch
 import uvicorn
 
 from lifecycle.config import ConfigError, load_spec
 from lifecycle.exits import ExitCode
-from lifecycle.logs import configuration_changed
+from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.serving.app import create_app
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Worker
 
-log = structlog.get_logger("lifecycle")
+log = get_logger("lifecycle")
 
 
 class DrainingServer(uvicorn.Server):
@@ -70,7 +66,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(spec_path: Path, host: str, port: int, threads: int, log_level: int) -> int:
+def serve(spec_path: Path, host: str, port: int, threads: int) -> int:
     """Admit and serve the pipeline at ``spec_path`` on ``threads`` torch threads until drained.
 
     Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec, 3 jobs or
@@ -87,8 +83,7 @@ def serve(spec_path: Path, host: str, port: int, threads: int, log_level: int) -
         queue_depth=lambda: 0 if worker.batcher is None else worker.batcher.depth,
         resident_bytes=lambda: holder[0].resident_bytes() if holder else 0,
     )
-    _count_events(metrics, log_level)
-    orchestrator = Orchestrator(spec, observer=metrics.observe_move)
+    orchestrator = Orchestrator(spec, observer=metrics.observe)
     holder.append(orchestrator)
     try:
         orchestrator.admit()
@@ -115,26 +110,3 @@ def serve(spec_path: Path, host: str, port: int, threads: int, log_level: int) -
     if not server.drained:  # stopped by uvicorn itself (e.g. the port was taken)
         server.drained = worker.drain()
     return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
-
-
-def _count_events(metrics: ServingMetrics, level: int) -> None:
-    """Feed every info event to the metrics, then keep only those at ``level`` or above."""
-
-    def keep_level(
-        logger: Any, method: str, event: MutableMapping[str, Any]
-    ) -> MutableMapping[str, Any]:
-        if logging.getLevelNamesMapping().get(method.upper(), logging.INFO) < level:
-            raise structlog.DropEvent
-        return event
-
-    processors = structlog.get_config()["processors"]
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,  # the request id, may_wait
-            metrics.observe_event,
-            keep_level,
-            *processors,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)),
-    )
-    configuration_changed()  # the project's cached event loggers take this configuration

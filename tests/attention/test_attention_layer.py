@@ -192,11 +192,13 @@ class TestAttention:
         resident = pickle.loads(pickle.dumps(NotResidentError("vae", "mid")))
         assert (resident.component, resident.site) == ("vae", "mid")
         selection = pickle.loads(
-            pickle.dumps(BackendSelectionError("attention.no_backend", "vae", "m", "h", {"a": "b"}))
+            pickle.dumps(
+                BackendSelectionError("attention.no_backend", "vae", "m", "h", {"a": ("b",)})
+            )
         )
         assert (selection.code, selection.component, selection.rejected) == (
             "attention.no_backend",
             "vae",
-            {"a": "b"},
+            {"a": ("b",)},
         )
         assert str(selection) == "m; fix: h"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pickle
 import textwrap
+from importlib.metadata import PathDistribution
 from pathlib import Path
 
 import pytest
-import torch
 from structlog.testing import capture_logs
 
 from attention import (
@@ -18,33 +18,16 @@ from attention import (
     registry,
 )
 from attention.registry import BackendRegistry
+from attention.testing import SdpaImpl
 
-# A group of its own, so that no installed plugin takes part.
-GROUP = "pipeline_lifecycle.backends.test"
 BUILTINS = ("torch_sdpa", "torch_flash", "reference", "sliding_window", "flash_attn")
-
-
-class PlainImpl(AttentionImpl):
-    """A minimal dense kernel."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
 class PlainBackend(AttentionBackend):
     """An out-of-tree backend for registry tests."""
 
     name = "test_plain"
-    impl_cls = PlainImpl
+    impl_cls = SdpaImpl
 
 
 class TestRegistry:
@@ -109,7 +92,8 @@ class TestRegistry:
     def test_entry_points_are_loaded_and_broken_ones_reported(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """Backends of the entry-point group are listed; a broken one is named in errors."""
+        """Backends of the given distribution's entry points are listed (no installed plugin
+        takes part); a broken one is named in errors."""
         (tmp_path / "ext_attn.py").write_text(
             textwrap.dedent(
                 """
@@ -129,10 +113,11 @@ class TestRegistry:
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ext-attn\nVersion: 1.0\n")
         (dist / "entry_points.txt").write_text(
-            f"[{GROUP}]\next_attn = ext_attn:ExtBackend\nmissing = no_such_module:Backend\n"
+            "[pipeline_lifecycle.backends]\n"
+            "ext_attn = ext_attn:ExtBackend\nmissing = no_such_module:Backend\n"
         )
         monkeypatch.syspath_prepend(str(tmp_path))
-        fresh = BackendRegistry(GROUP)
+        fresh = BackendRegistry([PathDistribution(dist)])
         with capture_logs() as logs:
             assert fresh.names() == (*BUILTINS, "ext_attn")
             fresh.names()  # read once, not again

@@ -10,33 +10,21 @@ import torch
 
 from attention import (
     AttentionBackend,
-    AttentionImpl,
     AttentionRequirements,
     NoOptions,
     register_backend,
     registry,
 )
 from attention.backends import SlidingWindowOptions
+from attention.testing import SdpaImpl
 
 # B batch, H heads, S seq, D head dim
 
 EVERYTHING = AttentionRequirements(packed_varlen=True, softmax_lse=True, attention_mask=True)
 
 
-class LseOnlyImpl(AttentionImpl):
+class LseOnlyImpl(SdpaImpl):
     """An out-of-tree kernel that implements forward and the LSE, nothing else."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return self.forward_with_lse(q, k, v, is_causal=is_causal, scale=scale)[0]
 
     def forward_with_lse(
         self,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import pytest
-import torch
 from structlog.testing import capture_logs
 
 from attention import (
     AttentionBackend,
-    AttentionImpl,
     AttentionRequirements,
     AttentionRole,
     BackendChoice,
@@ -24,7 +21,8 @@ from attention import (
     registry,
     select_backend,
 )
-from attention.testing import automatic, explicit
+from attention.packing import PerSegmentVarlen
+from attention.testing import SdpaImpl, automatic, explicit
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -39,41 +37,8 @@ def layer(role: AttentionRole = SELF, **fields: object) -> BackendRequest:
     return BackendRequest(component="transformer", site=site, role=role, **fields)  # type: ignore[arg-type]
 
 
-class VarlenImpl(AttentionImpl):
+class VarlenImpl(PerSegmentVarlen, SdpaImpl):
     """An out-of-tree dense kernel with packed varlen (per-segment SDPA)."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-    def forward_varlen(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend each packed sequence with SDPA."""
-        out = torch.empty_like(q)  # (Tq, H, D)
-        bounds = cu_seqlens_q.tolist()
-        for a, b in itertools.pairwise(bounds):
-            seg = q[a:b].transpose(0, 1)
-            out[a:b] = self.forward(seg, seg, seg, is_causal=is_causal, scale=scale).transpose(0, 1)
-        return out
 
 
 class VarlenBackend(AttentionBackend):
@@ -133,7 +98,7 @@ class TestSelectBackend:
             backend="torch_sdpa",
             reason="platform default fallback",
             provenance=Provenance.AUTOMATIC,
-            rejected={"flash_attn": "flash_attn needs a CUDA device, this platform is cpu"},
+            rejected={"flash_attn": ("flash_attn needs a CUDA device, this platform is cpu",)},
         )
 
     def test_implicit_preference_missing_a_capability_falls_back(self, cpu: Platform) -> None:
@@ -143,14 +108,14 @@ class TestSelectBackend:
             backend="torch_flash",
             reason="platform default fallback",
             provenance=Provenance.DEFAULT,
-            rejected={"torch_sdpa": "does not implement packed varlen attention"},
+            rejected={"torch_sdpa": ("does not implement packed varlen attention",)},
         )
 
     def test_unavailable_layer_default_falls_back(self) -> None:
         """A layer default the platform cannot run falls back to the platform default."""
         got = select_backend(layer(layer_default="torch_flash"), NO_FLASH)
         assert (got.backend, got.reason) == ("torch_sdpa", "platform default fallback")
-        assert got.rejected == {"torch_flash": "banned in this test"}
+        assert got.rejected == {"torch_flash": ("banned in this test",)}
 
     def test_explicit_global_unsupported_by_strict_layer_fails_closed(self, cpu: Platform) -> None:
         """An explicit global backend outside a strict layer's supported set is refused."""
@@ -166,7 +131,7 @@ class TestSelectBackend:
             "of component 'transformer'); supported: [torch_flash, torch_sdpa]"
         )
         assert err.hint == "pick one of torch_flash, torch_sdpa for component 'transformer'"
-        assert err.rejected == {"reference": "not in the layer's supported set"}
+        assert err.rejected == {"reference": ("not in the layer's supported set",)}
         assert "component 'transformer'" in str(err)
 
     def test_explicit_global_missing_capability_fails_closed(self, cpu: Platform) -> None:
@@ -194,7 +159,7 @@ class TestSelectBackend:
             backend="torch_flash",
             reason="global backend fallback",
             provenance=Provenance.EXPLICIT,
-            rejected={"sliding_window": "not in the layer's supported set"},
+            rejected={"sliding_window": ("not in the layer's supported set",)},
         )
 
     def test_explicit_global_falls_back_where_the_loader_allows(self, cpu: Platform) -> None:
@@ -206,7 +171,7 @@ class TestSelectBackend:
         )
         got = select_backend(request, cpu)
         assert (got.backend, got.reason) == ("torch_sdpa", "global backend fallback")
-        assert got.rejected == {"sliding_window": "does not implement attention masks"}
+        assert got.rejected == {"sliding_window": ("does not implement attention masks",)}
 
     def test_explicit_component_backend_stays_strict(self, cpu: Platform) -> None:
         """A component-wide explicit backend never falls back, default or allowance aside."""
@@ -218,7 +183,7 @@ class TestSelectBackend:
         )
         err = fails(request, cpu)
         assert err.code == "attention.capability_missing"
-        assert err.rejected == {"torch_sdpa": "does not implement packed varlen attention"}
+        assert err.rejected == {"torch_sdpa": ("does not implement packed varlen attention",)}
 
     def test_explicit_unavailable_backend_fails_closed(self, cpu: Platform) -> None:
         """An explicit backend the platform cannot run is refused as unavailable."""
@@ -241,7 +206,7 @@ class TestSelectBackend:
             backend="torch_sdpa",
             reason="dense cross-attention fallback",
             provenance=Provenance.EXPLICIT,
-            rejected={"sliding_window": "sparse, never used for cross-attention"},
+            rejected={"sliding_window": ("sparse, never used for cross-attention",)},
         )
 
     def test_sparse_falls_back_to_dense_within_the_supported_set(self, cpu: Platform) -> None:
@@ -304,9 +269,9 @@ class TestSelectBackend:
         err = fails(request, NO_FLASH)
         assert err.code == "attention.capability_missing"
         assert err.rejected == {
-            "reference": "not in the layer's supported set",
-            "torch_sdpa": "does not implement packed varlen attention",
-            "torch_flash": "banned in this test",
+            "reference": ("not in the layer's supported set",),
+            "torch_sdpa": ("does not implement packed varlen attention",),
+            "torch_flash": ("banned in this test",),
         }
 
     def test_unsupported_beats_unavailable(self) -> None:
@@ -369,7 +334,7 @@ class TestSelectBackend:
         """Under ring attention a default selection moves to a backend with softmax LSE."""
         got = select_backend(layer(ring=True), cpu)
         assert (got.backend, got.reason) == ("torch_flash", "platform default fallback")
-        assert got.rejected == {"torch_sdpa": "does not implement softmax LSE"}
+        assert got.rejected == {"torch_sdpa": ("does not implement softmax LSE",)}
 
     def test_ring_refuses_an_explicit_backend_without_lse(self, cpu: Platform) -> None:
         """Under ring attention an explicit backend without LSE is parallel.ring_requires_lse."""
@@ -385,6 +350,64 @@ class TestSelectBackend:
         assert err.hint == (
             "pick a backend with softmax LSE (torch_flash, reference) for component "
             "'transformer', or run it without ring attention (ring degree 1)"
+        )
+
+    def test_ring_lse_is_reported_once_beside_other_reasons(self, cpu: Platform) -> None:
+        """Ring's LSE need is one reason, kept apart from the layer's own missing needs."""
+        request = layer(requirements=VARLEN, ring=True, component_override=explicit("torch_sdpa"))
+        err = fails(request, cpu)
+        assert err.code == "parallel.ring_requires_lse"
+        assert err.rejected == {
+            "torch_sdpa": (
+                "no softmax LSE, which ring attention needs",
+                "does not implement packed varlen attention",
+            )
+        }
+
+    def test_every_reason_a_candidate_fails_is_kept(self, cpu: Platform) -> None:
+        """rejected lists each candidate's every reason in check order, not only the first."""
+        request = layer(
+            CROSS,
+            requirements=VARLEN,
+            supported=frozenset({"torch_sdpa", "torch_flash"}),
+            role_override=explicit("sliding_window"),
+        )
+        got = select_backend(request, cpu)
+        assert (got.backend, got.reason) == ("torch_flash", "dense cross-attention fallback")
+        assert got.rejected == {
+            "sliding_window": (
+                "sparse, never used for cross-attention",
+                "not in the layer's supported set",
+                "does not implement packed varlen attention",
+            ),
+            "torch_sdpa": ("does not implement packed varlen attention",),
+        }
+
+    def test_a_candidate_is_explained_by_its_first_reason(self, cpu: Platform) -> None:
+        """The error keeps its code from the candidate's first reason; the rest are in rejected."""
+        request = layer(
+            requirements=VARLEN,
+            supported=frozenset({"torch_flash"}),
+            component_override=explicit("torch_sdpa"),
+        )
+        err = fails(request, cpu)
+        assert err.code == "attention.unsupported_backend"
+        assert err.message.startswith("backend 'torch_sdpa' is not supported by this attention")
+        assert err.rejected == {
+            "torch_sdpa": (
+                "not in the layer's supported set",
+                "does not implement packed varlen attention",
+            )
+        }
+
+    def test_no_backend_hint_names_every_reason(self) -> None:
+        """With nothing left, the hint lists each tried backend with all of its reasons."""
+        platform = Platform("cpu", unavailable={"torch_sdpa": "off", "torch_flash": "off"})
+        err = fails(layer(requirements=VARLEN), platform)
+        assert err.code == "attention.no_backend"
+        assert err.hint == (
+            "make one of the tried backends available (torch_flash: off; torch_sdpa: off and "
+            "does not implement packed varlen attention)"
         )
 
     def test_ring_accepts_an_explicit_backend_with_lse(self, cpu: Platform) -> None:

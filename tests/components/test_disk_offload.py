@@ -247,11 +247,12 @@ class TestFactory:
         assert type(store) is expected
         assert store.target == target or expected is HostStore
 
-    def test_layerwise_without_blocks_moves_whole(self, tmp_path: Path) -> None:
-        """A layerwise component without a block stack gets a whole-module store."""
+    def test_layerwise_without_blocks_is_refused(self, tmp_path: Path) -> None:
+        """A layerwise component without a block stack is an error, never a whole-module store."""
         options = StoreOptions(device=torch.device("cpu"), file=lambda: tmp_path / "m.st")
-        store = make_store(nn.Linear(4, 4), ResidencyMode.LAYERWISE_OFFLOAD, "disk", options)
-        assert type(store) is DiskStore
+        with pytest.raises(OffloadError, match="layerwise offload streams a block stack"):
+            make_store(nn.Linear(4, 4), ResidencyMode.LAYERWISE_OFFLOAD, "disk", options)
+        assert not (tmp_path / "m.st").exists()
 
     @pytest.mark.parametrize("mode", list(ResidencyMode))
     def test_footprint_before_and_after_the_store(

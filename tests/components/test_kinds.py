@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from safetensors.torch import save_model
 from torch import nn
 
 from attention import (
@@ -40,13 +41,13 @@ from components.kinds.tiny_text_encoder import TinyTextEncoderLoader
 from components.kinds.tiny_upsampler import TinyUpsamplerLoader
 from components.kinds.tiny_vae import TinyVaeLoader
 from components.loader import ComponentLoader, SeededOptions
-from components.weights import save_weights
+from tests.components.standalone import STANDALONE_KINDS
 
 INPUT_SEED = 1234
 
 # Every registered kind, so a new kind is covered without editing this file; the lists are
 # made at collection, when only the built-in kinds (and installed entry points) are known.
-KINDS = registry.names()
+KINDS = STANDALONE_KINDS
 SEEDED = [k for k in KINDS if issubclass(registry.get(k).options_type, SeededOptions)]
 WITH_SITES = [k for k in KINDS if registry.get(k).from_options({}).sites()]
 # what a request carries only once a kind's run has written it
@@ -221,7 +222,7 @@ class TestEveryKind:
         """Weights saved to safetensors and built back from the file give identical outputs."""
         source = build_armed(loader_of(kind, seed=3))
         path = tmp_path / f"{kind}.safetensors"
-        save_weights(source, path)
+        save_model(source, str(path))
         loaded = build_armed(loader_of(kind, weights=str(path)))
         served = serve(loader_of(kind), source)
         assert served

@@ -1,8 +1,9 @@
-"""Fixtures shared by the lifecycle tests: the reference pipeline and its orchestrator."""
+"""Fixtures shared by the lifecycle tests: the reference pipeline and its orchestrator, and
+pipelines of tiny VAEs under a memory budget."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -10,11 +11,17 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle.config import PipelineSpec, load_spec
+from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 
 ReferenceSpec: TypeAlias = Callable[..., PipelineSpec]
 """``reference_spec(target="host", **components)``: the reference spec with overrides."""
+
+VaePipeline: TypeAlias = Callable[..., PipelineSpec]
+"""``vae_pipeline(budget, stages, residency=None, wait_timeout=None)``: VAEs under a budget."""
+
+VAE_BYTES = 248588
+"""The bytes a tiny_vae with its default options takes on the device."""
 
 
 @pytest.fixture
@@ -45,3 +52,39 @@ def reference_orchestrator(reference_spec: ReferenceSpec, cpu: Platform) -> Iter
     """
     with Orchestrator(reference_spec(), platform=cpu) as orchestrator:
         yield orchestrator
+
+
+@pytest.fixture
+def vae_pipeline() -> VaePipeline:
+    """Make a pipeline of tiny VAEs under ``memory.device_budget``: the budget tests' pipeline.
+
+    ``stages`` maps each stage, in order, to the components it uses. Every component is
+    ``component_offload`` unless ``residency`` names it: with a mode, or with None for no
+    residency key (resident by default). ``wait_timeout`` sets ``memory.wait_timeout``.
+    """
+
+    def make(
+        budget: int,
+        stages: Mapping[str, Sequence[str]],
+        residency: Mapping[str, str | None] | None = None,
+        wait_timeout: float | None = None,
+    ) -> PipelineSpec:
+        modes: dict[str, str | None] = {
+            name: "component_offload" for uses in stages.values() for name in uses
+        }
+        modes.update(residency or {})
+        memory: dict[str, float] = {"device_budget": budget}
+        if wait_timeout is not None:
+            memory["wait_timeout"] = wait_timeout
+        raw = {
+            "name": "vaes",
+            "memory": memory,
+            "components": {
+                name: {"kind": "tiny_vae"} | ({} if mode is None else {"residency": mode})
+                for name, mode in modes.items()
+            },
+            "stages": [{"name": name, "uses": list(uses)} for name, uses in stages.items()],
+        }
+        return decode_spec(msgspec.json.encode(raw).decode(), "json")
+
+    return make

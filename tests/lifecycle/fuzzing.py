@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import yaml
 from hypothesis import strategies as st
 
@@ -213,16 +212,12 @@ class Outcome:
 def lifecycle(*argv: str) -> Outcome:
     """Run the CLI's ``main`` in this process, capturing what it writes.
 
-    ``main`` configures structlog for the process; the configuration it found is put
-    back, so that later tests capture their events as before.
+    ``main`` configures structlog for the process; ``process_state`` (tests/conftest.py)
+    puts the configuration back after the test.
     """
     out, err = io.StringIO(), io.StringIO()
-    saved = structlog.get_config()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-    finally:
-        structlog.configure(**saved)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
     return Outcome(code, out.getvalue(), err.getvalue())
 
 

@@ -80,6 +80,24 @@ class UndeclaredSiteKind(ComponentLoader):
         return SelfAttentionNet(SITE)
 
 
+class ValueDependentKind(ComponentLoader):
+    """A kind whose build reads a tensor's value, which the meta device does not hold."""
+
+    kind: ClassVar[str] = "test_value_dependent"
+    block_stack = "blocks"
+
+    def block_count(self) -> int:
+        """Declare the two blocks."""
+        return 2
+
+    def build_custom(self) -> nn.Module:
+        """Size the blocks from a tensor's value, then stack them in a ModuleList."""
+        width = int(torch.full((1,), 16).item())
+        net = nn.Module()
+        net.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        return net
+
+
 def make_generic_module() -> nn.Module:
     """Return a module with one attention layer, for the generic loader's factory."""
     return SelfAttentionNet(SITE)

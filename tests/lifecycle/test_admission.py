@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from attention import Platform, Provenance, SelectionCode
+from components import registry
+from components.loader import ComponentLoader
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import decode_spec, load_spec
+from lifecycle.admission.host_memory import (
+    available_host_bytes,
+    held_at_once,
+    host_memory_refusals,
+)
+from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
 from tests.conftest import Lifecycle
+from tests.lifecycle.conftest import ReferenceSpec
+from tests.lifecycle.kinds_for_tests import ValueDependentKind
+from tests.plugin.ext import SequentialStackKind
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFUSED = sorted((EXAMPLES / "refused").glob("*.toml"))
@@ -195,6 +207,55 @@ kind = "tiny_dit"
         assert [r.code for r in admission.refusals()] == ["attention.no_backend"]
 
 
+def layerwise_spec(kind: str, loader: str = "custom") -> str:
+    """Return a one-component pipeline that streams ``kind`` layerwise through ``loader``."""
+    return (
+        f'name = "p"\n[components.c]\nkind = "{kind}"\nloader = "{loader}"\n'
+        'residency = "layerwise_offload"\n[[stages]]\nname = "s"\nuses = ["c"]\n'
+    )
+
+
+class TestLayerwiseStack:
+    @pytest.fixture(autouse=True)
+    def kinds(self) -> Iterator[None]:
+        """Register the kinds whose block stacks are wrong for one test, then forget them."""
+        for kind in (SequentialStackKind, ValueDependentKind):
+            registry.register_kind(kind)
+        yield
+        for kind in (SequentialStackKind, ValueDependentKind):
+            registry.unregister_kind(kind.kind)
+
+    def test_stack_that_is_no_module_list_is_refused(self, cpu: Platform) -> None:
+        """A declared block stack built as a Sequential is refused, never moved whole."""
+        spec = decode_spec(layerwise_spec("plugin_sequential_stack"))
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
+        assert refusal.code is RefusalCode.NOT_OFFLOADABLE
+        assert refusal.message == (
+            "component 'c' asks for layerwise_offload, but kind 'plugin_sequential_stack' builds "
+            "its block stack 'blocks' as a Sequential, not an nn.ModuleList: layerwise offload "
+            "streams the blocks of an nn.ModuleList; make it one, or use component_offload"
+        )
+        assert refusal.hint == 'use residency = "component_offload" for c'
+
+    def test_stack_that_admission_cannot_build_is_refused_with_why(self, cpu: Platform) -> None:
+        """A kind that cannot be built on the meta device is refused, with what it raised."""
+        spec = decode_spec(layerwise_spec("test_value_dependent"))
+        (refusal,) = admit_pipeline(spec, cpu).refusals()
+        assert refusal.code is RefusalCode.NOT_OFFLOADABLE
+        assert refusal.message.startswith(
+            "component 'c' asks for layerwise_offload, but building kind 'test_value_dependent' "
+            "on the meta device to find its block stack failed (RuntimeError: "
+        )
+
+    @pytest.mark.parametrize(
+        ("kind", "loader"),
+        [(k, p) for k in ("tiny_text_encoder", "tiny_dit") for p in ("custom", "native")],
+    )
+    def test_reference_stacks_are_admitted(self, cpu: Platform, kind: str, loader: str) -> None:
+        """The reference kinds' stacks are ModuleLists on both paths: layerwise is admitted."""
+        assert admit_pipeline(decode_spec(layerwise_spec(kind, loader)), cpu).refusals() == ()
+
+
 class TestRefusalsTogether:
     SPEC = """
 name = "many"
@@ -248,3 +309,172 @@ kind = "tiny_upsampler"
         assert refusal["code"] == "attention.unsupported_backend"
         assert refusal["trigger"] == "admit"
         assert "supported: [torch_flash, torch_sdpa]" in refusal["message"]
+
+
+def disk_spec(
+    offload_dir: Path | str, *, target: str = "disk", residency: str = "component_offload"
+) -> PipelineSpec:
+    """Return a one-VAE spec offloading to ``target`` under ``offload_dir``."""
+    return decode_spec(
+        f'name = "p"\ndevice = "cpu"\n[memory]\noffload_target = "{target}"\n'
+        f'offload_dir = "{offload_dir}"\n[components.vae]\nkind = "tiny_vae"\n'
+        f'residency = "{residency}"\n[[stages]]\nname = "decode"\nuses = ["vae"]\n'
+    )
+
+
+class TestOffloadDir:
+    @pytest.mark.parametrize(
+        ("where", "why"),
+        [
+            (lambda tmp: tmp / ("x" * 300), "File name too long"),
+            (lambda tmp: Path("/sys/lifecycle-offload"), "Operation not permitted"),
+            (lambda tmp: tmp / "file", "is a file, not a folder"),
+            (lambda tmp: tmp / "file" / "offload", "Not a directory"),
+        ],
+        ids=["name-too-long", "under-sys", "file-in-the-way", "file-as-parent"],
+    )
+    def test_unusable_folder_is_refused_and_nothing_is_left(
+        self, cpu: Platform, tmp_path: Path, where: Callable[[Path], Path], why: str
+    ) -> None:
+        """A folder that cannot be made is refused with the file system's answer and the fix."""
+        if str(where(tmp_path)).startswith("/sys") and not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs here")
+        (tmp_path / "file").write_text("in the way")
+        root = where(tmp_path)
+        (refusal,) = admit_pipeline(disk_spec(root), cpu).refusals()
+        assert (refusal.code, refusal.component) == ("residency.offload_dir_unusable", "p")
+        assert refusal.message.startswith(
+            f"memory.offload_dir '{root}' cannot hold the offload files of vae: "
+        )
+        assert why in refusal.message
+        assert refusal.hint.startswith("set memory.offload_dir to a folder this process can")
+        assert sorted(tmp_path.iterdir()) == [tmp_path / "file"]
+
+    @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+    def test_folder_without_permission_is_refused(self, cpu: Platform, tmp_path: Path) -> None:
+        """A folder under one this process may not write is refused: permission denied."""
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        (refusal,) = admit_pipeline(disk_spec(locked / "offload"), cpu).refusals()
+        assert refusal.code == "residency.offload_dir_unusable"
+        assert "Permission denied" in refusal.message
+
+    def test_usable_folder_is_admitted_and_left_as_found(
+        self, cpu: Platform, tmp_path: Path
+    ) -> None:
+        """Missing folders are made and removed again; an existing one keeps only its files."""
+        assert admit_pipeline(disk_spec(tmp_path / "a" / "b" / "offload"), cpu).admitted
+        assert list(tmp_path.iterdir()) == []
+        (tmp_path / "kept").mkdir()
+        (tmp_path / "kept" / "other").write_text("someone else's")
+        assert admit_pipeline(disk_spec(tmp_path / "kept"), cpu).admitted
+        assert list((tmp_path / "kept").iterdir()) == [tmp_path / "kept" / "other"]
+
+    @pytest.mark.parametrize(
+        ("target", "residency"), [("host", "component_offload"), ("disk", "resident")]
+    )
+    def test_folder_is_not_tried_when_nothing_goes_to_disk(
+        self, cpu: Platform, tmp_path: Path, target: str, residency: str
+    ) -> None:
+        """A host target, or only resident components, never writes there: no refusal."""
+        spec = disk_spec(tmp_path / ("x" * 300), target=target, residency=residency)
+        assert admit_pipeline(spec, cpu).admitted
+
+    def test_admit_refuses_and_every_component_stays_configured(
+        self, cpu: Platform, tmp_path: Path
+    ) -> None:
+        """Orchestrator.admit() raises the refusal; nothing moved, nothing was written."""
+        (tmp_path / "file").write_text("in the way")
+        orchestrator = Orchestrator(disk_spec(tmp_path / "file"), platform=cpu)
+        with pytest.raises(AdmissionRefused) as err:
+            orchestrator.admit()
+        assert err.value.codes == ("residency.offload_dir_unusable",)
+        assert orchestrator.state("vae") is ComponentState.CONFIGURED
+
+
+T2I_BYTES = {"text_encoder": 138240, "transformer": 170384, "vae": 248588}
+"""The declared bytes of the reference pipeline's components (default options)."""
+
+
+class TestHostMemory:
+    def test_declared_bytes_are_the_kinds(self) -> None:
+        """The sizes these tests rely on are what the kinds declare."""
+        kinds = {"text_encoder": "tiny_text_encoder", "transformer": "tiny_dit", "vae": "tiny_vae"}
+        assert {
+            name: registry.get(kind).from_options({}).declared_bytes()
+            for name, kind in kinds.items()
+        } == T2I_BYTES
+
+    def test_host_target_holds_every_component(self, reference_spec: ReferenceSpec) -> None:
+        """With the host target every component counts, offloaded or not."""
+        spec = reference_spec("host")
+        assert held_at_once(spec, loaders(spec)) == T2I_BYTES
+
+    def test_disk_target_holds_residents_and_the_largest_offloaded(
+        self, reference_spec: ReferenceSpec
+    ) -> None:
+        """With the disk target the resident DiT counts, and the VAE, the larger offloaded one."""
+        spec = reference_spec("disk")
+        assert held_at_once(spec, loaders(spec)) == {
+            "transformer": T2I_BYTES["transformer"],
+            "vae": T2I_BYTES["vae"],
+        }
+
+    def test_refused_one_byte_short_with_the_numbers(self, reference_spec: ReferenceSpec) -> None:
+        """One byte fewer than needed is refused, naming the sizes and the fix; enough passes."""
+        spec = reference_spec("host")
+        needed = sum(T2I_BYTES.values())
+        assert host_memory_refusals(spec, loaders(spec), needed) == []
+        (refusal,) = host_memory_refusals(spec, loaders(spec), 100 * 1024)
+        assert (refusal.code, refusal.component) == ("residency.host_memory", "tiny-t2i")
+        assert refusal.message == (
+            "the host holds every component at once: 544.2 KiB (vae 242.8 KiB, transformer "
+            "166.4 KiB, text_encoder 135.0 KiB), and it has 100.0 KiB available"
+        )
+        assert refusal.hint == (
+            "make vae smaller (components.vae.options), keep vae on disk "
+            '(memory.offload_target = "disk" and components.vae.residency = '
+            '"component_offload"), or run where at least 544.2 KiB of memory is available'
+        )
+        assert len(host_memory_refusals(spec, loaders(spec), needed - 1)) == 1
+
+    def test_no_refusal_without_a_reading(self, reference_spec: ReferenceSpec) -> None:
+        """Where the host's memory is unknown, nothing is refused."""
+        spec = reference_spec("host")
+        assert host_memory_refusals(spec, loaders(spec), None) == []
+
+    def test_cuda_admission_refuses_too(self, reference_spec: ReferenceSpec) -> None:
+        """On CUDA the host keeps every component's master copy: a CUDA platform refuses too."""
+        spec = load_spec(EXAMPLES / "refused" / "host_memory.toml")
+        assert [r.code for r in admit_pipeline(spec, Platform("cuda")).refusals()] == [
+            "residency.host_memory"
+        ]
+
+    def test_available_bytes_come_from_meminfo(self, tmp_path: Path) -> None:
+        """MemAvailable (kB) is read; without the file free pages are counted instead."""
+        meminfo = tmp_path / "meminfo"
+        meminfo.write_text("MemTotal:  9000 kB\nMemFree:  10 kB\nMemAvailable:  1234 kB\n")
+        assert available_host_bytes(meminfo) == 1234 * 1024
+        fallback = available_host_bytes(tmp_path / "absent")
+        assert fallback is not None
+        assert fallback > 0
+
+    def test_a_million_wide_dit_is_refused_by_admit(self, cpu: Platform) -> None:
+        """The fuzzer's dim = 1000000 DiT is refused by admit(), not at load; nothing moves."""
+        orchestrator = Orchestrator(
+            load_spec(EXAMPLES / "refused" / "host_memory.toml"), platform=cpu
+        )
+        with pytest.raises(AdmissionRefused) as err:
+            orchestrator.admit()
+        (refusal,) = err.value.refusals
+        assert refusal.code == "residency.host_memory"
+        assert "transformer 101.9 TiB" in refusal.message
+        assert orchestrator.state("transformer") is ComponentState.CONFIGURED
+
+
+def loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
+    """Return each component's loader, as admission makes them."""
+    return {
+        name: registry.get(component.kind).from_options(component.options)
+        for name, component in spec.components.items()
+    }

@@ -13,7 +13,10 @@ from torch import nn
 
 from components import registry
 from components.loader import ComponentLoader
+from lifecycle.cli.run import Ending
+from lifecycle.exits import ExitCode
 from tests.conftest import Lifecycle, decode_png
+from tests.lifecycle.kinds_for_tests import BrokenKind
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
@@ -133,6 +136,20 @@ class TestCheck:
         assert "parallel.invalid_layout" in result.stdout
         assert "fix: set [parallel] sp_degree" in result.stdout
 
+    @pytest.mark.parametrize("code", ["residency.offload_dir_unusable", "residency.host_memory"])
+    def test_what_would_fail_at_load_is_refused(self, lifecycle: Lifecycle, code: str) -> None:
+        """An unusable offload folder and weights beyond the host's memory: exit 1, both forms."""
+        spec = REFUSED / f"{code.split('.')[1]}.toml"
+        plain = lifecycle("check", spec)
+        assert plain.returncode == 1
+        assert plain.stdout.splitlines()[1].split()[:2] == ["(pipeline)", code]
+        assert "fix: " in plain.stdout
+        checked = lifecycle("check", "--json", spec)
+        assert checked.returncode == 1
+        report = json.loads(checked.stdout)
+        assert report["admitted"] is False
+        assert [r["code"] for r in report["refusals"]] == [code]
+
     def test_pipeline_refusal_shows_pipeline_column(self, lifecycle: Lifecycle) -> None:
         """A refusal about the whole pipeline shows ``(pipeline)`` in the component column."""
         result = lifecycle("check", REFUSED / "invalid_layout.toml")
@@ -165,6 +182,29 @@ class TestOptions:
         assert result.returncode == 0, result.stderr
         events = {json.loads(line)["event"] for line in result.stderr.splitlines()}
         assert {"request.begin", "request.end"} <= events
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+    @pytest.mark.parametrize(
+        ("command", "code"),
+        [
+            (("check", REFUSED / "undeclared_use.toml"), 1),
+            (("run", REFUSED / "unsupported_backend.toml"), 1),
+            (("serve", REFUSED / "capability_missing.toml"), 1),
+            (("diagram", "--check", "--out", ROOT / "diagrams"), 0),
+            (("schema",), 0),
+        ],
+        ids=lambda value: value[0] if isinstance(value, tuple) else str(value),
+    )
+    def test_every_subcommand_takes_the_logging_options_on_either_side(
+        self, lifecycle: Lifecycle, command: tuple[str | Path, ...], code: int, after: bool
+    ) -> None:
+        """Each subcommand takes the logging options before or after it, and they apply."""
+        options = ("--log-format", "json", "--log-level", "error")
+        result = lifecycle(*command, *options) if after else lifecycle(*options, *command)
+        assert result.returncode == code, result.stderr
+        # at the default level (warning) the refusal event would be logged
+        assert "lifecycle.refused" not in result.stderr
+        assert "Traceback" not in result.stderr
 
     def test_logging_options_before_the_subcommand(self, lifecycle: Lifecycle) -> None:
         """Options before the subcommand still apply when none follow it."""
@@ -304,18 +344,16 @@ class TestRunCommand:
     def test_failure_while_running_is_exit_three(
         self, lifecycle: Lifecycle, tmp_path: Path
     ) -> None:
-        """A transition that fails at run time (disk offload into a file) is exit 3."""
-        blocker = write(tmp_path, "file", "")
-        spec = write(
-            tmp_path,
-            "disk.toml",
-            f'name="d"\ndevice="cpu"\n[memory]\noffload_target="disk"\noffload_dir="{blocker}"\n'
-            '[components.a]\nkind="tiny_vae"\nresidency="component_offload"\n'
-            '[[stages]]\nname="s"\nuses=["a"]\n',
-        )
-        result = lifecycle("run", spec, "--requests", "1")
+        """A transition that fails at run time (a build that raises an I/O error) is exit 3."""
+        registry.register_kind(BrokenKind)
+        try:
+            spec = write(tmp_path, "broken.toml", 'name="b"\n[components.a]\nkind="test_broken"\n')
+            result = lifecycle("run", spec, "--requests", "1", "--json")
+        finally:
+            registry.unregister_kind(BrokenKind.kind)
         assert result.returncode == 3
-        assert "offload of 'a' failed and was rolled back" in result.stderr
+        assert "load of 'a' failed and was rolled back" in result.stderr
+        assert "OSError: weights file truncated" in json.loads(result.stdout)["error"]["message"]
         assert "Traceback" not in result.stderr
 
     def test_out_writes_pngs_of_the_declared_size(
@@ -353,13 +391,54 @@ class TestRunCommand:
         assert neighbours["A cat sleeps on the sofa."][0] == "A kitten naps on the couch."
 
 
+class TestEnding:
+    def test_the_first_thing_that_went_wrong_sets_the_code(self) -> None:
+        """A failure after a refusal keeps exit 1; failures add up in order, exit 3."""
+        refused = Ending(code=ExitCode.REFUSED).failed("closing the pipeline failed: x")
+        assert (refused.code, refused.failures) == (
+            ExitCode.REFUSED,
+            ("closing the pipeline failed: x",),
+        )
+        failed = Ending().failed("a").failed("b")
+        assert (failed.code, failed.failures) == (ExitCode.FAILED, ("a", "b"))
+        assert Ending().code is ExitCode.OK
+
+
 class TestDiagramCommand:
     def test_check_passes_on_the_committed_diagrams(
-        self, lifecycle, monkeypatch: pytest.MonkeyPatch
+        self, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``diagram --check`` exits 0 on the repository's diagrams."""
+        """``diagram --check`` exits 0 on the repository's diagrams and plan picture."""
         monkeypatch.chdir(ROOT)
-        assert lifecycle("diagram", "--check").returncode == 0
+        assert lifecycle("diagram", "--check", "--spec", EXAMPLE).returncode == 0
+
+    def test_format_svg_writes_the_pictures_only(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``--format svg --spec`` writes the lifecycle and the plan as SVG, nothing else."""
+        result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "component_lifecycle.svg",
+            "tiny-t2i_plan.svg",
+        ]
+
+    def test_a_plan_in_another_format_is_bad_input(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """A plan is drawn only as SVG: ``--format dot --spec`` is exit 2 naming the fix."""
+        result = lifecycle("diagram", "--format", "dot", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 2
+        assert "give --format svg (or all) with --spec" in result.stderr
+        assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+    def test_a_refused_spec_draws_no_plan(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A spec that admission refuses is exit 1 with every reason, and nothing is written."""
+        spec = REFUSED / "backend_not_consumed.toml"
+        result = lifecycle("diagram", "--spec", spec, "--out", tmp_path / "d")
+        assert result.returncode == 1
+        assert "attention.backend_not_consumed" in result.stderr
+        assert not (tmp_path / "d").exists()
 
     def test_check_fails_on_a_stale_file(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """``diagram --check`` exits 1 and names the file when one is stale."""

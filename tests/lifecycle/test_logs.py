@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import structlog
 
+from attention import Platform
+from lifecycle.config import PipelineSpec
 from lifecycle.logs import configure_logging, get_logger
+from lifecycle.orchestrator import Orchestrator
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
+from tests.lifecycle.test_requests import NEXT_USES
+from tests.lifecycle.test_waiting import wait_behind
 from tests.processes import Finished, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,3 +181,47 @@ class TestCachedLoggers:
         log.info("lifecycle.second")
         assert json.loads(first.getvalue())["event"] == "lifecycle.first"
         assert json.loads(second.getvalue())["event"] == "lifecycle.second"
+
+
+def run_with_a_wait(cpu: Platform, spec: PipelineSpec) -> None:
+    """Run two requests on a fresh orchestrator, the second waiting for the first's memory."""
+    with Orchestrator(spec, platform=cpu) as orch:
+        orch.load()
+        errors, _ = wait_behind(orch)
+        assert errors == []
+
+
+def written(stream: io.StringIO) -> list[tuple[str, str, str]]:
+    """Return each event a JSON stream holds: its name, component and request, sorted."""
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    return sorted((e["event"], str(e.get("component")), str(e.get("request_id"))) for e in events)
+
+
+class TestReconfiguring:
+    def test_a_closed_stream_is_left_behind(self, cpu: Platform, vae_pipeline: VaePipeline) -> None:
+        """After configuring onto B and closing A, a whole run writes every event to B."""
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        first, second = io.StringIO(), io.StringIO()
+        configure_logging("json", "info", first)
+        run_with_a_wait(cpu, spec)
+        before = written(first)
+        first.close()
+        configure_logging("json", "info", second)
+        run_with_a_wait(cpu, spec)  # raises, or its threads hang, if anything writes to A
+        assert ("residency.waited", "None", "r2") in before
+        assert written(second) == before
+
+    def test_importing_keeps_the_applications_configuration(self) -> None:
+        """An application that configured structlog first keeps its configuration on import."""
+        program = (
+            "import structlog\n"
+            "structlog.configure(processors=[structlog.processors.KeyValueRenderer()],"
+            " cache_logger_on_first_use=True)\n"
+            "before = structlog.get_config()\n"
+            "import attention, components, lifecycle, lifecycle.cli, lifecycle.serving.server\n"
+            "after = structlog.get_config()\n"
+            "print(sorted(key for key in before if after[key] is not before[key]))\n"
+        )
+        done = run_python(program, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "[]\n"

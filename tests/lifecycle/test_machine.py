@@ -9,9 +9,16 @@ from collections.abc import Callable, Iterable
 import pytest
 import structlog
 
-from lifecycle.machine import Check, ComponentLifecycle, LifecycleMachine, TransitionContext, Work
+from lifecycle.machine import (
+    Check,
+    ComponentLifecycle,
+    LifecycleMachine,
+    MoveArgs,
+    TransitionContext,
+    Work,
+)
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.states import GUARDS, TRANSITIONS, TRIGGERS, ComponentState, rule_for
+from lifecycle.states import GUARDS, TRANSITIONS, TRIGGERS, ComponentState
 from lifecycle.testing import capture_events, events_named
 
 ALL_CHECKS = (*GUARDS, *(r.postcondition for r in TRANSITIONS if r.postcondition))
@@ -63,7 +70,7 @@ class TestTransitionTable:
     def test_every_trigger_from_every_state(self, state: ComponentState, trigger: str) -> None:
         """A valid trigger reaches its destination; an invalid one changes nothing."""
         component = component_in(state)
-        rule = rule_for(trigger)
+        (rule,) = (r for r in TRANSITIONS if r.trigger == trigger)
         if state in rule.sources:
             assert getattr(component, trigger)() is True
             assert component.state is rule.dest
@@ -103,7 +110,34 @@ class TestTransitionTable:
         )
         assert component.may_onload() is False
         assert component.may_offload() is True
+        assert component.may_trigger("offload") is True
+        assert component.may_release() is True
+        assert component.may_admit() is False  # not valid from loaded: would not pass
         assert component.state is ComponentState.LOADED
+
+    def test_probes_run_the_guards_as_moves_do(self) -> None:
+        """A probe hands its MoveArgs to every guard, as a move does, and runs no work."""
+        seen: list[tuple[str, MoveArgs]] = []
+        ran: list[str] = []
+
+        def guard(name: str) -> Check:
+            def check(context: TransitionContext) -> Iterable[Refusal]:
+                seen.append((name, context.args))
+                return ()
+
+            return check
+
+        names = ("offloadable", "use_declared", "not_in_use")
+        component = component_in(
+            ComponentState.RESIDENT,
+            passing_checks(**{name: guard(name) for name in names}),
+            work={"offload": lambda context: ran.append(context.trigger)},
+        )
+        eviction = MoveArgs(eviction=True)
+        assert component.may_offload(eviction) is True
+        assert seen == [(name, eviction) for name in names]
+        assert ran == []
+        assert component.state is ComponentState.RESIDENT
 
 
 class TestRefusals:
@@ -143,17 +177,36 @@ class TestRefusals:
             component.onload()
         assert ran == []
 
-    def test_guards_see_the_trigger_parameters(self) -> None:
-        """Keyword arguments of a trigger reach the guards through the context."""
+    def test_guards_see_the_trigger_arguments(self) -> None:
+        """The MoveArgs a trigger is fired with reach the guards through the context."""
         seen: list[object] = []
 
         def budget(context: TransitionContext) -> Iterable[Refusal]:
-            seen.append((context.source, context.dest, context.params.get("request_bytes")))
+            seen.append((context.source, context.dest, context.args, context.request_id))
             return ()
 
         component = component_in(ComponentState.LOADED, passing_checks(memory_budget=budget))
-        component.onload(request_bytes=42)
-        assert seen == [(ComponentState.LOADED, ComponentState.RESIDENT, 42)]
+        args = MoveArgs(position=3, request_id="r7")
+        component.onload(args)
+        assert seen == [(ComponentState.LOADED, ComponentState.RESIDENT, args, "r7")]
+
+    @pytest.mark.parametrize(
+        "call",
+        [
+            lambda c: c.onload(position=3),
+            lambda c: c.onload({"position": 3}),
+            lambda c: c.onload(MoveArgs(), MoveArgs()),
+        ],
+        ids=["keywords", "a dict", "two values"],
+    )
+    def test_untyped_arguments_are_refused(
+        self, call: Callable[[ComponentLifecycle], object]
+    ) -> None:
+        """A trigger fired with anything but one MoveArgs raises TypeError and does not move."""
+        component = component_in(ComponentState.LOADED)
+        with pytest.raises(TypeError, match=r"onload\(\) takes one MoveArgs"):
+            call(component)
+        assert component.state is ComponentState.LOADED
 
 
 class TestAtomicWork:

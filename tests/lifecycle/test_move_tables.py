@@ -18,13 +18,14 @@ from attention import (
     component_attention_scope,
 )
 from components import ResidencyMode
-from lifecycle.config import ComponentSpec, StageSpec, decode_spec, load_spec
+from lifecycle.config import ComponentSpec, StageSpec, load_spec
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import TRANSITIONS, ComponentState
 from lifecycle.timeline import Timeline
+from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = Platform("cpu")
@@ -103,39 +104,17 @@ class TestTimelineTables:
         assert [timeline.is_used(n) for n in names] == [any(n in u for u in stages) for n in names]
 
 
-BUDGET_SPEC = """
-name = "held"
-[memory]
-device_budget = {budget}
-[components.a]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.b]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.c]
-kind = "tiny_vae"
-[[stages]]
-name = "s0"
-uses = ["a"]
-[[stages]]
-name = "s1"
-uses = ["b"]
-[[stages]]
-name = "s2"
-uses = ["c"]
-[[stages]]
-name = "s3"
-uses = ["a", "b"]
-"""
-VAE_BYTES = 248588  # tiny_vae with default options
+BUDGET_STAGES = {"s0": ["a"], "s1": ["b"], "s2": ["c"], "s3": ["a", "b"]}
+"""Two offloaded VAEs (a, b) and one resident by default (c), which the budget may evict."""
 
 
-class TestHeldBytes:
-    def test_running_total_keeps_the_budget_through_mixed_moves(self) -> None:
+class TestBudgetRunningTotal:
+    def test_running_total_keeps_the_budget_through_mixed_moves(
+        self, vae_pipeline: VaePipeline
+    ) -> None:
         """Across random requests and manual moves the budget holds, and what fits is onloaded."""
         budget = 2 * VAE_BYTES + 1000
-        spec = decode_spec(BUDGET_SPEC.format(budget=budget))
+        spec = vae_pipeline(budget, BUDGET_STAGES, residency={"c": None})
         rng = random.Random(0)
         with Orchestrator(spec, platform=CPU) as orch:
             orch.load()
@@ -161,9 +140,9 @@ class TestHeldBytes:
             orch.onload("c")  # a's bytes were given back by its release
             assert orch.resident_bytes() == 2 * VAE_BYTES
 
-    def test_a_refused_onload_leaves_the_total_unchanged(self) -> None:
-        """After a refusal the same onload succeeds once the holders let go."""
-        spec = decode_spec(BUDGET_SPEC.format(budget=2 * VAE_BYTES + 1000))
+    def test_a_refused_onload_leaves_the_total_unchanged(self, vae_pipeline: VaePipeline) -> None:
+        """After a refusal the same onload succeeds once the stage's users let go."""
+        spec = vae_pipeline(2 * VAE_BYTES + 1000, BUDGET_STAGES, residency={"c": None})
         with Orchestrator(spec, platform=CPU) as orch:
             orch.load()
             with orch.request("r1") as first, first.stage("s3"):

@@ -27,10 +27,9 @@ from attention.registry import unregister_backend
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.override import RequestRefused, override_refusals
-from lifecycle.refusals import RefusalCode
+from lifecycle.refusals import RefusalCode, Refused, TransitionRefused
 from tests.lifecycle.conftest import ReferenceSpec
 
-STAGES = ("encode", "denoise", "decode")
 CALLS: Counter[tuple[str, int]] = Counter()
 """(backend, thread id) -> kernel calls, written by the counting backends below."""
 
@@ -101,8 +100,7 @@ def generate(orch: Orchestrator, backend: str | None = None, seed: int = 0) -> t
     """Run one request through every stage, optionally overriding the backend."""
     batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2)
     with orch.request(attention_backend=backend) as request:
-        for stage in STAGES:
-            request.run(stage, batch)
+        request.run_all(batch)
     assert batch.images is not None
     return batch.images
 
@@ -149,6 +147,22 @@ class TestOverrideRules:
         assert err.codes == (RefusalCode.INVALID_OVERRIDE,)
         assert "'flash_attn_9' is not a known backend" in err.refusals[0].message
         assert "torch_flash" in err.refusals[0].hint
+
+    def test_request_and_transition_refusals_share_a_base(self, loaded: Orchestrator) -> None:
+        """A refused request and a refused move are both caught as Refused, with their codes."""
+        caught: list[Refused] = []
+        for refuse in (
+            lambda: generate(loaded, "flash_attn_9"),
+            lambda: loaded.offload("transformer"),
+        ):
+            with pytest.raises(Refused) as err:
+                refuse()
+            caught.append(err.value)
+        assert [type(err) for err in caught] == [RequestRefused, TransitionRefused]
+        assert [err.codes for err in caught] == [
+            (RefusalCode.INVALID_OVERRIDE,),
+            (RefusalCode.NOT_OFFLOADABLE,),
+        ]
 
     def test_sparse_target_is_refused(self, loaded: Orchestrator) -> None:
         """A sparse target is refused: a request never swaps in an approximation."""

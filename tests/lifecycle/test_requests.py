@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from attention import Attention, Platform
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.events import Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
-from lifecycle.residency import Move
 from lifecycle.states import ComponentState
-from lifecycle.testing import capture_events, events_named
-from tests.lifecycle.conftest import ReferenceSpec
+from lifecycle.testing import EventRecorder, capture_events, events_named
+from tests.lifecycle.conftest import VAE_BYTES, ReferenceSpec, VaePipeline
 
 STAGES = ("encode", "denoise", "decode")
 
@@ -28,8 +28,7 @@ def generate(orch: Orchestrator, seed: int = 0, **fields: Any) -> torch.Tensor:
     """Run one request (``fields`` set on its batch) through every stage; return its images."""
     batch = Batch(generator=torch.Generator().manual_seed(seed), steps=2, **fields)
     with orch.request() as request:
-        for stage in STAGES:
-            request.run(stage, batch)
+        request.run_all(batch)
     assert batch.images is not None
     return batch.images
 
@@ -77,10 +76,11 @@ class TestOffloadTargets:
     ) -> None:
         """When load()'s first offload fails, the component stays LOADED and disarmed."""
         blocker = tmp_path / "not-a-folder"
-        blocker.write_text("a file where the offload folder should go")
         raw = msgspec.to_builtins(reference_spec("disk"))
         raw["memory"]["offload_dir"] = str(blocker)
         with Orchestrator(msgspec.convert(raw, PipelineSpec), platform=cpu) as orch:
+            orch.admit()  # the folder could be made then; a file took its place since
+            blocker.write_text("a file where the offload folder should go")
             with pytest.raises(TransitionFailed) as err:
                 orch.load()
             assert err.value.component == "text_encoder"
@@ -193,15 +193,15 @@ name = "second"
 uses = ["vae"]
 """
         )
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("first", "second"):
                     with request.stage(stage):
                         pass
-        assert [(m.direction, m.request_id) for m in moves] == [
+        assert [(m.direction, m.request_id) for m in observed.of(Move)] == [
             ("onload", "r1"),
             ("offload", "r1"),
         ]
@@ -238,51 +238,25 @@ uses = ["vae"]
                 pass
 
 
-BUDGET_SPEC = """
-name = "budget"
-[memory]
-device_budget = {budget}
-[components.a]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.b]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.c]
-kind = "tiny_vae"
-residency = "component_offload"
-[[stages]]
-name = "s0"
-uses = ["a"]
-[[stages]]
-name = "s1"
-uses = ["b"]
-[[stages]]
-name = "s2"
-uses = ["c"]
-[[stages]]
-name = "s3"
-uses = ["a"]
-[[stages]]
-name = "s4"
-uses = ["b"]
-"""
-VAE_BYTES = 248588  # tiny_vae with default options
+NEXT_USES = {"s0": ["a"], "s1": ["b"], "s2": ["c"], "s3": ["a"], "s4": ["b"]}
+"""Three offloaded VAEs whose next uses differ: a is used again before b."""
 
 
 class TestMemoryBudget:
-    def test_evicts_the_furthest_next_use_not_the_least_recent(self, cpu: Platform) -> None:
+    def test_evicts_the_furthest_next_use_not_the_least_recent(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """Onloading c evicts b (next used at s4), not a (used at s3), though a is older."""
-        spec = decode_spec(BUDGET_SPEC.format(budget=2 * VAE_BYTES + 1000))
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        spec = vae_pipeline(2 * VAE_BYTES + 1000, NEXT_USES)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
-            moves.clear()
+            observed.clear()
             with orch.request("r1") as request:
                 for stage in ("s0", "s1", "s2", "s3", "s4"):
                     with request.stage(stage):
                         assert orch.resident_bytes() <= 2 * VAE_BYTES + 1000
-        sequence = [(m.component, m.direction) for m in moves]
+        sequence = [(m.component, m.direction) for m in observed.of(Move)]
         assert sequence[:4] == [
             ("a", "onload"),
             ("b", "onload"),
@@ -291,10 +265,9 @@ class TestMemoryBudget:
         ]
         assert sequence.count(("a", "onload")) == 1  # a stayed resident for s3
 
-    def test_refusal_carries_the_numbers(self, cpu: Platform) -> None:
+    def test_refusal_carries_the_numbers(self, cpu: Platform, vae_pipeline: VaePipeline) -> None:
         """With no time to wait, an onload blocked by a busy component is refused with numbers."""
-        text = BUDGET_SPEC.format(budget=VAE_BYTES + 1000)
-        spec = decode_spec(text.replace("[memory]", "[memory]\nwait_timeout = 0"))
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=0)
         with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
             with (
@@ -312,9 +285,79 @@ class TestMemoryBudget:
             assert orch.state("b") is ComponentState.OFFLOADED
             assert orch.state("a") is ComponentState.OFFLOADED
 
-    def test_admission_refuses_a_stage_that_cannot_fit(self, cpu: Platform) -> None:
+    def test_the_stage_position_reaches_the_budget_guard(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
+        """A stage's onload hands the guard its MoveArgs: it picks the victim from that position.
+
+        From before the first stage a is needed next (s0), so a manual onload of c evicts
+        b; from s2, b is needed next (s3), so the stage's onload of c evicts a instead,
+        and the eviction is the request's.
+        """
+        stages = {"s0": ["a"], "s1": ["b"], "s2": ["c"], "s3": ["b"], "s4": ["a"]}
+        observed = EventRecorder()
+        spec = vae_pipeline(2 * VAE_BYTES + 1000, stages)
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
+            orch.load()
+            orch.onload("a")
+            orch.onload("b")
+            orch.onload("c")
+            assert orch.state("b") is ComponentState.OFFLOADED
+            orch.offload("c")
+            orch.onload("b")
+            observed.clear()
+            with orch.request("r1") as request, request.stage("s2"):
+                assert orch.state("a") is ComponentState.OFFLOADED
+                assert orch.state("b") is ComponentState.RESIDENT
+        moves = observed.of(Move)
+        assert [(m.component, m.direction, m.request_id) for m in moves][:2] == [
+            ("a", "offload", "r1"),
+            ("c", "onload", "r1"),
+        ]
+
+    @pytest.mark.parametrize("x_is_used", [True, False], ids=["x used later", "x used by none"])
+    def test_evicts_only_what_its_own_offload_allows(
+        self, cpu: Platform, vae_pipeline: VaePipeline, x_is_used: bool
+    ) -> None:
+        """The budget evicts x exactly when x's offload guards pass: else it refuses up front.
+
+        x is resident by default, so the budget may evict it, unless no stage uses it
+        (its offload is refused: nothing would bring it back). Had the budget's choice
+        and x's guards disagreed, the onload would fail half-way instead.
+        """
+        stages = {"s0": ["a"], "s1": ["x"]} if x_is_used else {"s0": ["a"]}
+        spec = vae_pipeline(VAE_BYTES + 1000, stages, residency={"x": None}, wait_timeout=0)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
+            orch.load()
+            assert orch.state("x") is ComponentState.RESIDENT
+            observed.clear()
+            if x_is_used:
+                with orch.request("r1") as request, request.stage("s0"):
+                    assert orch.state("a") is ComponentState.RESIDENT
+                moves = observed.of(Move)
+                assert [(m.component, m.direction) for m in moves][:2] == [
+                    ("x", "offload"),
+                    ("a", "onload"),
+                ]
+            else:
+                with (
+                    pytest.raises(TransitionRefused) as err,
+                    orch.request("r1") as request,
+                    request.stage("s0"),
+                ):
+                    pass
+                assert err.value.codes == ("residency.memory_budget",)
+                assert "(x cannot be evicted now)" in err.value.refusals[0].message
+                assert observed.of(Move) == []
+                assert orch.state("x") is ComponentState.RESIDENT
+                assert orch.state("a") is ComponentState.OFFLOADED
+
+    def test_admission_refuses_a_stage_that_cannot_fit(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """A budget smaller than one stage's components is refused before anything loads."""
-        spec = decode_spec(BUDGET_SPEC.format(budget=1000))
+        spec = vae_pipeline(1000, NEXT_USES)
         with Orchestrator(spec, platform=cpu) as orch:
             with pytest.raises(TransitionRefused) as err:
                 orch.admit()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lifecycle.admission.budget import stage_fits
-from lifecycle.cli.cores import physical_cores
+from lifecycle.cli.cores import physical_cores, torch_threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.png import encode_png
 from lifecycle.sizes import format_sizes
@@ -43,6 +43,23 @@ class TestPhysicalCores:
     def test_this_machine_has_at_least_one(self) -> None:
         """The process's own cores are at least one and at most its logical CPUs."""
         assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+
+
+class TestTorchThreads:
+    def test_a_requested_count_wins(self) -> None:
+        """``--threads`` is taken as given, for run and serve alike."""
+        assert torch_threads(7, processes=4, event_loop=True) == 7
+
+    def test_default_is_the_process_share_of_the_cores(self) -> None:
+        """run alone gets every core; the workers of a node split them; serve leaves one."""
+        cores = physical_cores()
+        assert torch_threads(None) == cores
+        assert torch_threads(None, processes=2) == max(1, cores // 2)
+        assert torch_threads(None, event_loop=True) == max(1, cores - 1)
+
+    def test_never_below_one(self) -> None:
+        """More workers than cores, or one core and an event loop, still get one thread."""
+        assert torch_threads(None, processes=4 * physical_cores(), event_loop=True) == 1
 
 
 class TestEncodePng:

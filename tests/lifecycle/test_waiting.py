@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import threading
 from collections.abc import Callable
@@ -10,21 +11,17 @@ import pytest
 import structlog
 
 from attention import Platform
-from lifecycle.config import decode_spec
+from lifecycle.events import MemoryWait, Move, Refused
+from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
-from lifecycle.residency import Move
-from lifecycle.testing import capture_events, events_named
-from tests.lifecycle.test_requests import BUDGET_SPEC, VAE_BYTES
+from lifecycle.states import ComponentState
+from lifecycle.testing import EventRecorder, capture_events, events_named
+from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
+from tests.lifecycle.test_requests import NEXT_USES
 
 WATCHDOG_S = 120.0
 """How long any thread of these tests may take before the test fails as a deadlock."""
-
-
-def budget_spec(budget: int, wait_timeout: float = 60.0) -> str:
-    """Return the three-VAE budget pipeline with ``budget`` bytes and a wait timeout."""
-    text = BUDGET_SPEC.format(budget=budget)
-    return text.replace("[memory]", f"[memory]\nwait_timeout = {wait_timeout}")
 
 
 def until(condition: Callable[[], bool]) -> None:
@@ -56,40 +53,59 @@ def run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
     return errors
 
 
+def wait_behind(orch: Orchestrator) -> tuple[list[BaseException], list[str]]:
+    """Run r1 in stage s0 while r2 waits for s1; let r1 go once r2 queues.
+
+    Return the requests' errors, and who entered a stage, in order.
+    """
+    release = threading.Event()
+    entered: list[str] = []
+
+    def holder() -> None:
+        with orch.request("r1") as request, request.stage("s0"):
+            entered.append("r1")
+            release.wait(WATCHDOG_S)
+
+    def waiter() -> None:
+        until(lambda: entered == ["r1"])
+        with orch.request("r2") as request, request.stage("s1"):
+            entered.append("r2")
+
+    def releaser() -> None:
+        until(lambda: orch.waiter.queue == ("r2",))
+        assert entered == ["r1"]  # r2 is waiting, not refused and not running
+        release.set()
+
+    return run_threads([holder, waiter, releaser]), entered
+
+
 class TestWaiting:
-    def test_blocked_onload_waits_for_the_holder(self, cpu: Platform) -> None:
+    def test_blocked_onload_waits_for_the_holder(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """A stage that fits only once another request lets go waits, then runs; no refusal."""
-        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
-        release = threading.Event()
-        entered: list[str] = []
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
-
-            def holder() -> None:
-                with orch.request("r1") as request, request.stage("s0"):
-                    entered.append("r1")
-                    release.wait(WATCHDOG_S)
-
-            def waiter() -> None:
-                until(lambda: entered == ["r1"])
-                with orch.request("r2") as request, request.stage("s1"):
-                    entered.append("r2")
-
-            def releaser() -> None:
-                until(lambda: orch.waiter.queue == ("r2",))
-                assert entered == ["r1"]  # r2 is waiting, not refused and not running
-                release.set()
-
-            assert run_threads([holder, waiter, releaser]) == []
+            errors, entered = wait_behind(orch)
+            assert errors == []
         assert entered == ["r1", "r2"]
         (waited,) = events_named(events, "residency.waited")
-        assert waited["request_id"] == "r2"
-        assert waited["components"] == ["b"]
-        assert orch.waiter.waits == 1
+        assert (waited["request_id"], waited["stage"], waited["components"]) == ("r2", "s1", ["b"])
+        assert waited["outcome"] == "acquired"
+        (wait,) = observed.of(MemoryWait)
+        assert (wait.request_id, wait.stage, wait.components) == ("r2", "s1", ("b",))
+        assert (wait.outcome, wait.seconds) == ("acquired", waited["seconds"])
 
-    def test_turns_are_first_come_first_served(self, cpu: Platform) -> None:
+    def test_turns_are_first_come_first_served(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """Requests blocked on memory enter in the order they started waiting."""
-        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
         release = threading.Event()
         entered: list[str] = []
         with Orchestrator(spec, platform=cpu) as orch:
@@ -124,10 +140,13 @@ class TestWaiting:
         assert errors == []
         assert entered == ["r1", "r2", "r3", "r4"]
 
-    def test_wait_is_bounded_and_names_the_holders(self, cpu: Platform) -> None:
+    def test_wait_is_bounded_and_names_the_holders(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """Past memory.wait_timeout the request is refused, naming who holds what."""
-        spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.2))
-        with Orchestrator(spec, platform=cpu) as orch:
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=0.2)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -142,12 +161,21 @@ class TestWaiting:
                 assert "request r1 holds a" in message
                 assert "raise memory.wait_timeout" in err.value.refusals[0].hint
                 assert orch.waiter.queue == ()
+                (wait,) = observed.of(MemoryWait)
+                assert (wait.request_id, wait.stage, wait.outcome) == ("r2", "s1", "refused")
+                assert wait.seconds >= 0.2
             assert orch.component("b").in_use_by == ()
 
-    def test_only_a_stage_attempt_is_marked_as_possibly_waiting(self, cpu: Platform) -> None:
+    def test_only_a_stage_attempt_is_marked_as_possibly_waiting(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """Refusals of a stage's onload attempts carry may_wait; a manual onload's does not."""
-        spec = decode_spec(budget_spec(VAE_BYTES + 1000, wait_timeout=0.05))
-        with Orchestrator(spec, platform=cpu) as orch, capture_events() as events:
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=0.05)
+        observed = EventRecorder()
+        with (
+            Orchestrator(spec, platform=cpu, observer=observed) as orch,
+            capture_events() as events,
+        ):
             orch.load()
             with orch.request("r1") as first, first.stage("s0"):
                 with (
@@ -164,51 +192,36 @@ class TestWaiting:
         assert {(e["request_id"], e.get("may_wait")) for e in attempts} == {("r2", True)}
         assert (manual["request_id"], manual.get("may_wait")) == ("r1", None)
         assert manual["codes"] == ["residency.memory_budget"]
+        *typed, typed_manual = observed.of(Refused)
+        assert {(r.request_id, r.may_wait) for r in typed} == {("r2", True)}
+        assert (typed_manual.request_id, typed_manual.may_wait) == ("r1", False)
 
-    def test_nested_stage_does_not_wait(self, cpu: Platform) -> None:
+    def test_nested_stage_does_not_wait(self, cpu: Platform, vae_pipeline: VaePipeline) -> None:
         """A request that already holds a stage is refused at once: it never holds and waits."""
-        spec = decode_spec(budget_spec(VAE_BYTES + 1000))
-        with Orchestrator(spec, platform=cpu) as orch:
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             with orch.request("r1") as request, request.stage("s0"):
                 with pytest.raises(TransitionRefused) as err, request.stage("s1"):
                     pass
                 assert "waited" not in err.value.refusals[0].message
-                assert orch.waiter.waits == 0
+                assert observed.of(MemoryWait) == []
 
 
-PAIRS_SPEC = """
-name = "pairs"
-[memory]
-device_budget = {budget}
-[components.a]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.b]
-kind = "tiny_vae"
-residency = "component_offload"
-[components.c]
-kind = "tiny_vae"
-residency = "component_offload"
-[[stages]]
-name = "ab"
-uses = ["a", "b"]
-[[stages]]
-name = "bc"
-uses = ["b", "c"]
-[[stages]]
-name = "ca"
-uses = ["c", "a"]
-"""
+PAIRS = {"ab": ["a", "b"], "bc": ["b", "c"], "ca": ["c", "a"]}
+"""Three offloaded VAEs, each stage using two of them."""
 
 
 class TestNoDeadlock:
-    def test_mixed_stage_orders_under_a_tight_budget(self, cpu: Platform) -> None:
+    def test_mixed_stage_orders_under_a_tight_budget(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
         """Six threads walk overlapping two-component stages in every order: all finish."""
         budget = 2 * VAE_BYTES + 1000  # exactly one stage at a time
-        spec = decode_spec(PAIRS_SPEC.format(budget=budget))
-        moves: list[Move] = []
-        with Orchestrator(spec, platform=cpu, observer=moves.append) as orch:
+        spec = vae_pipeline(budget, PAIRS)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
             orch.load()
             orders = list(itertools.permutations(("ab", "bc", "ca")))
 
@@ -225,5 +238,74 @@ class TestNoDeadlock:
             errors = run_threads([walk(i, order) for i, order in enumerate(orders)])
             assert errors == []
             assert all(orch.component(n).in_use_by == () for n in ("a", "b", "c"))
-        onloads = [m for m in moves if m.direction == "onload"]
+        onloads = [m for m in observed.of(Move) if m.direction == "onload"]
         assert len(onloads) >= len(orders) * 3 * 2  # they really moved under the budget
+
+
+class BreaksOn(io.StringIO):
+    """A log stream whose write fails, as a closed pipe's does, for the lines naming ``event``."""
+
+    def __init__(self, event: str) -> None:
+        super().__init__()
+        self.event = event
+        self.failures = 0
+
+    def write(self, text: str) -> int:
+        """Write ``text``, or raise BrokenPipeError when it names the event."""
+        if self.event in text:
+            self.failures += 1
+            raise BrokenPipeError(f"the log stream broke writing {self.event}")
+        return super().write(text)
+
+
+@pytest.fixture
+def break_log() -> Callable[[str], BreaksOn]:
+    """Log JSON lines at info onto a stream that breaks on one event (``process_state``
+    puts the logging back after the test)."""
+
+    def configure(event: str) -> BreaksOn:
+        stream = BreaksOn(event)
+        configure_logging("json", "info", stream)
+        return stream
+
+    return configure
+
+
+class TestBrokenLogStream:
+    def test_an_unwritable_wait_event_leaves_nothing_in_use(
+        self,
+        cpu: Platform,
+        vae_pipeline: VaePipeline,
+        break_log: Callable[[str], BreaksOn],
+    ) -> None:
+        """A wait whose event cannot be written keeps no stage: later requests run, close works."""
+        broken = break_log("residency.waited")
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        orch = Orchestrator(spec, platform=cpu)
+        orch.load()
+        errors, entered = wait_behind(orch)
+        assert broken.failures == 1  # the fault happened, where the stage was taken
+        assert all(isinstance(err, BrokenPipeError) for err in errors), errors
+        assert all(orch.component(name).in_use_by == () for name in ("a", "b", "c"))
+        with orch.request("r3") as request:
+            for stage in ("s0", "s1", "s2"):
+                with request.stage(stage):
+                    entered.append(stage)
+        assert entered[-3:] == ["s0", "s1", "s2"]
+        orch.close()  # raises an ExceptionGroup when a component is still in use
+        assert all(orch.state(name) is ComponentState.RELEASED for name in ("a", "b", "c"))
+
+    def test_an_unwritable_begin_event_leaves_no_request_open(
+        self,
+        cpu: Platform,
+        vae_pipeline: VaePipeline,
+        break_log: Callable[[str], BreaksOn],
+    ) -> None:
+        """A request whose first event cannot be written does not stay open under its id."""
+        broken = break_log("request.begin")
+        with Orchestrator(vae_pipeline(VAE_BYTES + 1000, NEXT_USES), platform=cpu) as orch:
+            orch.load()
+            for _ in range(2):  # an id left open would make the second a ValueError
+                with pytest.raises(BrokenPipeError), orch.request("r1"):
+                    pass
+            assert broken.failures == 2

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save_file, save_model
 
 from attention import Platform
 from components import registry
 from components.generic import GenericLoader
-from components.weights import nonfinite, save_weights
+from components.weights import nonfinite
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.weight_files import weights_refusals
 from lifecycle.config import decode_spec
@@ -61,8 +61,8 @@ class TestWeightFiles:
     def test_other_options_are_refused_with_the_shapes(self, tmp_path: Path, cpu: Platform) -> None:
         """A file written with other options is refused at check, naming shapes both ways."""
         path = tmp_path / "up8.safetensors"
-        save_weights(
-            registry.get("tiny_upsampler").from_options({"channels": 8}).build("custom"), path
+        save_model(
+            registry.get("tiny_upsampler").from_options({"channels": 8}).build("custom"), str(path)
         )
         (refusal,) = refusals(spec_text(path), cpu)
         assert refusal.code is RefusalCode.WEIGHTS_MISMATCH

@@ -9,9 +9,10 @@ import pytest
 import torch.distributed as dist
 
 from attention import Platform
-from components import registry
+from components import ParallelLayout, registry
 from lifecycle import AdmissionRefused, ComponentState, Orchestrator, TransitionRefused
 from lifecycle.admission import admit_pipeline
+from lifecycle.admission.parallel_layout import asked_splits
 from lifecycle.config import decode_spec
 from tests.conftest import Lifecycle
 from tests.lifecycle.kinds_for_tests import NativeOnlyKind
@@ -127,3 +128,26 @@ class TestAdmission:
         assert result.returncode == 1
         assert "parallel.invalid_layout" in result.stdout
         assert "fix: set tp_size = 1, or add a component whose kind implements" in result.stdout
+
+
+class TestSplits:
+    """The splits a layout asks for, as typed rows with each kind's own declaration."""
+
+    def test_each_split_asked_is_one_row(self) -> None:
+        """tp, sp and cfg each give one row naming the setting, its fix and what it splits."""
+        layout = ParallelLayout(tp_size=2, sp_degree=2, ulysses_degree=2, cfg_parallel=True)
+        assert [(s.setting, s.fix, s.what) for s in asked_splits(layout)] == [
+            ("tp_size = 2", "tp_size = 1", "heads (tensor parallel)"),
+            ("sp_degree = 2", "sp_degree = 1", "sequences"),
+            ("cfg_parallel = true", "cfg_parallel = false", "guidance branches"),
+        ]
+
+    def test_rows_ask_each_kind_what_it_implements(self) -> None:
+        """The DiT implements every split; the VAE none; data parallel asks for no split."""
+        layout = ParallelLayout(tp_size=2, sp_degree=2, ulysses_degree=2, cfg_parallel=True)
+        dit = registry.get("tiny_dit").from_options({})
+        vae = registry.get("tiny_vae").from_options({})
+        assert [(s.implemented_by(dit), s.implemented_by(vae)) for s in asked_splits(layout)] == [
+            (True, False)
+        ] * 3
+        assert asked_splits(ParallelLayout(dp_size=2)) == []

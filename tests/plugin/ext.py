@@ -1,6 +1,6 @@
-"""What a third-party package would ship: a kind, a factory kind and an attention backend.
+"""What a third-party package would ship: kinds, a factory kind and attention backends.
 
-Nothing here is imported by the project: ``tests/plugin/conftest.py`` installs it as a
+Nothing here is imported by the project: ``test_entry_points.py`` installs it as a
 distribution whose entry points name these objects.
 """
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from attention import AttentionBackend, AttentionImpl
+from attention.testing import SdpaImpl
 from components.batch import Batch, device_of
 from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
@@ -53,32 +54,50 @@ class RankFaultKind(EchoKind):
         super().run(module, batch)
 
 
+class SequentialNet(nn.Module):
+    """Two blocks, stacked in an ``nn.Sequential`` rather than an ``nn.ModuleList``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run both blocks on ``x`` (B, S, 16)."""
+        out: torch.Tensor = self.blocks(x)
+        return out
+
+
+class SequentialStackKind(ComponentLoader):
+    """A plugin kind that declares a block stack, but builds it as an ``nn.Sequential``."""
+
+    kind: ClassVar[str] = "plugin_sequential_stack"
+    options_type = SeededOptions
+    block_stack = "blocks"
+
+    def block_count(self) -> int:
+        """Declare the two blocks."""
+        return 2
+
+    def build_custom(self) -> nn.Module:
+        """Build the two blocks in a Sequential."""
+        return SequentialNet()
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Run the blocks on seeded tokens; nothing is handed on."""
+        x = torch.randn(batch.size, 4, 16, generator=batch.generator)  # (B, S, 16)
+        module(x.to(device_of(module)))
+
+
 def make_plain() -> nn.Module:
     """Return a network without attention: a kind registered as a plain factory."""
     return SelfAttentionNet(None)
-
-
-class PluginImpl(AttentionImpl):
-    """A dense kernel: SDPA, nothing else."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Attend with SDPA."""
-        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 class PluginBackend(AttentionBackend):
     """A dense out-of-tree backend."""
 
     name = "plugin_sdpa"
-    impl_cls = PluginImpl
+    impl_cls = SdpaImpl
 
 
 class ClashingBackend(PluginBackend):

@@ -15,8 +15,8 @@ import torch
 
 from attention import Platform
 from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.residency import Move
 from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
@@ -65,14 +65,15 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
     def serve(spec: PipelineSpec) -> Served:
         holder: list[Served] = []
 
-        def observe(move: Move) -> None:
-            served = holder[0]
-            metrics.observe_move(move)
-            served.moves.append(move)
-            served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
+        def observe_moves(event: Event) -> None:
+            if isinstance(event, Move):
+                served = holder[0]
+                served.moves.append(event)
+                served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
 
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-        orchestrator = Orchestrator(spec, platform=cpu, observer=observe)
+        orchestrator = Orchestrator(spec, platform=cpu, observer=metrics.observe)
+        orchestrator.observe(observe_moves)  # a second observer beside the metrics
         worker = Worker(orchestrator, metrics)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -118,8 +119,7 @@ def run_alone(worker: Worker, job: Job) -> torch.Tensor:
     batch = merged_batch([job], worker.shapes)
     override = job.key.attention_backend
     with worker.orchestrator.request(f"alone-{job.id}", attention_backend=override) as request:
-        for stage in worker.orchestrator.spec.stages:
-            request.run(stage.name, batch)
+        request.run_all(batch)
     split_outputs([job], batch)
     assert job.output is not None
     return job.output

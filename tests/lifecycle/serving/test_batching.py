@@ -117,3 +117,30 @@ class TestBatcher:
         done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in queued]]
         assert max(job.batch_size for job in done) == 2
         assert done[0].batch_id == "j0+j2"
+
+
+class TestFaults:
+    def test_a_batch_that_fails_before_it_runs_frees_its_runner(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """An observer that raises as a batch starts fails that batch's jobs; later ones run."""
+        served = serve_spec(t2i_spec())
+        worker_batcher = served.worker.batcher
+        assert worker_batcher is not None
+        sizes: list[int] = []
+
+        def observer(size: int) -> None:
+            sizes.append(size)
+            if len(sizes) == 1:
+                raise RuntimeError("the batch observer broke")
+
+        batcher = Batcher(
+            served.worker.orchestrator, worker_batcher.settings, worker_batcher.shapes, observer
+        )
+        key = BatchKey(endpoint="images", steps=1, latent_size=(4, 4))
+        with pytest.raises(RuntimeError, match="the batch observer broke"):
+            batcher.submit(image_job(0, key)).result(timeout=WATCHDOG_S)
+        done = [batcher.submit(image_job(i, key)).result(timeout=WATCHDOG_S) for i in (1, 2)]
+        assert all(job.output is not None for job in done)
+        assert batcher.drain(WATCHDOG_S)  # nothing in flight was left behind
+        assert sizes == [1, 1, 1]

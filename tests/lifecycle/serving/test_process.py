@@ -3,58 +3,21 @@
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import Lifecycle
+from tests.lifecycle.serving.command import free_port, metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
-from tests.processes import Program, start_python
+from tests.lifecycle.serving.test_metrics import counted
+from tests.processes import start_python
 
 pytestmark = pytest.mark.long
-
-
-def free_port() -> int:
-    """Return a loopback port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serving(spec: Path, *options: str) -> Iterator[tuple[Program, str]]:
-    """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
-    port = free_port()
-    command = ("serve", str(spec), "--port", str(port), "--threads", "1", *options)
-    with start_python("lifecycle", *command, cwd=spec.parent, module=True) as program:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(int(WATCHDOG_S / 0.1)):
-            assert program.process.is_alive(), program.stderr()
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            threading.Event().wait(0.1)
-        else:
-            raise AssertionError("the worker never became ready")
-        yield program, url
-
-
-def metric(metrics: str, name: str) -> float:
-    """Return the sample ``name`` (without labels) from a worker's Prometheus text, else 0."""
-    for line in metrics.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def accepted_jobs(metrics: str) -> int:
@@ -81,7 +44,10 @@ def disk_spec(root: Path, offload: Path) -> Path:
 
 class TestShutdown:
     def test_sigterm_drains_in_flight_requests(self, root: Path, tmp_path: Path) -> None:
-        """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files."""
+        """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files.
+
+        The worker logs at the default level: no move is logged, and /metrics counts them.
+        """
         offload = tmp_path / "offload"
         spec = disk_spec(root, offload)
         with serving(spec) as (program, url):
@@ -95,7 +61,8 @@ class TestShutdown:
                     pool.submit(client.post, "/v1/images/generations", json=body) for _ in range(4)
                 ]
                 for _ in range(int(WATCHDOG_S / 0.01)):  # all four are in flight, none done
-                    if accepted_jobs(client.get("/metrics").text) == len(running):
+                    metrics = client.get("/metrics").text
+                    if accepted_jobs(metrics) == len(running):
                         break
                     threading.Event().wait(0.01)
                 program.send_signal(signal.SIGTERM)
@@ -105,18 +72,24 @@ class TestShutdown:
                     threading.Event().wait(0.01)
                 refused = client.post("/v1/images/generations", json={"prompt": "late"})
                 answers = [future.result(timeout=WATCHDOG_S) for future in running]
-            code = program.wait(timeout=WATCHDOG_S).returncode
+            code, _, stderr = program.wait(timeout=WATCHDOG_S)
         assert [a.status_code for a in answers] == [200] * 4
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "draining"
-        assert code == 0
+        assert code == 0, stderr
         assert not any(offload.rglob("*.safetensors"))
+        # at the default level (warning) nothing logs a move, yet /metrics counted them
+        assert "lifecycle.transition" not in stderr
+        counts = counted(metrics)
+        assert counts['lifecycle_transitions_total{trigger="onload"}'] > 0
+        assert counts['lifecycle_moved_bytes_total{direction="onload"}'] > 0
 
     def test_sigterm_while_loading_drains(self, root: Path, tmp_path: Path) -> None:
-        """SIGTERM sent once the worker says it listens, as it loads: exit 0, no files left."""
+        """``serve SPEC --log-level info`` starts; SIGTERM as it loads: exit 0, no files left."""
         offload = tmp_path / "offload"
         spec = disk_spec(root, offload)
-        command = ("--log-level", "info", "serve", spec, "--port", str(free_port()))
+        # the logging options after the subcommand, as for every other
+        command = ("serve", spec, "--log-level", "info", "--port", str(free_port()))
         with start_python(
             "lifecycle", *command, "--threads", "1", cwd=tmp_path, module=True
         ) as program:

@@ -1,0 +1,228 @@
+"""What the orchestrator observes, as typed values, and who receives them.
+
+Each fact the orchestrator logs (DESIGN §9) is also a frozen Struct here, tagged with
+its log event's name, so that it encodes to the same JSON object a log line carries.
+Observers attached to an orchestrator receive every one of them: the CLI's move tally
+and timeline, the HTTP worker's metrics. With none attached, the orchestrator builds
+no event at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Literal, TypeAlias
+
+import msgspec
+
+from lifecycle.logs import get_logger
+
+log = get_logger("lifecycle")
+
+Direction: TypeAlias = Literal["onload", "offload"]
+
+
+class Move(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="residency.moved"
+):
+    """One movement of a component's weights (``residency.moved``).
+
+    Attributes:
+        component: the component that moved.
+        direction: onto the device, or off it.
+        target: where offloaded weights live (host or disk).
+        bytes: the bytes moved (the accounted bytes where nothing needs to move).
+        seconds: how long the move took.
+        request_id: the request it happened for, or None.
+        at: seconds since the orchestrator started, when the move finished.
+    """
+
+    component: str
+    direction: Direction
+    target: str
+    bytes: int
+    seconds: float
+    request_id: str | None
+    at: float
+
+
+class Transitioned(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="lifecycle.transition",
+):
+    """A component went from one state to another (``lifecycle.transition``).
+
+    Attributes:
+        component: the component.
+        trigger: what moved it.
+        source: the state it left (lower-case value).
+        dest: the state it entered.
+        duration_ms: how long the transition took, guards and work together.
+        request_id: the request it happened for, or None.
+    """
+
+    component: str
+    trigger: str
+    source: str
+    dest: str
+    duration_ms: float
+    request_id: str | None
+
+
+class Refused(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="lifecycle.refused"
+):
+    """A guard said no: the component stayed where it was (``lifecycle.refused``).
+
+    ``trigger`` is ``request`` for a request refused before it opened (a per-request
+    attention backend override that breaks a rule, DESIGN §4.6): nothing moved then.
+
+    Attributes:
+        component: the component.
+        trigger: the trigger refused.
+        source: the state it stayed in.
+        codes: every refusal's code.
+        messages: every refusal's message, in the same order.
+        hints: every refusal's fix, in the same order (none for a trigger not valid from
+            ``source``, which has no refusal to name one).
+        request_id: the request it happened for, or None.
+        may_wait: refused while a stage tried to onload: the request may wait for
+            memory and try again instead of being refused (``MemoryWait`` says how
+            that ended).
+    """
+
+    component: str
+    trigger: str
+    source: str
+    codes: tuple[str, ...]
+    messages: tuple[str, ...]
+    request_id: str | None
+    hints: tuple[str, ...] = ()
+    may_wait: bool = False
+
+
+class MemoryWait(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="residency.waited"
+):
+    """A stage waited for other requests to release the device (``residency.waited``).
+
+    Attributes:
+        request_id: the request that waited.
+        stage: the stage it waited to enter.
+        components: the stage's components it waited to hold.
+        seconds: how long it waited.
+        outcome: ``acquired`` (the stage went on), ``refused`` (``memory.wait_timeout``
+            passed first) or ``cancelled`` (the request was cancelled while it waited).
+    """
+
+    request_id: str
+    stage: str
+    components: tuple[str, ...]
+    seconds: float
+    outcome: Literal["acquired", "refused", "cancelled"]
+
+
+class RequestBegan(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.begin"
+):
+    """A request opened (``request.begin``).
+
+    Attributes:
+        request_id: the request.
+    """
+
+    request_id: str
+
+
+class RequestEnded(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.end"
+):
+    """A request closed, its components put back (``request.end``).
+
+    Attributes:
+        request_id: the request.
+        stages: the stages it entered, in order.
+        duration_ms: how long it was open.
+    """
+
+    request_id: str
+    stages: tuple[str, ...]
+    duration_ms: float
+
+
+class RequestCancelled(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.cancelled"
+):
+    """A request was cancelled; its work stopped there (``request.cancelled``).
+
+    Attributes:
+        request_id: the request cancelled (a worker's job: the job's id, also when it
+            shared a batch with others that went on).
+        stage: the stage it stopped in or was about to enter; None while it was queued.
+        step: the denoising steps that stage had done.
+    """
+
+    request_id: str
+    stage: str | None
+    step: int
+
+
+Event: TypeAlias = (
+    Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded | RequestCancelled
+)
+"""Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
+under ``type``."""
+
+Observer: TypeAlias = Callable[[Event], None]
+"""Called with every event of an orchestrator, on the thread that caused it, often with
+the orchestrator's lock held: return quickly (hand slow work to a queue)."""
+
+
+class Observers:
+    """The observers attached to one orchestrator.
+
+    The emitting code tests ``attached`` before it builds an event, so that an
+    orchestrator nobody observes pays one truth test per event. An observer that
+    raises is logged and skipped: it never changes what the orchestrator does.
+
+    Attributes:
+        attached: the observers, in the order they were attached.
+    """
+
+    __slots__ = ("_changing", "attached")
+
+    def __init__(self) -> None:
+        self.attached: tuple[Observer, ...] = ()
+        self._changing = threading.Lock()
+
+    def attach(self, observer: Observer) -> Callable[[], None]:
+        """Attach ``observer``; return the call that detaches it again."""
+        with self._changing:  # a new tuple each time: emitting threads iterate without a lock
+            self.attached = (*self.attached, observer)
+        detached = False
+
+        def detach() -> None:
+            nonlocal detached
+            with self._changing:
+                if not detached:
+                    detached = True
+                    index = self.attached.index(observer)
+                    self.attached = self.attached[:index] + self.attached[index + 1 :]
+
+        return detach
+
+    def emit(self, event: Event) -> None:
+        """Hand ``event`` to every attached observer."""
+        for observer in self.attached:
+            try:
+                observer(event)
+            except Exception as err:  # the observer's fault: the orchestrator goes on
+                log.error(
+                    "lifecycle.observer_failed",
+                    observer=repr(observer),
+                    event_type=type(event).__name__,
+                    error=f"{type(err).__name__}: {err}",
+                )

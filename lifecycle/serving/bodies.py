@@ -1,0 +1,80 @@
+"""The request bodies the worker decodes (msgspec Structs), and how a bad one is answered."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from lifecycle.serving.errors import ApiError
+
+Priority = Annotated[int, Meta(ge=0)]
+"""A request's ``priority``: higher first; at most ``serving.max_priority`` (checked
+against the spec once decoded)."""
+
+Timeout = Annotated[float, Meta(gt=0)]
+"""A request's ``timeout`` in seconds, queued and running; at most, and by default,
+``serving.max_request_seconds``."""
+
+
+class EmbeddingsBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/embeddings`` (OpenAI's fields this worker honours, and its own
+    ``priority`` and ``timeout``)."""
+
+    input: str | Annotated[list[str], Meta(min_length=1)]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
+
+
+class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/images/generations``, with this worker's extra fields."""
+
+    prompt: str
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    size: str | None = None
+    response_format: Literal["b64_json"] = "b64_json"
+    user: str | None = None
+    steps: Annotated[int, Meta(ge=1, le=1000)] = 4
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0)] = 1.0
+    negative_prompt: str | None = None
+    attention_backend: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
+    stream: bool = False
+    partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
+
+
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody)
+
+EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
+IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
+_AT_FIELD = re.compile(r"at `\$\.(\w+)|field `(\w+)`")
+"""The body field a msgspec error names: ``... - at `$.n` `` or ``unknown field `colour` ``."""
+
+
+def decode_body(decoder: msgspec.json.Decoder[Body], raw: bytes) -> Body:
+    """Decode a request body; a bad one is a 400 naming the field (msgspec's message)."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as err:  # ValidationError included
+        found = _AT_FIELD.search(str(err))
+        raise ApiError(
+            400,
+            f"bad request body: {err}",
+            param=next((name for name in found.groups() if name), None) if found else None,
+            code="invalid_body",
+        ) from None
+
+
+def documented(body_type: type[msgspec.Struct]) -> dict[str, Any]:
+    """Return the OpenAPI ``requestBody`` of a route that decodes ``body_type`` itself."""
+    _, components = msgspec.json.schema_components([body_type])
+    schema = components[body_type.__name__]  # flat: no references to resolve
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

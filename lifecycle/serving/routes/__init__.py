@@ -1,0 +1,1 @@
+"""The worker's HTTP routes, one module per family of endpoints."""

@@ -1,0 +1,94 @@
+"""``POST /v1/images/generations``: text to image, OpenAI's shape (``stream: true``:
+server-sent events of every step, ``lifecycle.serving.streaming``)."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from lifecycle.png import encode_png
+from lifecycle.serving.bodies import ImagesBody, decode_body, documented
+from lifecycle.serving.dispatch import (
+    check_ready,
+    job_response,
+    not_served,
+    request_timeout,
+    run_job,
+)
+from lifecycle.serving.errors import ApiError
+from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.streaming import stream_images
+from lifecycle.serving.worker import Worker
+
+DEFAULT_LATENT_SIDE = 4
+"""The latent grid side of an image when the request gives no ``size``."""
+
+IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
+
+
+def images_routes(worker: Worker) -> APIRouter:
+    """Return the image generation endpoint."""
+    router = APIRouter()
+
+    @router.post("/v1/images/generations", openapi_extra=documented(ImagesBody))
+    async def images(request: Request) -> Response:
+        body = decode_body(IMAGES_BODY, await request.body())
+        check_ready(worker, body.model)
+        if not worker.shapes.images:
+            raise not_served(worker, "images", "examples/tiny_t2i.toml")
+        timeout = request_timeout(worker, body.priority, body.timeout)
+        latent_size = _latent_size(worker, body.size, body.n)
+        seed = secrets.randbelow(2**31) if body.seed is None else body.seed
+        key = BatchKey(
+            endpoint="images",
+            steps=body.steps,
+            guidance_scale=body.guidance_scale,
+            attention_backend=body.attention_backend,
+            latent_size=latent_size,
+            negative=body.negative_prompt is not None,
+        )
+        job = Job(
+            id=request.state.id,
+            key=key,
+            prompts=[body.prompt] * body.n,
+            negative_prompt=body.negative_prompt,
+            tokens=body.n * latent_size[0] * latent_size[1],
+            seed=seed,
+            priority=body.priority,
+        )
+        if body.stream:
+            return stream_images(worker, job, timeout, body.partial_images, seed)
+        done = await run_job(worker, job, request.receive, timeout)
+        assert done.output is not None
+        data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
+        content = {"created": int(time.time()), "data": data, "seed": seed}
+        return job_response(content, done)
+
+    return router
+
+
+def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
+    """Return the latent grid of ``size`` ("WxH"), checked against the pipeline's range."""
+    scale = worker.shapes.image_scale
+    settings = worker.orchestrator.spec.serving
+    if size is None:
+        return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
+    width, _, height = size.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise ApiError(400, f"size '{size}' is not WIDTHxHEIGHT, e.g. '16x16'", param="size")
+    w, h = int(width), int(height)
+    largest = settings.max_batch_tokens // n
+    if w % scale or h % scale or not w or not h or (w // scale) * (h // scale) > largest:
+        raise ApiError(
+            400,
+            f"size '{size}' is outside this pipeline's range: width and height must be "
+            f"positive multiples of {scale} pixels, with (width/{scale}) x (height/{scale}) "
+            f"x n at most serving.max_batch_tokens = {settings.max_batch_tokens}",
+            param="size",
+        )
+    return h // scale, w // scale

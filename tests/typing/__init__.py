@@ -1,0 +1,1 @@
+"""Type checks: files that mypy must accept or refuse, run from the tests here."""
