@@ -10,10 +10,14 @@ Routes opt in with one line, ``dependencies=API_KEY`` or ``dependencies=ADMIN``:
   configured they are disabled (403, saying how to enable them), and a missing or
   wrong key is a 401.
 
-``/healthz``, ``/readyz`` and ``/metrics`` take neither. Keys are kept only as
-SHA-256 digests, compared with ``hmac.compare_digest`` (constant time, whatever the
-offered key's length), and print as ``<hidden>``: no log line, traceback or repr
-can carry one.
+The status page and its event stream (``GET /``, ``/status``, ``GET /v1/events``)
+follow ``serving.status_page`` (``page_door``): ``open`` to every client (a browser's
+``EventSource`` sends no header), or ``private``: the API key, and closed (403) while
+the worker has none. ``/healthz``, ``/readyz`` and ``/metrics`` take no key.
+
+Keys are kept only as SHA-256 digests, compared with ``hmac.compare_digest``
+(constant time, whatever the offered key's length), and print as ``<hidden>``: no
+log line, traceback or repr can carry one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from fastapi import Depends, Request
 from fastapi.params import Depends as Dependency
 
+from lifecycle.config import StatusPage
 from lifecycle.serving.errors import ApiError
 
 API_KEY_VARIABLE = "LIFECYCLE_API_KEY"
@@ -126,6 +131,30 @@ def require_admin(request: Request) -> None:
     offered = _bearer(request)
     if not admin.matches(offered):
         raise _unauthorized(offered, "admin key", "--admin-key", ADMIN_KEY_VARIABLE)
+
+
+def require_private(request: Request) -> None:
+    """Let a request read a private status page with the API key (or the admin key).
+
+    Raises:
+        ApiError: 403, the worker has no API key (the page is closed); 401, the key
+            is missing or wrong.
+    """
+    if _keys(request).api is None:
+        raise ApiError(
+            403,
+            'serving.status_page is "private", but the worker has no API key: start it '
+            f"with --api-key KEY (or {API_KEY_VARIABLE}) and send Authorization: Bearer "
+            'KEY, or set serving.status_page = "open"',
+            kind="permission_error",
+            code="status_page_private",
+        )
+    require_api_key(request)
+
+
+def page_door(status_page: StatusPage) -> list[Dependency]:
+    """Return the dependencies of the status page and its event stream."""
+    return [Depends(require_private)] if status_page == "private" else []
 
 
 API_KEY: list[Dependency] = [Depends(require_api_key)]

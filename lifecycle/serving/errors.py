@@ -48,16 +48,20 @@ def add_error_handler(app: FastAPI) -> None:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    """Return ``err`` as its HTTP response (429 and 503 say when to retry)."""
+    """Return ``err`` as OpenAI's error object; 429 and 503 say when to retry."""
     headers = {"retry-after": "1", **err.headers} if err.status in (429, 503) else err.headers
     return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
 
 
 def server_error(err: Exception) -> JSONResponse:
-    body = {
+    return JSONResponse({"error": server_error_body(err)}, status_code=500)
+
+
+def server_error_body(err: Exception) -> dict[str, Any]:
+    """Return the error object of an exception no handler answered."""
+    return {
         "message": f"{type(err).__name__}: {err}",
         "type": "server_error",
         "param": None,
         "code": "internal_error",
     }
-    return JSONResponse({"error": body}, status_code=500)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -13,7 +14,8 @@ import msgspec
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.batcher import Batcher
-from lifecycle.serving.jobs import Job, Shapes, warm_up
+from lifecycle.serving.board import StatusBoard
+from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 
 log = get_logger("lifecycle")
@@ -59,6 +61,7 @@ class Worker:
 
     Attributes:
         startup: how long each part of the start took, once ready.
+        board: what the status page's event stream reads (every event, the queue).
     """
 
     def __init__(
@@ -67,6 +70,8 @@ class Worker:
         self.orchestrator = orchestrator
         self.metrics = metrics
         self.admit_ms = admit_ms
+        self.board = StatusBoard()
+        orchestrator.observe(self.board.observer(orchestrator.spec.name))
         self.phase = Phase.STARTING
         self.error: str | None = None
         self.startup: Startup | None = None
@@ -107,12 +112,14 @@ class Worker:
                 self.phase = Phase.FAILED
                 self.error = f"{type(err).__name__}: {err}"
                 log.error("serving.failed", error=self.error)
+                self.board.changed()
                 return
             self.batcher = Batcher(
                 self.orchestrator,
                 self.orchestrator.spec.serving,
                 self.shapes,
                 on_batch=self.metrics.batch_size.observe,
+                on_change=self.board.changed,
             )
             self.phase = Phase.READY
             log.info(
@@ -121,11 +128,26 @@ class Worker:
                 shapes=self.shapes,
                 **msgspec.structs.asdict(self.startup),
             )
+        self.board.changed()
 
     def next_id(self) -> str:
-        """Return a fresh request id."""
+        """Return a fresh request id: ``req-N-`` and 12 random hex digits.
+
+        The count makes it unique in this process; the random part keeps a client
+        from guessing (and taking first, as its own ``x-request-id``) an id the
+        worker will assign, in this process or a restarted one.
+        """
         with self._ids_lock:
-            return f"req-{next(self._ids)}"
+            count = next(self._ids)
+        return f"req-{count}-{secrets.token_hex(6)}"
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """Return where job ``request_id`` stands, or None when no recent job has that id."""
+        return None if self.batcher is None else self.batcher.status(request_id)
+
+    def cancel(self, request_id: str, reason: str) -> RequestStatus | None:
+        """Cancel job ``request_id`` (see ``Batcher.cancel``); None when there is none."""
+        return None if self.batcher is None else self.batcher.cancel(request_id, reason)
 
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job`` (see ``Batcher.submit``)."""
@@ -149,6 +171,7 @@ class Worker:
         """
         with self._starting:  # a load in progress finishes first; none starts after
             self.phase = Phase.DRAINING
+        self.board.changed()
         timeout = self.orchestrator.spec.serving.drain_timeout
         problems = []
         if self.batcher is not None and not self.batcher.drain(timeout):
@@ -160,6 +183,8 @@ class Worker:
             self.orchestrator.close()
         except ExceptionGroup as err:  # a job outlived the drain: its components stay
             problems.append(str(err))
+        finally:
+            self.board.close()  # the event streams end, so that the server can stop
         if not problems:
             return None
         reason = "; ".join(problems)

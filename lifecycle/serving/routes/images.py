@@ -1,4 +1,5 @@
-"""``POST /v1/images/generations``: text to image, OpenAI's shape."""
+"""``POST /v1/images/generations``: text to image, OpenAI's shape (``stream: true``:
+server-sent events of every step, ``lifecycle.serving.streaming``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ from fastapi.responses import Response
 from lifecycle.png import encode_png
 from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
-from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
+from lifecycle.serving.dispatch import (
+    check_finite,
+    check_ready,
+    job_response,
+    not_served,
+    request_timeout,
+    run_job,
+)
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.limits import ImageSize, check_images, image_pixels
+from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
@@ -38,6 +47,7 @@ def images_routes(worker: Worker) -> APIRouter:
         check_ready(worker, body.model)
         if not worker.shapes.images:
             raise not_served(worker, "images", "examples/tiny_t2i.toml")
+        timeout = request_timeout(worker, body.priority, body.timeout)
         latent_size = _latent_size(worker, size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         key = BatchKey(
@@ -55,17 +65,13 @@ def images_routes(worker: Worker) -> APIRouter:
             negative_prompt=body.negative_prompt,
             tokens=body.n * latent_size[0] * latent_size[1],
             seed=seed,
+            priority=body.priority,
         )
-        done = await run_job(worker, job)
+        if body.stream:
+            return stream_images(worker, job, timeout, body.partial_images, seed)
+        done = await run_job(worker, job, request.receive, timeout)
         assert done.output is not None
-        if done.non_finite:
-            raise ApiError(
-                500,
-                "the pipeline produced NaN or infinite values for this request, so no image "
-                "is returned; a lower guidance_scale or fewer steps may keep it finite",
-                kind="server_error",
-                code="non_finite_output",
-            )
+        check_finite(done)
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
         content = {
             "created": int(time.time()),

@@ -14,8 +14,10 @@ import httpx
 import msgspec
 import pytest
 
+from tests.conftest import Lifecycle
+from tests.lifecycle.serving.command import free_port, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
-from tests.lifecycle.serving.test_process import accepted_jobs, free_port, serve_once, serving
+from tests.lifecycle.serving.test_process import accepted_jobs
 
 MiB = 2**20
 GROWTH_BOUND = 8 * MiB
@@ -61,9 +63,7 @@ def raw_post(url: str, head: bytes, body: Iterable[bytes]) -> bytes:
 
 class TestHugeRequests:
     @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-    def test_50_mb_bodies_and_100000_inputs_cost_a_few_mib(
-        self, root: Path, tmp_path: Path
-    ) -> None:
+    def test_50_mb_bodies_and_100000_inputs_cost_a_few_mib(self, root: Path) -> None:
         """A 50 MB body (declared or chunked) is a 413, 100,000 inputs a 400: the worker's
         peak resident memory rises by less than 8 MiB for each (it rose by 6.8 GB)."""
         megabyte = b"x" * MiB
@@ -74,12 +74,12 @@ class TestHugeRequests:
         inputs = msgspec.json.encode({"input": [f"word {i}" for i in range(100_000)]})
         many = head + f"content-length: {len(inputs)}\r\nconnection: close\r\n\r\n".encode()
         spec = root / "examples" / "tiny_t2i.toml"
-        with serving(spec, tmp_path / "serve.log") as (process, url):
+        with serving(spec) as (program, url):
             assert httpx.post(url + "/v1/images/generations", json={"prompt": "a"}).is_success
             growth = [
-                peak_growth(process.pid, lambda: raw_post(url, declared, [megabyte] * 50)),
-                peak_growth(process.pid, lambda: raw_post(url, chunked, [chunk] * 50)),
-                peak_growth(process.pid, lambda: raw_post(url, many, [inputs])),
+                peak_growth(program.pid, lambda: raw_post(url, declared, [megabyte] * 50)),
+                peak_growth(program.pid, lambda: raw_post(url, chunked, [chunk] * 50)),
+                peak_growth(program.pid, lambda: raw_post(url, many, [inputs])),
             ]
         answers = [answer for _, answer in growth]
         assert [a[:13] for a in answers] == [b"HTTP/1.1 413 ", b"HTTP/1.1 413 ", b"HTTP/1.1 400 "]
@@ -91,31 +91,34 @@ class TestPorts:
     @pytest.mark.parametrize(
         ("port", "words"), [("-1", "got -1"), ("70000", "got 70000"), ("x", "got 'x'")]
     )
-    def test_a_port_out_of_range_exits_2(self, root: Path, port: str, words: str) -> None:
+    def test_a_port_out_of_range_exits_2(
+        self, root: Path, lifecycle: Lifecycle, port: str, words: str
+    ) -> None:
         """--port -1 or 70000 (which bound 4464) is bad input: exit 2 naming the range."""
-        result = serve_once(str(root / "examples" / "tiny_t2i.toml"), "--port", port)
+        result = lifecycle("serve", root / "examples" / "tiny_t2i.toml", "--port", port)
         assert result.returncode == 2
         assert "--port: expected a port" in result.stderr
         assert words in result.stderr
         assert "Traceback" not in result.stderr
 
-    def test_a_taken_port_exits_2_before_loading(self, root: Path) -> None:
+    def test_a_taken_port_exits_2_before_loading(self, root: Path, lifecycle: Lifecycle) -> None:
         """A port another socket holds is exit 2 naming the address (it was SIGABRT)."""
-        spec = str(root / "examples" / "tiny_t2i.toml")
+        spec = root / "examples" / "tiny_t2i.toml"
         with socket.socket() as holder:
             holder.bind(("127.0.0.1", 0))
             holder.listen()
             port = holder.getsockname()[1]
-            result = serve_once(spec, "--port", str(port), "--log-level", "info")
+            result = lifecycle("serve", spec, "--port", str(port), "--log-level", "info")
         assert result.returncode == 2
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
         assert "lifecycle.transition" not in result.stderr  # nothing was admitted or loaded
         assert "Traceback" not in result.stderr
 
-    def test_an_unknown_host_exits_2(self, root: Path) -> None:
+    def test_an_unknown_host_exits_2(self, root: Path, lifecycle: Lifecycle) -> None:
         """A host that does not resolve is exit 2 naming it."""
-        spec = str(root / "examples" / "tiny_t2i.toml")
-        result = serve_once(spec, "--host", "no-such-host.invalid", "--port", str(free_port()))
+        spec = root / "examples" / "tiny_t2i.toml"
+        port = str(free_port())
+        result = lifecycle("serve", spec, "--host", "no-such-host.invalid", "--port", port)
         assert result.returncode == 2
         assert "cannot listen on no-such-host.invalid:" in result.stderr
         assert "Traceback" not in result.stderr
@@ -137,8 +140,7 @@ class TestDrainTimeout:
             )
             + "\n[serving]\ndrain_timeout = 0.5\nmax_steps = 100000\n"
         )
-        log = tmp_path / "serve.log"
-        with serving(spec, log) as (process, url):
+        with serving(spec) as (program, url):
             body = {"prompt": "a cat", "steps": 100000, "size": "64x64"}
             with httpx.Client(base_url=url, timeout=WATCHDOG_S) as client:
                 endless = threading.Thread(
@@ -149,9 +151,8 @@ class TestDrainTimeout:
                     if accepted_jobs(client.get("/metrics").text) == 1:
                         break
                     threading.Event().wait(0.01)
-                process.send_signal(signal.SIGTERM)
-                code = process.wait(timeout=WATCHDOG_S)
-        stderr = log.read_text()
+                program.send_signal(signal.SIGTERM)
+                code, _, stderr = program.wait(timeout=WATCHDOG_S)
         assert code == 3
         assert '"event":"serving.drain_failed"' in stderr
         assert "1 job(s) still running after serving.drain_timeout = 0.5 s were abandoned" in stderr

@@ -16,8 +16,8 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.testing import capture_events, events_named
+from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
-from tests.lifecycle.serving.test_process import serving
 
 SpecMaker = Callable[..., PipelineSpec]
 NAMES = {"text_encoder", "transformer", "vae"}
@@ -83,17 +83,15 @@ class TestReady:
         assert body["status"] == "ready"
         assert set(body["startup"]["components_ms"]) == NAMES
 
-    def test_serve_logs_ready_with_its_admission_time(self, root: Path, tmp_path: Path) -> None:
+    def test_serve_logs_ready_with_its_admission_time(self, root: Path) -> None:
         """`lifecycle serve --log-level info` logs serving.ready with the measured admit_ms."""
-        log = tmp_path / "serve.log"
         spec = root / "examples" / "tiny_t2i.toml"
-        with serving(spec, log, ("--log-level", "info")) as (process, url):
+        with serving(spec, "--log-level", "info") as (program, url):
             assert httpx.get(url + "/readyz").status_code == 200
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=WATCHDOG_S) == 0
-        (ready,) = [
-            json.loads(line) for line in log.read_text().splitlines() if "serving.ready" in line
-        ]
+            program.send_signal(signal.SIGTERM)
+            code, _, log = program.wait(timeout=WATCHDOG_S)
+        assert code == 0, log
+        (ready,) = [json.loads(line) for line in log.splitlines() if "serving.ready" in line]
         assert ready["admit_ms"] > 0
         assert set(ready["components_ms"]) == NAMES
         assert ready["load_ms"] > 0
