@@ -28,11 +28,17 @@ PreviewMap = tuple[tuple[float, float, float], ...]
 def fit_preview(
     latents: torch.Tensor, image: torch.Tensor, latent_size: tuple[int, int], scale: int
 ) -> PreviewMap:
-    """Fit the linear map from ``latents`` ``(N, C)`` to the colours of ``image`` ``(3, H, W)``."""
+    """Fit the linear map from ``latents`` ``(N, C)`` to the colours of ``image`` ``(3, H, W)``.
+
+    Non-finite latents or colours give the zero map (grey previews).
+    """
     h, w = latent_size
     colours = image.float().reshape(3, h, scale, w, scale).mean(dim=(2, 4))  # (3, h, w)
     targets = colours.reshape(3, h * w).T  # (N, 3)
     inputs = torch.cat([latents.float(), torch.ones(h * w, 1)], dim=1)  # (N, C + 1)
+    if not (inputs.isfinite().all() and targets.isfinite().all()):
+        # nothing to fit (lstsq fails on them): grey previews; such images are refused
+        return tuple((0.0, 0.0, 0.0) for _ in range(inputs.shape[1]))
     solution = torch.linalg.lstsq(inputs, targets).solution  # (C + 1, 3)
     return tuple((float(r), float(g), float(b)) for r, g, b in solution.tolist())
 

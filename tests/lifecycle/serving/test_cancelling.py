@@ -89,7 +89,7 @@ class TestDisconnect:
     ) -> None:
         """A client that goes away mid-request stops it within a step; all returns to idle,
         and the next request's image equals a fresh run's."""
-        served = serve_spec(t2i_spec())
+        served = serve_spec(t2i_spec(max_steps=1000))  # serving.max_steps: 200 by default
         observed = EventRecorder()
         served.worker.orchestrator.observe(observed)
         idle_bytes = served.worker.orchestrator.resident_bytes()

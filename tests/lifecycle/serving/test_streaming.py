@@ -64,7 +64,7 @@ class TestStream:
         self, serve_spec: ServeSpec, t2i_spec: SpecMaker
     ) -> None:
         """A client that stops reading after step 3 cancels the request within a step."""
-        served = serve_spec(t2i_spec())
+        served = serve_spec(t2i_spec(max_steps=1000))  # serving.max_steps: 200 by default
         observed = EventRecorder()
         served.worker.orchestrator.observe(observed)
         body = {**BODY, "steps": 1000, "stream": True}
