@@ -25,6 +25,7 @@ class ClipEncoding(NamedTuple):
 
     pooled: torch.Tensor  # (B, P): pooler output, or its projection (text_embeds)
     penultimate: torch.Tensor  # (B, L, E): the states the last layer reads
+    truncated: tuple[bool, ...]  # (B,) whether each text was cut to L tokens
 
 
 class ClipTextEncoderLoader(TextEncoderLoader):
@@ -72,7 +73,8 @@ class ClipTextEncoderLoader(TextEncoderLoader):
     def encode(self, module: nn.Module, texts: Sequence[str]) -> ClipEncoding:
         """Encode ``texts`` padded to ``max_tokens``."""
         device = device_of(module)
-        ids, _ = self.tokenize(texts, self.max_tokens)
+        tokens = self.tokenize(texts, self.max_tokens)
+        ids = tokens.ids
         out = module(ids.to(device), output_hidden_states=True)
         pooled = out.text_embeds if self.has_projection else out.pooler_output
-        return ClipEncoding(pooled, out.hidden_states[-2])
+        return ClipEncoding(pooled, out.hidden_states[-2], tokens.truncated)

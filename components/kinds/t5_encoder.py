@@ -24,6 +24,7 @@ class T5Encoding(NamedTuple):
 
     hidden: torch.Tensor  # (B, L, E), the last layer's normalised output
     mask: torch.Tensor  # (B, L) int64, 1 = real token
+    truncated: tuple[bool, ...]  # (B,) whether each text was cut to L tokens
 
 
 class T5EncoderLoader(TextEncoderLoader):
@@ -51,6 +52,6 @@ class T5EncoderLoader(TextEncoderLoader):
     ) -> T5Encoding:
         """Encode ``texts`` padded to ``length`` tokens; ``masked``: padding is not attended to."""
         device = device_of(module)
-        ids, mask = self.tokenize(texts, length)
+        ids, mask, truncated = self.tokenize(texts, length)
         out = module(ids.to(device), attention_mask=mask.to(device) if masked else None)
-        return T5Encoding(out[0], mask)
+        return T5Encoding(out[0], mask, truncated)

@@ -83,10 +83,11 @@ class FluxRecipe(Recipe):
                 has no unconditional pass to use them).
         """
         distinct, rows = unique_texts(self.check(batch))
-        pooled = self.clip.encode(modules["text_encoder"], distinct).pooled  # (B', P)
+        clip = self.clip.encode(modules["text_encoder"], distinct)
         hidden = self.t5.encode(modules["text_encoder_2"], distinct, self.max_tokens, masked=False)
-        batch.pooled = pooled[rows]
+        batch.pooled = clip.pooled[rows]  # (B, P)
         batch.context = [hidden.hidden[row] for row in rows]  # (L, E) each
+        batch.mark_truncated([clip.truncated[row] or hidden.truncated[row] for row in rows])
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Step the flow-matching scheduler with the DiT on packed latents."""

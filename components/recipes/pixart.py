@@ -111,20 +111,23 @@ class PixArtAlphaRecipe(Recipe):
         """Embed the prompts (and, under guidance, the negative prompts) with masked T5."""
         prompts = self.check(batch)
         module = modules["text_encoder"]
-        batch.context, batch.context_mask = self._embed(module, prompts)
+        batch.context, batch.context_mask, truncated = self._embed(module, prompts)
+        batch.mark_truncated(truncated)
         if self.guidance_scale(batch) > 1:
             negative = batch.negative_prompts or [""] * len(prompts)
-            batch.negative_context, batch.negative_context_mask = self._embed(module, negative)
+            batch.negative_context, batch.negative_context_mask, _ = self._embed(module, negative)
 
     def _embed(
         self, module: nn.Module, texts: Sequence[str]
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Return each text's padded states ``(L, E)`` and the token masks ``(B, L)``."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
+        """Return each text's padded states ``(L, E)``, the token masks ``(B, L)`` and
+        whether each text was cut."""
         distinct, rows = unique_texts(texts)
         encoded = self.text_encoder.encode(
             module, clean_captions(self.pipeline_class, distinct), self.max_tokens, masked=True
         )
-        return [encoded.hidden[row] for row in rows], encoded.mask[rows]
+        truncated = [encoded.truncated[row] for row in rows]
+        return [encoded.hidden[row] for row in rows], encoded.mask[rows], truncated
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Run the scheduler's steps with the DiT, guided when the scale is above 1."""

@@ -68,15 +68,17 @@ class Sd3Recipe(Recipe):
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts with both CLIP and T5 (and the negatives under guidance)."""
         prompts = self.check(batch)
-        batch.context, batch.pooled = self._embed(modules, prompts)
+        batch.context, batch.pooled, truncated = self._embed(modules, prompts)
+        batch.mark_truncated(truncated)
         if self.guidance_scale(batch) > 1:
             negative = batch.negative_prompts or [""] * len(prompts)
-            batch.negative_context, batch.negative_pooled = self._embed(modules, negative)
+            batch.negative_context, batch.negative_pooled, _ = self._embed(modules, negative)
 
     def _embed(
         self, modules: Mapping[str, nn.Module], texts: Sequence[str]
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Return each text's joined states ``(77 + 256, E)`` and pooled vectors ``(B, P)``."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
+        """Return each text's joined states ``(77 + 256, E)``, pooled vectors ``(B, P)`` and
+        whether any encoder cut it."""
         distinct, rows = unique_texts(texts)
         clips = [
             loader.encode(modules[name], distinct)
@@ -88,7 +90,8 @@ class Sd3Recipe(Recipe):
         clip_states = functional.pad(clip_states, (0, t5_width - clip_states.shape[-1]))
         states = torch.cat([clip_states, t5.hidden], dim=-2)  # (B', 77 + 256, E)
         pooled = torch.cat([c.pooled for c in clips], dim=-1)  # (B', P)
-        return [states[row] for row in rows], pooled[rows]
+        cut = [any(c.truncated[i] for c in clips) or t5.truncated[i] for i in range(len(distinct))]
+        return [states[row] for row in rows], pooled[rows], [cut[row] for row in rows]
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Step the flow-matching scheduler with the MMDiT, guided when the scale is above 1."""

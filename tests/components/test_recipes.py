@@ -14,8 +14,10 @@ from torch import nn
 
 from components.offload.layerwise import LayerwiseStore
 from tests.components.folder_runs import (
+    PROMPT,
     Loaded,
     Request,
+    batch_of,
     load,
     recipe_of,
     run_diffusers,
@@ -90,6 +92,23 @@ class TestEqualToDiffusers:
         other = run_recipe(loaded["flux"], Request(seed=2))
         assert torch.equal(first, again)
         assert (first - other).abs().max() > 0.01
+
+
+class TestTruncation:
+    @pytest.mark.parametrize("family", list(CASES))
+    def test_a_prompt_longer_than_an_encoder_reads_is_marked_cut(
+        self, family: str, loaded: dict[str, Loaded]
+    ) -> None:
+        """A prompt past a text encoder's token length is marked truncated (the answer says
+        so), the same prompt short is not, and a repeated prompt keeps its own mark."""
+        long = "a red fox " * 400  # 1,200 words: past every encoder's length (CLIP's 77 too)
+        batch = batch_of(Request(guidance_scale=1.0))
+        batch.prompts, batch.size = [PROMPT, long, PROMPT, long], 4
+        recipe = loaded[family].recipe
+        encode = recipe.stages[0]
+        with torch.inference_mode():
+            recipe.run(encode.name, {n: loaded[family].modules[n] for n in encode.uses}, batch)
+        assert batch.truncated == [False, True, False, True]
 
 
 class TestLayerwise:
