@@ -11,6 +11,7 @@ from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch
+from components.recipes import Recipe
 from lifecycle.events import Observers
 from lifecycle.machine import MoveArgs
 from lifecycle.residency import Residency
@@ -132,16 +133,23 @@ class StageKeeper:
 class Request:
     """One request moving through the pipeline's stages (``Orchestrator.request``).
 
+    Args:
+        keeper: what moves the components around its stages.
+        request_id: its id.
+        recipe: what runs a stage of a pipeline from a folder; None: each component's
+            kind runs itself.
+
     Attributes:
         id: the request's id, on every event it causes.
         stages: the stages it entered, in order.
     """
 
-    def __init__(self, keeper: StageKeeper, request_id: str) -> None:
+    def __init__(self, keeper: StageKeeper, request_id: str, recipe: Recipe | None = None) -> None:
         self.id = request_id
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self._keeper = keeper
+        self._recipe = recipe
         # one inference-mode guard for every stage: a request runs its stages one at a
         # time, and building the guard is half of what entering it costs
         self._inference = torch.inference_mode()
@@ -161,16 +169,21 @@ class Request:
             self._keeper.leave(self.id, position)
 
     def run(self, stage: str, batch: Batch) -> None:
-        """Run one stage: each component's kind runs on what ``batch`` carries.
+        """Run one stage on what ``batch`` carries: the recipe's stage for a pipeline from a
+        folder, else each component's kind in turn.
 
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
+            ValueError: the batch asks a recipe for what its pipeline class cannot do.
         """
         # the body of ``stage()`` inlined: a generator context manager per stage is a
         # measurable part of a move's cost (issue 12)
         with self._inference:
             position, modules = self._enter(stage)
             try:
+                if self._recipe is not None:
+                    self._recipe.run(stage, modules, batch)
+                    return
                 slots = self._keeper.slots
                 for name, module in modules.items():
                     slots[name].loader.run(module, batch)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import inspect
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import cached_property
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 
 from components.batch import Batch, BatchField, Port, device_of
-from components.folders.index import PipelineIndex
+from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
@@ -69,8 +70,9 @@ class Recipe(ABC):
 
     Raises:
         RecipeError: a component is missing or of a kind the recipe cannot drive.
-        ValueError: the scheduler's config cannot be read or its class is not a
-            diffusers scheduler.
+        FileNotFoundError: the scheduler's config is missing.
+        ValueError: the scheduler's config is not JSON or its class is not a diffusers
+            scheduler.
     """
 
     pipeline_class: ClassVar[str]
@@ -86,14 +88,8 @@ class Recipe(ABC):
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
         self.loaders = loaders
-        entry = index.entries.get(SCHEDULER)
-        if entry is None:
-            raise ValueError(f"{index.folder} lists no scheduler in its model_index.json")
-        path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
-        try:
-            self.scheduler_config: dict[str, Any] = json.loads(path.read_text())
-        except OSError as err:
-            raise FileNotFoundError(f"cannot read {path} ({err})") from err
+        self.scheduler_config = scheduler_config(index)
+        entry = index.entries[SCHEDULER]
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
         self.transformer = self.loader("transformer", FolderLoader)
         self.vae = self.loader("vae", AutoencoderKlLoader)
@@ -108,6 +104,39 @@ class Recipe(ABC):
     def new_scheduler(self) -> Any:
         """Return a fresh scheduler from the folder's config (a run mutates its state)."""
         return self.scheduler_class.from_config(self.scheduler_config)  # type: ignore[attr-defined]
+
+    @cached_property
+    def scheduler_draws(self) -> bool:
+        """Tell whether the folder's scheduler draws noise from the generator as it steps.
+
+        Such a scheduler (an SDE or ancestral one) draws for the whole batch at once, so
+        requests batched together would not each make their image alone: they run apart.
+        Found by stepping a fresh scheduler twice on zeros and watching the generator; a
+        scheduler that cannot be stepped so is taken to draw.
+        """
+        scheduler = self.new_scheduler()
+        generator = torch.Generator().manual_seed(0)
+        before = generator.get_state()
+        try:
+            shift = {"mu": 0.0} if scheduler.config.get("use_dynamic_shifting") else {}
+            scheduler.set_timesteps(2, **shift)
+            sample = torch.zeros(1, self.channels, 2, 2)
+            for t in scheduler.timesteps:
+                if hasattr(scheduler, "scale_model_input"):  # as the pipelines that have it
+                    sample = scheduler.scale_model_input(sample, t)
+                options = step_options(scheduler, generator)
+                sample = scheduler.step(sample * 0, t, sample, **options, return_dict=False)[0]
+        except Exception:  # a scheduler of its own: whatever it needs, assume it draws
+            return True
+        return not torch.equal(before, generator.get_state())
+
+    def denoising_steps(self, scheduler: Any, batch: Batch) -> Iterator[torch.Tensor]:
+        """Yield the scheduler's timesteps for ``batch``: every denoise loop steps through here.
+
+        (The one place each step of a request passes: per-step progress and cancellation,
+        issue 22, hook in here.)
+        """
+        yield from scheduler.timesteps
 
     def loader(self, name: str, kind: type[LoaderT]) -> LoaderT:
         """Return component ``name``'s loader, which must be a ``kind``.
@@ -264,6 +293,27 @@ class Recipe(ABC):
     @abstractmethod
     def text_problems(self) -> list[Problem]:
         """Say where the text encoders' widths do not fit what the DiT reads."""
+
+
+def scheduler_config(index: PipelineIndex) -> dict[str, Any]:
+    """Return the folder's ``scheduler/scheduler_config.json``.
+
+    Raises:
+        ValueError: the index lists no scheduler, or its config is not a JSON object.
+        FileNotFoundError: the scheduler's folder or config is missing (named).
+    """
+    if SCHEDULER not in index.entries:
+        raise ValueError(f"{index.folder / INDEX_FILE} lists no scheduler")
+    path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
 
 
 def width(loader: ComponentLoader, field: BatchField, *, written: bool) -> int | None:

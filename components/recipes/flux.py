@@ -109,7 +109,7 @@ class FluxRecipe(Recipe):
             scale = self.guidance_scale(batch)
             guidance = torch.full([1], scale, device=device, dtype=torch.float32)
             guidance = guidance.expand(latents.shape[0])
-        for t in scheduler.timesteps:
+        for t in self.denoising_steps(scheduler, batch):
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             prediction = module(
                 hidden_states=latents,

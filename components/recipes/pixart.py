@@ -148,7 +148,7 @@ class PixArtAlphaRecipe(Recipe):
         conditions = self.micro_conditions(batch.size * (2 if guided else 1), height, width)
         options = step_options(scheduler, batch.generator)
         original = self.one_step_keeps_original and batch.steps == 1
-        for t in scheduler.timesteps:
+        for t in self.denoising_steps(scheduler, batch):
             model_input = torch.cat([latents] * 2) if guided else latents
             model_input = scheduler.scale_model_input(model_input, t)
             timestep = t[None].to(device).expand(model_input.shape[0])

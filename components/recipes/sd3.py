@@ -114,7 +114,7 @@ class Sd3Recipe(Recipe):
             tokens = (h // self.patch) * (w // self.patch)
             options["mu"] = flow_shift(scheduler.config, tokens, SD3_MAX_SHIFT)
         scheduler.set_timesteps(batch.steps, device=device, **options)
-        for t in scheduler.timesteps:
+        for t in self.denoising_steps(scheduler, batch):
             model_input = torch.cat([latents] * 2) if guided else latents
             prediction = module(
                 hidden_states=model_input,
