@@ -128,12 +128,15 @@ def kind_for_class(class_name: str) -> str | None:
 
 
 def _custom_code(entry: Entry) -> Problem:
-    key = "_class_name" if entry.name == PIPELINE else entry.name
+    if entry.name == PIPELINE:
+        what, key = "its pipeline class", "_class_name"
+    else:
+        what, key = f"'{entry.name}'", entry.name
     return Problem(
         "pipeline.custom_code",
         entry.name,
-        f"{INDEX_FILE} names module '{entry.library}' for '{entry.name}' ({entry.class_name}), "
-        "code shipped in the folder; it is never imported (no trust_remote_code)",
+        f"{INDEX_FILE} takes {what} ({entry.class_name}) from module '{entry.library}', code "
+        "shipped in the folder; it is never imported (no trust_remote_code)",
         f"use a folder whose '{key}' entry names a diffusers or transformers class",
     )
 

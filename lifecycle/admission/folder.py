@@ -22,7 +22,6 @@ from components.recipes.base import RecipeError
 from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
 
-
 _CODES = {code.value: code for code in RefusalCode}
 """Each refusal code by its value: a folder's problems name theirs as strings."""
 

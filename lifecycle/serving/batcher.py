@@ -193,7 +193,7 @@ class Batcher:
             if self.on_batch is not None:
                 self.on_batch(len(jobs))
             log.info("serving.batched", batch_id=batch_id, size=len(jobs))
-            batch = merged_batch(jobs, self.shapes)
+            batch = merged_batch(jobs, self.shapes, self.orchestrator.recipe)
             override = jobs[0].key.attention_backend
             with self.orchestrator.request(batch_id, attention_backend=override) as request:
                 request.run_all(batch)

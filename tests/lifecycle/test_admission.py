@@ -302,7 +302,14 @@ kind = "tiny_upsampler"
         )
         assert result.returncode == 1
         report = json.loads(result.stdout)
-        assert list(report) == ["pipeline", "admitted", "components", "refusals"]
+        assert list(report) == [
+            "pipeline",
+            "admitted",
+            "components",
+            "refusals",
+            "stages",
+            "source",
+        ]
         assert report["admitted"] is False
         assert report["components"]["vae"] == {
             "kind": "tiny_vae",

@@ -14,11 +14,14 @@ from lifecycle.png import encode_png
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
 from lifecycle.serving.errors import ApiError
+from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
+DEFAULT_STEPS = 4
+"""Denoising steps of a pipeline of kinds' image when the request gives no ``steps``."""
 
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
 
@@ -33,23 +36,12 @@ def images_routes(worker: Worker) -> APIRouter:
         check_ready(worker, body.model)
         if not worker.shapes.images:
             raise not_served(worker, "images", "examples/tiny_t2i.toml")
-        latent_size = _latent_size(worker, body.size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        key = BatchKey(
-            endpoint="images",
-            steps=body.steps,
-            guidance_scale=body.guidance_scale,
-            attention_backend=body.attention_backend,
-            latent_size=latent_size,
-            negative=body.negative_prompt is not None,
-        )
-        job = Job(
-            id=request.state.id,
-            key=key,
-            prompts=[body.prompt] * body.n,
-            negative_prompt=body.negative_prompt,
-            tokens=body.n * latent_size[0] * latent_size[1],
-            seed=seed,
+        recipe = worker.orchestrator.recipe
+        job = (
+            _kinds_job(worker, body, request.state.id, seed)
+            if recipe is None
+            else folder_image_job(recipe, body, request.state.id, seed)
         )
         done = await run_job(worker, job)
         assert done.output is not None
@@ -58,6 +50,27 @@ def images_routes(worker: Worker) -> APIRouter:
         return job_response(content, done)
 
     return router
+
+
+def _kinds_job(worker: Worker, body: ImagesBody, request_id: str, seed: int) -> Job:
+    """Return the job of ``body`` for a pipeline of kinds (its sizes follow the latent grid)."""
+    latent_size = _latent_size(worker, body.size, body.n)
+    key = BatchKey(
+        endpoint="images",
+        steps=body.steps or DEFAULT_STEPS,
+        guidance_scale=body.guidance_scale,
+        attention_backend=body.attention_backend,
+        latent_size=latent_size,
+        negative=body.negative_prompt is not None,
+    )
+    return Job(
+        id=request_id,
+        key=key,
+        prompts=[body.prompt] * body.n,
+        negative_prompt=body.negative_prompt,
+        tokens=body.n * latent_size[0] * latent_size[1],
+        seed=seed,
+    )
 
 
 def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
