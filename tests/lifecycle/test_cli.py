@@ -5,49 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar, NamedTuple, TypeAlias
+from typing import ClassVar
 
 import pytest
 from torch import nn
 
 from components import registry
 from components.loader import ComponentLoader
-from lifecycle import cli
 from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
-from lifecycle.logs import saved_logging
+from tests.lifecycle.conftest import Lifecycle
 from tests.lifecycle.kinds_for_tests import BrokenKind
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
 REFUSED = ROOT / "examples" / "refused"
-
-
-class Result(NamedTuple):
-    """What one call of the command returned and printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-Lifecycle: TypeAlias = Callable[..., Result]
-"""Call the command with these arguments (str or Path)."""
-
-
-@pytest.fixture
-def lifecycle(capsys: pytest.CaptureFixture[str]) -> Iterator[Lifecycle]:
-    """Call ``cli.main`` with arguments; put the logging configuration back afterwards."""
-
-    def call(*args: str | Path) -> Result:
-        code = cli.main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    with saved_logging():
-        yield call
 
 
 def subprocess_lifecycle(*args: str | Path) -> subprocess.CompletedProcess[str]:
