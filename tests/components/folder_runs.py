@@ -95,11 +95,14 @@ def run_recipe(
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 
-def run_diffusers(folder: Path, request: Request, **extra: Any) -> torch.Tensor:
-    """Run diffusers' own pipeline from ``folder`` on ``request``; the images in [0, 1]."""
+def run_diffusers(
+    folder: Path, request: Request, dtype: torch.dtype = torch.float32, **extra: Any
+) -> torch.Tensor:
+    """Run diffusers' own pipeline from ``folder`` in ``dtype`` on ``request``; the images
+    in [0, 1] (``extra`` goes to the pipeline's call)."""
     from diffusers import DiffusionPipeline
 
-    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     if request.negative_prompt is not None:
         extra["negative_prompt"] = request.negative_prompt

@@ -220,8 +220,14 @@ class TestEqualToDiffusers:
 
     @pytest.mark.parametrize(
         ("family", "mode"),
-        [("pixart", "resident"), ("pixart-sigma", "host"), ("flux", "disk")]
-        + [("sd3", "layerwise"), ("flux", "budget"), ("sd3", "resident")],
+        [
+            ("pixart", "resident"),
+            ("pixart-sigma", "host"),
+            ("flux", "disk"),
+            ("sd3", "layerwise"),
+            ("flux", "budget"),
+            ("sd3", "resident"),
+        ],
     )
     def test_run_writes_diffusers_pixels(
         self,
