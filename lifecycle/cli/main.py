@@ -29,6 +29,7 @@ from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.sizes import format_bytes
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_HELP = "the spec file (.toml, .json, .yaml), or a diffusers-format pipeline folder"
@@ -212,7 +213,9 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
         f"pipeline {spec.name!r}: admitted ({len(spec.components)} components, "
         f"{len(spec.stages)} stages, platform {platform})"
     )
-    rows: list[tuple[str, ...]] = [("component", "kind", "loader", "residency", "attention")]
+    rows: list[tuple[str, ...]] = [
+        ("component", "kind", "loader", "size", "residency", "attention")
+    ]
     for name, component in snapshot.components.items():
         explicit = not isinstance(spec.components[name].residency, UnsetType)
         rows.append(
@@ -220,12 +223,14 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
                 name,
                 component.kind,
                 component.loader or "-",
+                "-" if component.bytes is None else format_bytes(component.bytes),
                 component.residency.value + (" (explicit)" if explicit else ""),
                 ", ".join(_site_text(site) for site in component.attention) or "-",
             )
         )
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
-    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}"])
+    source = [] if isinstance(spec.source, UnsetType) else [f"  source: {spec.source}"]
+    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}", *source])
 
 
 def _site_text(site: SitePlan) -> str:
