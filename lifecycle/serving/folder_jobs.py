@@ -22,10 +22,18 @@ def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: in
     """Return the job of ``body`` for a pipeline from a folder run by ``recipe``.
 
     Raises:
-        ApiError: 400 when ``size`` is not ``WIDTHxHEIGHT``, or the pipeline class cannot
+        ApiError: 400 when ``size`` is not ``WIDTHxHEIGHT``, the pipeline class cannot
             honour the request (a size off its grid, naming the multiple; a negative
-            prompt it would ignore).
+            prompt it would ignore), or it asks to be streamed (a recipe's denoising loop
+            does not report its steps yet).
     """
+    if body.stream:
+        raise ApiError(
+            400,
+            "a pipeline from a folder does not stream its denoising steps yet; leave "
+            "stream out (or false) and the image comes in one answer",
+            param="stream",
+        )
     batch = Batch(
         generator=torch.Generator().manual_seed(seed),
         steps=body.steps or recipe.default_steps,
@@ -61,6 +69,7 @@ def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: in
         negative_prompt=body.negative_prompt,
         tokens=body.n * latent_h * latent_w,
         seed=seed,
+        priority=body.priority,
     )
 
 

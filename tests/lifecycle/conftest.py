@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle import cli
 from lifecycle.config import PipelineSpec, decode_spec, load_spec
-from lifecycle.logs import saved_logging
 from lifecycle.orchestrator import Orchestrator
 
 ReferenceSpec: TypeAlias = Callable[..., PipelineSpec]
@@ -24,31 +22,6 @@ VaePipeline: TypeAlias = Callable[..., PipelineSpec]
 
 VAE_BYTES = 248588
 """The bytes a tiny_vae with its default options takes on the device."""
-
-
-class Result(NamedTuple):
-    """What one call of the command returned and printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-Lifecycle: TypeAlias = Callable[..., Result]
-"""Call the command with these arguments (str or Path)."""
-
-
-@pytest.fixture
-def lifecycle(capsys: pytest.CaptureFixture[str]) -> Iterator[Lifecycle]:
-    """Call ``cli.main`` in this process with arguments; put the logging configuration back."""
-
-    def call(*args: str | Path) -> Result:
-        code = cli.main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    with saved_logging():
-        yield call
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-import numpy as np
 import torch
-from PIL import Image
 
 from attention import Platform
 from lifecycle.config import PipelineSpec, load_spec
@@ -80,9 +78,3 @@ def pixels(images: torch.Tensor) -> torch.Tensor:
     """Return images in [0, 1] ``(B, 3, H, W)`` as 8-bit pixels ``(B, H, W, 3)``, as
     diffusers' image processor quantises them."""
     return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-
-
-def read_png(path: Path) -> torch.Tensor:
-    """Return the pixels ``(H, W, 3)`` of the PNG file at ``path``."""
-    with Image.open(path) as image:
-        return torch.from_numpy(np.array(image.convert("RGB")))

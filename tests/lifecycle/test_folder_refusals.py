@@ -18,8 +18,7 @@ from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
 from tests.components.folder_runs import Request, batch_of, run_diffusers
-from tests.conftest import PipelineFolders
-from tests.lifecycle.conftest import Lifecycle
+from tests.conftest import Lifecycle, PipelineFolders
 from tests.lifecycle.folder_specs import largest_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,15 +16,13 @@ from lifecycle.config import ConfigError, decode_spec, load_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
 from tests.components.folder_runs import batch_of, run_diffusers
-from tests.conftest import PipelineFolders
-from tests.lifecycle.conftest import Lifecycle
+from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import (
     MODES,
     REQUESTS,
     Mode,
     mode_spec,
     pixels,
-    read_png,
     run_arguments,
 )
 
@@ -246,7 +244,9 @@ class TestEqualToDiffusers:
         arguments = run_arguments(REQUESTS[family])
         result = lifecycle("run", spec, *arguments, "--requests", "1", "--out", out)
         assert result.returncode == 0, result.stderr
-        assert torch.equal(read_png(out / "r1-0.png"), pixels(diffusers_images[family])[0])
+        assert torch.equal(
+            decode_png((out / "r1-0.png").read_bytes()), pixels(diffusers_images[family])[0]
+        )
 
     def test_request_i_is_seeded_seed_plus_i(
         self,
@@ -261,8 +261,13 @@ class TestEqualToDiffusers:
         folder = pipeline_folder("flux")
         result = lifecycle("run", folder, *arguments, "--requests", "2", "--out", tmp_path)
         assert result.returncode == 0, result.stderr
-        assert torch.equal(read_png(tmp_path / "r2-0.png"), pixels(diffusers_images["flux"])[0])
-        assert not torch.equal(read_png(tmp_path / "r1-0.png"), read_png(tmp_path / "r2-0.png"))
+        assert torch.equal(
+            decode_png((tmp_path / "r2-0.png").read_bytes()), pixels(diffusers_images["flux"])[0]
+        )
+        assert not torch.equal(
+            decode_png((tmp_path / "r1-0.png").read_bytes()),
+            decode_png((tmp_path / "r2-0.png").read_bytes()),
+        )
 
 
 def _moves(moves: list[Move]) -> Callable[[Event], None]:

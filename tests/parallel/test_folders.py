@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.components.folder_runs import Request, run_diffusers
-from tests.conftest import PipelineFolders
-from tests.lifecycle.folder_specs import pixels, read_png, run_arguments
+from tests.conftest import PipelineFolders, decode_png
+from tests.lifecycle.folder_specs import pixels, run_arguments
 from tests.parallel.test_launch import run
 
 REQUEST = Request(negative_prompt="blurry", size=(32, 32), steps=2, seed=5)
@@ -36,4 +36,6 @@ def test_replicated_layouts_make_diffusers_images(
     written = sorted(path.name for path in out.iterdir())
     # data parallel: rank 0 runs requests 1 (and 3, ...); CFG parallel: every request
     assert written == (["r1-0.png"] if layout.startswith("dp") else ["r1-0.png", "r2-0.png"])
-    assert torch.equal(read_png(out / "r1-0.png"), pixels(run_diffusers(folder, REQUEST))[0])
+    assert torch.equal(
+        decode_png((out / "r1-0.png").read_bytes()), pixels(run_diffusers(folder, REQUEST))[0]
+    )

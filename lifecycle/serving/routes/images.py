@@ -1,4 +1,5 @@
-"""``POST /v1/images/generations``: text to image, OpenAI's shape."""
+"""``POST /v1/images/generations``: text to image, OpenAI's shape (``stream: true``:
+server-sent events of every step, ``lifecycle.serving.streaming``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from fastapi.responses import Response
 
 from lifecycle.png import encode_png
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
-from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
+from lifecycle.serving.dispatch import (
+    check_ready,
+    job_response,
+    not_served,
+    request_timeout,
+    run_job,
+)
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
@@ -36,6 +44,7 @@ def images_routes(worker: Worker) -> APIRouter:
         check_ready(worker, body.model)
         if not worker.shapes.images:
             raise not_served(worker, "images", "examples/tiny_t2i.toml")
+        timeout = request_timeout(worker, body.priority, body.timeout)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         recipe = worker.orchestrator.recipe
         job = (
@@ -43,7 +52,9 @@ def images_routes(worker: Worker) -> APIRouter:
             if recipe is None
             else folder_image_job(recipe, body, request.state.id, seed)
         )
-        done = await run_job(worker, job)
+        if body.stream:
+            return stream_images(worker, job, timeout, body.partial_images, seed)
+        done = await run_job(worker, job, request.receive, timeout)
         assert done.output is not None
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
         content = {"created": int(time.time()), "data": data, "seed": seed}
@@ -70,6 +81,7 @@ def _kinds_job(worker: Worker, body: ImagesBody, request_id: str, seed: int) -> 
         negative_prompt=body.negative_prompt,
         tokens=body.n * latent_size[0] * latent_size[1],
         seed=seed,
+        priority=body.priority,
     )
 
 

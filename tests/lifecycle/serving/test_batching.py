@@ -14,6 +14,10 @@ from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 
 PROMPTS = ("a red fox", "an astronaut riding a horse on the moon", "ramen", "a lighthouse")
+UNTIL_FULL_MS = WATCHDOG_S * 1000
+"""A batch window no test waits out: behind a running batch, a batch starts once
+``serving.max_batch`` compatible jobs are queued, however slowly a loaded machine
+submits them (a window in milliseconds would decide the batches by timing)."""
 
 
 def image_job(index: int, key: BatchKey) -> Job:
@@ -24,12 +28,14 @@ def image_job(index: int, key: BatchKey) -> Job:
 
 def occupy(batcher: Batcher, slow: Job | None = None) -> Future[Job]:
     """Start a slow batch (``slow``, or one of the reference pipeline), so that the next jobs
-    gather for their window.
+    gather behind it.
 
-    An idle worker would start the first of them at once, alone.
+    An idle worker would start the first of them at once, alone. Its hundred steps
+    outlast the few calls that submit the next jobs; the drain after the test waits
+    for it.
     """
     if slow is None:
-        key = BatchKey(endpoint="images", steps=400, latent_size=(8, 8))
+        key = BatchKey(endpoint="images", steps=100, latent_size=(8, 8))
         slow = Job(id="slow", key=key, prompts=["slow"], tokens=64)
     future = batcher.submit(slow)
     for _ in range(int(WATCHDOG_S / 0.005)):
@@ -44,7 +50,7 @@ class TestBatcher:
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
     ) -> None:
         """Six jobs queued together run as one batch; each output equals the job run alone."""
-        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        served = serve_spec(t2i_spec(batch_window_ms=UNTIL_FULL_MS, max_batch=6))
         batcher = served.worker.batcher
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=2, latent_size=(4, 4))
@@ -63,7 +69,8 @@ class TestBatcher:
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
     ) -> None:
         """Different steps, sizes or overrides go to different batches, each still correct."""
-        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        # two jobs of each key: a full batch is one key's pair, or two jobs that mix keys
+        served = serve_spec(t2i_spec(batch_window_ms=UNTIL_FULL_MS, max_batch=2))
         batcher = served.worker.batcher
         assert batcher is not None
         keys = [
@@ -75,31 +82,44 @@ class TestBatcher:
         jobs = [image_job(i, keys[i % len(keys)]) for i in range(8)]
         occupy(batcher)
         done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
-        batches = {job.batch_id: job.key for job in done}
-        assert len(batches) == len(keys)
+        batches: dict[str, set[BatchKey]] = {}
+        for job in done:
+            batches.setdefault(job.batch_id, set()).add(job.key)
+        assert all(len(found) == 1 for found in batches.values()), batches
+        assert done[0].batch_id == "j0+j4"  # the first pair ran together
         for job in done:
             assert job.output is not None
             alone = run_alone(served.worker, image_job(int(job.id[1:]), job.key))
             assert (job.output - alone).abs().max() <= OUTPUT_TOLERANCE
 
-    @pytest.mark.parametrize(("limit", "expected"), [("max_batch", 2), ("max_batch_tokens", 2)])
+    @pytest.mark.parametrize(
+        ("settings", "jobs"),
+        [
+            # the window is never waited out: each batch starts once two jobs are queued
+            ({"max_batch": 2, "batch_window_ms": UNTIL_FULL_MS}, 4),
+            # three queued jobs start a batch, of which 32 tokens hold two; the last job
+            # waits out the window alone
+            ({"max_batch_tokens": 32, "max_batch": 3, "batch_window_ms": 500}, 3),
+        ],
+        ids=["max_batch", "max_batch_tokens"],
+    )
     def test_batches_stop_at_the_limits(
         self,
         serve_spec: ServeSpec,
         t2i_spec: Callable[..., PipelineSpec],
-        limit: str,
-        expected: int,
+        settings: dict[str, float],
+        jobs: int,
     ) -> None:
         """No batch holds more than serving.max_batch jobs or max_batch_tokens tokens."""
-        settings = {"max_batch": 2} if limit == "max_batch" else {"max_batch_tokens": 32}
-        served = serve_spec(t2i_spec(batch_window_ms=200, **settings))
+        served = serve_spec(t2i_spec(**settings))
         batcher = served.worker.batcher
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=1, latent_size=(4, 4))
-        jobs = [image_job(2 * i, key) for i in range(5)]  # one image (16 tokens) each
+        queued = [image_job(2 * i, key) for i in range(jobs)]  # one image (16 tokens) each
         occupy(batcher)
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
-        assert max(job.batch_size for job in done) == expected
+        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in queued]]
+        assert max(job.batch_size for job in done) == 2
+        assert done[0].batch_id == "j0+j2"
 
 
 class TestFaults:

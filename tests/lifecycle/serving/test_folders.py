@@ -16,10 +16,9 @@ from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
-from tests.conftest import PipelineFolders
-from tests.lifecycle.conftest import Lifecycle
+from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import pixels, run_arguments
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, decode_png, run_alone
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 from tests.lifecycle.serving.test_batching import occupy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,12 +96,13 @@ class TestImages:
     def test_what_the_class_cannot_honour_is_a_400(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
     ) -> None:
-        """A size off the grid names the multiple; Flux refuses a negative prompt it would drop."""
+        """An off-grid size names the multiple; Flux's negative prompt and a stream are refused."""
         served = serve_spec(folder_spec(pipeline_folder("flux")))
         with served.client() as client:
             off_grid = generate(client, prompt="a fox", size="40x40").json()["error"]
             negative = generate(client, prompt="a fox", negative_prompt="blur").json()["error"]
             unreadable = generate(client, prompt="a fox", size="large")
+            streamed = generate(client, prompt="a fox", stream=True).json()["error"]
         assert off_grid["param"] == "size"
         assert off_grid["message"] == (
             "FluxPipeline cannot make 40x40 images: height and width must be multiples of 16"
@@ -111,6 +111,7 @@ class TestImages:
         assert "a negative prompt would be ignored" in negative["message"]
         assert unreadable.status_code == 400
         assert unreadable.json()["error"]["param"] == "size"
+        assert streamed["param"] == "stream"
 
     def test_defaults_are_the_pipeline_class_defaults(
         self, pipeline_folder: PipelineFolders
@@ -129,7 +130,8 @@ class TestBatches:
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, cpu: Platform
     ) -> None:
         """Three of one size run as one batch, one of another size apart; all as if alone."""
-        served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=200, max_batch=8))
+        # the three start once queued (max_batch); the other waits out its window alone
+        served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=500, max_batch=3))
         batcher = served.worker.batcher
         recipe = served.worker.orchestrator.recipe
         assert batcher is not None
