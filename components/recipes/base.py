@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -130,14 +130,6 @@ class Recipe(ABC):
             return True
         return not torch.equal(before, generator.get_state())
 
-    def denoising_steps(self, scheduler: Any, batch: Batch) -> Iterator[torch.Tensor]:
-        """Yield the scheduler's timesteps for ``batch``: every denoise loop steps through here.
-
-        (The one place each step of a request passes: per-step progress and cancellation,
-        issue 22, hook in here.)
-        """
-        yield from scheduler.timesteps
-
     def loader(self, name: str, kind: type[LoaderT]) -> LoaderT:
         """Return component ``name``'s loader, which must be a ``kind``.
 
@@ -246,7 +238,7 @@ class Recipe(ABC):
         dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
         h, w = self.latent_size(size)
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
-        return [x.flatten(1).T for x in noise]  # (N, C) each
+        return latent_rows(noise)
 
     def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
         """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
@@ -359,6 +351,52 @@ def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
     if "generator" in accepted:
         options["generator"] = generator
     return options
+
+
+def step_done(
+    batch: Batch, scheduler: Any, latents: torch.Tensor, grid: torch.Tensor
+) -> list[int] | None:
+    """Report one denoising step of ``batch`` and take out the rows cancelled meanwhile.
+
+    ``latents`` is what the loop steps, one row per image first (Flux's packed tokens);
+    ``grid`` the same latents ``(B, C, h, w)``, reported as each image's ``(N, C)``. A
+    cancelled row leaves ``batch`` (``Batch.stepped``) and every per-image tensor the
+    scheduler keeps between steps, so the rows that stay step on as they would alone.
+
+    Returns the positions of the rows that stay (index ``latents`` with them and rebuild
+    the per-row inputs from ``batch``), or None when every row stays.
+
+    Raises:
+        Cancelled: no row is left.
+    """
+    kept = batch.stepped(latent_rows(grid))
+    if kept is not None:
+        narrow_scheduler(scheduler, latents.shape, kept)
+    return kept
+
+
+def narrow_scheduler(scheduler: Any, shape: torch.Size, keep: list[int]) -> None:
+    """Keep rows ``keep`` of every tensor ``scheduler`` holds shaped as the sample it steps.
+
+    Those are per image: a multistep scheduler keeps earlier steps' outputs and samples
+    (DPM-Solver's ``model_outputs``, UniPC's ``last_sample``), in attributes or lists;
+    its timesteps and sigmas are one-dimensional and never match.
+    """
+
+    def per_image(value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.shape == shape
+
+    state = vars(scheduler)
+    for name, value in list(state.items()):
+        if per_image(value):
+            state[name] = value[keep]
+        elif isinstance(value, list) and any(per_image(x) for x in value):
+            state[name] = [x[keep] if per_image(x) else x for x in value]
+
+
+def latent_rows(grid: torch.Tensor) -> list[torch.Tensor]:
+    """Return latents ``(B, C, h, w)`` as one ``(N, C)`` tensor per image, row-major (views)."""
+    return [x.flatten(1).T for x in grid]
 
 
 def latent_grid(latents: Sequence[torch.Tensor], h: int, w: int) -> torch.Tensor:

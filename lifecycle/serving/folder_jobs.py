@@ -24,15 +24,15 @@ def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: in
     Raises:
         ApiError: 400 when ``size`` is not ``WIDTHxHEIGHT``, the pipeline class cannot
             honour the request (a size off its grid, naming the multiple; a negative
-            prompt it would ignore), or it asks to be streamed (a recipe's denoising loop
-            does not report its steps yet).
+            prompt it would ignore), or it asks for previews (no preview map is fitted
+            for a pipeline class: its latents are not one grid per image size).
     """
-    if body.stream:
+    if body.partial_images:
         raise ApiError(
             400,
-            "a pipeline from a folder does not stream its denoising steps yet; leave "
-            "stream out (or false) and the image comes in one answer",
-            param="stream",
+            "a pipeline from a folder streams each step without previews: ask "
+            "partial_images 0 (the default)",
+            param="partial_images",
         )
     batch = Batch(
         generator=torch.Generator().manual_seed(seed),

@@ -82,7 +82,16 @@ def run_recipe(
 
     ``around(stage, modules)`` may return a context manager each stage runs inside.
     """
-    batch = batch_of(request)
+    return run_batch(loaded, batch_of(request), around)
+
+
+def run_batch(
+    loaded: Loaded,
+    batch: Batch,
+    around: Callable[[str, Mapping[str, nn.Module]], Any] | None = None,
+) -> torch.Tensor:
+    """Run every stage of the recipe on ``batch`` (``around`` as ``run_recipe``'s); return
+    the images in [0, 1]."""
     with torch.inference_mode():
         for stage in loaded.recipe.stages:
             modules = {name: loaded.modules[name] for name in stage.uses}

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from httpx_sse import connect_sse
 
 from attention import Platform
 from lifecycle.config import PipelineSpec, decode_spec
@@ -96,13 +97,13 @@ class TestImages:
     def test_what_the_class_cannot_honour_is_a_400(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
     ) -> None:
-        """An off-grid size names the multiple; Flux's negative prompt and a stream are refused."""
+        """An off-grid size names the multiple; Flux's negative prompt and previews are refused."""
         served = serve_spec(folder_spec(pipeline_folder("flux")))
         with served.client() as client:
             off_grid = generate(client, prompt="a fox", size="40x40").json()["error"]
             negative = generate(client, prompt="a fox", negative_prompt="blur").json()["error"]
             unreadable = generate(client, prompt="a fox", size="large")
-            streamed = generate(client, prompt="a fox", stream=True).json()["error"]
+            previews = generate(client, prompt="a fox", stream=True, partial_images=1)
         assert off_grid["param"] == "size"
         assert off_grid["message"] == (
             "FluxPipeline cannot make 40x40 images: height and width must be multiples of 16"
@@ -111,7 +112,28 @@ class TestImages:
         assert "a negative prompt would be ignored" in negative["message"]
         assert unreadable.status_code == 400
         assert unreadable.json()["error"]["param"] == "size"
-        assert streamed["param"] == "stream"
+        assert previews.json()["error"]["param"] == "partial_images"
+
+    def test_a_stream_reports_every_step_then_the_same_png(
+        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
+    ) -> None:
+        """``stream: true`` sends one event per scheduler step, then the non-streamed PNG."""
+        served = serve_spec(folder_spec(pipeline_folder("pixart-sigma")))
+        body = {"prompt": "a fox", "size": "48x32", "steps": 3, "seed": 2}
+        with served.client() as client:
+            with connect_sse(
+                client, "POST", "/v1/images/generations", json={**body, "stream": True}
+            ) as source:
+                events = [(sse.event, sse.json()) for sse in source.iter_sse()]
+            plain = generate(client, **body)
+        assert [(kind, data.get("step")) for kind, data in events] == [
+            ("image_generation.partial_image", 1),
+            ("image_generation.partial_image", 2),
+            ("image_generation.partial_image", 3),
+            ("image_generation.completed", None),
+        ]
+        assert events[-1][1]["size"] == "48x32"
+        assert events[-1][1]["b64_json"] == plain.json()["data"][0]["b64_json"]
 
     def test_defaults_are_the_pipeline_class_defaults(
         self, pipeline_folder: PipelineFolders
