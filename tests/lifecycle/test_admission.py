@@ -310,6 +310,8 @@ kind = "tiny_upsampler"
             "loader": "custom",
             "residency": "resident",
             "attention": [],
+            "dtype": "float32",
+            "bytes": 248588,
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tests.components.folder_runs import Request, run_diffusers
-from tests.conftest import PipelineFolders, decode_png
+from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import pixels, run_arguments
-from tests.parallel.test_launch import run
+
+pytestmark = pytest.mark.long
 
 REQUEST = Request(negative_prompt="blurry", size=(32, 32), steps=2, seed=5)
 
@@ -23,7 +24,7 @@ REQUEST = Request(negative_prompt="blurry", size=(32, 32), steps=2, seed=5)
     ["dp_size = 2", pytest.param("cfg_parallel = true", marks=pytest.mark.slow)],
 )
 def test_replicated_layouts_make_diffusers_images(
-    layout: str, pipeline_folder: PipelineFolders, tmp_path: Path
+    layout: str, pipeline_folder: PipelineFolders, tmp_path: Path, lifecycle_fd: Lifecycle
 ) -> None:
     """``--nproc 2`` runs the native components replicated; rank 0 writes diffusers' image."""
     folder = pipeline_folder("pixart-sigma")
@@ -31,7 +32,7 @@ def test_replicated_layouts_make_diffusers_images(
     spec.write_text(f'source = "{folder}"\ndevice = "cpu"\n[parallel]\n{layout}\n')
     out = tmp_path / "out"
     arguments = [*run_arguments(REQUEST), "--requests", "2", "--out", out]
-    result = run("-m", "lifecycle", "run", spec, "--nproc", "2", *arguments)
+    result = lifecycle_fd("run", spec, "--nproc", "2", *arguments)
     assert result.returncode == 0, result.stderr[-3000:]
     written = sorted(path.name for path in out.iterdir())
     # data parallel: rank 0 runs requests 1 (and 3, ...); CFG parallel: every request
