@@ -136,7 +136,8 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
             ``WIDTHxHEIGHT``.
     """
     _at_most(body.n, settings.max_n, "max_n", "n", "images per request (n)")
-    _at_most(body.steps, settings.max_steps, "max_steps", "steps", "denoising steps")
+    if body.steps is not None:  # None takes the pipeline's default
+        _at_most(body.steps, settings.max_steps, "max_steps", "steps", "denoising steps")
     _at_most(len(body.prompt), settings.max_prompt_chars, "max_prompt_chars", "prompt", "prompt")
     if body.negative_prompt is not None:
         _at_most(
