@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from torch import nn
@@ -66,6 +66,7 @@ class Loading:
         self.mesh: ParallelMesh | None = None
         self._mesh_built = False
         self._ahead: dict[str, Future[nn.Module]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self.build_ms: dict[str, float] = {}
         """How long each component's last build took, in milliseconds."""
 
@@ -96,20 +97,18 @@ class Loading:
         if not names:
             return
         threads = min(len(names), self.threads or os.cpu_count() or 1)
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
-        self._ahead = {name: pool.submit(self._build, name) for name in names}
-        pool.shutdown(wait=False)  # its threads end with the builds
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="load")
+        self._ahead = {name: self._pool.submit(self._build, name) for name in names}
 
     def discard_ahead(self) -> None:
         """Drop the builds no transition took (a load failed first), once they end.
 
-        Waiting for them means that nothing still builds, holding memory, once
-        ``Orchestrator.load()`` has returned or raised.
+        Waiting for them, and for their threads, means that nothing still builds,
+        holding memory, once ``Orchestrator.load()`` has returned or raised.
         """
-        ahead, self._ahead = self._ahead, {}
-        for future in ahead.values():
-            future.cancel()
-        wait(ahead.values())
+        pool, self._pool, self._ahead = self._pool, None, {}
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # the threads too, not only the builds
 
     def load(self, name: str, context: TransitionContext) -> None:
         """Build ``name`` through its admitted path; undone by forgetting the module.
