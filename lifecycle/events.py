@@ -147,7 +147,118 @@ class RequestEnded(
     duration_ms: float
 
 
-Event: TypeAlias = Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded
+class PipelineTransitioned(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="pipeline.transition",
+):
+    """A pipeline went from one state to another (``pipeline.transition``): drain, release.
+
+    Sleep and wake say it with an event of their own (``PipelineSlept``,
+    ``PipelineWoke``), with the same fields.
+
+    Attributes:
+        pipeline: the pipeline.
+        trigger: what moved it.
+        source: the state it left (lower-case value).
+        dest: the state it entered.
+        duration_ms: how long the transition took, its components' moves included.
+    """
+
+    pipeline: str
+    trigger: str
+    source: str
+    dest: str
+    duration_ms: float
+
+
+class PipelineSlept(
+    PipelineTransitioned,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="pipeline.slept",
+):
+    """A pipeline went to sleep: its components left the device (``pipeline.slept``)."""
+
+
+class PipelineWoke(
+    PipelineTransitioned, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.woke"
+):
+    """A pipeline woke: its components are back where ``load`` put them (``pipeline.woke``)."""
+
+
+class PipelineSwapped(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.swapped"
+):
+    """A worker replaced a pipeline by a new one of the same name (``pipeline.swapped``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec the new one was read from.
+        overlapped: whether both were held at once (the budget held both, so the old
+            one served until the new one was loaded); otherwise the old one was drained
+            and released first.
+        kept: the components the new one shares with the old, kept loaded across.
+        duration_ms: how long the swap took.
+    """
+
+    pipeline: str
+    path: str
+    overlapped: bool
+    kept: tuple[str, ...]
+    duration_ms: float
+
+
+class PipelineReloaded(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.reloaded"
+):
+    """A worker re-read a pipeline's spec (``pipeline.reloaded``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec re-read.
+        outcome: ``unchanged`` (nothing touched), ``swapped``, ``refused`` (check refused
+            it: nothing changed) or ``restored`` (the new one failed to load; the old
+            one serves again).
+    """
+
+    pipeline: str
+    path: str
+    outcome: Literal["unchanged", "swapped", "refused", "restored"]
+
+
+class PipelineRestored(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.restored"
+):
+    """A swap's new pipeline failed to load; the old one was loaded again and serves
+    (``pipeline.restored``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec of the new pipeline that failed.
+        cause: why it failed.
+    """
+
+    pipeline: str
+    path: str
+    cause: str
+
+
+Event: TypeAlias = (
+    Move
+    | Transitioned
+    | Refused
+    | MemoryWait
+    | RequestBegan
+    | RequestEnded
+    | PipelineTransitioned
+    | PipelineSwapped
+    | PipelineReloaded
+    | PipelineRestored
+)
 """Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
 under ``type``."""
 

@@ -55,6 +55,8 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         loader: the loading path, or None when none is admissible.
         residency: how it is kept on the device.
         attention: the backend of each attention site.
+        users: the pipelines (their keys on the device) that hold it: more than one
+            when it is shared (DESIGN §13).
     """
 
     kind: str
@@ -62,6 +64,7 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     loader: LoaderPath | None
     residency: ResidencyMode
     attention: tuple[SitePlan, ...]
+    users: tuple[str, ...] = ()
 
 
 class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,4 +1,4 @@
-"""The orchestrator's record of one component while it lives."""
+"""The record of one component while it lives, and of the pipelines that use it."""
 
 from __future__ import annotations
 
@@ -14,15 +14,26 @@ from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
 from lifecycle.config import ComponentSpec
+from lifecycle.events import Observers
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
 
 
 class ComponentSlot:
-    """Everything the orchestrator holds for one component.
+    """Everything held for one component, on the device of the pipelines that use it.
+
+    Args:
+        name: the component's name in the pipeline that declares it.
+        spec: what that pipeline's spec says of it.
+        lifecycle: its place on the lifecycle machine.
+        home: the key of that pipeline on its ``SharedDevice``.
 
     Attributes:
-        name: the component's name.
+        name: the component's name in its home pipeline (its events carry it).
+        key: its key on the device, unique among every pipeline's components.
+        home: the pipeline that declared it and built it.
+        users: each pipeline using it (its key) with the name it has there: its home,
+            and every pipeline that shares it (``lifecycle.sharing``).
         spec: what the pipeline spec says of it.
         mode: its residency mode, ``resident`` when none was written.
         lifecycle: its place on the lifecycle machine.
@@ -39,8 +50,13 @@ class ComponentSlot:
             in the budget until the onload transition completes it.
     """
 
-    def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
+    def __init__(
+        self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle, home: str = ""
+    ) -> None:
         self.name = name
+        self.home = home
+        self.key = f"{home}/{name}"
+        self.users: dict[str, str] = {home: name}
         self.spec = spec
         self.mode: ResidencyMode = spec.residency_mode  # read on every move: resolved once
         self.lifecycle = lifecycle
@@ -52,6 +68,37 @@ class ComponentSlot:
         self.footprint = 0
         self.in_use_by: Counter[str] = Counter()
         self.reserved = False
+        self._observers: dict[str, Observers] = {home: lifecycle.observers}
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes of its weights: its store's once it has one, else its footprint."""
+        return self.footprint if self.store is None else self.store.nbytes
+
+    def join_observers(self, pipeline: str, observers: Observers) -> None:
+        """Hand its transitions and moves to ``observers`` too (a pipeline sharing it)."""
+        self._observers[pipeline] = observers
+        self._rejoin()
+
+    def leave_observers(self, pipeline: str) -> None:
+        """Stop handing its events to the observers of ``pipeline`` (no longer a user)."""
+        self._observers.pop(pipeline, None)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """Point the lifecycle at its one user's observers, or at all of its users'."""
+        users = list(self._observers.values())
+        if len(users) == 1:
+            self.lifecycle.observers = users[0]
+            return
+        joined = Observers()
+        for observers in users:
+            joined.attach(observers.emit)
+        self.lifecycle.observers = joined
+
+    def label(self, pipeline: str) -> str:
+        """Return how a message about ``pipeline`` names it: its name there, else its key."""
+        return self.users.get(pipeline) or self.key
 
     @property
     def plan(self) -> ComponentPlan | None:

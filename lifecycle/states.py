@@ -1,12 +1,13 @@
-"""The component lifecycle: its states and the one transition table.
+"""The lifecycles: the states of a component and of a pipeline, each with its one table.
 
-This table is the single source of truth: the machine is built from it, the
-diagrams are drawn from that machine, and the docs embed the diagrams.
+Each table is the single source of truth of its machine: the machine is built from
+it, the diagrams are drawn from that machine, and the docs embed the diagrams.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Generic, TypeAlias, TypeVar
 
 import msgspec
 
@@ -22,8 +23,32 @@ class ComponentState(StrEnum):
     RELEASED = "released"
 
 
-class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One row of the transition table.
+class PipelineState(StrEnum):
+    """Where a pipeline stands in a worker (DESIGN §13).
+
+    A pipeline is SERVING once loaded; SLEEPING, its components are off the device
+    and stay admitted, loaded where their target allows; DRAINING, it takes no new
+    requests and its open ones finish; RELEASED, every component it held alone is
+    released.
+    """
+
+    SERVING = "serving"
+    SLEEPING = "sleeping"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+State = TypeVar("State", ComponentState, PipelineState)
+"""The states of one machine: a row of its table names only those."""
+
+AnyState: TypeAlias = ComponentState | PipelineState
+"""A state of either machine (a refusal names the one it stayed in)."""
+
+
+class TransitionRule(
+    msgspec.Struct, Generic[State], frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """One row of a transition table.
 
     Attributes:
         trigger: the method name that fires the transition.
@@ -36,15 +61,15 @@ class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     trigger: str
-    sources: tuple[ComponentState, ...]
-    dest: ComponentState
+    sources: tuple[State, ...]
+    dest: State
     guards: tuple[str, ...] = ()
     postcondition: str | None = None
 
 
 _S = ComponentState
 
-TRANSITIONS: tuple[TransitionRule, ...] = (
+TRANSITIONS: tuple[TransitionRule[ComponentState], ...] = (
     TransitionRule(
         trigger="admit",
         sources=(_S.CONFIGURED,),
@@ -62,7 +87,7 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
         trigger="onload",
         sources=(_S.LOADED, _S.OFFLOADED),
         dest=_S.RESIDENT,
-        guards=("memory_budget",),
+        guards=("pipeline_awake", "memory_budget"),
     ),
     TransitionRule(
         trigger="offload",
@@ -81,3 +106,28 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
 INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
 GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
+
+_P = PipelineState
+
+PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
+    TransitionRule(
+        trigger="sleep",
+        sources=(_P.SERVING,),
+        dest=_P.SLEEPING,
+        guards=("requests_ended",),
+    ),
+    TransitionRule(trigger="wake", sources=(_P.SLEEPING,), dest=_P.SERVING),
+    TransitionRule(trigger="drain", sources=(_P.SERVING, _P.SLEEPING), dest=_P.DRAINING),
+    TransitionRule(
+        trigger="release",
+        sources=(_P.DRAINING,),
+        dest=_P.RELEASED,
+        guards=("requests_ended",),
+    ),
+)
+"""The pipeline's table: sleep offloads every component it does not share with a
+pipeline that is awake, wake puts them back where ``load`` placed them (an onload the
+budget refuses fails it, rolled back), drain stops taking requests, release lets go of
+every component (a shared one is released with its last user)."""
+
+INITIAL_PIPELINE_STATE = PipelineState.SERVING

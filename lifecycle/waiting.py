@@ -19,6 +19,10 @@ Why this cannot deadlock:
 Hence the head of the queue always progresses, and every waiter becomes the head.
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
 ``residency.memory_budget``, naming the requests that hold what it needs.
+
+Several pipelines on one device wait in one line: the argument holds across them,
+since a worker's admission checks each pipeline's stages against the shared budget
+beside every other pipeline's pinned components.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from lifecycle.config import StageSpec
@@ -40,26 +45,31 @@ log = get_logger("lifecycle")  # follows a later configure_logging, as the machi
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class WaitTerms:
+    """How one pipeline's requests wait.
+
+    Attributes:
+        timeout: its ``memory.wait_timeout`` in seconds.
+        observers: who receives a ``MemoryWait`` for every wait, however it ends.
+        slots: its components by the names its stages use.
+    """
+
+    timeout: float
+    observers: Observers
+    slots: Mapping[str, ComponentSlot]
+
+
 class MemoryWaiter:
     """Let requests wait, first come first served, for others to release the device.
 
     Args:
-        slots: the orchestrator's components by name.
+        slots: every component on the device, by key.
         lock: the machine's lock; waiting releases it.
-        timeout: ``memory.wait_timeout`` in seconds.
-        observers: who receives a ``MemoryWait`` for every wait, however it ends.
     """
 
-    def __init__(
-        self,
-        slots: Mapping[str, ComponentSlot],
-        lock: threading.RLock,
-        timeout: float,
-        observers: Observers,
-    ) -> None:
+    def __init__(self, slots: Mapping[str, ComponentSlot], lock: threading.RLock) -> None:
         self.slots = slots
-        self.timeout = timeout
-        self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: deque[str] = deque()
 
@@ -70,17 +80,19 @@ class MemoryWaiter:
         stage: StageSpec,
         attempt: Callable[[str, int], T],
         release: Callable[[str, int], object],
+        terms: WaitTerms,
     ) -> T:
         """Run ``attempt`` (use and onload ``stage``) when it may; wait while others use it.
 
         Call with the lock held. ``attempt(request_id, position)`` marks in use every
         component of ``stage``, the stage at ``position``, or, when it raises, none;
         ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
-        should anything after it fail (writing the wait's event).
+        should anything after it fail (writing the wait's event). ``terms`` are the
+        pipeline's.
 
         Raises:
             TransitionRefused: the budget refused for another reason than other
-                requests' holds, or they still held it after ``timeout``; the
+                requests' holds, or they still held it after ``terms.timeout``; the
                 refusal names them.
             TransitionFailed: an onload failed.
         """
@@ -91,7 +103,7 @@ class MemoryWaiter:
                 if not self._should_wait(err, request_id):
                     raise
         started = time.monotonic()
-        deadline = started + self.timeout
+        deadline = started + terms.timeout
         last: TransitionRefused | None = None
         self._queue.append(request_id)
         try:
@@ -105,7 +117,7 @@ class MemoryWaiter:
                         last = err
                     else:
                         try:
-                            self._record(request_id, stage, started, "acquired")
+                            self._record(request_id, stage, started, "acquired", terms)
                         except BaseException:
                             # an event that cannot be written must not keep the stage
                             release(request_id, position)
@@ -113,8 +125,8 @@ class MemoryWaiter:
                         return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._record(request_id, stage, started, "refused")
-                    raise self._timed_out(last, stage.uses)
+                    self._record(request_id, stage, started, "refused", terms)
+                    raise self._timed_out(last, stage.uses, terms)
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
@@ -140,11 +152,14 @@ class MemoryWaiter:
             self._turns.notify_all()
 
     def users(self) -> dict[str, list[str]]:
-        """Return each request that holds (uses) a component, with what it holds."""
+        """Return each request that holds (uses) a component, with what it holds.
+
+        A component is named as its home pipeline calls it.
+        """
         held: dict[str, list[str]] = {}
-        for name, slot in self.slots.items():
+        for slot in self.slots.values():
             for rid in slot.in_use_by:
-                held.setdefault(rid, []).append(name)
+                held.setdefault(rid, []).append(slot.name)
         return held
 
     def _should_wait(self, err: TransitionRefused, request_id: str) -> bool:
@@ -154,14 +169,16 @@ class MemoryWaiter:
         holds_nothing = request_id not in users
         return RefusalCode.MEMORY_BUDGET in err.codes and bool(others) and holds_nothing
 
-    def _timed_out(self, err: TransitionRefused | None, uses: Sequence[str]) -> TransitionRefused:
+    def _timed_out(
+        self, err: TransitionRefused | None, uses: Sequence[str], terms: WaitTerms
+    ) -> TransitionRefused:
         held = self.users()
         named = "; ".join(f"request {rid} holds {', '.join(names)}" for rid, names in held.items())
         component = uses[0] if err is None else err.component
         refusal = Refusal(
             code=RefusalCode.MEMORY_BUDGET,
             component=component,
-            message=f"waited {self.timeout:g} s for memory for stage components "
+            message=f"waited {terms.timeout:g} s for memory for stage components "
             f"{', '.join(uses)}, but other requests still hold the device "
             f"({named or 'none now'}; {len(self._queue) - 1} other request(s) waiting)"
             + ("" if err is None else f": {err.refusals[0].message}"),
@@ -169,7 +186,7 @@ class MemoryWaiter:
             "memory.device_budget so more stages fit at once, or send fewer concurrent "
             "requests (serving.max_queue)",
         )
-        source = self.slots[component].lifecycle.state
+        source = terms.slots[uses[0]].lifecycle.state if err is None else err.source
         return TransitionRefused(component, "onload", source, [refusal])
 
     def _record(
@@ -178,6 +195,7 @@ class MemoryWaiter:
         stage: StageSpec,
         started: float,
         outcome: Literal["acquired", "refused"],
+        terms: WaitTerms,
     ) -> None:
         """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
         seconds = round(time.monotonic() - started, 6)
@@ -189,7 +207,7 @@ class MemoryWaiter:
             seconds=seconds,
             outcome=outcome,
         )
-        if self.observers.attached:
+        if terms.observers.attached:
             wait = MemoryWait(
                 request_id=request_id,
                 stage=stage.name,
@@ -197,4 +215,4 @@ class MemoryWaiter:
                 seconds=seconds,
                 outcome=outcome,
             )
-            self.observers.emit(wait)
+            terms.observers.emit(wait)

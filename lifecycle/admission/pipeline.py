@@ -20,7 +20,7 @@ from attention import registry as backends
 from components import registry as kinds
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
-from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.budget import SharedBudget, budget_refusals
 from lifecycle.admission.construction import construct_module
 from lifecycle.admission.host_memory import available_host_bytes, host_memory_refusals
 from lifecycle.admission.interfaces import interface_refusals
@@ -99,11 +99,13 @@ def admit_pipeline(
     spec: PipelineSpec,
     platform: Platform,
     loaders: Mapping[str, ComponentLoader] | None = None,
+    shared: SharedBudget | None = None,
 ) -> Admission:
     """Plan every component of ``spec`` on ``platform``, collecting every refusal.
 
     ``loaders`` are the components' loaders when the caller already holds them
-    (the orchestrator does); otherwise they are made from the spec.
+    (the orchestrator does); otherwise they are made from the spec. ``shared`` is the
+    budget of a worker that serves it beside other pipelines, if any.
     """
     if loaders is None:
         loaders = {
@@ -136,7 +138,7 @@ def admit_pipeline(
             *split_refusals(spec, loaders, paths),
             *fsdp_refusals(spec, loaders, paths),
             *sharded_offload_refusals(spec, loaders, paths, platform),
-            *budget_refusals(spec, loaders),
+            *budget_refusals(spec, loaders, shared),
             *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
             *interface_refusals(spec, loaders),

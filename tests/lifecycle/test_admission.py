@@ -310,6 +310,7 @@ kind = "tiny_upsampler"
             "loader": "custom",
             "residency": "resident",
             "attention": [],
+            "users": ["unsupported-backend"],
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

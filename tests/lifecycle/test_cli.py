@@ -103,6 +103,7 @@ class TestCheck:
                     "reason": None,
                 }
             ],
+            "users": ["tiny-t2i"],
         }
 
     def test_bad_key_is_one_line_and_exit_two(self, lifecycle: Lifecycle, tmp_path: Path) -> None:

@@ -70,6 +70,8 @@ class TestDiagrams:
         assert {p.name for p in written} == {
             "component_lifecycle.mmd",
             "component_lifecycle.dot",
+            "pipeline_lifecycle.mmd",
+            "pipeline_lifecycle.dot",
             "refusal_codes.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []
