@@ -108,7 +108,11 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         batch_window_ms: how long the first request of a batch waits for others
             while another batch runs (an idle worker starts it at once).
         max_queue: requests waiting or running at once; one more is answered 429.
-        drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        drain_timeout: seconds SIGTERM waits for in-flight requests before exiting
+            (and a sleep, a swap or a removal waits for the pipeline's).
+        wake_timeout: seconds a request for a sleeping pipeline waits for it to wake
+            before it is answered 503 (with ``Retry-After``).
+        auto_wake: whether a request for a sleeping pipeline wakes it.
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -116,6 +120,9 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # the worker over time (DESIGN §13)
+    wake_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    auto_wake: bool = False
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -210,11 +217,60 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     stages: tuple[StageSpec, ...] = ()
 
 
+class WorkerSettings(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[worker]`` table of a worker file (``lifecycle serve --worker FILE``).
+
+    Attributes:
+        device_budget: the most bytes resident at once for every pipeline the worker
+            serves, together (it replaces each spec's ``memory.device_budget``).
+    """
+
+    device_budget: ByteSize | UnsetType = UNSET
+
+
+class WorkerFile(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A worker file: settings of a worker serving several pipelines (DESIGN §13).
+
+    Attributes:
+        worker: the worker's settings.
+    """
+
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+
+
 def load_spec(path: str | Path) -> PipelineSpec:
     """Read and decode the spec at ``path``; the format follows its extension.
 
     Raises:
         ConfigError: the file is missing or unreadable, or the spec is bad.
+    """
+    text, fmt, source = _read(path, "spec")
+    try:
+        return decode_spec(text, fmt)
+    except ConfigError as err:
+        raise ConfigError(err.message, err.path, source) from None
+
+
+def load_worker_file(path: str | Path) -> WorkerFile:
+    """Read and decode the worker file at ``path``; the format follows its extension.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or a key is bad.
+    """
+    text, fmt, source = _read(path, "worker file")
+    try:
+        raw = _parse(text, fmt)
+        _check_shape(raw)
+        return _convert(raw, WorkerFile, "$")
+    except ConfigError as err:
+        raise ConfigError(err.message, err.path, source) from None
+
+
+def _read(path: str | Path, what: str) -> tuple[str, str, str]:
+    """Return the text of the file at ``path``, its format (extension) and its name.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, too large or not UTF-8.
     """
     source = str(path)
     try:
@@ -224,13 +280,10 @@ def load_spec(path: str | Path) -> PipelineSpec:
             raise ConfigError(_TOO_LARGE, source=source)
         text = data.decode("utf-8")
     except OSError as err:
-        raise ConfigError(f"cannot read the spec: {err.strerror}", source=source) from None
+        raise ConfigError(f"cannot read the {what}: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
-        raise ConfigError("the spec is not UTF-8 text", source=source) from None
-    try:
-        return decode_spec(text, Path(path).suffix.lstrip(".").lower())
-    except ConfigError as err:
-        raise ConfigError(err.message, err.path, source) from None
+        raise ConfigError(f"the {what} is not UTF-8 text", source=source) from None
+    return text, Path(path).suffix.lstrip(".").lower(), source
 
 
 def decode_spec(text: str, fmt: str = "toml") -> PipelineSpec:

@@ -21,6 +21,8 @@ log = get_logger("lifecycle")
 
 Direction: TypeAlias = Literal["onload", "offload"]
 
+ReloadOutcome: TypeAlias = Literal["unchanged", "swapped", "refused", "restored"]
+
 
 class Move(
     msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="residency.moved"
@@ -227,7 +229,7 @@ class PipelineReloaded(
 
     pipeline: str
     path: str
-    outcome: Literal["unchanged", "swapped", "refused", "restored"]
+    outcome: ReloadOutcome
 
 
 class PipelineRestored(

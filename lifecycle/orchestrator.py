@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -31,7 +31,7 @@ from lifecycle import admission as adm
 from lifecycle.admission.budget import declared_bytes
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
-from lifecycle.events import Observer, Observers, Refused, RequestBegan, RequestEnded
+from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machine import (
@@ -60,7 +60,7 @@ from lifecycle.refusals import (
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import Residency
 from lifecycle.shared_device import SharedDevice
-from lifecycle.sharing import component_identity
+from lifecycle.sharing import ComponentIdentity, component_identity
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState, PipelineState
 from lifecycle.timeline import Timeline
@@ -151,6 +151,7 @@ class Orchestrator:
             observers=self._observers,
         )
         self.shared.pipelines.add_pipeline(self._pipeline)
+        self.shared.lifecycles[self.key] = self._pipeline
 
     @classmethod
     def from_file(
@@ -178,6 +179,12 @@ class Orchestrator:
         raises is logged and skipped; it never changes what the orchestrator does.
         """
         return self._observers.attach(observer)
+
+    def announce(self, event: Event) -> None:
+        """Hand ``event`` to this pipeline's observers: what a worker did with the pipeline
+        (``PipelineSwapped``, ``PipelineReloaded``, ``PipelineRestored``)."""
+        if self._observers.attached:
+            self._observers.emit(event)
 
     def admit(self) -> AdmissionPlan:
         """Admit every component, or none: return the plan.
@@ -514,6 +521,7 @@ class Orchestrator:
         found = self.shared.loaded_equal(identity)
         if found is None or self.key in found.users:
             slot.lifecycle.load()
+            slot.identity = identity
             self.shared.offer(identity, slot)
             return slot
         self.shared.drop_slot(slot)
@@ -534,17 +542,71 @@ class Orchestrator:
             return
         slot.lifecycle.release()
 
+    def identities(self) -> dict[str, ComponentIdentity]:
+        """Return what makes each admitted component itself (``lifecycle.sharing``), by name.
+
+        Reads each weights file to checksum it. A swap compares the new pipeline's with
+        the old one's to keep what they share loaded.
+
+        Raises:
+            RuntimeError: the pipeline was never admitted.
+            OSError, ValueError: a weights file cannot be read.
+        """
+        return {
+            name: slot.identity or component_identity(slot, self.spec, self.platform.kind)
+            for name, slot in self._slots.items()
+        }
+
+    def drain(self) -> None:
+        """Mark the pipeline DRAINING: it is on its way out (a worker sends it nothing new).
+
+        Its explicitly resident components no longer count against other pipelines'
+        admission: they leave with it.
+
+        Raises:
+            InvalidTransition: it drains already, or was released.
+        """
+        self._pipeline.drain()
+
+    def release_unshared(self, keep: Collection[ComponentIdentity]) -> None:
+        """Release the components of a draining pipeline, but those whose identity is in
+        ``keep`` (those its successor in a swap will share); ``close`` releases the rest.
+
+        Raises:
+            InvalidTransition: the pipeline is not draining.
+            TransitionRefused: an open request still uses a component; the others were
+                released.
+        """
+        with self._machine.lock:
+            state = self._pipeline.state
+            if state is not PipelineState.DRAINING:
+                raise InvalidTransition(
+                    self.spec.name, "release_unshared", state, ("draining",), noun="pipeline"
+                )
+            for name, slot in self._slots.items():
+                if slot.identity is None or slot.identity not in keep:
+                    self._let_go(name, slot)
+
     def _budget(self) -> adm.SharedBudget | None:
-        """Return the device's budget as admission weighs it, beside the others' pinned."""
+        """Return the device's budget as admission weighs it, beside the others' pinned.
+
+        A draining pipeline's components leave with it: they are not counted.
+        """
         limit = self.shared.budget.limit
         if limit is None:
             return None
+        staying = {
+            key
+            for key, pipeline in self.shared.lifecycles.items()
+            if pipeline.state in (PipelineState.SERVING, PipelineState.SLEEPING)
+        }
         pinned = {
             slot.key: slot.footprint or declared_bytes(slot.loader) or 0
             for slot in self.shared.slots.values()
             if slot.home != self.key
             and slot.spec.is_pinned
             and slot.lifecycle.state is not ComponentState.RELEASED
+            and not staying.isdisjoint(slot.users)
         }
         return adm.SharedBudget(limit=limit, key=self.shared.budget.key, pinned=pinned)
 
@@ -632,6 +694,7 @@ class Orchestrator:
 
     def _unregister(self, context: TransitionContext) -> None:
         self.shared.unregister(self.key)
+        self.shared.lifecycles.pop(self.key, None)
 
     # -- guards (pure: they read decisions, touch nothing) -------------------
 

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 
+import msgspec
+
+from lifecycle.config import PipelineSpec, WorkerFile
 from lifecycle.device_budget import DeviceBudget
 from lifecycle.events import Observers
 from lifecycle.logs import get_logger
 from lifecycle.machine import LifecycleMachine
-from lifecycle.pipeline_machine import PipelineMachine
+from lifecycle.pipeline_machine import PipelineLifecycle, PipelineMachine
 from lifecycle.sharing import ComponentIdentity
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
@@ -52,6 +56,8 @@ class SharedDevice:
         open_requests: the pipeline (its key) of each open request, by request id.
         asleep: the pipelines (keys) that sleep: their unshared components stay off.
         requests_ended: notified whenever a request ends (a sleep waits on it).
+        lifecycles: each pipeline's lifecycle, by its key.
+        names: each pipeline's name, by its key.
     """
 
     def __init__(
@@ -75,6 +81,8 @@ class SharedDevice:
         self._loaded: dict[ComponentIdentity, ComponentSlot] = {}
         self._names: dict[str, int] = {}
         self._kind: str | None = None
+        self.lifecycles: dict[str, PipelineLifecycle] = {}
+        self.names: dict[str, str] = {}
 
     def register(self, name: str, timeline: Timeline, kind: str) -> str:
         """Take in the pipeline ``name`` with its timeline; return its key on this device.
@@ -97,6 +105,7 @@ class SharedDevice:
             key = name if count == 1 and name not in self.timelines else f"{name}#{count}"
             self.timelines[key] = timeline
             self.last_asked[key] = 0
+            self.names[key] = name
             return key
 
     def unregister(self, key: str) -> None:
@@ -105,6 +114,7 @@ class SharedDevice:
             self.timelines.pop(key, None)
             self.last_asked.pop(key, None)
             self.asleep.discard(key)
+            self.names.pop(key, None)
 
     def asked(self, key: str) -> None:
         """Note that the pipeline ``key`` opened a request now (call with the lock held)."""
@@ -177,3 +187,24 @@ class SharedDevice:
                 for slot in self.slots.values()
                 if slot.store is not None
             )
+
+
+def worker_budget(
+    specs: Sequence[PipelineSpec], given: int | None, file: WorkerFile | None
+) -> tuple[int | None, str]:
+    """Return the budget a worker's device holds its pipelines to, and where it was set.
+
+    ``--device-budget`` (``given``) first, then the worker file's ``[worker]
+    device_budget``; without either, the smallest ``memory.device_budget`` of the specs
+    (each spec's limit holds then), or none.
+    """
+    if given is not None:
+        return given, "--device-budget"
+    if file is not None and not isinstance(file.worker.device_budget, msgspec.UnsetType):
+        return file.worker.device_budget, "worker.device_budget"
+    own = [
+        spec.memory.device_budget
+        for spec in specs
+        if not isinstance(spec.memory.device_budget, msgspec.UnsetType)
+    ]
+    return (min(own), "memory.device_budget") if own else (None, "memory.device_budget")

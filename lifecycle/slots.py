@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -17,6 +18,9 @@ from lifecycle.config import ComponentSpec
 from lifecycle.events import Observers
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
+
+if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here
+    from lifecycle.sharing import ComponentIdentity
 
 
 class ComponentSlot:
@@ -48,6 +52,8 @@ class ComponentSlot:
         in_use_by: the open requests using it now, with how many of their stages each.
         reserved: whether a prefetch started its onload and holds its footprint
             in the budget until the onload transition completes it.
+        identity: what makes it itself, once loaded on a device pipelines share
+            (``lifecycle.sharing``); None otherwise.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class ComponentSlot:
         self.in_use_by: Counter[str] = Counter()
         self.reserved = False
         self._observers: dict[str, Observers] = {home: lifecycle.observers}
+        self.identity: ComponentIdentity | None = None
 
     @property
     def nbytes(self) -> int:

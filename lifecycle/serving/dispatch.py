@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -13,12 +12,14 @@ from lifecycle.refusals import RequestRefused, TransitionFailed, TransitionRefus
 from lifecycle.serving.batcher import Draining, QueueFull
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import Job
-from lifecycle.serving.worker import Phase, Worker
+from lifecycle.serving.served import ServedPipeline
+from lifecycle.serving.worker import Asleep, Phase, UnknownModel, Worker
 
 log = get_logger("lifecycle")
 
 
-def check_ready(worker: Worker, model: str | None) -> None:
+def check_ready(worker: Worker, model: str | None) -> ServedPipeline:
+    """Return the pipeline ``model`` names (None: the only one), once the worker is ready."""
     if worker.phase is not Phase.READY:
         raise ApiError(
             503,
@@ -26,33 +27,36 @@ def check_ready(worker: Worker, model: str | None) -> None:
             kind="service_unavailable",
             code=worker.phase.value,
         )
-    if model is not None and model != worker.name:
-        raise ApiError(
-            404,
-            f"model '{model}' is not served here; this worker serves '{worker.name}'",
-            param="model",
-            code="model_not_found",
-        )
+    try:
+        return worker.resolve(model)
+    except UnknownModel as err:
+        raise unknown_model(err) from None
 
 
-def not_served(worker: Worker, what: str, example: str) -> ApiError:
+def unknown_model(err: UnknownModel) -> ApiError:
+    """Answer a request naming no served pipeline: 404, or 400 when it names none of several."""
+    status = 400 if err.code == "model_required" else 404
+    return ApiError(status, str(err), param="model", code=err.code)
+
+
+def not_served(served: ServedPipeline, what: str, example: str) -> ApiError:
     return ApiError(
         404,
-        f"pipeline '{worker.name}' does not produce {what}; serve a pipeline that does, "
+        f"pipeline '{served.name}' does not produce {what}; serve a pipeline that does, "
         f"such as {example}",
         code="endpoint_not_served",
     )
 
 
-async def run_job(worker: Worker, job: Job) -> Job:
-    """Queue ``job`` and wait for it; map the worker's errors to HTTP ones."""
+async def run_job(worker: Worker, served: ServedPipeline, job: Job) -> Job:
+    """Queue ``job`` on ``served`` and wait for it; map the worker's errors to HTTP ones."""
     try:
-        future = worker.submit(job)
+        return await worker.run(served, job)
     except QueueFull:
         raise ApiError(
             429,
-            f"the queue is full (serving.max_queue = "
-            f"{worker.orchestrator.spec.serving.max_queue} requests); retry later",
+            f"the queue is full (serving.max_queue = {served.settings.max_queue} requests); "
+            "retry later",
             kind="rate_limit_error",
             code="queue_full",
         ) from None
@@ -63,8 +67,12 @@ async def run_job(worker: Worker, job: Job) -> Job:
             kind="service_unavailable",
             code="draining",
         ) from None
-    try:
-        return await asyncio.wrap_future(future)
+    except Asleep as err:
+        raise ApiError(
+            503, f"{err}; retry later", kind="service_unavailable", code="pipeline.asleep"
+        ) from None
+    except UnknownModel as err:  # removed while the request waited
+        raise unknown_model(err) from None
     except RequestRefused as err:
         worker.metrics.refused(tuple(code.value for code in err.codes))
         raise ApiError(

@@ -15,6 +15,7 @@ from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
@@ -30,10 +31,10 @@ def images_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/images/generations", openapi_extra=documented(ImagesBody))
     async def images(request: Request) -> Response:
         body = decode_body(IMAGES_BODY, await request.body())
-        check_ready(worker, body.model)
-        if not worker.shapes.images:
-            raise not_served(worker, "images", "examples/tiny_t2i.toml")
-        latent_size = _latent_size(worker, body.size, body.n)
+        served = check_ready(worker, body.model)
+        if not served.shapes.images:
+            raise not_served(served, "images", "examples/tiny_t2i.toml")
+        latent_size = _latent_size(served, body.size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         key = BatchKey(
             endpoint="images",
@@ -51,7 +52,7 @@ def images_routes(worker: Worker) -> APIRouter:
             tokens=body.n * latent_size[0] * latent_size[1],
             seed=seed,
         )
-        done = await run_job(worker, job)
+        done = await run_job(worker, served, job)
         assert done.output is not None
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
         content = {"created": int(time.time()), "data": data, "seed": seed}
@@ -60,10 +61,10 @@ def images_routes(worker: Worker) -> APIRouter:
     return router
 
 
-def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
+def _latent_size(served: ServedPipeline, size: str | None, n: int) -> tuple[int, int]:
     """Return the latent grid of ``size`` ("WxH"), checked against the pipeline's range."""
-    scale = worker.shapes.image_scale
-    settings = worker.orchestrator.spec.serving
+    scale = served.shapes.image_scale
+    settings = served.settings
     if size is None:
         return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
     width, _, height = size.partition("x")

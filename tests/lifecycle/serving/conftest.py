@@ -76,7 +76,7 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
         orchestrator = Orchestrator(spec, platform=cpu, observer=metrics.observe)
         orchestrator.observe(observe_moves)  # a second observer beside the metrics
-        worker = Worker(orchestrator, metrics)
+        worker = Worker([orchestrator], metrics)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         host, port = sock.getsockname()
