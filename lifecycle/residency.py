@@ -297,9 +297,10 @@ class Residency:
 
     def _builds_alive(self) -> bool:
         """Tell whether a component this residency built is still on the device for others."""
+        on_device = self._shared.slots
         return any(
             slot.home == self.key
-            and slot.lifecycle.state is not ComponentState.RELEASED
+            and slot.key in on_device  # a release takes it off first
             and self.key not in slot.users
             and slot.users
             for slot in self.slots.values()
