@@ -112,7 +112,7 @@ class Residency:
         if slot.mode is not ResidencyMode.RESIDENT:
             return []
         args = context.args
-        if (args.eviction or args.sleeping) and slot.may_be_evicted:
+        if (args.eviction and slot.may_be_evicted) or (args.sleeping and not slot.is_sharded):
             return []
         return [
             Refusal(

@@ -133,14 +133,17 @@ class ComponentSlot:
         return self._module
 
     @property
-    def may_be_evicted(self) -> bool:
-        """Tell whether the budget may evict it: offloadable, or resident only by default.
-
-        A component whose weights are sharded stays: evicting DTensor shards to disk or
-        pinned memory is not built (admission refuses asking for it explicitly).
-        """
+    def is_sharded(self) -> bool:
+        """Tell whether its weights are sharded across ranks: such a component never moves
+        (evicting DTensor shards to disk or pinned memory is not built; admission refuses
+        asking for it explicitly)."""
         parallel = self.loader.parallel
-        return not self.spec.is_pinned and not (parallel is not None and parallel.shards_weights)
+        return parallel is not None and parallel.shards_weights
+
+    @property
+    def may_be_evicted(self) -> bool:
+        """Tell whether the budget may evict it: offloadable, or resident only by default."""
+        return not self.spec.is_pinned and not self.is_sharded
 
     def forget(self) -> None:
         """Drop the module and its store (release, or a rolled-back load)."""

@@ -116,7 +116,12 @@ PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
         dest=_P.SLEEPING,
         guards=("requests_ended",),
     ),
-    TransitionRule(trigger="wake", sources=(_P.SLEEPING,), dest=_P.SERVING),
+    TransitionRule(
+        trigger="wake",
+        sources=(_P.SLEEPING,),
+        dest=_P.SERVING,
+        guards=("memory_budget",),
+    ),
     TransitionRule(trigger="drain", sources=(_P.SERVING, _P.SLEEPING), dest=_P.DRAINING),
     TransitionRule(
         trigger="release",
@@ -125,9 +130,11 @@ PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
         guards=("requests_ended",),
     ),
 )
-"""The pipeline's table: sleep offloads every component it does not share with a
-pipeline that is awake, wake puts them back where ``load`` placed them (an onload the
-budget refuses fails it, rolled back), drain stops taking requests, release lets go of
-every component (a shared one is released with its last user)."""
+"""The pipeline's table: sleep (once its requests ended) offloads every component it
+does not share with a pipeline that is awake; wake (when its resident components fit
+beside what the other pipelines pin) puts them back where ``load`` placed them, and an
+onload refused on the way fails it, rolled back; drain marks it on its way out; release
+follows once every component it held alone is released (a shared one stays with its
+other users)."""
 
 INITIAL_PIPELINE_STATE = PipelineState.SERVING

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from lifecycle import diagrams
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
+from lifecycle.pipeline_machine import PipelineMachine
 from lifecycle.refusals import RefusalCode
-from lifecycle.states import TRANSITIONS, ComponentState
+from lifecycle.states import PIPELINE_TRANSITIONS, TRANSITIONS, ComponentState
 from tests.lifecycle.test_machine import passing_checks
 
 
@@ -42,6 +43,24 @@ class TestDiagrams:
         """Each (source, trigger) of the table appears once, labelled with its guards."""
         text = diagrams.mermaid()
         for rule in TRANSITIONS:
+            for source in rule.sources:
+                edges = [
+                    line
+                    for line in text.splitlines()
+                    if line.strip().startswith(
+                        f"{source.value} --> {rule.dest.value} : {rule.trigger}"
+                    )
+                ]
+                assert len(edges) == 1
+                for guard in rule.guards:
+                    assert guard in edges[0]
+
+    def test_every_pipeline_row_is_drawn_with_its_guards(self) -> None:
+        """The pipeline diagram draws each (source, trigger) of its own table once, with
+        its guards, from its initial state."""
+        text = diagrams.mermaid(PipelineMachine("pipelines"))
+        assert "    [*] --> serving" in text.splitlines()
+        for rule in PIPELINE_TRANSITIONS:
             for source in rule.sources:
                 edges = [
                     line
