@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -37,12 +38,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(spec: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Run ``lifecycle serve spec`` on a free loopback port until it is ready; kill it after."""
+def serving(spec: Path, log: Path, *more: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``lifecycle serve spec *more`` on a free loopback port until it is ready; kill it
+    after."""
     port = free_port()
     with log.open("wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "lifecycle", "serve", str(spec), "--port", str(port)],
+            [sys.executable, "-m", "lifecycle", "serve", str(spec), *more, "--port", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -127,6 +129,79 @@ class TestOpenAiClient:
         assert counts['lifecycle_transitions_total{trigger="onload"}'] > 0
         assert counts['lifecycle_moved_bytes_total{direction="onload"}'] > 0
         assert "lifecycle.transition" not in (tmp_path / "serve.log").read_text()
+
+
+def t2i_text(root: Path, name: str, transformer_seed: int, vae_backend: str = "") -> str:
+    """Return the reference spec as ``name``, with that DiT seed and a VAE backend if any."""
+    text = (root / "examples" / "tiny_t2i.toml").read_text()
+    text = text.replace('name = "tiny-t2i"', f'name = "{name}"')
+    text = text.replace(
+        "packed_sequences = true", f"packed_sequences = true\nseed = {transformer_seed}"
+    )
+    if vae_backend:
+        text = text.replace(
+            'kind = "tiny_vae"', f'kind = "tiny_vae"\nattention_backend = "{vae_backend}"'
+        )
+    return text
+
+
+def reloads(log: Path) -> list[tuple[str, str]]:
+    """Return each ``pipeline.reloaded`` event the worker logged: (pipeline, outcome)."""
+    events = [
+        json.loads(line) for line in log.read_text().splitlines() if '"pipeline.reloaded"' in line
+    ]
+    return [(event["pipeline"], event["outcome"]) for event in events]
+
+
+class TestReloadOnSighup:
+    def test_a_refused_spec_changes_nothing_then_a_changed_one_swaps(
+        self, root: Path, tmp_path: Path
+    ) -> None:
+        """SIGHUP re-reads every spec: one that check refuses leaves its pipeline serving as
+        before; a valid changed one is swapped in; an unchanged one is left alone."""
+        a, b, log = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "serve.log"
+        a.write_text(t2i_text(root, "a", 2))
+        b.write_text(t2i_text(root, "b", 5))
+        body = {"prompt": "a red fox", "seed": 7, "steps": 2}
+
+        def images(client: httpx.Client) -> tuple[str, str]:
+            return tuple(  # type: ignore[return-value]
+                client.post("/v1/images/generations", json={**body, "model": m}).json()["data"][0][
+                    "b64_json"
+                ]
+                for m in ("a", "b")
+            )
+
+        def hang_up(process: subprocess.Popen[bytes], count: int) -> None:
+            process.send_signal(signal.SIGHUP)
+            for _ in range(int(WATCHDOG_S / 0.01)):
+                if len(reloads(log)) >= count:
+                    return
+                threading.Event().wait(0.01)
+            raise AssertionError(f"no reload logged: {log.read_text()[-2000:]}")
+
+        with (
+            serving(a, log, str(b), "--log-level", "info") as (process, url),
+            httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
+        ):
+            before = images(client)
+            a.write_text(t2i_text(root, "a", 2, vae_backend="flash_attn"))
+            hang_up(process, 2)
+            refused = images(client)
+            a.write_text(t2i_text(root, "a", 9))
+            hang_up(process, 4)
+            swapped = images(client)
+            states = {p["name"]: p["state"] for p in client.get("/v1/pipelines").json()["data"]}
+        assert reloads(log) == [
+            ("a", "refused"),
+            ("b", "unchanged"),
+            ("a", "swapped"),
+            ("b", "unchanged"),
+        ]
+        assert refused == before
+        assert swapped[0] != before[0]
+        assert swapped[1] == before[1]
+        assert states == {"a": "serving", "b": "serving"}
 
 
 class TestShutdown:
