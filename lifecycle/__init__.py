@@ -25,9 +25,17 @@ from lifecycle.refusals import (
     TransitionFailed,
     TransitionRefused,
 )
-from lifecycle.states import TRANSITIONS, ComponentState, TransitionRule
+from lifecycle.shared_device import SharedDevice
+from lifecycle.states import (
+    PIPELINE_TRANSITIONS,
+    TRANSITIONS,
+    ComponentState,
+    PipelineState,
+    TransitionRule,
+)
 
 __all__ = [
+    "PIPELINE_TRANSITIONS",
     "REFUSAL_CODES",
     "TRANSITIONS",
     "AdmissionPlan",
@@ -46,10 +54,12 @@ __all__ = [
     "Orchestrator",
     "PipelineSnapshot",
     "PipelineSpec",
+    "PipelineState",
     "Refusal",
     "RefusalCode",
     "Refused",
     "RequestRefused",
+    "SharedDevice",
     "SitePlan",
     "StageSpec",
     "TransitionContext",

@@ -42,7 +42,7 @@ class DeviceBudget:
         timelines: Mapping[str, Timeline],
         last_asked: Mapping[str, int],
     ) -> None:
-        self.limit = limit
+        self.limit = None if limit is None else int(limit)  # a plain int: it is encoded
         self.key = key
         self.charged: dict[ComponentSlot, int] = {}
         self.total = 0
