@@ -10,7 +10,7 @@ no event at all.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -270,26 +270,54 @@ the orchestrator's lock held: return quickly (hand slow work to a queue)."""
 
 
 class Observers:
-    """The observers attached to one orchestrator.
+    """The observers attached to one orchestrator, or those of several joined.
 
     The emitting code tests ``attached`` before it builds an event, so that an
     orchestrator nobody observes pays one truth test per event. An observer that
     raises is logged and skipped: it never changes what the orchestrator does.
 
+    A component several pipelines share reports to the observers of all of them:
+    ``Observers.joining(parts)`` follows each part's observers as they are attached
+    and detached, and holds each observer once (a worker's metrics observe every
+    pipeline, and count a shared component's moves once).
+
     Attributes:
         attached: the observers, in the order they were attached.
     """
 
-    __slots__ = ("_changing", "attached")
+    __slots__ = ("_changing", "_followers", "_parts", "attached")
 
     def __init__(self) -> None:
         self.attached: tuple[Observer, ...] = ()
         self._changing = threading.Lock()
+        self._parts: tuple[Observers, ...] = ()
+        self._followers: list[Observers] = []
+
+    @classmethod
+    def joining(cls, parts: Sequence[Observers]) -> Observers:
+        """Return the observers of every one of ``parts``, each once, kept up to date."""
+        joined = cls()
+        joined._parts = tuple(parts)
+        for part in joined._parts:
+            with part._changing:
+                part._followers.append(joined)
+        joined._follow()
+        return joined
+
+    def unjoin(self) -> None:
+        """Stop following the parts (the joined set is replaced)."""
+        for part in self._parts:
+            with part._changing:
+                part._followers.remove(self)
+        self._parts = ()
 
     def attach(self, observer: Observer) -> Callable[[], None]:
         """Attach ``observer``; return the call that detaches it again."""
         with self._changing:  # a new tuple each time: emitting threads iterate without a lock
             self.attached = (*self.attached, observer)
+            followers = list(self._followers)
+        for follower in followers:
+            follower._follow()
         detached = False
 
         def detach() -> None:
@@ -299,8 +327,15 @@ class Observers:
                     detached = True
                     index = self.attached.index(observer)
                     self.attached = self.attached[:index] + self.attached[index + 1 :]
+                followers = list(self._followers)
+            for follower in followers:
+                follower._follow()
 
         return detach
+
+    def _follow(self) -> None:
+        """Take up the parts' observers again, each once."""
+        self.attached = tuple(dict.fromkeys(o for part in self._parts for o in part.attached))
 
     def emit(self, event: Event) -> None:
         """Hand ``event`` to every attached observer."""

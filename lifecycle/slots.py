@@ -75,6 +75,7 @@ class ComponentSlot:
         self.in_use_by: Counter[str] = Counter()
         self.reserved = False
         self._observers: dict[str, Observers] = {home: lifecycle.observers}
+        self._joined: Observers | None = None
         self.identity: ComponentIdentity | None = None
 
     @property
@@ -94,14 +95,14 @@ class ComponentSlot:
 
     def _rejoin(self) -> None:
         """Point the lifecycle at its one user's observers, or at all of its users'."""
+        if self._joined is not None:
+            self._joined.unjoin()
+            self._joined = None
         users = list(self._observers.values())
         if len(users) == 1:
             self.lifecycle.observers = users[0]
             return
-        joined = Observers()
-        for observers in users:
-            joined.attach(observers.emit)
-        self.lifecycle.observers = joined
+        self._joined = self.lifecycle.observers = Observers.joining(users)
 
     def label(self, pipeline: str) -> str:
         """Return how a message about ``pipeline`` names it: its name there, else its key."""

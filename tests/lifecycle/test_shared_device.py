@@ -235,6 +235,33 @@ class TestSharedComponents:
             own = (pipeline.key,)
             assert users == {"text_encoder": ("a", "b"), "transformer": own, "vae": own}
 
+    def test_one_observer_of_both_hears_a_shared_move_once(
+        self, t2i_pipeline: T2iPipeline, cpu: Platform
+    ) -> None:
+        """An observer of both pipelines (a worker's metrics) hears each move of the shared
+        encoder once; one attached later to either hears them too."""
+        device = SharedDevice()
+        both = EventRecorder()
+        a = Orchestrator(t2i_pipeline("a"), platform=cpu, shared=device, observer=both)
+        b = Orchestrator(t2i_pipeline("b", 5), platform=cpu, shared=device, observer=both)
+        a.load()
+        b.load()
+        generate(b)
+        late = EventRecorder()
+        a.observe(late)
+        generate(b)
+        encoder = [
+            (m.direction, m.request_id) for m in both.of(Move) if m.component == "text_encoder"
+        ]
+        heard_late = [m.direction for m in late.of(Move) if m.component == "text_encoder"]
+        a.close()
+        b.close()
+        assert encoder == [("offload", None), ("onload", "r1"), ("offload", "r1")] + [
+            ("onload", "r2"),
+            ("offload", "r2"),
+        ]
+        assert heard_late == ["onload", "offload"]
+
     def test_a_shared_disk_component_outlives_its_home(
         self, t2i_pipeline: T2iPipeline, cpu: Platform, tmp_path: Path
     ) -> None:
