@@ -31,6 +31,11 @@ class Gate:
         """Tell whether requests pass."""
         return self.closed_for is None
 
+    @property
+    def waiting(self) -> int:
+        """Return how many requests wait here now."""
+        return len(self._waiters)
+
     def close(self, why: str) -> None:
         """Stop requests here, saying ``why``."""
         with self._lock:

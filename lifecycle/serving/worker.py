@@ -213,6 +213,7 @@ class Worker:
             finished = True
             for pipeline in served:
                 finished = self.retire(pipeline) and finished
+                pipeline.gate.wake_waiters()  # requests waiting at a gate are answered 503
         return finished
 
     def retire(self, served: ServedPipeline) -> bool:
@@ -248,6 +249,11 @@ class Worker:
             names = ", ".join(f"'{name}'" for name in self.pipelines) or "none"
         if served is not None:
             return served
+        if names == "none":
+            raise UnknownModel(
+                "this worker serves no pipeline now; add one with POST /v1/pipelines",
+                "model_not_found",
+            )
         if model is None:
             raise UnknownModel(
                 f"this worker serves several pipelines ({names}): name one in `model`",
@@ -292,6 +298,8 @@ class Worker:
         """Wait at ``served``'s gate until its pipeline (or the one replacing it) is open."""
         name = served.name
         while not served.gate.is_open:
+            if self.phase is Phase.DRAINING:
+                raise Draining()
             if served.gate.closed_for == SLEEPING:
                 if served.settings.auto_wake:
                     self.wake_soon(served)
@@ -386,6 +394,7 @@ class Worker:
                     "name": pipeline.name,
                     "state": pipeline.state.value,
                     "gate": pipeline.gate.closed_for or "open",
+                    "waiting": pipeline.gate.waiting,
                     "path": None if pipeline.path is None else str(pipeline.path),
                     "components": {
                         name: {

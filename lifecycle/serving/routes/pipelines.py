@@ -25,7 +25,7 @@ from lifecycle.serving import changes
 from lifecycle.serving.bodies import PipelineBody, decode_body, documented
 from lifecycle.serving.dispatch import unknown_model
 from lifecycle.serving.errors import ApiError
-from lifecycle.serving.worker import UnknownModel, Worker
+from lifecycle.serving.worker import Phase, UnknownModel, Worker
 
 T = TypeVar("T")
 
@@ -52,32 +52,40 @@ def pipelines_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/pipelines", dependencies=admin, openapi_extra=documented(PipelineBody))
     async def add(request: Request) -> JSONResponse:
         body = decode_body(PIPELINE_BODY, await request.body())
-        outcome = await _changing(lambda: changes.add(worker, Path(body.path)))
+        outcome = await _changing(worker, lambda: changes.add(worker, Path(body.path)))
         return _answer(outcome, 201 if outcome.action == "added" else 200)
 
     @router.delete("/v1/pipelines/{name}", dependencies=admin)
     async def remove(name: str) -> JSONResponse:
-        return _answer(await _changing(lambda: changes.remove(worker, name)))
+        return _answer(await _changing(worker, lambda: changes.remove(worker, name)))
 
     @router.post("/v1/pipelines/{name}/reload", dependencies=admin)
     async def reload(name: str) -> JSONResponse:
-        return _answer(await _changing(lambda: changes.reload(worker, name)))
+        return _answer(await _changing(worker, lambda: changes.reload(worker, name)))
 
     @router.post("/v1/pipelines/{name}/sleep", dependencies=admin)
     async def sleep(name: str) -> dict[str, str]:
-        served = await _changing(lambda: worker.sleep(name))
+        served = await _changing(worker, lambda: worker.sleep(name))
         return {"name": served.name, "state": served.state.value}
 
     @router.post("/v1/pipelines/{name}/wake", dependencies=admin)
     async def wake(name: str) -> dict[str, str]:
-        served = await _changing(lambda: worker.wake(name))
+        served = await _changing(worker, lambda: worker.wake(name))
         return {"name": served.name, "state": served.state.value}
 
     return router
 
 
-async def _changing(change: Callable[[], T]) -> T:
-    """Run ``change`` on a thread (it may drain and load); map what it raises to HTTP."""
+async def _changing(worker: Worker, change: Callable[[], T]) -> T:
+    """Run ``change`` on a thread (it may drain and load) once the worker is ready; map what
+    it raises to HTTP."""
+    if worker.phase is not Phase.READY:
+        raise ApiError(
+            503,
+            f"the worker is {worker.phase.value}: its pipelines change only while it serves",
+            kind="service_unavailable",
+            code=worker.phase.value,
+        )
     try:
         return await asyncio.to_thread(change)
     except UnknownModel as err:

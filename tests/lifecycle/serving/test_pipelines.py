@@ -193,6 +193,20 @@ class TestSleepAndWake:
             client.post("/v1/pipelines/a/wake").raise_for_status()
             assert waiting.result().status_code == 200
 
+    def test_a_drain_answers_the_requests_waiting_for_a_sleeper(
+        self, serve_specs: ServeSpecs, t2i_pipeline: T2iPipeline
+    ) -> None:
+        """SIGTERM's drain answers a request that waits for a sleeping pipeline: 503 draining."""
+        served = serve_specs([t2i_pipeline("a")])
+        with served.client() as client, ThreadPoolExecutor(2) as pool:
+            client.post("/v1/pipelines/a/sleep").raise_for_status()
+            waiting = pool.submit(image, client, "a")
+            _until(lambda: listed(client)["a"]["waiting"] == 1)
+            served.worker.drain()
+            answer = waiting.result()
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "draining"
+
 
 class TestChanges:
     def test_add_then_remove(
