@@ -10,13 +10,16 @@ from pathlib import Path
 from benchmarks._environment import announce
 from lifecycle.logs import configure_logging
 
+TOOLS = ("make_pipeline",)
+"""Modules here that are command-line tools, not benchmarks: the suite never runs them."""
+
 
 def main(argv: list[str]) -> None:
     """Run the named benchmark modules, or all: each pins its threads and prints its table."""
     configure_logging("json", "error")
     names = argv or sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
     for name in names:
-        if name.startswith("_"):
+        if name.startswith("_") or name in TOOLS:
             continue
         print()
         announce(name)

@@ -42,8 +42,9 @@ from attention import ComponentRequests, Platform, arm_layers, component_attenti
 from attention.testing import explicit
 from benchmarks._environment import announce
 from benchmarks.attention_overhead import interleaved, one_thread
-from components.kinds.minilm_files import CONFIG_FILE, Tokens, is_importable, shipped_file
+from components.kinds.minilm_files import CONFIG_FILE, Tokens, shipped_file
 from components.kinds.minilm_text_encoder import PROMPTS, MiniLmLoader, mean_pool
+from components.libraries import is_importable
 
 BACKENDS = ("torch_sdpa", "torch_flash")
 # batch size -> (rounds, calls per timed sample)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import chain
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from components.batch import Batch, Port
 from components.mesh import ComponentParallel
+from components.offload.base import OffloadError
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
 
@@ -80,8 +82,10 @@ class ComponentLoader:
     options_type: ClassVar[type[KindOptions]] = KindOptions
     allows_global_fallback: ClassVar[bool] = False
     """Whether an explicit global backend this kind cannot serve may fall back."""
-    block_stack: ClassVar[str | None] = None
-    """The attribute holding the ``nn.ModuleList`` that layerwise offload streams."""
+    block_stack: ClassVar[str | tuple[str, ...] | None] = None
+    """The attribute (a dotted path) holding the ``nn.ModuleList`` that layerwise offload
+    streams, or several, whose blocks stream one stack after the other (Flux's double-stream
+    then single-stream blocks)."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites);
     a kind that says so implements ``parallelize``."""
@@ -92,6 +96,9 @@ class ComponentLoader:
     fully_shardable: ClassVar[bool] = False
     """Whether the custom path's module works sharded by FSDP2 ``fully_shard``: it is
     called only through its ``forward`` (where FSDP gathers the weights)."""
+    classes: ClassVar[tuple[str, ...]] = ()
+    """The library classes this kind loads, as a pipeline folder's ``model_index.json`` names
+    them (``T5EncoderModel``): a folder's component of such a class is of this kind."""
     switchable_backends: ClassVar[bool] = False
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
 
@@ -139,6 +146,40 @@ class ComponentLoader:
     def block_count(self) -> int | None:
         """Return how many blocks the block stack will hold, from the options; None if none."""
         return None
+
+    def blocks(self, module: nn.Module) -> nn.ModuleList | None:
+        """Return the blocks of ``module`` that layerwise offload streams, in the order they run.
+
+        With several stacks the blocks are gathered into one list (which ``module`` does
+        not hold: the blocks stay where they are). None when the kind declares no stack.
+        Admission calls this on the module built on the meta device and the orchestrator
+        on the loaded one, so an explicit layerwise offload is never silently whole.
+
+        Raises:
+            OffloadError: a declared stack is missing or is not an ``nn.ModuleList``.
+        """
+        if self.block_stack is None:
+            return None
+        paths = (self.block_stack,) if isinstance(self.block_stack, str) else self.block_stack
+        stacks = [self._block_list(module, path) for path in paths]
+        return stacks[0] if len(stacks) == 1 else nn.ModuleList(chain.from_iterable(stacks))
+
+    def _block_list(self, module: nn.Module, path: str) -> nn.ModuleList:
+        found: object = module
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, nn.ModuleList):
+            return found
+        what = (
+            f"builds no attribute '{path}' for its block stack"
+            if found is None
+            else f"builds its block stack '{path}' as a {type(found).__name__}, "
+            "not an nn.ModuleList"
+        )
+        raise OffloadError(
+            f"kind '{self.kind}' {what}: layerwise offload streams the blocks of an "
+            "nn.ModuleList; make it one, or use component_offload"
+        )
 
     def reads(self) -> tuple[Port, ...]:
         """Return the ``Batch`` fields ``run`` uses when an earlier stage wrote them."""

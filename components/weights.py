@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Protocol, TypeAlias, cast
@@ -202,12 +202,20 @@ def _finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def header_problems(path: Path, declared: DeclaredTensors | None) -> list[str]:
-    """Say how the weights file at ``path`` fails the declaration, from its header alone.
+class StoredTensor(NamedTuple):
+    """What a safetensors header says of one tensor.
 
-    Every stored tensor must be floating point unless the kind declares it an integer
-    buffer; with a declaration, the names and shapes must be exactly the declared ones
-    (``declared`` None: a kind that cannot say, whose names are checked at load).
+    Attributes:
+        dtype: its dtype, as safetensors names it (``F32``, ``BF16``, ``I64`` ...).
+        shape: its shape.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Return each tensor of the safetensors file at ``path`` by name, from its header alone.
 
     Raises:
         OSError: the file cannot be read.
@@ -216,7 +224,28 @@ def header_problems(path: Path, declared: DeclaredTensors | None) -> list[str]:
     with _open(path) as file:
         names = file.keys()
         stored = {name: file.get_slice(name) for name in names}
-        header = {n: (t.get_dtype(), tuple(t.get_shape())) for n, t in stored.items()}
+        return {n: StoredTensor(t.get_dtype(), tuple(t.get_shape())) for n, t in stored.items()}
+
+
+def header_problems(path: Path, declared: DeclaredTensors | None) -> list[str]:
+    """Say how the weights file at ``path`` fails the declaration, from its header alone.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not safetensors (its message says so, naming the file).
+    """
+    return stored_problems(read_header(path), declared)
+
+
+def stored_problems(
+    header: Mapping[str, StoredTensor], declared: DeclaredTensors | None
+) -> list[str]:
+    """Say how the stored tensors of ``header`` fail the declaration.
+
+    Every stored tensor must be floating point unless the kind declares it an integer
+    buffer; with a declaration, the names and shapes must be exactly the declared ones
+    (``declared`` None: a kind that cannot say, whose names are checked at load).
+    """
     problems = []
     if declared is not None:
         missing = sorted(declared.keys() - header.keys())
@@ -257,23 +286,30 @@ def stored_bytes(path: Path) -> int:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: the file is not safetensors.
+        ValueError: the file is not safetensors, or a tensor has a dtype this version
+            cannot size.
     """
-    total = 0
-    with _open(path) as file:
-        names = file.keys()
-        for name in names:
-            tensor = file.get_slice(name)
-            dtype = tensor.get_dtype()
-            if dtype not in _DTYPE_BITS:
-                raise ValueError(
-                    f"weights file {path}: tensor '{name}' has dtype {dtype}, which this "
-                    "version cannot size; store it as one of "
-                    f"{', '.join(sorted(_DTYPE_BITS))}"
-                )
-            bits = math.prod(tensor.get_shape()) * _DTYPE_BITS[dtype]
-            total += (bits + 7) // 8  # each tensor starts on a byte
-    return total
+    return sum(tensor_bytes(name, tensor, path) for name, tensor in read_header(path).items())
+
+
+def tensor_bytes(name: str, tensor: StoredTensor, path: Path) -> int:
+    """Return the bytes ``tensor`` (``name`` in the file at ``path``) takes as stored.
+
+    Raises:
+        ValueError: its dtype is one this version cannot size.
+    """
+    if tensor.dtype not in _DTYPE_BITS:
+        raise ValueError(
+            f"weights file {path}: tensor '{name}' has dtype {tensor.dtype}, which this "
+            f"version cannot size; store it as one of {', '.join(sorted(_DTYPE_BITS))}"
+        )
+    bits = math.prod(tensor.shape) * _DTYPE_BITS[tensor.dtype]
+    return (bits + 7) // 8  # each tensor starts on a byte
+
+
+def is_floating(tensor: StoredTensor) -> bool:
+    """Tell whether ``tensor`` is stored in a floating-point dtype."""
+    return tensor.dtype in _FLOATING
 
 
 @contextmanager

@@ -21,7 +21,6 @@ from torch import nn
 from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
-from components.offload.layerwise_limits import find_block_stack
 from lifecycle import offload_folder
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Direction, Move
@@ -363,7 +362,6 @@ def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:
         OffloadError: its kind builds no ``nn.ModuleList`` block stack (admission
             refuses that first; a layerwise store is never a whole one instead).
     """
-    attribute = slot.loader.block_stack
-    if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD or attribute is None:
+    if slot.mode is not ResidencyMode.LAYERWISE_OFFLOAD:
         return None  # with no stack declared, the store factory refuses layerwise
-    return find_block_stack(slot.loaded_module(), attribute, slot.spec.kind)
+    return slot.loader.blocks(slot.loaded_module())

@@ -1,8 +1,12 @@
 """The reference component kinds, one module each, in the order ``registry.names()`` lists them."""
 
-from __future__ import annotations
-
+from components.kinds.autoencoder_kl import AutoencoderKlLoader
+from components.kinds.clip_text_encoder import ClipTextEncoderLoader
+from components.kinds.flux_transformer import FluxTransformerLoader
 from components.kinds.minilm_text_encoder import MiniLmLoader
+from components.kinds.pixart_transformer import PixArtTransformerLoader
+from components.kinds.sd3_transformer import Sd3TransformerLoader
+from components.kinds.t5_encoder import T5EncoderLoader
 from components.kinds.tiny_dit import TinyDitLoader
 from components.kinds.tiny_text_encoder import TinyTextEncoderLoader
 from components.kinds.tiny_upsampler import TinyUpsamplerLoader
@@ -15,11 +19,23 @@ BUILTIN_KINDS: tuple[type[ComponentLoader], ...] = (
     TinyVaeLoader,
     TinyUpsamplerLoader,
     MiniLmLoader,
+    T5EncoderLoader,
+    ClipTextEncoderLoader,
+    PixArtTransformerLoader,
+    FluxTransformerLoader,
+    Sd3TransformerLoader,
+    AutoencoderKlLoader,
 )
 
 __all__ = [
     "BUILTIN_KINDS",
+    "AutoencoderKlLoader",
+    "ClipTextEncoderLoader",
+    "FluxTransformerLoader",
     "MiniLmLoader",
+    "PixArtTransformerLoader",
+    "Sd3TransformerLoader",
+    "T5EncoderLoader",
     "TinyDitLoader",
     "TinyTextEncoderLoader",
     "TinyUpsamplerLoader",

@@ -8,7 +8,6 @@ downloaded: a missing file is a reason to give, never a fetch to attempt.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -37,18 +36,6 @@ def shipped_file(name: str) -> Path | None:
         return None
     # safetensors and tokenizers read real files, so a zipped install does not count
     return resource if isinstance(resource, Path) and resource.is_file() else None
-
-
-def is_importable(module: str) -> bool:
-    """Tell whether ``module`` can be imported here, without importing it.
-
-    A finder that blocks the module (raising ``ImportError``, as tests do to hide an
-    optional library) counts as not importable.
-    """
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
 
 
 class Tokens(NamedTuple):

@@ -33,9 +33,9 @@ from components.kinds.minilm_files import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
     SentenceTokenizer,
-    is_importable,
     shipped_file,
 )
+from components.libraries import is_importable
 from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
 from components.sites import AttentionSite
 from components.weights import DeclaredTensor, DeclaredTensors

@@ -46,7 +46,8 @@ class LayerwiseStore(WeightStore):
 
     Args:
         module: the component's module, materialised on the host CPU.
-        blocks: the blocks that stream, a ``ModuleList`` inside ``module``.
+        blocks: the blocks that stream, in the order they run: submodules of ``module``
+            (a ``ModuleList`` of it, or the blocks of several gathered in one list).
         target: where blocks and offloaded weights live: ``host`` or ``disk``.
         path: the safetensors file of target ``disk`` (written at construction,
             deleted by ``close()``); must be None for ``host``.
@@ -291,8 +292,9 @@ def _check_arguments(
     if target == "host" and path is not None:
         problems.append("target 'host' takes no path; drop it or use target 'disk'")
     problems += layerwise_problems(len(blocks), prefetch=prefetch, resident_layers=resident_layers)
-    if not any(child is blocks for child in module.modules()):
-        problems.append(f"blocks are not a submodule of {type(module).__name__}; pass its own list")
+    inside = {id(child) for child in module.modules()}
+    if not all(id(block) in inside for block in blocks):
+        problems.append(f"blocks are not submodules of {type(module).__name__}; pass its own")
     if problems:
         raise OffloadError(
             f"cannot build a LayerwiseStore for {type(module).__name__}: " + "; ".join(problems)

@@ -10,7 +10,7 @@ from torch import nn
 from components import ResidencyMode
 from components.loader import ComponentLoader
 from components.offload import OffloadError
-from components.offload.layerwise_limits import find_block_stack, layerwise_problems
+from components.offload.layerwise_limits import layerwise_problems
 from lifecycle.config import ComponentSpec
 from lifecycle.refusals import Refusal, RefusalCode
 
@@ -53,12 +53,11 @@ def _layerwise_refusals(
     name: str, component: ComponentSpec, loader: ComponentLoader, construct: ModuleBuilder | None
 ) -> list[Refusal]:
     blocks = loader.block_count()
-    attribute = loader.block_stack
-    if attribute is None or blocks is None:
+    if loader.block_stack is None or blocks is None:
         return [
             _not_streamable(name, component, f"kind '{component.kind}' declares no block stack")
         ]
-    problem = None if construct is None else _stack_problem(construct, attribute, component.kind)
+    problem = None if construct is None else _stack_problem(construct, loader)
     if problem is not None:
         return [_not_streamable(name, component, problem)]
     config = component.layerwise_config
@@ -82,18 +81,18 @@ def _layerwise_refusals(
     )
 
 
-def _stack_problem(construct: ModuleBuilder, attribute: str, kind: str) -> str | None:
+def _stack_problem(construct: ModuleBuilder, loader: ComponentLoader) -> str | None:
     """Say why the module built on the meta device has no block stack to stream, if so."""
     try:
         with torch.device("meta"):
             module = construct()
     except Exception as err:  # a kind's own code: whatever it raises is the reason
         return (
-            f"building kind '{kind}' on the meta device to find its block stack failed "
+            f"building kind '{loader.kind}' on the meta device to find its block stack failed "
             f"({type(err).__name__}: {err})"
         )
     try:
-        find_block_stack(module, attribute, kind)
+        loader.blocks(module)
     except OffloadError as err:
         return str(err)
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,8 @@ from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import RefusalCode, TransitionRefused
 from lifecycle.serving.batcher import Batcher, Draining
-from lifecycle.serving.jobs import Job, Shapes, warm_up
+from lifecycle.serving.board import StatusBoard
+from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.states import PipelineState
@@ -74,6 +76,8 @@ class Worker:
 
     Attributes:
         shared: the device every pipeline is on.
+        board: what the status page's event stream reads (every pipeline's events, the
+            queues).
         pipelines: the pipelines served, by name, once started.
         phase: where the worker stands.
         error: why it failed to start, if it did.
@@ -90,6 +94,9 @@ class Worker:
         self.shared = orchestrators[0].shared
         self.platform = orchestrators[0].platform
         self.metrics = metrics
+        self.board = StatusBoard()
+        for orchestrator in orchestrators:
+            orchestrator.observe(self.board.observer(orchestrator.spec.name))
         self.phase = Phase.STARTING
         self.error: str | None = None
         self.pipelines: dict[str, ServedPipeline] = {}
@@ -113,17 +120,16 @@ class Worker:
         return self.resolve(None)
 
     @property
-    def name(self) -> str:
-        """Return the name of the one pipeline served (while starting: the first's)."""
-        return self.only.name if self.pipelines else self.names[0]
-
-    @property
     def names(self) -> tuple[str, ...]:
         """Return the names of the pipelines served (while starting: of those to serve)."""
-        with self._lock:
-            if self.pipelines:
-                return tuple(self.pipelines)
-        return tuple(orchestrator.spec.name for orchestrator, _ in self._pending)
+        return tuple(orchestrator.spec.name for orchestrator in self.orchestrators)
+
+    @property
+    def orchestrators(self) -> list[Orchestrator]:
+        """Return the pipelines served (while starting, or failed to: those to serve)."""
+        if self.phase in (Phase.STARTING, Phase.FAILED):
+            return [orchestrator for orchestrator, _ in self._pending]
+        return [pipeline.orchestrator for pipeline in self.served()]
 
     @property
     def orchestrator(self) -> Orchestrator:
@@ -161,10 +167,12 @@ class Worker:
                 self.phase = Phase.FAILED
                 self.error = f"{type(err).__name__}: {err}"
                 log.error("serving.failed", error=self.error)
+                self.board.changed()
                 return
             self.phase = Phase.READY
             for served in self.pipelines.values():
                 log.info("serving.ready", pipeline=served.name, shapes=served.shapes)
+        self.board.changed()
 
     def serve(self, orchestrator: Orchestrator, path: Path | None) -> ServedPipeline:
         """Load ``orchestrator``, warm it up and give it a queue; return it, not yet listed.
@@ -179,6 +187,7 @@ class Worker:
             orchestrator.spec.serving,
             shapes,
             on_batch=self.metrics.batch_size.observe,
+            on_change=self.board.changed,
         )
         return ServedPipeline(orchestrator, batcher, shapes, path)
 
@@ -186,18 +195,23 @@ class Worker:
         """List ``served`` under its name (replacing the pipeline of that name, if any)."""
         with self._lock:
             self.pipelines[served.name] = served
+        self.board.changed()
 
     def drop(self, served: ServedPipeline) -> None:
         """Stop listing ``served`` (unless another pipeline replaced it under its name)."""
         with self._lock:
             if self.pipelines.get(served.name) is served:
                 del self.pipelines[served.name]
+        self.board.changed()
 
     def build(self, spec: PipelineSpec) -> Orchestrator:
-        """Return an orchestrator of ``spec`` on the worker's device, observed by its metrics."""
-        return Orchestrator(
+        """Return an orchestrator of ``spec`` on the worker's device, observed by its
+        metrics and its status board."""
+        orchestrator = Orchestrator(
             spec, platform=self.platform, shared=self.shared, observer=self.metrics.observe
         )
+        orchestrator.observe(self.board.observer(spec.name))
+        return orchestrator
 
     def drain(self) -> bool:
         """Stop taking jobs, finish the queued ones and release every pipeline.
@@ -207,13 +221,16 @@ class Worker:
         """
         with self._starting:  # a load in progress finishes first; none starts after
             self.phase = Phase.DRAINING
-        with self.changing:  # a change in progress finishes first
-            with self._lock:
-                served = list(self.pipelines.values())
-            finished = True
-            for pipeline in served:
-                finished = self.retire(pipeline) and finished
-                pipeline.gate.wake_waiters()  # requests waiting at a gate are answered 503
+        self.board.changed()
+        try:
+            with self.changing:  # a change in progress finishes first
+                served = self.served()
+                finished = True
+                for pipeline in served:
+                    finished = self.retire(pipeline) and finished
+                    pipeline.gate.wake_waiters()  # requests waiting at a gate are answered 503
+        finally:
+            self.board.close()  # the event streams end, so that the server can stop
         return finished
 
     def retire(self, served: ServedPipeline) -> bool:
@@ -232,9 +249,37 @@ class Worker:
     # -- requests ------------------------------------------------------------------
 
     def next_id(self) -> str:
-        """Return a fresh request id."""
+        """Return a fresh request id: ``req-N-`` and 12 random hex digits.
+
+        The count makes it unique in this process; the random part keeps a client
+        from guessing (and taking first, as its own ``x-request-id``) an id the
+        worker will assign, in this process or a restarted one.
+        """
         with self._ids_lock:
-            return f"req-{next(self._ids)}"
+            count = next(self._ids)
+        return f"req-{count}-{secrets.token_hex(6)}"
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """Return where job ``request_id`` stands, or None when no recent job has that id."""
+        for served in self.served():
+            found = served.batcher.status(request_id)
+            if found is not None:
+                return found
+        return None
+
+    def cancel(self, request_id: str, reason: str) -> RequestStatus | None:
+        """Cancel job ``request_id`` (see ``Batcher.cancel``); None when no pipeline
+        queued or ran it (a job still waiting at a gate is not queued yet)."""
+        for served in self.served():
+            found = served.batcher.cancel(request_id, reason)
+            if found is not None:
+                return found
+        return None
+
+    def served(self) -> list[ServedPipeline]:
+        """Return the pipelines served now."""
+        with self._lock:
+            return list(self.pipelines.values())
 
     def resolve(self, model: str | None) -> ServedPipeline:
         """Return the pipeline a request's ``model`` names (None: the only one).
@@ -280,7 +325,7 @@ class Worker:
         """
         deadline = time.monotonic() + served.settings.wake_timeout
         while True:
-            served = await self._enter(served, deadline)
+            served = await self.pass_gate(served, deadline)
             try:
                 future = served.submit(job)
             except Draining:
@@ -294,8 +339,16 @@ class Worker:
                 if RefusalCode.PIPELINE_ASLEEP not in err.codes:
                     raise
 
-    async def _enter(self, served: ServedPipeline, deadline: float) -> ServedPipeline:
-        """Wait at ``served``'s gate until its pipeline (or the one replacing it) is open."""
+    async def pass_gate(self, served: ServedPipeline, deadline: float) -> ServedPipeline:
+        """Wait at ``served``'s gate until its pipeline (or the one replacing it) is open;
+        return the pipeline open now. ``deadline`` (``time.monotonic()``) bounds a wait
+        for a sleeping one.
+
+        Raises:
+            Asleep: the pipeline still slept at ``deadline``.
+            UnknownModel: the pipeline was removed while the job waited.
+            Draining: the worker is shutting down.
+        """
         name = served.name
         while not served.gate.is_open:
             if self.phase is Phase.DRAINING:
@@ -384,8 +437,7 @@ class Worker:
 
     def listing(self) -> dict[str, Any]:
         """Return ``GET /v1/pipelines``: each pipeline, its state and its components' users."""
-        with self._lock:
-            served = list(self.pipelines.values())
+        served = self.served()
         data = []
         for pipeline in served:
             snapshot = pipeline.orchestrator.snapshot()

@@ -9,9 +9,10 @@ import torch
 
 from components import registry
 from components.loader import LoaderPath
+from tests.components.standalone import STANDALONE_KINDS
 
 CASES: list[tuple[str, dict[str, Any]]] = [
-    *((kind, {}) for kind in registry.names()),
+    *((kind, {}) for kind in STANDALONE_KINDS),
     ("tiny_text_encoder", {"dim": 48, "heads": 6, "layers": 3, "vocab_size": 100}),
     ("tiny_dit", {"context_dim": 24, "layers": 3, "in_channels": 6}),
     ("tiny_vae", {"channels": 16, "groups": 4, "latent_channels": 6}),

@@ -485,7 +485,7 @@ class TestLayerwiseStore:
         assert str(err.value) == (
             "cannot build a LayerwiseStore for TinyLM: target 'disk' needs a path for its "
             "safetensors file; prefetch is -1; use 0 or more blocks; resident_layers is 3; "
-            "use 0 to 1; blocks are not a submodule of TinyLM; pass its own list"
+            "use 0 to 1; blocks are not submodules of TinyLM; pass its own"
         )
 
     def test_close_removes_the_hooks(self, tmp_path: Path) -> None:

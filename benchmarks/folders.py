@@ -1,0 +1,226 @@
+"""Pipelines from diffusers-format folders against diffusers itself (issue 19).
+
+Writes one ``--size bench`` folder per family (``benchmarks.make_pipeline``: seeded
+weights, a few hundred MB each), then, side by side in one run:
+
+- **load**: ours (read the folder, size it from its headers, build every component
+  natively on ``meta`` and hand it the mapped weights) against diffusers'
+  ``DiffusionPipeline.from_pretrained`` (with accelerate, as the ``bench`` extra
+  installs it: meta init and mapped weights too). Time: median of interleaved
+  in-process rounds, page cache warm for both. Peak memory: each in a fresh process,
+  the growth of the peak resident set over the process after its imports, every weight
+  touched once so both count their pages.
+- **request**: one request end to end (prompt in, image out) through the recipe's stages
+  on the modules built above, against the pipeline's own call with the same arguments;
+  one intra-op thread; median of interleaved rounds. The images are compared too.
+
+Targets (issue 19): load time <= 1.0x and peak RSS <= 1.1x; request <= 1.05x. Component
+offload to host against ``enable_model_cpu_offload`` needs a CUDA device and is skipped
+without one.
+
+Run: ``python -m benchmarks folders``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from benchmarks.attention_overhead import interleaved, one_thread
+from benchmarks.make_pipeline import Family, write_pipeline
+from components.batch import Batch
+from components.folders.pipeline import FolderPipeline
+from components.libraries import is_importable
+from components.recipes import Recipe
+
+FAMILIES: tuple[Family, ...] = ("pixart", "flux", "sd3")
+PROMPT = "A watercolour painting of a lighthouse in a storm at dusk"
+STEPS = 4
+SIZE = (256, 256)
+LOAD_ROUNDS = 5
+REQUEST_ROUNDS = 5
+
+
+class Loaded(NamedTuple):
+    """A folder's recipe and the modules its components built."""
+
+    recipe: Recipe
+    modules: dict[str, torch.nn.Module]
+
+
+def load_ours(folder: Path) -> Loaded:
+    """Read ``folder`` and build every component natively, as admission and load would."""
+    pipeline = FolderPipeline.read(folder)
+    assert pipeline.recipe is not None, pipeline.problems
+    assert not pipeline.problems, pipeline.problems
+    loaders = pipeline.loaders()
+    for loader in loaders.values():
+        loader.declared_bytes()  # admission sizes every component from its headers
+    recipe = pipeline.recipe(pipeline.model_index, loaders)
+    return Loaded(recipe, {name: loader.build("native") for name, loader in loaders.items()})
+
+
+def load_diffusers(folder: Path) -> Any:
+    """Load ``folder`` with diffusers' ``from_pretrained``."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def request_ours(loaded: Loaded, guidance: float) -> torch.Tensor:
+    """Run one request through the recipe's stages; return the image in [0, 1]."""
+    batch = Batch(
+        generator=torch.Generator("cpu").manual_seed(0),
+        steps=STEPS,
+        prompts=[PROMPT],
+        guidance_scale=guidance,
+        image_size=SIZE,
+    )
+    with torch.inference_mode():
+        for stage in loaded.recipe.stages:
+            modules = {name: loaded.modules[name] for name in stage.uses}
+            loaded.recipe.run(stage.name, modules, batch)
+    assert batch.images is not None
+    return (batch.images / 2 + 0.5).clamp(0, 1)
+
+
+def request_diffusers(pipeline: Any, guidance: float) -> torch.Tensor:
+    """Run the same request through diffusers' pipeline call."""
+    images: torch.Tensor = pipeline(
+        PROMPT,
+        generator=torch.Generator("cpu").manual_seed(0),
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        height=SIZE[0],
+        width=SIZE[1],
+        output_type="pt",
+    ).images
+    return images
+
+
+PEAK = """
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.folders import load_diffusers, load_ours
+
+STATUS = Path("/proc/self/status")
+
+
+def status(key: str) -> int:
+    line = next(l for l in STATUS.read_text().splitlines() if l.startswith(key))
+    return int(line.split()[1]) * 1024
+
+
+import diffusers, transformers  # noqa: E401 (both paths import both; not counted)
+
+folder, method = Path(sys.argv[1]), sys.argv[2]
+before = status("VmRSS:")
+Path("/proc/self/clear_refs").write_text("5")  # the peak starts at the current RSS
+loaded = load_ours(folder) if method == "ours" else load_diffusers(folder)
+modules = loaded.modules.values() if method == "ours" else loaded.components.values()
+touched = sum(
+    float(p.sum()) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()
+)
+print(status("VmHWM:") - before)
+"""
+
+
+def peak_growth(folder: Path, method: str) -> int:
+    """Return how much ``method``'s load raises the peak RSS of a fresh process (bytes)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK, str(folder), method],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return int(result.stdout.split()[-1])
+
+
+def median_ratio(samples: dict[str, list[float]]) -> float:
+    """Return the median over rounds of ours / theirs within a round."""
+    return statistics.median(
+        o / t for o, t in zip(samples["ours"], samples["diffusers"], strict=True)
+    )
+
+
+def measure(family: Family, folder: Path) -> dict[str, float]:
+    """Measure the load and one request of ``family``'s bench folder, ours beside diffusers'."""
+    with one_thread():
+        loads: dict[str, Callable[[], object]] = {
+            "ours": lambda: load_ours(folder),
+            "diffusers": lambda: load_diffusers(folder),
+        }
+        load_times = interleaved(loads, rounds=LOAD_ROUNDS, inner=1)
+        ours, theirs = load_ours(folder), load_diffusers(folder)
+        guidance = ours.recipe.default_guidance
+        requests: dict[str, Callable[[], object]] = {
+            "ours": lambda: request_ours(ours, guidance),
+            "diffusers": lambda: request_diffusers(theirs, guidance),
+        }
+        request_times = interleaved(requests, rounds=REQUEST_ROUNDS, inner=1)
+        difference = float(
+            (request_ours(ours, guidance) - request_diffusers(theirs, guidance)).abs().max()
+        )
+    rss = {method: peak_growth(folder, method) for method in ("ours", "diffusers")}
+    return {
+        "load_ours": statistics.median(load_times["ours"]),
+        "load_diffusers": statistics.median(load_times["diffusers"]),
+        "load_ratio": median_ratio(load_times),
+        "rss_ours": rss["ours"],
+        "rss_diffusers": rss["diffusers"],
+        "request_ours": statistics.median(request_times["ours"]),
+        "request_diffusers": statistics.median(request_times["diffusers"]),
+        "request_ratio": median_ratio(request_times),
+        "max_difference": difference,
+    }
+
+
+def main() -> None:
+    """Write the bench folders and print the table."""
+    if not all(is_importable(name) for name in ("diffusers", "transformers", "accelerate")):
+        print("skipped: needs the diffusers and bench extras (diffusers, transformers, accelerate)")
+        return
+    print(
+        f"### Folders against diffusers (bench folders, {SIZE[0]}x{SIZE[1]}, {STEPS} steps, "
+        f"{LOAD_ROUNDS} load and {REQUEST_ROUNDS} request rounds)"
+    )
+    print()
+    print(
+        "| pipeline | MiB | load ours s | diffusers s | ratio | peak RSS ours MiB | diffusers MiB "
+        "| ratio | request ours s | diffusers s | ratio | max abs diff |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as root:
+        for family in FAMILIES:
+            folder = write_pipeline(family, Path(root) / family, size="bench")
+            size = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) / 2**20
+            m = measure(family, folder)
+            print(
+                f"| {family} | {size:.0f} | {m['load_ours']:.3f} | {m['load_diffusers']:.3f} "
+                f"| {m['load_ratio']:.2f}x | {m['rss_ours'] / 2**20:.0f} "
+                f"| {m['rss_diffusers'] / 2**20:.0f} | {m['rss_ours'] / m['rss_diffusers']:.2f}x "
+                f"| {m['request_ours']:.2f} | {m['request_diffusers']:.2f} "
+                f"| {m['request_ratio']:.3f}x | {m['max_difference']:.1e} |",
+                flush=True,
+            )
+    print()
+    if not torch.cuda.is_available():
+        print("component offload to host vs enable_model_cpu_offload: skipped, no CUDA device")
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""Write a real diffusers-format pipeline folder with seeded random weights.
+
+``python -m benchmarks.make_pipeline {pixart,pixart-sigma,flux,sd3} DIR [--size tiny|bench]
+[--seed N]`` builds the pipeline from diffusers' and transformers' own classes, fills
+every weight from the seed, and writes it with diffusers' ``save_pretrained``: a
+``model_index.json``, one subfolder per component with ``config.json`` and safetensors
+weights, the scheduler's config and the tokenizers. Nothing is downloaded: the
+tokenizers are made here with the ``tokenizers`` library (a word-level vocabulary of
+common words, split on whitespace and punctuation), one per text encoder, T5's closing
+each prompt with ``</s>`` and CLIP's wrapping it in its start and end tokens.
+
+``tiny`` folders are for tests (a request takes a fraction of a second); ``bench``
+folders are for benchmarks (a load and a request take a measurable second or so).
+Needs the ``diffusers`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+
+import torch
+
+from components.weights import seed_weights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+Size = Literal["tiny", "bench"]
+Family = Literal["pixart", "pixart-sigma", "flux", "sd3"]
+
+T5_SPECIAL = ("<pad>", "</s>", "<unk>")
+CLIP_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<unk>")
+CLIP_MAX_TOKENS = 77
+T5_MAX_TOKENS = 512
+WORDS = (  # noqa: SIM905  (a list of 190 words reads better as text)
+    ". , ! ? ' - a an the of on in at by to with and or under over above below near behind "
+    "between across through into from for is are was sits stands runs flies leaps swims "
+    "rides holds wears looks red orange yellow green blue purple pink brown black white "
+    "grey golden silver dark bright soft small large tiny huge old young happy sad calm "
+    "wild cat dog fox horse bird fish owl bear wolf lion tiger rabbit squirrel astronaut "
+    "robot knight wizard child woman man person city town village forest river lake sea "
+    "ocean beach mountain hill valley desert field garden park street road bridge tower "
+    "castle house room window door table chair bowl cup book lamp car boat train ship sky "
+    "cloud clouds sun moon star stars rain snow storm fog light shadow morning evening "
+    "night dawn dusk sunset sunrise winter summer spring autumn painting photo photograph "
+    "drawing sketch watercolour watercolor oil portrait landscape close-up view aerial "
+    "studio lighting cinematic detailed realistic style art burger ramen egg coffee tea "
+    "bread fruit apple flower flowers tree trees leaves grass stone glass metal wood fire "
+    "water ice gold"
+).split()
+
+
+class Dims(NamedTuple):
+    """The widths and depths of one size of folder.
+
+    Attributes:
+        text: the T5 encoder's width.
+        text_layers: its layers.
+        clip: the CLIP encoders' width (SD3's second one is twice as wide).
+        clip_layers: their layers.
+        heads: the DiT's attention heads.
+        head_dim: each head's width.
+        layers: the DiT's blocks (Flux: of each of its two stacks).
+        vae: the VAE's block widths (the image is ``2 ** (len - 1)`` times the latents).
+        sample: the DiT's default latent side.
+    """
+
+    text: int
+    text_layers: int
+    clip: int
+    clip_layers: int
+    heads: int
+    head_dim: int
+    layers: int
+    vae: tuple[int, ...]
+    sample: int
+
+
+DIMS: dict[Size, Dims] = {
+    "tiny": Dims(
+        text=64, text_layers=2, clip=16, clip_layers=2, heads=2, head_dim=16, layers=2,
+        vae=(8, 8, 8, 8), sample=32,
+    ),
+    "bench": Dims(
+        text=256, text_layers=6, clip=64, clip_layers=4, heads=6, head_dim=64, layers=8,
+        vae=(32, 64, 64, 64), sample=32,
+    ),
+}  # fmt: skip
+
+
+def vocabulary(special: tuple[str, ...]) -> dict[str, int]:
+    """Return the word-level vocabulary: the special tokens first, then ``WORDS``."""
+    return {token: index for index, token in enumerate((*special, *WORDS))}
+
+
+def word_tokenizer(
+    special: tuple[str, ...], template: str, max_tokens: int
+) -> PreTrainedTokenizerFast:
+    """Build a lower-casing word-level tokenizer whose post-processor applies ``template``.
+
+    ``special`` is (padding or start, end, unknown); ``template`` places the end (and start)
+    tokens around ``$A``.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = vocabulary(special)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=special[2]))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(token, vocab[token]) for token in special[:2]]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=special[0] if special is T5_SPECIAL else special[1],
+        eos_token=special[1],
+        unk_token=special[2],
+        **({} if special is T5_SPECIAL else {"bos_token": special[0]}),
+        model_max_length=max_tokens,
+    )
+
+
+def t5(dims: Dims) -> tuple[Any, PreTrainedTokenizerFast]:
+    """Return a T5 encoder (v1.1 style: gated GELU, untied head) and its tokenizer."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(vocabulary(T5_SPECIAL)),
+        d_model=dims.text,
+        d_kv=dims.text // 4,
+        d_ff=dims.text * 2 + 5,
+        num_layers=dims.text_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    return T5EncoderModel(config), word_tokenizer(T5_SPECIAL, "$A </s>", T5_MAX_TOKENS)
+
+
+def clip(dims: Dims, width: int, *, projection: bool) -> tuple[Any, PreTrainedTokenizerFast]:
+    """Return a CLIP text encoder ``width`` wide (with a projection for SD3) and its tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(vocabulary(CLIP_SPECIAL)),
+        hidden_size=width,
+        intermediate_size=width * 2 + 5,
+        num_hidden_layers=dims.clip_layers,
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_TOKENS,
+        projection_dim=width * 2,
+        hidden_act="gelu",
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    model = CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+    template = "<|startoftext|> $A <|endoftext|>"
+    return model, word_tokenizer(CLIP_SPECIAL, template, CLIP_MAX_TOKENS)
+
+
+def vae(dims: Dims, latent_channels: int, *, flow: bool) -> Any:
+    """Return an ``AutoencoderKL`` with ``dims.vae`` blocks (Flux and SD3: no quant convs)."""
+    from diffusers import AutoencoderKL
+
+    blocks = len(dims.vae)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
+        block_out_channels=dims.vae,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(dims.vae[0], 32),
+        sample_size=dims.sample * 2 ** (blocks - 1),
+        use_quant_conv=not flow,
+        use_post_quant_conv=not flow,
+        **({"shift_factor": 0.0609, "scaling_factor": 1.5035} if flow else {}),
+    )
+
+
+def pixart(dims: Dims, *, sigma: bool) -> tuple[type, dict[str, Any]]:
+    """Return PixArt-alpha or -sigma's pipeline class and components (T5, DiT, VAE)."""
+    from diffusers import (
+        DPMSolverMultistepScheduler,
+        PixArtAlphaPipeline,
+        PixArtSigmaPipeline,
+        PixArtTransformer2DModel,
+    )
+
+    text_encoder, tokenizer = t5(dims)
+    transformer = PixArtTransformer2DModel(
+        sample_size=dims.sample,
+        num_layers=dims.layers,
+        patch_size=2,
+        attention_head_dim=dims.head_dim,
+        num_attention_heads=dims.heads,
+        caption_channels=dims.text,
+        in_channels=4,
+        out_channels=8,
+        cross_attention_dim=dims.heads * dims.head_dim,
+        use_additional_conditions=False if sigma else None,
+    )
+    components = {
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+        "vae": vae(dims, 4, flow=False),
+        "scheduler": DPMSolverMultistepScheduler(),
+    }
+    return (PixArtSigmaPipeline if sigma else PixArtAlphaPipeline), components
+
+
+def flux(dims: Dims) -> tuple[type, dict[str, Any]]:
+    """Return Flux's pipeline class and components (CLIP, T5, guidance-distilled DiT, VAE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    text_encoder, tokenizer = clip(dims, dims.clip, projection=False)
+    text_encoder_2, tokenizer_2 = t5(dims)
+    head_dim = dims.head_dim
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=dims.layers,
+        num_single_layers=dims.layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=dims.heads,
+        joint_attention_dim=dims.text,
+        pooled_projection_dim=dims.clip,
+        guidance_embeds=True,
+        axes_dims_rope=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    components = {
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "transformer": transformer,
+        "vae": vae(dims, 4, flow=True),
+        "scheduler": scheduler,
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+    return FluxPipeline, components
+
+
+def sd3(dims: Dims) -> tuple[type, dict[str, Any]]:
+    """Return SD3's pipeline class and components (two CLIP, T5, MMDiT, VAE)."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    text_encoder, tokenizer = clip(dims, dims.clip, projection=True)
+    # twice as wide, as SD3's second CLIP is: the two together still fit inside T5's width
+    text_encoder_2, tokenizer_2 = clip(dims, dims.clip * 2, projection=True)
+    text_encoder_3, tokenizer_3 = t5(dims)
+    transformer = SD3Transformer2DModel(
+        sample_size=dims.sample,
+        patch_size=2,
+        in_channels=4,
+        num_layers=dims.layers,
+        attention_head_dim=dims.head_dim,
+        num_attention_heads=dims.heads,
+        joint_attention_dim=dims.text,
+        caption_projection_dim=dims.heads * dims.head_dim,
+        pooled_projection_dim=dims.clip * 2 + dims.clip * 4,
+        out_channels=4,
+        pos_embed_max_size=dims.sample * 2,
+    )
+    components = {
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_3": text_encoder_3,
+        "tokenizer_3": tokenizer_3,
+        "transformer": transformer,
+        "vae": vae(dims, 4, flow=True),
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+    return StableDiffusion3Pipeline, components
+
+
+BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
+    "pixart": lambda dims: pixart(dims, sigma=False),
+    "pixart-sigma": lambda dims: pixart(dims, sigma=True),
+    "flux": flux,
+    "sd3": sd3,
+}
+
+
+def write_pipeline(family: Family, folder: Path, *, size: Size = "tiny", seed: int = 0) -> Path:
+    """Write the ``family`` pipeline of ``size`` into ``folder`` and return ``folder``.
+
+    Every weight of every model is drawn from ``seed`` and its own name
+    (``components.weights.seed_weights``), so a folder does not depend on the global
+    random state; the same arguments write the same weights.
+    """
+    pipeline_class, components = BUILDERS[family](DIMS[size])
+    for component in components.values():
+        if isinstance(component, torch.nn.Module):
+            seed_weights(component, seed)
+            component.eval()
+    pipeline = pipeline_class(**components)
+    pipeline.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line and write the folder."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.make_pipeline",
+        description="Write a diffusers-format pipeline folder with seeded random weights.",
+    )
+    parser.add_argument("family", choices=get_args(Family))
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--size", choices=get_args(Size), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    folder = write_pipeline(args.family, args.folder, size=args.size, seed=args.seed)
+    print(folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""``FolderLoader``: the kinds that load one component folder of a diffusers-format pipeline.
+
+A component folder holds a ``config.json`` and safetensors weights (sharded or not).
+Everything admission asks is answered from those two without loading: the tensors the
+class expects (built on ``meta`` from the config), the bytes (from the headers), the
+widths it reads and writes (from the config). The native path builds the library's
+own class on ``meta`` and hands it the mapped tensors: one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from components.folders.files import stored_tensors, weight_files
+from components.folders.meta import Expected, assign_weights, build_empty, expected_tensors
+from components.folders.names import module_names
+from components.libraries import Library, library_class, missing
+from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
+from components.weights import DeclaredTensors, StoredTensor, is_floating, tensor_bytes
+
+CONFIG_FILE = "config.json"
+
+
+class Layout(NamedTuple):
+    """How a folder's tensors fit its class.
+
+    Attributes:
+        expected: the tensors the class expects, and the buffers it computes.
+        names: each stored tensor's name in the module -> its key in the files.
+    """
+
+    expected: Expected
+    names: dict[str, str]
+
+
+MODEL_BASES: dict[Library, str] = {"diffusers": "ModelMixin", "transformers": "PreTrainedModel"}
+"""The class every model a folder names must derive from, per library."""
+
+
+class FolderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a kind loaded from a component folder.
+
+    Attributes:
+        path: the component folder (``config.json`` and safetensors weights).
+        class_name: the library class to build (``model_index.json`` names it); None takes
+            the one ``config.json`` names.
+
+    Raises:
+        ValueError: ``weights`` was given (the folder's own files are the weights).
+    """
+
+    path: str
+    class_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            raise ValueError(
+                "a folder component reads its weights from the safetensors files of its "
+                "folder (options.path); drop options.weights"
+            )
+
+
+class FolderLoader(ComponentLoader):
+    """Load a component from its folder through the library class it names.
+
+    Subclasses set ``kind``, ``library``, ``classes`` (the classes of that library the
+    kind loads), ``block_stack``, and the widths ``reads``/``writes`` take from
+    ``config``. Weights are safetensors only.
+
+    Attributes:
+        dtype: the dtype of the floating weights once loaded; the files may store
+            another. ``float32`` unless the pipeline asks otherwise.
+    """
+
+    library: ClassVar[Library]
+    options_type = FolderOptions
+
+    def __init__(self, options: FolderOptions) -> None:
+        super().__init__(options)
+        self.options: FolderOptions = options
+        self.dtype = torch.float32
+        self._spare: nn.Module | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The component folder."""
+        return Path(self.options.path)
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """The folder's ``config.json``, read once.
+
+        Raises:
+            FileNotFoundError: the folder has no ``config.json``.
+            ValueError: it is not a JSON object.
+        """
+        path = self.folder / CONFIG_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: a component folder holds its config")
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from err
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
+        return config
+
+    @property
+    def class_name(self) -> str:
+        """The class to build: the option, else the one ``config.json`` names."""
+        if self.options.class_name is not None:
+            return self.options.class_name
+        if self.library == "transformers":
+            return str((self.config.get("architectures") or [""])[0])
+        return str(self.config.get("_class_name", ""))
+
+    def unavailable_reason(self, path: LoaderPath) -> str | None:
+        """Say why ``path`` cannot build this component here (library, files, class)."""
+        if path == "custom":
+            return super().unavailable_reason(path)
+        reason = missing(self.library) or self._file_problem()
+        if reason is None and self.class_name not in self.classes:
+            reason = f"kind '{self.kind}' loads {', '.join(self.classes)}, not '{self.class_name}'"
+        return reason
+
+    def _file_problem(self) -> str | None:
+        try:
+            self.config  # noqa: B018  (read to find a missing or broken file early)
+            weight_files(self.folder)
+        except (OSError, ValueError) as err:
+            return str(err)
+        return None
+
+    @cached_property
+    def stored(self) -> dict[str, tuple[StoredTensor, Path]]:
+        """Every tensor of the folder's weights files by name, with its file (headers only).
+
+        Raises:
+            UnsafeWeightsError: the folder's weights are only pickled files.
+            FileNotFoundError: it has no weights, or a listed shard is missing.
+            ValueError: a file is not safetensors, or two hold the same tensor.
+        """
+        return stored_tensors(weight_files(self.folder))
+
+    @cached_property
+    def layout(self) -> Layout | None:
+        """What the class expects and the module name of each stored tensor; None without
+        the library (both come from building the class on ``meta``).
+
+        Raises:
+            OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
+                library does and this version does not.
+        """
+        if missing(self.library) is not None:
+            return None
+        module = self.empty()
+        self._spare = module  # the next native build takes it rather than build another
+        return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
+
+    def tensors(self) -> DeclaredTensors | None:
+        """Declare the tensors the class expects (tied names once); None without the library."""
+        layout = self.layout
+        return None if layout is None else layout.expected.tensors
+
+    def weight_problems(self) -> list[str]:
+        """Say how the folder's weights fail what the class expects, from headers alone.
+
+        Raises:
+            OSError, ValueError: as ``layout`` does.
+        """
+        layout = self.layout
+        if layout is None:
+            return []
+        stored = {name: self.stored[key][0] for name, key in layout.names.items()}
+        return layout.expected.problems(stored)
+
+    def declared_bytes(self) -> int:
+        """Return the bytes the module holds once loaded in ``dtype``, from headers and config.
+
+        Floating tensors take ``dtype``'s size (float32 where the class keeps them so);
+        integer ones keep their stored size. Buffers the class computes rather than
+        stores (known from the ``meta`` build) count as well.
+
+        Raises:
+            OSError, ValueError: as ``stored`` does.
+        """
+        keeps_float32 = self.float32_rule()
+
+        def loaded(name: str, floating: bool, stored: int, numel: int) -> int:
+            if not floating:
+                return stored
+            dtype = torch.float32 if keeps_float32(name) else self.dtype
+            return numel * dtype.itemsize
+
+        total = sum(
+            loaded(name, is_floating(tensor), tensor_bytes(name, tensor, path), _numel(tensor))
+            for name, (tensor, path) in self.stored.items()
+        )
+        layout = self.layout
+        if layout is not None:
+            total += sum(
+                loaded(name, b.is_floating_point(), b.numel() * b.element_size(), b.numel())
+                for name, b in layout.expected.unstored.items()
+            )
+        return total
+
+    def float32_rule(self) -> Callable[[str], bool]:
+        """Return what tells whether the class keeps a tensor in float32 at this ``dtype``.
+
+        transformers keeps its ``_keep_in_fp32_modules`` in float32 when loading in
+        float16, and its ``_keep_in_fp32_modules_strict`` in float16 and bfloat16.
+        """
+        if self.dtype == torch.float32 or missing(self.library) is not None:
+            return lambda name: False
+        model = self.model_class()
+        kept = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+        if self.dtype == torch.float16:
+            kept |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        return lambda name: not kept.isdisjoint(name.split("."))
+
+    def model_class(self) -> type[nn.Module]:
+        """Return the library class to build.
+
+        Raises:
+            ModuleNotFoundError: the library is not installed.
+            ValueError: the library has no such model class.
+        """
+        found: type[nn.Module] = library_class(
+            self.library, self.class_name, MODEL_BASES[self.library]
+        )
+        return found
+
+    def empty(self) -> nn.Module:
+        """Build the class from ``config.json`` with its parameters on ``meta``, uninitialised.
+
+        Initialisers are skipped through the library's own switch (as its loading does):
+        on meta tensors they do nothing but cost time.
+        """
+        model = self.model_class()
+        if self.library == "transformers":
+            from transformers.initialization import no_init_weights
+
+            config = model.config_class.from_dict(self.config)  # type: ignore[attr-defined]
+            with no_init_weights():
+                module = build_empty(lambda: model(config))
+            # skipping transformers' init_weights skips its tying too (T5's shared embedding)
+            module.tie_weights()  # type: ignore[operator]
+            return module
+        from diffusers.models.modeling_utils import no_init_weights as no_diffusers_init
+
+        with no_diffusers_init():
+            return build_empty(lambda: model.from_config(self.config))  # type: ignore[attr-defined]
+
+    def build_native(self) -> nn.Module:
+        """Build the library's class on ``meta`` and give it the folder's mapped weights.
+
+        Raises:
+            PathUnavailable: the library or a file is missing, or the class is not this kind's.
+            ValueError: the files do not hold every weight the class expects.
+        """
+        reason = self.unavailable_reason("native")
+        if reason is not None:
+            raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
+        layout = self.layout
+        assert layout is not None  # the library is installed: unavailable_reason said so
+        module, self._spare = self._spare or self.empty(), None
+        stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
+        assign_weights(module, stored, self.dtype, self.float32_rule())
+        return module
+
+
+def _numel(tensor: StoredTensor) -> int:
+    return math.prod(tensor.shape)

@@ -1,0 +1,161 @@
+"""Build a model with no weights, say what it expects, and give it the mapped file's tensors.
+
+A library class (``T5EncoderModel``, ``FluxTransformer2DModel``) is built with every
+parameter on the ``meta`` device: no memory, no initialisation cost, and the names,
+shapes and dtypes it expects are known. Buffers stay real, since many are computed in
+``__init__`` and never stored (CLIP's position ids, PixArt's sine-cosine position
+table). Loading then hands each parameter the tensor safetensors maps from the file:
+the weights exist once, in the mapped pages, whatever the size of the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
+
+# One build at a time: the registration hook is process-wide while it is installed.
+_building = threading.Lock()
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Make every parameter registered inside the block a ``meta`` tensor; buffers stay real.
+
+    torch's module-wide parameter registration hook replaces each parameter as a
+    module registers it, so initialisers that follow (``reset_parameters``, a
+    library's ``_init_weights``) run on meta tensors and cost nothing.
+    """
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.device.type == "meta":
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=False)
+
+    with _building:
+        # torch types the hook as returning None, but uses what it returns (torch 2.x)
+        handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+def build_empty(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Build ``factory()`` with its parameters on ``meta`` (see ``parameters_on_meta``)."""
+    with parameters_on_meta(), torch.no_grad():
+        return factory()
+
+
+class Expected(NamedTuple):
+    """What a model built by ``build_empty`` expects its weights files to hold.
+
+    Attributes:
+        tensors: each stored tensor by its canonical name (the first of its tie group).
+        aliases: every other name of a tied tensor -> its canonical name; a file may
+            store a tied tensor under any one of its names.
+        unstored: the buffers the class computes and never stores (position tables,
+            ids), which the module holds besides its weights.
+    """
+
+    tensors: DeclaredTensors
+    aliases: dict[str, str]
+    unstored: dict[str, torch.Tensor]
+
+    def problems(self, stored: Mapping[str, StoredTensor]) -> list[str]:
+        """Say how ``stored`` (a header, shards merged) fails these tensors; [] when it fits."""
+        canonical = {self.aliases.get(name, name): tensor for name, tensor in stored.items()}
+        return stored_problems(canonical, self.tensors)
+
+
+def expected_tensors(module: nn.Module) -> Expected:
+    """Return the tensors ``module``'s state dict holds, tied names folded into one."""
+    tensors: DeclaredTensors = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    state = module.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            aliases[name] = owner
+            continue
+        tensors[name] = DeclaredTensor(tuple(tensor.shape), tensor.is_floating_point())
+    stored = {id(tensor) for tensor in state.values()}
+    unstored = {name: b.to("meta") for name, b in module.named_buffers() if id(b) not in stored}
+    return Expected(tensors, aliases, unstored)
+
+
+def assign_weights(
+    module: nn.Module,
+    stored: Mapping[str, tuple[Path, str]],
+    dtype: torch.dtype,
+    keep_float32: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Give ``module`` (built by ``build_empty``) the tensors of its files, mapped, not copied.
+
+    ``stored`` maps each tensor's name in ``module`` to its file and its key there.
+    Floating tensors are cast to ``dtype`` (a cast makes the one copy the module keeps;
+    an equal dtype keeps the mapped tensor), except those ``keep_float32`` names;
+    integer tensors keep theirs. Tied
+    names get one shared tensor. Floating buffers that the files do not store are cast
+    to ``dtype`` too, as ``module.to(dtype)`` would.
+
+    Raises:
+        ValueError: a parameter is in no file (the message names the missing ones).
+    """
+    groups: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    with ExitStack() as files, torch.no_grad():
+        opened: dict[Path, _TensorFile] = {}
+        for names in groups.values():
+            found = next((name for name in names if name in stored), None)
+            if found is None:
+                continue
+            path, key = stored[found]
+            if path not in opened:
+                opened[path] = files.enter_context(safe_open(path, framework="pt"))
+            tensor = opened[path].get_tensor(key)
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if keep_float32(found) else dtype)
+            _put(modules, names, tensor)
+        for name, buffer in module.named_buffers():
+            if buffer.is_floating_point() and buffer.dtype != dtype and not keep_float32(name):
+                _put(modules, [name], buffer.to(dtype))
+    left = [name for name, param in module.named_parameters() if param.device.type == "meta"]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ValueError(f"no weights file holds {shown}; the folder's weights are incomplete")
+
+
+class _TensorFile(Protocol):
+    """The part of an open ``safe_open`` file used here (safetensors ships it untyped)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+
+def _put(modules: Mapping[str, nn.Module], names: list[str], tensor: torch.Tensor) -> None:
+    """Set every one of ``names`` (a tie group) to one parameter or buffer holding ``tensor``.
+
+    ``modules`` is the model's ``named_modules()`` (looked up once, not per name).
+    """
+    owner_name, _, leaf = names[0].rpartition(".")
+    if leaf in modules[owner_name]._parameters:
+        parameter = nn.Parameter(tensor, requires_grad=False)
+        for name in names:
+            owner_name, _, leaf = name.rpartition(".")
+            modules[owner_name]._parameters[leaf] = parameter
+        return
+    for name in names:
+        owner_name, _, leaf = name.rpartition(".")
+        modules[owner_name]._buffers[leaf] = tensor

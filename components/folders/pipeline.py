@@ -1,0 +1,149 @@
+"""A pipeline folder read as the project sees it: a recipe, and a kind with options per component.
+
+Reading a folder touches its JSON files and safetensors headers' presence only, never the
+weights. What makes it unusable as given is said in one of two ways: a path that is
+missing or unreadable is an exception naming it (bad input); a folder that is whole but
+refused (an unsupported class, code shipped in the folder, pickled weights) is a
+``Problem`` for admission to report with all the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from components import registry
+from components.folders.files import UnsafeWeightsError, weight_files
+from components.folders.index import INDEX_FILE, PipelineIndex
+from components.folders.loader import CONFIG_FILE
+from components.folders.problems import Problem
+from components.loader import ComponentLoader
+from components.recipes import RECIPES, Recipe
+from components.recipes.base import ENCODE
+
+TEXT_ENCODER, TOKENIZER = "text_encoder", "tokenizer"
+
+
+class ComponentPlan(NamedTuple):
+    """How one component of a folder is loaded: its kind and that kind's options."""
+
+    kind: str
+    options: dict[str, str]
+
+
+class FolderPipeline(NamedTuple):
+    """A pipeline folder as its recipe runs it.
+
+    Attributes:
+        model_index: its ``model_index.json``.
+        recipe: the recipe of its pipeline class; None when no recipe supports it.
+        components: the kind and options of each component the recipe uses.
+        problems: what admission must refuse, each with its code.
+    """
+
+    model_index: PipelineIndex
+    recipe: type[Recipe] | None
+    components: dict[str, ComponentPlan]
+    problems: list[Problem]
+
+    @classmethod
+    def read(cls, folder: Path) -> FolderPipeline:
+        """Read ``folder``: its index, the kind of each component, what must be refused.
+
+        Raises:
+            FileNotFoundError: ``model_index.json``, a subfolder the recipe uses, its
+                ``config.json``, its tokenizer folder or its weights are missing (the
+                message names the path).
+            ValueError: a JSON file is malformed, or the index lacks a component the
+                pipeline class needs (the message names it).
+        """
+        index = PipelineIndex.read(folder)
+        problems = [_custom_code(entry.name, entry.library) for entry in index.custom_code()]
+        recipe = RECIPES.get(index.pipeline_class)
+        if recipe is None:
+            problems.append(_unsupported_pipeline(index.pipeline_class))
+            return cls(index, None, {}, problems)
+        components = {}
+        encoders = next(stage.uses for stage in recipe.stages if stage.name == ENCODE)
+        custom = {entry.name for entry in index.custom_code()}
+        for name in recipe.components():
+            if name not in index.entries:
+                raise ValueError(
+                    f"{folder / INDEX_FILE} has no '{name}', which {index.pipeline_class} needs"
+                )
+            entry = index.entries[name]
+            path = index.subfolder(name)
+            if not (path / CONFIG_FILE).is_file():
+                raise FileNotFoundError(f"{path / CONFIG_FILE} does not exist")
+            try:
+                weight_files(path)
+            except UnsafeWeightsError as err:
+                problems.append(
+                    Problem(
+                        "loader.unsafe_weights",
+                        name,
+                        str(err),
+                        f"convert {path.name}'s weights to safetensors (for example with "
+                        "save_pretrained(..., safe_serialization=True)) where you trust them",
+                    )
+                )
+            kind = kind_for_class(entry.class_name)
+            if kind is None:
+                if name not in custom:
+                    problems.append(_unsupported_component(name, entry.class_name))
+                continue
+            options = {"path": str(path), "class_name": entry.class_name}
+            if name in encoders:
+                tokenizer = name.replace(TEXT_ENCODER, TOKENIZER, 1)
+                if tokenizer not in index.entries:
+                    raise ValueError(
+                        f"{folder / INDEX_FILE} has no '{tokenizer}' for '{name}' to tokenize with"
+                    )
+                options["tokenizer"] = str(index.subfolder(tokenizer))
+                options["tokenizer_class"] = index.entries[tokenizer].class_name
+            components[name] = ComponentPlan(kind, options)
+        return cls(index, recipe, components, problems)
+
+    def loaders(self) -> dict[str, ComponentLoader]:
+        """Return each component's loader, made from its plan's kind and options."""
+        return {
+            name: registry.get(plan.kind).from_options(plan.options)
+            for name, plan in self.components.items()
+        }
+
+
+def kind_for_class(class_name: str) -> str | None:
+    """Return the kind that loads ``class_name`` (its ``classes`` name it), or None."""
+    for kind in registry.names():
+        if class_name in registry.get(kind).classes:
+            return kind
+    return None
+
+
+def _custom_code(name: str, module: str) -> Problem:
+    return Problem(
+        "pipeline.custom_code",
+        name,
+        f"{INDEX_FILE} names module '{module}' for '{name}', code shipped in the folder; "
+        "it is never imported (no trust_remote_code)",
+        f"use a folder whose '{name}' entry names a diffusers or transformers class",
+    )
+
+
+def _unsupported_pipeline(class_name: str) -> Problem:
+    return Problem(
+        "pipeline.unsupported_class",
+        "pipeline",
+        f"pipeline class '{class_name}' has no recipe here; supported: {', '.join(RECIPES)}",
+        "use a folder of a supported pipeline class",
+    )
+
+
+def _unsupported_component(name: str, class_name: str) -> Problem:
+    return Problem(
+        "pipeline.unsupported_class",
+        name,
+        f"no component kind loads class '{class_name}' of '{name}'",
+        f"install a package whose kind lists '{class_name}' in ComponentLoader.classes, "
+        f"registered through the entry-point group '{registry.ENTRY_POINT_GROUP}'",
+    )

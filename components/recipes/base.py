@@ -1,0 +1,322 @@
+"""What a recipe is: how one diffusers pipeline class runs on the project's components.
+
+A recipe owns each stage of its pipeline class: ``encode`` (every text encoder),
+``denoise`` (the transformer, stepping the folder's own scheduler: diffusers' class,
+never re-implemented) and ``decode`` (the VAE). It runs a stage on the modules the
+orchestrator hands it (native or custom, resident, armed) and on what ``Batch``
+carries, so its images equal diffusers' pipeline on the same folder and arguments.
+Random draws follow diffusers' order: one ``torch.randn`` of every latent of a request
+from its generator, then whatever the scheduler draws from the same generator.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import torch
+from torch import nn
+
+from components.batch import Batch, BatchField, Port, device_of
+from components.folders.index import PipelineIndex
+from components.folders.loader import FolderLoader
+from components.folders.problems import Problem
+from components.kinds.autoencoder_kl import AutoencoderKlLoader
+from components.libraries import library_class
+from components.loader import ComponentLoader
+
+# B images, C latent channels, h w latent grid, N latent positions (h * w), L tokens, E width
+
+ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
+SCHEDULER = "scheduler"
+SCHEDULER_CONFIG = "scheduler_config.json"
+
+LoaderT = TypeVar("LoaderT", bound=ComponentLoader)
+
+
+class Stage(NamedTuple):
+    """One stage of a recipe and the components it uses, in order."""
+
+    name: str
+    uses: tuple[str, ...]
+
+
+class RecipeError(ValueError):
+    """A folder's components do not fit its pipeline class's recipe; every problem is named.
+
+    Attributes:
+        problems: each problem with its component and fix.
+    """
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p.component}: {p.message} ({p.hint})" for p in problems))
+
+
+class Recipe(ABC):
+    """Run one diffusers pipeline class on a folder's components.
+
+    Subclasses set ``pipeline_class``, ``stages``, the defaults diffusers' ``__call__``
+    has and ``noise_dtype_of``, and implement each stage. Every supported class has a
+    ``transformer`` and a ``vae``.
+
+    Args:
+        index: the folder's ``model_index.json``.
+        loaders: the loader of every component the stages use, by name.
+
+    Raises:
+        RecipeError: a component is missing or of a kind the recipe cannot drive.
+        ValueError: the scheduler's config cannot be read or its class is not a
+            diffusers scheduler.
+    """
+
+    pipeline_class: ClassVar[str]
+    stages: ClassVar[tuple[Stage, ...]]
+    default_steps: ClassVar[int]
+    default_guidance: ClassVar[float]
+    takes_negative_prompt: ClassVar[bool] = True
+    """Whether guidance has an unconditional pass for a negative prompt to steer."""
+    noise_dtype_of: ClassVar[str]
+    """The text encoder whose dtype the noise is drawn in (diffusers draws it in the dtype
+    of the prompt embeddings)."""
+
+    def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
+        self.index = index
+        self.loaders = loaders
+        entry = index.entries.get(SCHEDULER)
+        if entry is None:
+            raise ValueError(f"{index.folder} lists no scheduler in its model_index.json")
+        path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
+        try:
+            self.scheduler_config: dict[str, Any] = json.loads(path.read_text())
+        except OSError as err:
+            raise FileNotFoundError(f"cannot read {path} ({err})") from err
+        self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
+        self.transformer = self.loader("transformer", FolderLoader)
+        self.vae = self.loader("vae", AutoencoderKlLoader)
+        self.channels = width(self.transformer, "latents", written=False) or 0
+        """C: the latent channels the VAE decodes (Flux's DiT reads them packed by four)."""
+
+    @classmethod
+    def components(cls) -> tuple[str, ...]:
+        """Return every component the stages use, in stage order."""
+        return tuple(dict.fromkeys(name for stage in cls.stages for name in stage.uses))
+
+    def new_scheduler(self) -> Any:
+        """Return a fresh scheduler from the folder's config (a run mutates its state)."""
+        return self.scheduler_class.from_config(self.scheduler_config)  # type: ignore[attr-defined]
+
+    def loader(self, name: str, kind: type[LoaderT]) -> LoaderT:
+        """Return component ``name``'s loader, which must be a ``kind``.
+
+        Raises:
+            RecipeError: it is missing or of another kind.
+        """
+        found = self.loaders.get(name)
+        if not isinstance(found, kind):
+            what = "missing" if found is None else f"of kind '{found.kind}'"
+            raise RecipeError(
+                [
+                    Problem(
+                        "pipeline.unsupported_class",
+                        name,
+                        f"{self.pipeline_class} needs '{name}' as a {kind.__name__}, but it is "
+                        f"{what}",
+                        f"give the folder a '{name}' of the class the pipeline expects",
+                    )
+                ]
+            )
+        return found
+
+    def run(self, stage: str, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Run ``stage`` on ``modules`` (the stage's components, resident) and ``batch``.
+
+        Raises:
+            KeyError: the recipe has no such stage.
+            ValueError: the batch asks for what this pipeline class cannot do.
+        """
+        runs: dict[str, Callable[[Mapping[str, nn.Module], Batch], None]] = {
+            ENCODE: self.encode,
+            DENOISE: self.denoise,
+            DECODE: self.decode,
+        }
+        runs[stage](modules, batch)
+
+    def check(self, batch: Batch) -> list[str]:
+        """Refuse a request this pipeline class cannot honour; return its prompts.
+
+        ``encode`` asks it before anything runs; a worker may ask it before queuing.
+
+        Raises:
+            ValueError: it has no prompts, a negative prompt the class would ignore, or a
+                size off its grid (each message says what to change).
+        """
+        if not batch.prompts:
+            raise ValueError(f"a {self.pipeline_class} request needs prompts")
+        if batch.negative_prompts is not None and not self.takes_negative_prompt:
+            raise ValueError(
+                f"{self.pipeline_class} guides by its distilled guidance embedding and has no "
+                "unconditional pass: a negative prompt would be ignored; drop it"
+            )
+        self.image_size(batch)
+        return batch.prompts
+
+    def guidance_scale(self, batch: Batch) -> float:
+        """Return the batch's guidance scale, else the pipeline's default."""
+        return self.default_guidance if batch.guidance_scale is None else batch.guidance_scale
+
+    @property
+    @abstractmethod
+    def multiple(self) -> int:
+        """What the image's height and width must be multiples of."""
+
+    def default_size(self) -> tuple[int, int]:
+        """Return diffusers' default (height, width): the DiT's ``sample_size`` in pixels."""
+        side = int(self.transformer.config["sample_size"]) * self.vae.scale_factor
+        return side, side
+
+    def requested_size(self, batch: Batch) -> tuple[int, int]:
+        """Return the size the batch asks for, else the default."""
+        return batch.image_size or self.default_size()
+
+    def binned(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the size the latents are made at for ``size`` asked (the same by default)."""
+        return size
+
+    def image_size(self, batch: Batch) -> tuple[int, int]:
+        """Return the (height, width) in pixels the batch's latents are made at.
+
+        Raises:
+            ValueError: the size is off the grid this pipeline can make (the message
+                names the multiple it must be).
+        """
+        height, width = self.binned(self.requested_size(batch))
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
+                f"width must be multiples of {self.multiple}"
+            )
+        return height, width
+
+    def latent_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the latent grid (h, w) of an image of ``size`` pixels."""
+        height, width = size
+        return height // self.vae.scale_factor, width // self.vae.scale_factor
+
+    def draw_latents(
+        self, generator: torch.Generator, count: int, size: tuple[int, int]
+    ) -> list[torch.Tensor]:
+        """Draw the noise of ``count`` images of ``size`` (pixels) as diffusers draws it.
+
+        One ``torch.randn`` of every image's latents together, in the dtype of
+        ``noise_dtype_of``; returns one ``(N, C)`` tensor per image, row-major over the grid.
+        """
+        dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
+        h, w = self.latent_size(size)
+        noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
+        return [x.flatten(1).T for x in noise]  # (N, C) each
+
+    def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
+        """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
+        latents = batch.latents or self.draw_latents(batch.generator, batch.size, size)
+        return latent_grid(latents, *self.latent_size(size))
+
+    def decode_latents(self, module: nn.Module, batch: Batch, *, shifted: bool) -> torch.Tensor:
+        """Decode the batch's latents, unscaled (and shifted) as the VAE's config says.
+
+        Returns images ``(B, 3, H, W)`` in [-1, 1].
+        """
+        config = self.vae.config
+        latents = latent_grid(batch.latents or [], *self.latent_size(self.image_size(batch)))
+        latents = latents.to(device_of(module), self.vae.dtype) / config["scaling_factor"]
+        if shifted:
+            latents = latents + config["shift_factor"]
+        decoder: Any = module
+        images: torch.Tensor = decoder.decode(latents, return_dict=False)[0]
+        return images
+
+    @abstractmethod
+    def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Embed the batch's prompts (and negative prompts where guidance needs them)."""
+
+    @abstractmethod
+    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Denoise the batch's latents (drawn from its generator if it has none)."""
+
+    @abstractmethod
+    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Decode the batch's latents into images ``(B, 3, H, W)`` in [-1, 1]."""
+
+    def interface_problems(self) -> list[Problem]:
+        """Say where the components' widths do not fit together (from configs alone)."""
+        latents = mismatch(
+            "vae",
+            "latents",
+            width(self.vae, "latents", written=False),
+            ["transformer"],
+            width(self.transformer, "latents", written=True),
+        )
+        return [*self.text_problems(), *latents]
+
+    @abstractmethod
+    def text_problems(self) -> list[Problem]:
+        """Say where the text encoders' widths do not fit what the DiT reads."""
+
+
+def width(loader: ComponentLoader, field: BatchField, *, written: bool) -> int | None:
+    """Return the width ``loader`` declares for ``field`` (written or read); None if none."""
+    ports: Sequence[Port] = loader.writes() if written else loader.reads()
+    return next((port.width for port in ports if port.field == field), None)
+
+
+def mismatch(
+    reader: str, field: str, reads: int | None, writers: Sequence[str], wrote: int | None
+) -> list[Problem]:
+    """Return a problem when ``reads`` differs from what ``writers`` wrote together."""
+    if reads is None or wrote is None or reads == wrote:
+        return []
+    joined = " + ".join(f"'{w}'" for w in writers)
+    return [
+        Problem(
+            "pipeline.interface_mismatch",
+            reader,
+            f"component '{reader}' reads {field} {reads} wide, but {joined} "
+            f"write{'s' if len(writers) == 1 else ''} it {wrote} wide",
+            f"pick components whose {field} widths agree (their config.json files)",
+        )
+    ]
+
+
+def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Return the distinct texts in first-seen order, and each text's index among them.
+
+    Each prompt is encoded once however many images it makes, as diffusers encodes it.
+    """
+    order: dict[str, int] = {}
+    rows = [order.setdefault(text, len(order)) for text in texts]
+    return list(order), rows
+
+
+def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Return the extra arguments diffusers hands ``scheduler.step``: ``eta`` 0, the generator."""
+    accepted = inspect.signature(scheduler.step).parameters
+    options: dict[str, Any] = {}
+    if "eta" in accepted:
+        options["eta"] = 0.0
+    if "generator" in accepted:
+        options["generator"] = generator
+    return options
+
+
+def latent_grid(latents: Sequence[torch.Tensor], h: int, w: int) -> torch.Tensor:
+    """Stack per-image ``(N, C)`` latents (row-major over ``h x w``) into ``(B, C, h, w)``.
+
+    Raises:
+        ValueError: there are none: the stage that makes them has not run.
+    """
+    if not latents:
+        raise ValueError("the stage needs latents: run the denoise stage first")
+    return torch.stack([x.T.reshape(-1, h, w) for x in latents])

@@ -1,0 +1,245 @@
+"""PixArt-alpha and PixArt-sigma: T5 (masked) -> PixArt DiT with its scheduler -> VAE.
+
+As diffusers' ``PixArtAlphaPipeline`` / ``PixArtSigmaPipeline`` call them with their
+defaults: prompts are cleaned (lower-cased and stripped, or diffusers' own caption
+cleaner where beautifulsoup4 and ftfy are installed), T5 pads them to 120 (alpha) or
+300 (sigma) tokens and masks the padding, the negative prompt is "" unless given,
+guidance runs when its scale is above 1, and a learned variance is dropped. Where the
+DiT's ``sample_size`` is one diffusers bins (32, 64, 128, and 256 for sigma), the
+requested size is mapped to the nearest aspect-ratio bin and the image resized and
+cropped back; other sizes run unbinned, as diffusers runs with
+``use_resolution_binning=False`` (it refuses them otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from components.batch import Batch, device_of
+from components.folders.problems import Problem
+from components.kinds.t5_encoder import T5EncoderLoader
+from components.libraries import is_importable
+from components.recipes.base import (
+    DECODE,
+    DENOISE,
+    ENCODE,
+    Recipe,
+    Stage,
+    mismatch,
+    step_options,
+    unique_texts,
+    width,
+)
+
+# B images, C latent channels, h w latent grid, L tokens, E width
+
+SIZE_MULTIPLE = 8
+"""diffusers' PixArt pipelines refuse sizes that are not multiples of 8."""
+MICRO_CONDITIONED = 128
+"""PixArt-alpha's 1024-pixel model (sample size 128) is conditioned on resolution and ratio."""
+
+
+class PixArtAlphaRecipe(Recipe):
+    """Run ``PixArtAlphaPipeline`` (T5 ``text_encoder``, ``transformer``, ``vae``)."""
+
+    pipeline_class: ClassVar[str] = "PixArtAlphaPipeline"
+    stages = (
+        Stage(ENCODE, ("text_encoder",)),
+        Stage(DENOISE, ("transformer",)),
+        Stage(DECODE, ("vae",)),
+    )
+    default_steps = 20
+    default_guidance = 4.5
+    noise_dtype_of = "text_encoder"
+    max_tokens: ClassVar[int] = 120
+    bin_tables: ClassVar[dict[int, str]] = {
+        128: "ASPECT_RATIO_1024_BIN",
+        64: "ASPECT_RATIO_512_BIN",
+        32: "ASPECT_RATIO_256_BIN",
+    }
+    """The aspect-ratio bins diffusers uses for each DiT ``sample_size`` (names in diffusers)."""
+    starts_at_first_step: ClassVar[bool] = True
+    """Whether the pipeline sets the scheduler's begin index (alpha's does, sigma's not)."""
+    one_step_keeps_original: ClassVar[bool] = True
+    """Whether a one-step run keeps the scheduler's predicted original (alpha's quirk)."""
+    micro_conditioned: ClassVar[bool] = True
+    """Whether the 1024-pixel DiT (sample size 128) gets resolution and ratio conditions."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.text_encoder = self.loader("text_encoder", T5EncoderLoader)
+        config = self.transformer.config
+        self.sample_size = int(config["sample_size"])
+        self.learned_sigma = int(config.get("out_channels") or self.channels) // 2 == self.channels
+        self._multiple = math.lcm(
+            SIZE_MULTIPLE, self.vae.scale_factor * int(config.get("patch_size") or 1)
+        )
+
+    @property
+    def multiple(self) -> int:
+        """Sizes must be multiples of 8 (diffusers' check) and of the VAE and patch scale."""
+        return self._multiple
+
+    def bins(self) -> dict[str, list[float]] | None:
+        """Return diffusers' aspect-ratio bins for this DiT, or None when it bins none."""
+        name = self.bin_tables.get(self.sample_size)
+        if name is None:
+            return None
+        from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha, pipeline_pixart_sigma
+
+        table: dict[str, list[float]] = getattr(pipeline_pixart_alpha, name, None) or getattr(
+            pipeline_pixart_sigma, name
+        )
+        return table
+
+    def binned(self, size: tuple[int, int]) -> tuple[int, int]:
+        """Return the aspect-ratio bin nearest ``size`` where diffusers bins, else ``size``."""
+        bins = self.bins()
+        if bins is None:
+            return size
+        from diffusers.image_processor import PixArtImageProcessor
+
+        binned: tuple[int, int] = PixArtImageProcessor.classify_height_width_bin(*size, bins)
+        return binned
+
+    def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Embed the prompts (and, under guidance, the negative prompts) with masked T5."""
+        prompts = self.check(batch)
+        module = modules["text_encoder"]
+        batch.context, batch.context_mask = self._embed(module, prompts)
+        if self.guidance_scale(batch) > 1:
+            negative = batch.negative_prompts or [""] * len(prompts)
+            batch.negative_context, batch.negative_context_mask = self._embed(module, negative)
+
+    def _embed(
+        self, module: nn.Module, texts: Sequence[str]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Return each text's padded states ``(L, E)`` and the token masks ``(B, L)``."""
+        distinct, rows = unique_texts(texts)
+        encoded = self.text_encoder.encode(
+            module, clean_captions(self.pipeline_class, distinct), self.max_tokens, masked=True
+        )
+        return [encoded.hidden[row] for row in rows], encoded.mask[rows]
+
+    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Run the scheduler's steps with the DiT, guided when the scale is above 1."""
+        module = modules["transformer"]
+        device = device_of(module)
+        height, width = self.image_size(batch)
+        scale = self.guidance_scale(batch)
+        guided = scale > 1
+        context, mask = _joined(batch.context, batch.context_mask, device)
+        if guided:
+            negative, negative_mask = _joined(
+                batch.negative_context, batch.negative_context_mask, device
+            )
+            context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
+        scheduler = self.new_scheduler()
+        scheduler.set_timesteps(batch.steps, device=device)
+        if self.starts_at_first_step and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        noise = self.noise(batch, (height, width)).to(device)
+        latents = noise * scheduler.init_noise_sigma  # (B, C, h, w)
+        conditions = self.micro_conditions(batch.size * (2 if guided else 1), height, width)
+        options = step_options(scheduler, batch.generator)
+        original = self.one_step_keeps_original and batch.steps == 1
+        for t in scheduler.timesteps:
+            model_input = torch.cat([latents] * 2) if guided else latents
+            model_input = scheduler.scale_model_input(model_input, t)
+            timestep = t[None].to(device).expand(model_input.shape[0])
+            prediction = module(
+                model_input,
+                encoder_hidden_states=context,
+                encoder_attention_mask=mask,
+                timestep=timestep,
+                added_cond_kwargs=conditions,
+                return_dict=False,
+            )[0]
+            if guided:
+                uncond, cond = prediction.chunk(2)
+                prediction = uncond + scale * (cond - uncond)
+            if self.learned_sigma:
+                prediction = prediction.chunk(2, dim=1)[0]
+            out = scheduler.step(prediction, t, latents, **options, return_dict=False)
+            # (where a one-step run finds no predicted original, diffusers' alpha pipeline
+            # fails; this keeps the previous sample)
+            latents = out[1] if original and len(out) > 1 else out[0]
+        batch.latents = [x.flatten(1).T for x in latents]  # (N, C) each
+
+    def micro_conditions(
+        self, count: int, height: int, width: int
+    ) -> dict[str, torch.Tensor | None]:
+        """Return the resolution and aspect-ratio conditions of the 1024-pixel model, else none."""
+        if not self.micro_conditioned or self.sample_size != MICRO_CONDITIONED:
+            return {"resolution": None, "aspect_ratio": None}
+        dtype = self.text_encoder.dtype
+        return {
+            "resolution": torch.tensor([height, width], dtype=dtype).repeat(count, 1),
+            "aspect_ratio": torch.tensor([float(height / width)], dtype=dtype).repeat(count, 1),
+        }
+
+    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Decode the latents, and resize and crop binned images back to the size asked."""
+        images = self.decode_latents(modules["vae"], batch, shifted=False)
+        if self.bins() is not None:
+            from diffusers.image_processor import PixArtImageProcessor
+
+            height, width = self.requested_size(batch)
+            images = PixArtImageProcessor.resize_and_crop_tensor(images, width, height)
+        batch.images = images
+
+    def text_problems(self) -> list[Problem]:
+        """Check T5's width against the DiT's caption width."""
+        return mismatch(
+            "transformer",
+            "context",
+            width(self.transformer, "context", written=False),
+            ["text_encoder"],
+            width(self.text_encoder, "context", written=True),
+        )
+
+
+class PixArtSigmaRecipe(PixArtAlphaRecipe):
+    """Run ``PixArtSigmaPipeline``: 300 tokens, a 2048-pixel bin, none of alpha's quirks."""
+
+    pipeline_class: ClassVar[str] = "PixArtSigmaPipeline"
+    max_tokens = 300
+    bin_tables: ClassVar[dict[int, str]] = {
+        256: "ASPECT_RATIO_2048_BIN",
+        **PixArtAlphaRecipe.bin_tables,
+    }
+    starts_at_first_step = False
+    one_step_keeps_original = False
+    micro_conditioned = False
+
+
+def clean_captions(pipeline_class: str, texts: list[str]) -> list[str]:
+    """Clean prompts as diffusers' PixArt pipelines do by default (``clean_caption=True``).
+
+    With beautifulsoup4 and ftfy installed that is diffusers' own caption cleaner;
+    without them diffusers falls back to lower-casing and stripping, and so does this.
+    """
+    if not (is_importable("bs4") and is_importable("ftfy")):
+        return [text.lower().strip() for text in texts]
+    import diffusers
+
+    pipeline = getattr(diffusers, pipeline_class)
+    # the cleaner reads only class attributes: a bare instance (no models) runs it
+    cleaned: list[str] = pipeline._text_preprocessing(
+        object.__new__(pipeline), texts, clean_caption=True
+    )
+    return cleaned
+
+
+def _joined(
+    context: list[torch.Tensor] | None, mask: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack per-image states into ``(B, L, E)`` with their masks ``(B, L)``, on ``device``."""
+    if context is None or mask is None:
+        raise ValueError("the denoise stage needs the encode stage's text states: run it first")
+    return torch.stack(context).to(device), mask.to(device)

@@ -1,0 +1,168 @@
+"""Stable Diffusion 3: two CLIP + T5 -> SD3 MMDiT with its flow-matching scheduler -> VAE.
+
+As diffusers' ``StableDiffusion3Pipeline`` calls them with its defaults: each CLIP
+(``text_encoder``, ``text_encoder_2``) gives its penultimate layer's states and its
+projected pooled vector; the two state sets are joined along the width, zero-padded to
+T5's width and put before T5's (``text_encoder_3``, 256 tokens, unmasked) along the
+sequence; the pooled vectors are joined. Guidance runs when its scale is above 1,
+against the negative prompt ("" unless given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from components.batch import Batch, device_of
+from components.folders.problems import Problem
+from components.kinds.clip_text_encoder import ClipTextEncoderLoader
+from components.kinds.t5_encoder import T5EncoderLoader
+from components.recipes.base import (
+    DECODE,
+    DENOISE,
+    ENCODE,
+    Recipe,
+    Stage,
+    mismatch,
+    unique_texts,
+    width,
+)
+from components.recipes.shift import flow_shift
+
+# B images, C latent channels, h w latent grid, L tokens, E width, P pooled width
+
+SD3_MAX_SHIFT = 1.16
+"""The shift SD3's pipeline takes when a dynamically shifting scheduler's config names none."""
+CLIPS = ("text_encoder", "text_encoder_2")
+
+
+class Sd3Recipe(Recipe):
+    """Run ``StableDiffusion3Pipeline`` (two CLIP, T5, the MMDiT, the VAE)."""
+
+    pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
+    stages = (
+        Stage(ENCODE, (*CLIPS, "text_encoder_3")),
+        Stage(DENOISE, ("transformer",)),
+        Stage(DECODE, ("vae",)),
+    )
+    default_steps = 28
+    default_guidance = 7.0
+    noise_dtype_of = "text_encoder"
+    max_tokens: ClassVar[int] = 256
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clips = [self.loader(name, ClipTextEncoderLoader) for name in CLIPS]
+        self.t5 = self.loader("text_encoder_3", T5EncoderLoader)
+        self.patch = int(self.transformer.config["patch_size"])
+
+    @property
+    def multiple(self) -> int:
+        """Sizes must be multiples of the VAE's scale times the patch (diffusers' check)."""
+        return self.vae.scale_factor * self.patch
+
+    def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Embed the prompts with both CLIP and T5 (and the negatives under guidance)."""
+        prompts = self.check(batch)
+        batch.context, batch.pooled = self._embed(modules, prompts)
+        if self.guidance_scale(batch) > 1:
+            negative = batch.negative_prompts or [""] * len(prompts)
+            batch.negative_context, batch.negative_pooled = self._embed(modules, negative)
+
+    def _embed(
+        self, modules: Mapping[str, nn.Module], texts: Sequence[str]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Return each text's joined states ``(77 + 256, E)`` and pooled vectors ``(B, P)``."""
+        distinct, rows = unique_texts(texts)
+        clips = [
+            loader.encode(modules[name], distinct)
+            for name, loader in zip(CLIPS, self.clips, strict=True)
+        ]
+        t5 = self.t5.encode(modules["text_encoder_3"], distinct, self.max_tokens, masked=False)
+        clip_states = torch.cat([c.penultimate for c in clips], dim=-1)  # (B', 77, E1 + E2)
+        t5_width = t5.hidden.shape[-1]
+        clip_states = functional.pad(clip_states, (0, t5_width - clip_states.shape[-1]))
+        states = torch.cat([clip_states, t5.hidden], dim=-2)  # (B', 77 + 256, E)
+        pooled = torch.cat([c.pooled for c in clips], dim=-1)  # (B', P)
+        return [states[row] for row in rows], pooled[rows]
+
+    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Step the flow-matching scheduler with the MMDiT, guided when the scale is above 1."""
+        module = modules["transformer"]
+        device = device_of(module)
+        if batch.context is None or batch.pooled is None:
+            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        scale = self.guidance_scale(batch)
+        guided = scale > 1
+        context, pooled = torch.stack(batch.context), batch.pooled
+        if guided:
+            if batch.negative_context is None or batch.negative_pooled is None:
+                raise ValueError("guidance needs the negative prompts' text: run encode first")
+            context = torch.cat([torch.stack(batch.negative_context), context])
+            pooled = torch.cat([batch.negative_pooled, pooled])
+        context, pooled = context.to(device), pooled.to(device)
+        size = self.image_size(batch)
+        h, w = self.latent_size(size)
+        latents = self.noise(batch, size).to(device)  # (B, C, h, w)
+        scheduler = self.new_scheduler()
+        options = {}
+        if scheduler.config.get("use_dynamic_shifting"):
+            tokens = (h // self.patch) * (w // self.patch)
+            options["mu"] = flow_shift(scheduler.config, tokens, SD3_MAX_SHIFT)
+        scheduler.set_timesteps(batch.steps, device=device, **options)
+        for t in scheduler.timesteps:
+            model_input = torch.cat([latents] * 2) if guided else latents
+            prediction = module(
+                hidden_states=model_input,
+                timestep=t.expand(model_input.shape[0]),
+                encoder_hidden_states=context,
+                pooled_projections=pooled,
+                joint_attention_kwargs=None,
+                return_dict=False,
+            )[0]
+            if guided:
+                uncond, cond = prediction.chunk(2)
+                prediction = uncond + scale * (cond - uncond)
+            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+        batch.latents = [x.flatten(1).T for x in latents]  # (N, C) each
+
+    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Unscale and shift the latents as the VAE's config says, and decode them."""
+        batch.images = self.decode_latents(modules["vae"], batch, shifted=True)
+
+    def text_problems(self) -> list[Problem]:
+        """Check the joined text and pooled widths against the DiT."""
+        transformer = self.transformer
+        clip_states = [width(clip, "context", written=True) or 0 for clip in self.clips]
+        t5_width = width(self.t5, "context", written=True) or 0
+        found = [
+            *mismatch(
+                "transformer",
+                "context",
+                width(transformer, "context", written=False),
+                ["text_encoder_3"],
+                t5_width,
+            ),
+            *mismatch(
+                "transformer",
+                "pooled",
+                width(transformer, "pooled", written=False),
+                list(CLIPS),
+                sum(width(clip, "pooled", written=True) or 0 for clip in self.clips),
+            ),
+        ]
+        if sum(clip_states) > t5_width:
+            found.append(
+                Problem(
+                    "pipeline.interface_mismatch",
+                    "text_encoder_3",
+                    f"the CLIP states ({' + '.join(map(str, clip_states))} wide) must fit "
+                    f"inside T5's {t5_width}, where they are padded to its width",
+                    "pick a T5 at least as wide as both CLIP encoders together",
+                )
+            )
+        return found

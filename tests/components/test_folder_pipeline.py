@@ -1,0 +1,315 @@
+"""Reading a pipeline folder: its recipe and kinds, what is refused, what is bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from components import registry
+from components.folders.index import PipelineIndex
+from components.folders.loader import FolderLoader
+from components.folders.pipeline import FolderPipeline, kind_for_class
+from components.folders.problems import Problem
+from components.weights import stored_bytes
+from tests.conftest import PipelineFolders
+from tests.processes import run_python
+
+KINDS = {
+    "pixart": {
+        "text_encoder": "t5_encoder",
+        "transformer": "pixart_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "pixart-sigma": {
+        "text_encoder": "t5_encoder",
+        "transformer": "pixart_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "flux": {
+        "text_encoder": "clip_text_encoder",
+        "text_encoder_2": "t5_encoder",
+        "transformer": "flux_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "sd3": {
+        "text_encoder": "clip_text_encoder",
+        "text_encoder_2": "clip_text_encoder",
+        "text_encoder_3": "t5_encoder",
+        "transformer": "sd3_transformer",
+        "vae": "autoencoder_kl",
+    },
+}
+
+
+def edited(folder: Path, into: Path, **entries: object) -> Path:
+    """Copy ``folder`` into ``into`` with ``model_index.json`` entries replaced."""
+    copy = shutil.copytree(folder, into / folder.name)
+    index = copy / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), **entries}))
+    return copy
+
+
+class TestRead:
+    """A folder's components, kinds and options come from its index and subfolders."""
+
+    @pytest.mark.parametrize("family", list(KINDS))
+    def test_components_and_kinds(self, family: str, pipeline_folder: PipelineFolders) -> None:
+        """Each component's kind is found from its class; text encoders own their tokenizer."""
+        folder = pipeline_folder(family)
+        pipeline = FolderPipeline.read(folder)
+        assert pipeline.problems == []
+        assert pipeline.recipe is not None
+        assert pipeline.recipe.pipeline_class == pipeline.model_index.pipeline_class
+        assert {name: plan.kind for name, plan in pipeline.components.items()} == KINDS[family]
+        assert [stage.name for stage in pipeline.recipe.stages] == ["encode", "denoise", "decode"]
+        encoder = pipeline.components["text_encoder"].options
+        assert encoder["path"] == str(folder / "text_encoder")
+        assert encoder["tokenizer"] == str(folder / "tokenizer")
+        assert encoder["tokenizer_class"] == pipeline.model_index.entries["tokenizer"].class_name
+
+    def test_null_entries_are_absent(self, pipeline_folder: PipelineFolders) -> None:
+        """``[null, null]`` marks a component the folder lacks (Flux's image encoder)."""
+        index = PipelineIndex.read(pipeline_folder("flux"))
+        assert "image_encoder" not in index.entries
+        assert index.entries["vae"].library == "diffusers"
+
+
+class TestRefused:
+    """Folders that are whole but cannot be run are problems with their code, all reported."""
+
+    def test_unsupported_pipeline_class(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """A pipeline class with no recipe is named with the supported ones."""
+        folder = edited(pipeline_folder("sd3"), tmp_path, _class_name="StableDiffusionXLPipeline")
+        pipeline = FolderPipeline.read(folder)
+        assert pipeline.recipe is None
+        assert pipeline.problems == [
+            Problem(
+                "pipeline.unsupported_class",
+                "pipeline",
+                "pipeline class 'StableDiffusionXLPipeline' has no recipe here; supported: "
+                "PixArtAlphaPipeline, PixArtSigmaPipeline, FluxPipeline, StableDiffusion3Pipeline",
+                "use a folder of a supported pipeline class",
+            )
+        ]
+
+    def test_code_in_the_folder_is_never_imported(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """An entry naming a module shipped in the folder is refused, not imported."""
+        folder = edited(pipeline_folder("flux"), tmp_path, transformer=["my_dit", "MyDit"])
+        (folder / "transformer" / "my_dit.py").write_text("raise SystemExit('imported!')\n")
+        (problem,) = FolderPipeline.read(folder).problems
+        assert problem.code == "pipeline.custom_code"
+        assert problem.component == "transformer"
+        assert "names module 'my_dit' for 'transformer'" in problem.message
+
+    def test_a_class_no_kind_loads(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
+        """A component class no kind claims names the entry-point group that adds one."""
+        folder = edited(pipeline_folder("flux"), tmp_path, vae=["diffusers", "AutoencoderTiny"])
+        (problem,) = FolderPipeline.read(folder).problems
+        assert problem == Problem(
+            "pipeline.unsupported_class",
+            "vae",
+            "no component kind loads class 'AutoencoderTiny' of 'vae'",
+            "install a package whose kind lists 'AutoencoderTiny' in ComponentLoader.classes, "
+            "registered through the entry-point group 'pipeline_lifecycle.kinds'",
+        )
+
+    def test_pickled_weights(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
+        """A component whose weights are only pickled is refused, naming the file."""
+        folder = shutil.copytree(pipeline_folder("pixart"), tmp_path / "pixart")
+        weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+        weights.rename(weights.with_suffix(".bin"))
+        (problem,) = FolderPipeline.read(folder).problems
+        assert problem.code == "loader.unsafe_weights"
+        assert problem.component == "vae"
+        assert "(diffusion_pytorch_model.bin)" in problem.message
+
+
+class TestBadInput:
+    """A missing or malformed path is an exception naming it (the CLI's exit 2)."""
+
+    def test_missing_subfolder(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
+        """A subfolder the index lists but the folder lacks is named."""
+        folder = shutil.copytree(pipeline_folder("sd3"), tmp_path / "sd3")
+        shutil.rmtree(folder / "text_encoder_2")
+        with pytest.raises(FileNotFoundError, match=r"text_encoder_2 does not exist, but model_"):
+            FolderPipeline.read(folder)
+
+    def test_missing_weights(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
+        """A component folder without weights is named with the files looked for."""
+        folder = shutil.copytree(pipeline_folder("sd3"), tmp_path / "sd3")
+        (folder / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+        with pytest.raises(FileNotFoundError, match=r"vae holds no weights: expected diffusion_"):
+            FolderPipeline.read(folder)
+
+    def test_not_a_pipeline_folder(self, tmp_path: Path) -> None:
+        """A folder without model_index.json says what a pipeline folder holds."""
+        with pytest.raises(FileNotFoundError, match=r"a pipeline folder holds a model_index\.json"):
+            FolderPipeline.read(tmp_path)
+
+    def test_malformed_entry(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
+        """An entry that is not a [library, class] pair is named."""
+        folder = edited(pipeline_folder("sd3"), tmp_path, vae="AutoencoderKL")
+        with pytest.raises(ValueError, match="entry 'vae' is \"AutoencoderKL\"; expected"):
+            FolderPipeline.read(folder)
+
+
+class PluginTransformer(FolderLoader):
+    """A kind an installed package could add for a class the project does not know."""
+
+    kind: ClassVar[str] = "plugin_transformer"
+    library = "diffusers"
+    classes = ("PluginTransformer2DModel",)
+
+
+@pytest.fixture
+def plugin_kind() -> Iterator[type[FolderLoader]]:
+    """Register ``PluginTransformer`` for one test."""
+    registry.register_kind(PluginTransformer)
+    yield PluginTransformer
+    registry.unregister_kind(PluginTransformer.kind)
+
+
+class TestClaimedClasses:
+    """A kind claims the library classes it loads; a package's kind can claim more."""
+
+    def test_builtin_classes(self) -> None:
+        """Every class DESIGN §12 names maps to its kind."""
+        assert {
+            name: kind_for_class(name)
+            for name in (
+                "T5EncoderModel",
+                "CLIPTextModel",
+                "CLIPTextModelWithProjection",
+                "PixArtTransformer2DModel",
+                "FluxTransformer2DModel",
+                "SD3Transformer2DModel",
+                "AutoencoderKL",
+                "UNet2DConditionModel",
+            )
+        } == {
+            "T5EncoderModel": "t5_encoder",
+            "CLIPTextModel": "clip_text_encoder",
+            "CLIPTextModelWithProjection": "clip_text_encoder",
+            "PixArtTransformer2DModel": "pixart_transformer",
+            "FluxTransformer2DModel": "flux_transformer",
+            "SD3Transformer2DModel": "sd3_transformer",
+            "AutoencoderKL": "autoencoder_kl",
+            "UNet2DConditionModel": None,
+        }
+
+    def test_a_registered_kind_claims_its_class(
+        self, plugin_kind: type[FolderLoader], pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """A folder whose transformer is a class only a registered kind loads is read with it."""
+        folder = edited(
+            pipeline_folder("flux"),
+            tmp_path,
+            transformer=["diffusers", "PluginTransformer2DModel"],
+        )
+        pipeline = FolderPipeline.read(folder)
+        assert pipeline.problems == []
+        assert pipeline.components["transformer"].kind == "plugin_transformer"
+
+
+WITHOUT_LIBRARIES = """
+import importlib.abc
+import sys
+
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("diffusers", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+        return None
+
+
+sys.meta_path.insert(0, Blocker())
+
+from pathlib import Path
+
+from components import registry
+from components.folders.pipeline import FolderPipeline
+
+folder = Path(sys.argv[1])
+pipeline = FolderPipeline.read(folder)
+print(sorted(plan.kind for plan in pipeline.components.values()))
+loader = registry.get("autoencoder_kl").from_options(pipeline.components["vae"].options)
+print(loader.unavailable_reason("native"))
+print(loader.tensors(), loader.declared_bytes())
+assert "diffusers" not in sys.modules and "transformers" not in sys.modules
+"""
+
+
+class TestOptionalLibraries:
+    """Without diffusers and transformers, folders are read and sized; the load says why not."""
+
+    def test_read_and_sized_without_the_libraries(
+        self, pipeline_folder: PipelineFolders, root: Path
+    ) -> None:
+        """Kinds come from the index; bytes from the headers; the native path names the extra."""
+        folder = pipeline_folder("pixart")
+        result = run_python(WITHOUT_LIBRARIES, folder, cwd=root)
+        assert result.returncode == 0, result.stderr
+        weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+        assert result.stdout.splitlines() == [
+            "['autoencoder_kl', 'pixart_transformer', 't5_encoder']",
+            "the diffusers package is not installed (pip install 'pipeline-lifecycle[diffusers]')",
+            f"None {stored_bytes(weights)}",
+        ]
+
+
+LOAD_PEAK = """
+import sys
+from pathlib import Path
+
+import torch
+
+from components import registry
+
+STATUS = Path("/proc/self/status")
+
+
+def peak() -> int:
+    # VmHWM, not getrusage's ru_maxrss: that one starts at the parent's peak (the pytest
+    # process, kept across fork and exec), which would hide the load
+    line = next(l for l in STATUS.read_text().splitlines() if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+loader = registry.get("t5_encoder").from_options({"path": sys.argv[1]})
+loader.declared_bytes()  # reads headers, imports transformers, builds on meta once
+Path("/proc/self/clear_refs").write_text("5")  # the peak starts afresh here
+before = peak()
+module = loader.build("native")
+touched = sum(float(p.sum()) for p in module.parameters())  # every page of every weight
+print(peak() - before, loader.declared_bytes())
+"""
+RSS_SLACK = 48 * 2**20
+"""What a load may take besides its weights (the meta build, Python objects, allocator)."""
+
+
+class TestOneCopy:
+    """A load holds one copy of the weights: the mapped file's pages."""
+
+    def test_peak_memory_stays_within_the_weights(self, tmp_path: Path, root: Path) -> None:
+        """Peak RSS grows by the weights' size and a small constant, never twice the weights."""
+        from transformers import T5Config, T5EncoderModel
+
+        config = T5Config(
+            d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
+        )
+        T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
+        result = run_python(LOAD_PEAK, tmp_path / "t5", cwd=root)
+        assert result.returncode == 0, result.stderr
+        grown, weights = map(int, result.stdout.split())
+        assert weights > 100 * 2**20  # large enough that a second copy could not hide
+        assert 0.9 * weights < grown < weights + RSS_SLACK

@@ -1,0 +1,55 @@
+"""``python -m benchmarks.make_pipeline``: real diffusers folders with seeded weights, offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PipelineFolders
+from tests.processes import run_python
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def weights(folder: Path) -> bytes:
+    """Return the bytes of the transformer's weights file in pipeline ``folder``."""
+    return (folder / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+
+
+class TestMakePipeline:
+    """The command writes a folder diffusers reads; the seed alone decides the weights."""
+
+    def test_command_writes_a_folder(
+        self, pipeline_folder: PipelineFolders, root: Path, tmp_path: Path
+    ) -> None:
+        """The command prints the folder it wrote; the same seed writes the same weights."""
+        result = run_python(
+            "benchmarks.make_pipeline", "flux", tmp_path / "f", cwd=root, module=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"{tmp_path / 'f'}\n"
+        index = json.loads((tmp_path / "f" / "model_index.json").read_text())
+        assert index["_class_name"] == "FluxPipeline"
+        assert index["tokenizer_2"][0] == "transformers"
+        assert weights(tmp_path / "f") == weights(pipeline_folder("flux"))
+
+    def test_another_seed_writes_other_weights(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """A different seed draws different weights into the same layout."""
+        from benchmarks.make_pipeline import write_pipeline
+
+        other = write_pipeline("sd3", tmp_path / "sd3", seed=1)
+        assert weights(other) != weights(pipeline_folder("sd3"))
+        assert len(weights(other)) == len(weights(pipeline_folder("sd3")))
+
+    def test_unknown_family_is_bad_input(self, root: Path, tmp_path: Path) -> None:
+        """A family the command does not make is exit 2 with the choices."""
+        result = run_python("benchmarks.make_pipeline", "sdxl", tmp_path, cwd=root, module=True)
+        assert result.returncode == 2
+        assert (
+            "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3')"
+            in result.stderr
+        )
