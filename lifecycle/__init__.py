@@ -30,15 +30,18 @@ from lifecycle.shared_device import SharedDevice
 from lifecycle.states import (
     PIPELINE_TRANSITIONS,
     TRANSITIONS,
+    WORKER_TRANSITIONS,
     ComponentState,
     PipelineState,
     TransitionRule,
+    WorkerState,
 )
 
 __all__ = [
     "PIPELINE_TRANSITIONS",
     "REFUSAL_CODES",
     "TRANSITIONS",
+    "WORKER_TRANSITIONS",
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",
@@ -68,6 +71,7 @@ __all__ = [
     "TransitionFailed",
     "TransitionRefused",
     "TransitionRule",
+    "WorkerState",
     "configure_logging",
     "decode_spec",
     "load_spec",

@@ -47,6 +47,7 @@ from lifecycle.states import (
     ComponentState,
     PipelineState,
     TransitionRule,
+    WorkerState,
 )
 
 log = get_logger("lifecycle")
@@ -532,7 +533,7 @@ class GuardedMachine(Machine):
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
-    states_enum: ClassVar[type[ComponentState] | type[PipelineState]]
+    states_enum: ClassVar[type[ComponentState] | type[PipelineState] | type[WorkerState]]
     rules: ClassVar[Sequence[TransitionRule[Any]]]
     initial_state: ClassVar[AnyState]
 

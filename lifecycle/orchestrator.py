@@ -70,6 +70,9 @@ from lifecycle.waiting import MemoryWaiter
 
 log = get_logger("lifecycle")
 
+_STAYING = (PipelineState.SERVING, PipelineState.SLEEPING, PipelineState.SWAPPING)
+"""The states of a pipeline that still holds its components: not yet on its way out."""
+
 
 class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A read-only look at one component.
@@ -258,7 +261,8 @@ class Orchestrator:
 
     @property
     def pipeline_state(self) -> PipelineState:
-        """Return where the pipeline stands: serving, sleeping, draining or released."""
+        """Return where the pipeline stands: serving, sleeping, swapping, draining or
+        released."""
         return self._pipeline.state
 
     def sleep(self, timeout: float | None = None) -> None:
@@ -490,7 +494,7 @@ class Orchestrator:
         """
         failures: list[Exception] = []
         with self._machine.lock:
-            if self._pipeline.state in (PipelineState.SERVING, PipelineState.SLEEPING):
+            if self._pipeline.state in _STAYING:
                 self._pipeline.drain()
             for name, slot in self._slots.items():
                 try:
@@ -575,6 +579,15 @@ class Orchestrator:
             for name, slot in self._slots.items()
         }
 
+    def begin_swap(self) -> None:
+        """Mark the pipeline SWAPPING: a new pipeline of its name takes over (a worker's
+        swap or reload); it drains next.
+
+        Raises:
+            InvalidTransition: it is neither serving nor sleeping.
+        """
+        self._pipeline.swap()
+
     def drain(self) -> None:
         """Mark the pipeline DRAINING: it is on its way out (a worker sends it nothing new).
 
@@ -614,9 +627,7 @@ class Orchestrator:
         if limit is None:
             return None
         staying = {
-            key
-            for key, pipeline in self.shared.lifecycles.items()
-            if pipeline.state in (PipelineState.SERVING, PipelineState.SLEEPING)
+            key for key, pipeline in self.shared.lifecycles.items() if pipeline.state in _STAYING
         }
         pinned = {
             slot.key: slot.footprint or declared_bytes(slot.loader) or 0

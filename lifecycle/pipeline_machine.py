@@ -1,4 +1,4 @@
-"""The pipeline lifecycle (DESIGN §13): serving, sleeping, draining, released.
+"""The pipeline lifecycle (DESIGN §13): serving, sleeping, swapping, draining, released.
 
 Built from ``lifecycle.states.PIPELINE_TRANSITIONS`` on the same guarded machine as the
 components (every guard checked, refusals with reasons, atomic work), and on the lock
@@ -44,8 +44,12 @@ class PipelineLifecycle(Guarded):
         """Sleeping -> serving."""
         raise NotImplementedError
 
+    def swap(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Serving or sleeping -> swapping."""
+        raise NotImplementedError
+
     def drain(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Serving or sleeping -> draining."""
+        """Serving, sleeping or swapping -> draining."""
         raise NotImplementedError
 
     def release(self, args: MoveArgs = NO_ARGS) -> bool:
@@ -62,6 +66,10 @@ class PipelineLifecycle(Guarded):
 
     def may_wake(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``wake`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_swap(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``swap`` would pass its guards now."""
         raise NotImplementedError
 
     def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
@@ -82,6 +90,10 @@ class PipelineLifecycle(Guarded):
 
     def is_SLEEPING(self) -> bool:  # noqa: N802
         """Return whether the pipeline is SLEEPING."""
+        raise NotImplementedError
+
+    def is_SWAPPING(self) -> bool:  # noqa: N802
+        """Return whether the pipeline is SWAPPING."""
         raise NotImplementedError
 
     def is_DRAINING(self) -> bool:  # noqa: N802

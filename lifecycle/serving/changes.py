@@ -206,6 +206,7 @@ def _swap_beside(
     except Exception as err:  # the old one never stopped serving
         new.close()
         return _restored_outcome(old, path, err)
+    old.orchestrator.begin_swap()
     old.gate.close(SWAPPING)
     worker.put(served)
     old.gate.wake_waiters()  # they go on with the new one
@@ -217,6 +218,7 @@ def _swap_after(
     worker: Worker, old: ServedPipeline, new: Orchestrator, path: Path
 ) -> ChangeOutcome:
     """Drain ``old``, release what ``new`` does not share, then load ``new`` (or ``old`` again)."""
+    old.orchestrator.begin_swap()
     old.gate.close(SWAPPING)
     try:
         old.batcher.drain(old.settings.drain_timeout)

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,8 @@ from lifecycle.serving.board import StatusBoard
 from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.served import ServedPipeline
-from lifecycle.states import PipelineState
+from lifecycle.states import PipelineState, WorkerState
+from lifecycle.worker_machine import WorkerMachine
 
 log = get_logger("lifecycle")
 
@@ -40,13 +40,9 @@ REMOVED = "removed"
 """Why a pipeline's gate is closed."""
 
 
-class Phase(StrEnum):
-    """Where the worker stands: readiness follows it."""
-
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
+Phase = WorkerState
+"""Where the worker stands: readiness follows it (``lifecycle.WorkerState``, moved by the
+worker's own machine, ``lifecycle.worker_machine``)."""
 
 
 class UnknownModel(LookupError):
@@ -79,7 +75,6 @@ class Worker:
         board: what the status page's event stream reads (every pipeline's events, the
             queues).
         pipelines: the pipelines served, by name, once started.
-        phase: where the worker stands.
         error: why it failed to start, if it did.
     """
 
@@ -97,7 +92,7 @@ class Worker:
         self.board = StatusBoard()
         for orchestrator in orchestrators:
             orchestrator.observe(self.board.observer(orchestrator.spec.name))
-        self.phase = Phase.STARTING
+        self._lifecycle = WorkerMachine("worker").lifecycle("worker")
         self.error: str | None = None
         self.pipelines: dict[str, ServedPipeline] = {}
         self._pending = [(o, (paths or {}).get(o.spec.name)) for o in orchestrators]
@@ -107,6 +102,11 @@ class Worker:
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
         self._starting = threading.Lock()  # held while start() loads: drain() waits for it
+
+    @property
+    def phase(self) -> WorkerState:
+        """Return where the worker stands (its machine's state)."""
+        return self._lifecycle.state
 
     # -- the one pipeline, for callers that serve one --------------------------
 
@@ -164,12 +164,12 @@ class Worker:
                 for orchestrator, path in self._pending:
                     self.put(self.serve(orchestrator, path))
             except Exception as err:  # reported by /readyz and the log; the process stays up
-                self.phase = Phase.FAILED
+                self._lifecycle.fail()
                 self.error = f"{type(err).__name__}: {err}"
                 log.error("serving.failed", error=self.error)
                 self.board.changed()
                 return
-            self.phase = Phase.READY
+            self._lifecycle.ready()
             for served in self.pipelines.values():
                 log.info("serving.ready", pipeline=served.name, shapes=served.shapes)
         self.board.changed()
@@ -220,7 +220,8 @@ class Worker:
         and every component was released (its offload files removed).
         """
         with self._starting:  # a load in progress finishes first; none starts after
-            self.phase = Phase.DRAINING
+            if self.phase is not Phase.DRAINING:  # a second signal drains no further
+                self._lifecycle.drain()
         self.board.changed()
         try:
             with self.changing:  # a change in progress finishes first

@@ -13,7 +13,13 @@ from lifecycle.machine import ComponentLifecycle, LifecycleMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pipeline_machine import PipelineMachine
 from lifecycle.refusals import RefusalCode
-from lifecycle.states import PIPELINE_TRANSITIONS, TRANSITIONS, ComponentState
+from lifecycle.states import (
+    PIPELINE_TRANSITIONS,
+    TRANSITIONS,
+    WORKER_TRANSITIONS,
+    ComponentState,
+)
+from lifecycle.worker_machine import WorkerMachine
 from tests.lifecycle.test_machine import passing_checks
 
 
@@ -77,6 +83,19 @@ class TestDiagrams:
                 for guard in rule.guards:
                     assert guard in edges[0]
 
+    def test_the_worker_diagram_is_its_table(self) -> None:
+        """The worker's own diagram draws each (source, trigger) of WORKER_TRANSITIONS once,
+        from starting; draining ends it."""
+        text = diagrams.mermaid(WorkerMachine("worker")).splitlines()
+        assert "    [*] --> starting" in text
+        assert "    draining --> [*]" in text
+        drawn = [line.strip() for line in text if " : " in line]
+        assert drawn == [
+            f"{source.value} --> {rule.dest.value} : {rule.trigger}"
+            for rule in WORKER_TRANSITIONS
+            for source in rule.sources
+        ]
+
     def test_models_do_not_leak_into_the_drawing(self) -> None:
         """A machine with components in odd states draws the same diagram as a bare one."""
         machine = LifecycleMachine()
@@ -98,6 +117,9 @@ class TestDiagrams:
             "pipeline_lifecycle.mmd",
             "pipeline_lifecycle.dot",
             "pipeline_lifecycle.svg",
+            "worker_lifecycle.mmd",
+            "worker_lifecycle.dot",
+            "worker_lifecycle.svg",
             "refusal_codes.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []

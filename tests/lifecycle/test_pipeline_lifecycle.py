@@ -1,4 +1,5 @@
-"""The pipeline lifecycle: its table and machine, and Orchestrator.sleep() / wake()."""
+"""The pipeline lifecycle: its table and machine, and Orchestrator.sleep() / wake(); the
+serving worker's own machine."""
 
 from __future__ import annotations
 
@@ -20,8 +21,15 @@ from lifecycle.refusals import (
     TransitionRefused,
 )
 from lifecycle.shared_device import SharedDevice
-from lifecycle.states import PIPELINE_TRANSITIONS, ComponentState, PipelineState
+from lifecycle.states import (
+    PIPELINE_TRANSITIONS,
+    WORKER_TRANSITIONS,
+    ComponentState,
+    PipelineState,
+    WorkerState,
+)
 from lifecycle.testing import EventRecorder
+from lifecycle.worker_machine import WorkerMachine
 from tests.lifecycle.conftest import T2iPipeline
 from tests.lifecycle.test_shared_device import generate
 
@@ -38,6 +46,7 @@ def pipeline_in(state: PipelineState, **checks: Check) -> PipelineLifecycle:
     path = {
         PipelineState.SERVING: [],
         PipelineState.SLEEPING: ["sleep"],
+        PipelineState.SWAPPING: ["swap"],
         PipelineState.DRAINING: ["drain"],
         PipelineState.RELEASED: ["drain", "release"],
     }[state]
@@ -81,6 +90,32 @@ class TestPipelineMachine:
             pipeline.sleep()
         assert err.value.codes == (RefusalCode.IN_USE,)
         assert pipeline.state is PipelineState.SERVING
+
+
+class TestWorkerMachine:
+    @pytest.mark.parametrize(
+        ("rule", "source"),
+        [(rule, source) for rule in WORKER_TRANSITIONS for source in rule.sources],
+        ids=lambda value: getattr(value, "trigger", getattr(value, "value", "")),
+    )
+    def test_every_row_moves_its_source_to_its_dest(
+        self, rule: object, source: WorkerState
+    ) -> None:
+        """Each (source, trigger) of the worker's table leads to the row's destination."""
+        worker = WorkerMachine("worker").lifecycle("w")
+        if source is not WorkerState.STARTING:
+            worker.trigger("ready" if source is WorkerState.READY else "fail")
+        worker.trigger(rule.trigger)  # type: ignore[attr-defined]
+        assert worker.state is rule.dest  # type: ignore[attr-defined]
+
+    def test_a_draining_worker_cannot_turn_ready(self) -> None:
+        """Ready after a drain (a load that finished late) is InvalidTransition; it drains on."""
+        worker = WorkerMachine("worker").lifecycle("w")
+        worker.drain()
+        with pytest.raises(InvalidTransition) as err:
+            worker.ready()
+        assert "valid from: starting" in str(err.value)
+        assert worker.state is WorkerState.DRAINING
 
 
 class TestSleepAndWake:
