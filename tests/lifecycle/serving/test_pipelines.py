@@ -21,6 +21,7 @@ from lifecycle.events import Event, RequestBegan
 from lifecycle.serving.routes.pipelines import pipelines_routes, require_admin
 from tests.lifecycle.conftest import DIT_BYTES, ENCODER_BYTES, VAE_BYTES, T2iPipeline
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpecs
+from tests.lifecycle.serving.streams import EventReader, is_snapshot
 
 ONE_DIT = DIT_BYTES + VAE_BYTES + 30_000
 """A worker budget that holds one DiT beside the VAE, never two DiTs beside it."""
@@ -114,6 +115,31 @@ class TestRouting:
         }
         assert body["shared_bytes_saved"] == ENCODER_BYTES + VAE_BYTES
         assert body["device_budget"] == ONE_DIT
+
+    def test_the_status_page_shows_the_worker_and_every_pipeline(self, twins: Served) -> None:
+        """The status stream's snapshot is the worker's: its phase, its one budget, the bytes
+        held counted once, what sharing saves, and each pipeline with what it shares."""
+        with twins.client() as client:
+            client.post("/v1/pipelines/b/sleep")
+        reader = EventReader(twins.url)
+        try:
+            snapshot = reader.until(is_snapshot)
+        finally:
+            reader.close()
+        shared = twins.worker.shared
+        pipelines = {p["name"]: p for p in snapshot["pipelines"]}
+        assert (snapshot["phase"], snapshot["budget"]) == ("ready", ONE_DIT)
+        assert snapshot["resident_bytes"] == shared.resident_bytes()
+        assert snapshot["shared_bytes_saved"] == ENCODER_BYTES + VAE_BYTES
+        assert {n: (p["state"], p["gate"], p["budget"]) for n, p in pipelines.items()} == {
+            "a": ("serving", "open", ONE_DIT),
+            "b": ("sleeping", "sleeping", ONE_DIT),
+        }
+        assert {c["name"]: c["shared_with"] for c in pipelines["a"]["components"]} == {
+            "text_encoder": ["b"],
+            "transformer": [],
+            "vae": ["b"],
+        }
 
     def test_every_admin_route_depends_on_require_admin(self, twins: Served) -> None:
         """Each route that changes pipelines, and only those, has the admin dependency."""
@@ -288,6 +314,7 @@ class TestChanges:
             blocker.holding.wait(WATCHDOG_S)
             swapping = pool.submit(client.post, "/v1/pipelines", json={"path": str(path)})
             _until(lambda: listed(client)["a"]["gate"] == "swapping")
+            state = listed(client)["a"]["state"]  # the old one, until its request is done
             waiting: list[Future[httpx.Response]] = [
                 pool.submit(image, client, "a") for _ in range(3)
             ]
@@ -296,6 +323,7 @@ class TestChanges:
             answers = [running.result(), *(f.result() for f in waiting)]
             later = image(client, "a")
         assert answer.status_code == 500
+        assert state == "swapping"
         assert (answer.json()["restored"], answer.json()["overlapped"]) == (True, False)
         assert "NaN or infinity" in answer.json()["cause"]
         assert [pixels(a) for a in answers] == [expected] * 4
