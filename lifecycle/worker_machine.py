@@ -38,6 +38,42 @@ class WorkerLifecycle(Guarded):
         """Starting, ready or failed -> draining."""
         raise NotImplementedError
 
+    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Fire the trigger named ``trigger_name``."""
+        raise NotImplementedError
+
+    def may_ready(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``ready`` would pass now."""
+        raise NotImplementedError
+
+    def may_fail(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``fail`` would pass now."""
+        raise NotImplementedError
+
+    def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``drain`` would pass now."""
+        raise NotImplementedError
+
+    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether the trigger named ``trigger_name`` would pass now."""
+        raise NotImplementedError
+
+    def is_STARTING(self) -> bool:  # noqa: N802  (transitions names them after the state)
+        """Return whether the worker is STARTING."""
+        raise NotImplementedError
+
+    def is_READY(self) -> bool:  # noqa: N802
+        """Return whether the worker is READY."""
+        raise NotImplementedError
+
+    def is_FAILED(self) -> bool:  # noqa: N802
+        """Return whether the worker is FAILED."""
+        raise NotImplementedError
+
+    def is_DRAINING(self) -> bool:  # noqa: N802
+        """Return whether the worker is DRAINING."""
+        raise NotImplementedError
+
 
 class WorkerMachine(GuardedMachine):
     """The machine of one serving worker."""

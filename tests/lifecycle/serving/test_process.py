@@ -89,7 +89,7 @@ class TestReloadOnSighup:
             raise AssertionError(f"no reload logged: {program.stderr()[-2000:]}")
 
         with (
-            serving(a, str(b), "--log-level", "info") as (program, url),
+            serving(a, "--log-level", "info", more=(b,)) as (program, url),
             httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
         ):
             before = images(client)
