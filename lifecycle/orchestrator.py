@@ -21,6 +21,7 @@ from types import TracebackType
 
 import msgspec
 import torch
+from msgspec import UnsetType
 from torch import nn
 
 from attention import Platform
@@ -28,8 +29,10 @@ from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
 from components.batch import Left
 from components.mesh import ParallelMesh
+from components.recipes import Recipe
 from lifecycle import admission as adm
 from lifecycle.admission.budget import declared_bytes
+from lifecycle.admission.folder import open_folder
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
 from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
@@ -145,12 +148,13 @@ class Orchestrator:
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
         self._stages = StageKeeper(self._slots, self._residency, self.shared, self._observers)
         self._switch = BackendSwitch(self._slots, self.platform)
+        loaders = adm.component_loaders(spec)
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(
                 name, checks=self._checks(name), work=self._work(name), observers=self._observers
             )
             self._machine.add_component(lifecycle)
-            slot = ComponentSlot(name, component, lifecycle, self.key)
+            slot = ComponentSlot(name, component, lifecycle, loaders[name], self.key)
             self._slots[name] = slot
             self.shared.add_slot(slot)
         self._pipeline = PipelineLifecycle(
@@ -161,6 +165,12 @@ class Orchestrator:
         )
         self.shared.pipelines.add_pipeline(self._pipeline)
         self.shared.lifecycles[self.key] = self._pipeline
+        self.recipe: Recipe | None = (
+            None if isinstance(spec.source, UnsetType) else open_folder(spec, loaders).recipe
+        )
+        """How a request runs the stages of a pipeline from a folder (its pipeline class's
+        recipe, on the components' loaders); None for a pipeline of kinds, whose stages
+        each kind runs itself, and for a folder admission refuses."""
 
     @classmethod
     def from_file(
@@ -337,7 +347,7 @@ class Orchestrator:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
             self._stages.open_requests[rid] = self.key
             self.shared.asked(self.key)
-        request = Request(self._stages, rid, priority)
+        request = Request(self._stages, rid, priority, self.recipe)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
@@ -464,10 +474,14 @@ class Orchestrator:
                     loader=None if slot.plan is None else slot.plan.loader,
                     residency=slot.spec.residency_mode,
                     attention=() if slot.plan is None else slot.plan.attention,
+                    dtype=self.spec.dtype_of(name),
+                    bytes=None if slot.plan is None else slot.plan.bytes,
                     users=tuple(sorted(slot.users)),
                 )
                 for name, slot in self._slots.items()
             },
+            stages={stage.name: stage.uses for stage in self.spec.stages},
+            source=None if isinstance(self.spec.source, UnsetType) else self.spec.source,
             refusals=tuple(
                 RefusalReport(
                     component=r.component,

@@ -10,7 +10,6 @@ from torch import nn
 from attention import Attention
 from attention.layer import find_layers
 from components import ResidencyMode
-from components import registry as kinds
 from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
@@ -57,7 +56,12 @@ class ComponentSlot:
     """
 
     def __init__(
-        self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle, home: str = ""
+        self,
+        name: str,
+        spec: ComponentSpec,
+        lifecycle: ComponentLifecycle,
+        loader: ComponentLoader,
+        home: str = "",
     ) -> None:
         self.name = name
         self.home = home
@@ -66,7 +70,7 @@ class ComponentSlot:
         self.spec = spec
         self.mode: ResidencyMode = spec.residency_mode  # read on every move: resolved once
         self.lifecycle = lifecycle
-        self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
+        self.loader = loader
         self.admission: ComponentAdmission | None = None
         self._module: nn.Module | None = None
         self.layers: tuple[Attention, ...] = ()

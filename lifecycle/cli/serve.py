@@ -28,8 +28,8 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
         metavar="spec",
         nargs="+",
         type=Path,
-        help="a spec file (.toml, .json, .yaml); several share one device budget, and a "
-        "request's model names its pipeline",
+        help="a spec file (.toml, .json, .yaml), or a pipeline folder; several share one "
+        "device budget, and a request's model names its pipeline",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")

@@ -76,7 +76,14 @@ class TestCheck:
                     "reason": None,
                 }
             ],
+            "dtype": "float32",
+            "bytes": 248588,
             "users": ["tiny-t2i"],
+        }
+        assert report["stages"] == {
+            "encode": ["text_encoder"],
+            "denoise": ["transformer"],
+            "decode": ["vae"],
         }
 
     def test_bad_key_is_one_line_and_exit_two(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
@@ -290,7 +297,7 @@ class TestOptions:
         assert result.returncode == 0
         text = " ".join(result.stdout.split())
         assert "requests to run (default: 4)" in text
-        assert "denoising steps per request (default: 8)" in text
+        assert "denoising steps per request (default: a folder's pipeline class's, else 8)" in text
         assert "(default: warning)" in text
         assert "3 failed while running" in text
         assert "130, 143 `run` stopped by SIGINT, SIGTERM" in text

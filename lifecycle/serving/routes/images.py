@@ -22,6 +22,7 @@ from lifecycle.serving.dispatch import (
     run_job,
 )
 from lifecycle.serving.errors import ApiError
+from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
@@ -29,6 +30,8 @@ from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
+DEFAULT_STEPS = 4
+"""Denoising steps of a pipeline of kinds' image when the request gives no ``steps``."""
 
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
 
@@ -44,24 +47,12 @@ def images_routes(worker: Worker) -> APIRouter:
         if not served.shapes.images:
             raise not_served(served, "images", "examples/tiny_t2i.toml")
         timeout = request_timeout(served, body.priority, body.timeout)
-        latent_size = _latent_size(served, body.size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        key = BatchKey(
-            endpoint="images",
-            steps=body.steps,
-            guidance_scale=body.guidance_scale,
-            attention_backend=body.attention_backend,
-            latent_size=latent_size,
-            negative=body.negative_prompt is not None,
-        )
-        job = Job(
-            id=request.state.id,
-            key=key,
-            prompts=[body.prompt] * body.n,
-            negative_prompt=body.negative_prompt,
-            tokens=body.n * latent_size[0] * latent_size[1],
-            seed=seed,
-            priority=body.priority,
+        recipe = served.orchestrator.recipe
+        job = (
+            _kinds_job(served, body, request.state.id, seed)
+            if recipe is None
+            else folder_image_job(recipe, body, request.state.id, seed)
         )
         if body.stream:
             served = await gate_passed(worker, served, job)
@@ -73,6 +64,28 @@ def images_routes(worker: Worker) -> APIRouter:
         return job_response(content, done)
 
     return router
+
+
+def _kinds_job(served: ServedPipeline, body: ImagesBody, request_id: str, seed: int) -> Job:
+    """Return the job of ``body`` for a pipeline of kinds (its sizes follow the latent grid)."""
+    latent_size = _latent_size(served, body.size, body.n)
+    key = BatchKey(
+        endpoint="images",
+        steps=body.steps or DEFAULT_STEPS,
+        guidance_scale=body.guidance_scale,
+        attention_backend=body.attention_backend,
+        latent_size=latent_size,
+        negative=body.negative_prompt is not None,
+    )
+    return Job(
+        id=request_id,
+        key=key,
+        prompts=[body.prompt] * body.n,
+        negative_prompt=body.negative_prompt,
+        tokens=body.n * latent_size[0] * latent_size[1],
+        seed=seed,
+        priority=body.priority,
+    )
 
 
 def _latent_size(served: ServedPipeline, size: str | None, n: int) -> tuple[int, int]:
