@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
+from lifecycle.sizes import ByteSize
+
 
 def positive(text: str) -> int:
     """Parse a count of at least 1, or tell argparse what is wrong with ``text``."""
@@ -26,6 +28,14 @@ def port_number(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value}")
     return value
+
+
+def byte_size(text: str) -> int:
+    """Parse a size like ``2GiB`` or a byte count, or tell argparse what is wrong with ``text``."""
+    try:
+        return ByteSize.parse(text if not text.isdigit() else int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def non_negative(text: str) -> int:

@@ -26,17 +26,19 @@ from lifecycle.serving.routes.embeddings import embeddings_routes
 from lifecycle.serving.routes.events import events_routes
 from lifecycle.serving.routes.health import health_routes
 from lifecycle.serving.routes.images import images_routes
+from lifecycle.serving.routes.pipelines import pipelines_routes
 from lifecycle.serving.routes.requests import requests_routes
 from lifecycle.serving.routes.status import status_routes
 from lifecycle.serving.worker import Worker
 
 
 def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
-    """Build the FastAPI app serving ``worker``'s pipeline, its door locked with ``keys``."""
-    app = FastAPI(title=f"lifecycle serve: {worker.name}", docs_url=None, redoc_url=None)
+    """Build the FastAPI app serving ``worker``'s pipelines, its door locked with ``keys``."""
+    title = f"lifecycle serve: {', '.join(worker.names)}"
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
     app.state.door = keys or DoorKeys()
     # the last added runs first: every answer, a refused body's too, carries its id
-    app.add_middleware(BodyLimits, limit=worker.orchestrator.spec.serving.max_body_bytes)
+    app.add_middleware(BodyLimits, limit=worker.bounds.max_body_bytes)
     app.add_middleware(RequestIds, worker=worker)
     add_error_handler(app)
     for routes in (
@@ -46,6 +48,7 @@ def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
         requests_routes,
         status_routes,
         events_routes,
+        pipelines_routes,
     ):
         app.include_router(routes(worker))
     return app

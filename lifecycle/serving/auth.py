@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fastapi import Depends, Request
@@ -152,9 +152,11 @@ def require_private(request: Request) -> None:
     require_api_key(request)
 
 
-def page_door(status_page: StatusPage) -> list[Dependency]:
-    """Return the dependencies of the status page and its event stream."""
-    return [Depends(require_private)] if status_page == "private" else []
+def page_door(status_pages: Iterable[StatusPage]) -> list[Dependency]:
+    """Return the dependencies of the status page and its event stream, given each
+    pipeline's ``serving.status_page``: one page shows them all, so it is private when
+    any of them says so."""
+    return [Depends(require_private)] if "private" in set(status_pages) else []
 
 
 API_KEY: list[Dependency] = [Depends(require_api_key)]

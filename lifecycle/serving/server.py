@@ -1,7 +1,8 @@
-"""Run the worker under uvicorn; SIGTERM drains it (needs the ``serve`` extra).
+"""Run the worker under uvicorn; SIGTERM drains it, SIGHUP reloads every spec (needs the
+``serve`` extra).
 
-The drain handler is installed before the pipeline starts loading, so a signal that
-arrives while it loads drains it too (once loaded: nothing is left behind, exit 0).
+The drain handler is installed before the pipelines start loading, so a signal that
+arrives while they load drains them too (once loaded: nothing is left behind, exit 0).
 A signal that arrives earlier, while Python still imports the command, ends the
 process the default way (exit 143): nothing is loaded then.
 """
@@ -14,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -21,16 +23,25 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from lifecycle.config import ConfigError, PipelineSpec, ServingConfig, load_spec
+from lifecycle.config import (
+    ConfigError,
+    PipelineSpec,
+    ServingConfig,
+    WorkerFile,
+    load_spec,
+    load_worker_file,
+)
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.serving import changes
 from lifecycle.serving.app import create_app
 from lifecycle.serving.auth import DoorKeys
 from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
-from lifecycle.serving.worker import Worker
+from lifecycle.serving.worker import Phase, Worker
+from lifecycle.shared_device import SharedDevice, worker_budget
 
 log = get_logger("lifecycle")
 
@@ -40,22 +51,21 @@ class DrainingServer(uvicorn.Server):
 
     While draining it keeps answering (new jobs get 503); once the queued and running
     jobs are done and everything is released, it stops. A second signal forces the exit.
-    A drain that outlives ``serving.drain_timeout`` stops it too, with the reason.
+    A drain that outlives ``serving.drain_timeout`` stops it too, with exit 3 at once.
 
     Args:
         config: uvicorn's settings.
         worker: the worker to drain.
 
     Attributes:
-        drained: whether a drain ran to its end (cleanly or not).
-        problem: what the drain left behind, or None.
+        drained: whether a drain ran to its end, and every job finished and every
+            component was released.
     """
 
     def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
         super().__init__(config)
         self.worker = worker
         self.drained = False
-        self.problem: str | None = None
         self._signal = signal.SIGTERM
         self._signalled = threading.Event()
         # started now, not by the handler: a signal handler may interrupt the main thread
@@ -75,26 +85,66 @@ class DrainingServer(uvicorn.Server):
         self._signalled.wait()
         log.info("serving.draining", signal=self._signal.name)
         try:
-            self.problem = self.worker.drain()
-            self.drained = True
+            self.drained = self.worker.drain()
         finally:  # whatever the drain met, the server stops: never wait for a second signal
             _exit_if_abandoned(self.worker)
             self.should_exit = True
 
 
-def serve(spec_path: Path, host: str, port: int, threads: int, keys: DoorKeys) -> int:
-    """Admit and serve the pipeline at ``spec_path`` on ``threads`` torch threads until drained.
+class Reloader:
+    """Reload every spec on SIGHUP, on a thread of its own (``changes.reload_all``).
 
-    The address is bound before anything is admitted or loaded, so a port that is taken
-    or not allowed is bad input. ``keys`` lock the door (``lifecycle.serving.auth``).
+    The handler only sets an event: a signal may interrupt the main thread inside a
+    lock, and reloading takes several. Signals that arrive during a reload make one
+    more after it.
 
-    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec or address, 3 jobs
-    or components left when the drain timed out, or the pipeline failed to load.
+    Args:
+        worker: the worker whose specs are reloaded.
     """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._asked = threading.Event()
+        threading.Thread(target=self._reload, name="reload", daemon=True).start()
+
+    def handle(self, sig: int, frame: FrameType | None) -> None:
+        """Ask for a reload of every spec."""
+        self._asked.set()
+
+    def _reload(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            if self.worker.phase is Phase.READY:
+                log.info("serving.reloading", signal="SIGHUP")
+                changes.reload_all(self.worker)
+
+
+def serve(
+    spec_paths: Sequence[Path],
+    host: str,
+    port: int,
+    threads: int,
+    keys: DoorKeys | None = None,
+    device_budget: int | None = None,
+    worker_file: Path | None = None,
+) -> int:
+    """Admit and serve the pipelines at ``spec_paths`` on ``threads`` torch threads until drained.
+
+    They share one device under the worker budget (``device_budget``, else the worker
+    file's, else the smallest of the specs'). The address is bound before anything is
+    admitted or loaded, so a port that is taken or not allowed is bad input. ``keys``
+    lock the door (``lifecycle.serving.auth``). Returns the exit code: 0 drained
+    cleanly, 1 refused, 2 bad spec or address, 3 jobs or components left when the drain
+    timed out, or a pipeline failed to load.
+    """
+    specs = _read_specs(spec_paths)
+    if specs is None:
+        return ExitCode.BAD_INPUT
     try:
-        spec = load_spec(spec_path)
+        settings = None if worker_file is None else load_worker_file(worker_file)
     except ConfigError as err:
-        print(f"lifecycle serve: {spec_path}: {err}", file=sys.stderr)
+        print(f"lifecycle serve: {worker_file}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     try:
         listener = _listen(host, port)
@@ -106,45 +156,66 @@ def serve(spec_path: Path, host: str, port: int, threads: int, keys: DoorKeys) -
         )
         return ExitCode.BAD_INPUT
     with listener:
-        return _serve(spec, listener, threads, keys)
+        return _serve(
+            specs, spec_paths, listener, threads, keys or DoorKeys(), device_budget, settings
+        )
 
 
-def _serve(spec: PipelineSpec, listener: socket.socket, threads: int, keys: DoorKeys) -> int:
+def _serve(
+    specs: list[PipelineSpec],
+    spec_paths: Sequence[Path],
+    listener: socket.socket,
+    threads: int,
+    keys: DoorKeys,
+    device_budget: int | None,
+    settings: WorkerFile | None,
+) -> int:
     torch.set_num_threads(threads)
-    holder: list[Orchestrator] = []
+    limit, key = worker_budget(specs, device_budget, settings)
+    shared = SharedDevice(device_budget=limit, budget_key=key)
     metrics = ServingMetrics(
-        queue_depth=lambda: 0 if worker.batcher is None else worker.batcher.depth,
-        resident_bytes=lambda: holder[0].resident_bytes() if holder else 0,
+        queue_depth=lambda: sum(p.batcher.depth for p in list(worker.pipelines.values())),
+        resident_bytes=shared.resident_bytes,
     )
-    orchestrator = Orchestrator(spec, observer=metrics.observe)
-    holder.append(orchestrator)
-    admitting = time.perf_counter()
+    orchestrators = []
+    admit_ms = {}
     try:
-        orchestrator.admit()
+        for spec in specs:
+            orchestrator = Orchestrator(spec, shared=shared, observer=metrics.observe)
+            orchestrators.append(orchestrator)
+            admitting = time.perf_counter()
+            orchestrator.admit()
+            admit_ms[spec.name] = (time.perf_counter() - admitting) * 1e3
     except AdmissionRefused as err:
         print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
         return ExitCode.REFUSED
-    worker = Worker(orchestrator, metrics, admit_ms=(time.perf_counter() - admitting) * 1e3)
-    server = DrainingServer(uvicorn_config(create_app(worker, keys), spec.serving), worker)
+    except ValueError as err:  # specs on different devices
+        print(f"lifecycle serve: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    paths = {spec.name: path.resolve() for spec, path in zip(specs, spec_paths, strict=True)}
+    worker = Worker(orchestrators, metrics, paths, admit_ms)
+    server = DrainingServer(uvicorn_config(create_app(worker, keys), worker.bounds), worker)
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.handle_exit)
+    signal.signal(signal.SIGHUP, Reloader(worker).handle)
     host, port = listener.getsockname()[:2]
     log.info(
         "serving.listening",
-        pipeline=spec.name,
+        pipelines=[spec.name for spec in specs],
         host=host,
         port=port,
         threads=threads,
+        device_budget=limit,
         api_key=keys.api is not None,  # whether the door is locked; never the keys
         admin_routes=keys.admin is not None,
     )
     threading.Thread(target=worker.start, name="load", daemon=True).start()
     server.run(sockets=[listener])
-    if not server.drained:  # stopped by uvicorn itself, or the drain itself broke
-        server.problem = worker.drain()
+    if worker.phase is not Phase.DRAINING:  # stopped by uvicorn itself, not by a signal
+        server.drained = worker.drain()
     _exit_if_abandoned(worker)
-    return ExitCode.OK if server.problem is None and worker.error is None else ExitCode.FAILED
+    return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
 
 
 def _exit_if_abandoned(worker: Worker) -> None:
@@ -196,3 +267,24 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _read_specs(paths: Sequence[Path]) -> list[PipelineSpec] | None:
+    """Decode every spec; print what is wrong (a bad spec, two of one name) and return None."""
+    specs = []
+    for path in paths:
+        try:
+            specs.append(load_spec(path))
+        except ConfigError as err:
+            print(f"lifecycle serve: {path}: {err}", file=sys.stderr)
+            return None
+    names = [spec.name for spec in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        print(
+            f"lifecycle serve: two specs name the pipeline {', '.join(map(repr, twice))}; "
+            "requests pick a pipeline by name: give each its own name",
+            file=sys.stderr,
+        )
+        return None
+    return specs

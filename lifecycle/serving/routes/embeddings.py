@@ -35,11 +35,11 @@ def embeddings_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/embeddings", openapi_extra=documented(EmbeddingsBody), dependencies=API_KEY)
     async def embeddings(request: Request) -> Response:
         body = decode_body(EMBEDDINGS_BODY, await request.body())
-        prompts = check_embeddings(body, worker.orchestrator.spec.serving)
-        check_ready(worker, body.model)
-        if not worker.shapes.embeddings:
-            raise not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
-        timeout = request_timeout(worker, body.priority, body.timeout)
+        served = check_ready(worker, body.model)
+        prompts = check_embeddings(body, served.settings)
+        if not served.shapes.embeddings:
+            raise not_served(served, "sentence embeddings", "examples/minilm_embed.toml")
+        timeout = request_timeout(served, body.priority, body.timeout)
         job = Job(
             id=request.state.id,
             key=EMBEDDINGS,
@@ -47,7 +47,7 @@ def embeddings_routes(worker: Worker) -> APIRouter:
             tokens=estimate_tokens(prompts),
             priority=body.priority,
         )
-        done = await run_job(worker, job, request.receive, timeout)
+        done = await run_job(worker, served, job, request.receive, timeout)
         assert done.output is not None
         rows = _encoded_rows(done.output, body.encoding_format)
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
@@ -55,7 +55,7 @@ def embeddings_routes(worker: Worker) -> APIRouter:
         content = {
             "object": "list",
             "data": data,
-            "model": worker.name,
+            "model": served.name,
             "usage": usage,
             "truncated_inputs": done.truncated,  # cut to the text encoder's longest input
         }

@@ -29,7 +29,8 @@ RETRY_MS = 1000
 
 def events_routes(worker: Worker) -> APIRouter:
     """Return the event stream, guarded like the status page (``serving.status_page``)."""
-    router = APIRouter(dependencies=page_door(worker.orchestrator.spec.serving.status_page))
+    door = page_door(o.spec.serving.status_page for o in worker.orchestrators)
+    router = APIRouter(dependencies=door)
     Gauge(
         "lifecycle_event_streams",
         "clients reading GET /v1/events now (open status pages)",

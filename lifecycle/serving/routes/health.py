@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from lifecycle.serving.auth import API_KEY
-from lifecycle.serving.worker import Phase, Worker
+from lifecycle.serving.dispatch import unknown_model
+from lifecycle.serving.worker import Phase, UnknownModel, Worker
 
 
 def health_routes(worker: Worker) -> APIRouter:
@@ -23,7 +24,7 @@ def health_routes(worker: Worker) -> APIRouter:
     @router.get("/readyz")
     async def readyz() -> JSONResponse:
         status = 200 if worker.phase is Phase.READY else 503
-        startup = None if worker.startup is None else msgspec.to_builtins(worker.startup)
+        startup = msgspec.to_builtins(worker.startup)  # by pipeline, once each is served
         body = {"status": worker.phase.value, "error": worker.error, "startup": startup}
         return JSONResponse(body, status_code=status)
 
@@ -35,12 +36,19 @@ def health_routes(worker: Worker) -> APIRouter:
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": worker.name, "object": "model", "created": 0, "owned_by": "lifecycle"}],
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "lifecycle"}
+                for name in worker.names
+            ],
         }
 
     @router.get("/v1/pipeline", dependencies=API_KEY)
-    async def pipeline() -> Response:
-        snapshot = msgspec.json.encode(worker.orchestrator.snapshot())
+    async def pipeline(model: str | None = None) -> Response:
+        try:
+            served = worker.resolve(model)
+        except UnknownModel as err:
+            raise unknown_model(err) from None
+        snapshot = msgspec.json.encode(served.orchestrator.snapshot())
         return Response(snapshot, media_type="application/json")
 
     return router

@@ -17,6 +17,7 @@ from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import (
     check_finite,
     check_ready,
+    gate_passed,
     job_response,
     not_served,
     request_timeout,
@@ -26,6 +27,7 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.limits import ImageSize, check_images, image_pixels
+from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
@@ -46,24 +48,25 @@ def images_routes(worker: Worker) -> APIRouter:
     )
     async def images(request: Request) -> Response:
         body = decode_body(IMAGES_BODY, await request.body())
-        settings = worker.orchestrator.spec.serving
+        served = check_ready(worker, body.model)
+        settings = served.settings
         size = check_images(body, settings)
-        check_ready(worker, body.model)
-        if not worker.shapes.images:
-            raise not_served(worker, "images", "examples/tiny_t2i.toml")
-        timeout = request_timeout(worker, body.priority, body.timeout)
+        if not served.shapes.images:
+            raise not_served(served, "images", "examples/tiny_t2i.toml")
+        timeout = request_timeout(served, body.priority, body.timeout)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        recipe = worker.orchestrator.recipe
+        recipe = served.orchestrator.recipe
         if recipe is None:
-            job = _kinds_job(worker, body, size, request.state.id, seed)
+            job = _kinds_job(served, body, size, request.state.id, seed)
         else:
             job = folder_image_job(recipe, body, request.state.id, seed)
             assert job.key.image_size is not None  # a folder's job names its size, or the default
             height, width = job.key.image_size
             image_pixels(body.n, ImageSize(width=width, height=height), settings)
         if body.stream:
-            return stream_images(worker, job, timeout, body.partial_images, seed)
-        done = await run_job(worker, job, request.receive, timeout)
+            served = await gate_passed(worker, served, job)
+            return stream_images(worker, served, job, timeout, body.partial_images, seed)
+        done = await run_job(worker, served, job, request.receive, timeout)
         assert done.output is not None
         check_finite(done)
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
@@ -79,11 +82,11 @@ def images_routes(worker: Worker) -> APIRouter:
 
 
 def _kinds_job(
-    worker: Worker, body: ImagesBody, size: ImageSize | None, request_id: str, seed: int
+    served: ServedPipeline, body: ImagesBody, size: ImageSize | None, request_id: str, seed: int
 ) -> Job:
     """Return the job of ``body`` (of ``size``) for a pipeline of kinds (its sizes follow the
     latent grid)."""
-    latent_size = _latent_size(worker, size, body.n)
+    latent_size = _latent_size(served, size, body.n)
     key = BatchKey(
         endpoint="images",
         steps=body.steps or DEFAULT_STEPS,
@@ -103,10 +106,10 @@ def _kinds_job(
     )
 
 
-def _latent_size(worker: Worker, size: ImageSize | None, n: int) -> tuple[int, int]:
+def _latent_size(served: ServedPipeline, size: ImageSize | None, n: int) -> tuple[int, int]:
     """Return the latent grid of ``size`` (None: the default), within the pipeline's range."""
-    scale = worker.shapes.image_scale
-    settings = worker.orchestrator.spec.serving
+    scale = served.shapes.image_scale
+    settings = served.settings
     if size is None:
         side = DEFAULT_LATENT_SIDE * scale
         image_pixels(n, ImageSize(width=side, height=side), settings)

@@ -23,7 +23,8 @@ from lifecycle.serving.worker import Worker
 
 def status_routes(worker: Worker) -> APIRouter:
     """Return the status page at ``/`` and ``/status``, guarded by ``serving.status_page``."""
-    router = APIRouter(dependencies=page_door(worker.orchestrator.spec.serving.status_page))
+    door = page_door(o.spec.serving.status_page for o in worker.orchestrators)
+    router = APIRouter(dependencies=door)
     page, policy = render_page()
     headers = {"content-security-policy": policy, "cache-control": "no-cache"}
 

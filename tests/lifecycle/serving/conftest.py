@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import httpx
@@ -20,13 +21,13 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
+from lifecycle.shared_device import SharedDevice, worker_budget
 from tests.lifecycle.conftest import ReferenceSpec
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import uvicorn
-from fastapi import APIRouter
 
 from lifecycle.serving.app import create_app
 from lifecycle.serving.auth import DoorKeys
@@ -45,30 +46,43 @@ class Served:
         worker: the worker.
         moves: every weight move, in order.
         resident_at_moves: resident bytes right after each move.
+        headers: what every client of ``client()`` sends (a key).
     """
 
     url: str
     worker: Worker
     moves: list[Move] = field(default_factory=list)
     resident_at_moves: list[int] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
 
     def client(self, **kwargs: Any) -> httpx.Client:
-        """Return an HTTP client for this worker."""
-        return httpx.Client(base_url=self.url, timeout=WATCHDOG_S, **kwargs)
+        """Return an HTTP client for this worker, sending ``headers``."""
+        return httpx.Client(base_url=self.url, timeout=WATCHDOG_S, headers=self.headers, **kwargs)
 
 
 ServeSpec: TypeAlias = Callable[..., Served]
-"""``serve_spec(spec, keys=None, routes=())``: serve ``spec`` with the door locked by
-``keys``, with ``routes`` (APIRouters) beside the worker's own."""
+"""``serve_spec(spec, keys=None)``: serve ``spec`` with the door locked by ``keys``."""
+
+ServeSpecs: TypeAlias = Callable[..., Served]
+"""``serve_specs(specs, device_budget=None, paths=None, keys=None)``: one worker serving
+them all."""
 
 
 @pytest.fixture
-def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
-    """Serve specs on loopback in this process, as the worker's uvicorn runs; drain them after."""
+def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
+    """Serve workers on loopback in this process; every server is drained after the test.
+
+    A worker serves every spec given, on one device under ``device_budget``; ``paths``
+    name the files they were read from (for reload); ``keys`` lock its door. Its
+    uvicorn runs as the worker's does. The moves recorded are the first pipeline's.
+    """
     running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
 
     def serve(
-        spec: PipelineSpec, keys: DoorKeys | None = None, routes: Sequence[APIRouter] = ()
+        specs: list[PipelineSpec],
+        device_budget: int | None = None,
+        paths: dict[str, Path] | None = None,
+        keys: DoorKeys | None = None,
     ) -> Served:
         holder: list[Served] = []
 
@@ -76,12 +90,17 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
             if isinstance(event, Move):
                 served = holder[0]
                 served.moves.append(event)
-                served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
+                served.resident_at_moves.append(orchestrators[0].resident_bytes())
 
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-        orchestrator = Orchestrator(spec, platform=cpu, observer=metrics.observe)
-        orchestrator.observe(observe_moves)  # a second observer beside the metrics
-        worker = Worker(orchestrator, metrics)
+        limit, key = worker_budget(specs, device_budget, None)  # as `lifecycle serve` does
+        device = SharedDevice(device_budget=limit, budget_key=key)
+        orchestrators = [
+            Orchestrator(spec, platform=cpu, observer=metrics.observe, shared=device)
+            for spec in specs
+        ]
+        orchestrators[0].observe(observe_moves)  # a second observer beside the metrics
+        worker = Worker(orchestrators, metrics, paths)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         host, port = sock.getsockname()
@@ -89,10 +108,7 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
         holder.append(served)
         worker.start()
         assert worker.phase is Phase.READY, worker.error
-        app = create_app(worker, keys)
-        for router in routes:
-            app.include_router(router)
-        server = uvicorn.Server(uvicorn_config(app, spec.serving))
+        server = uvicorn.Server(uvicorn_config(create_app(worker, keys), worker.bounds))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         with served.client() as client:
@@ -108,6 +124,16 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
         served.worker.drain()
         server.should_exit = True
         thread.join(timeout=WATCHDOG_S)
+
+
+@pytest.fixture
+def serve_spec(serve_specs: ServeSpecs) -> ServeSpec:
+    """Serve one spec on loopback in this process (a worker of its own device)."""
+
+    def serve(spec: PipelineSpec, keys: DoorKeys | None = None) -> Served:
+        return serve_specs([spec], keys=keys)
+
+    return serve
 
 
 @pytest.fixture

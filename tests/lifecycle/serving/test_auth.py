@@ -10,10 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import APIRouter
 
 from lifecycle.config import PipelineSpec
-from lifecycle.serving.auth import ADMIN, DoorKeys, Secret
+from lifecycle.serving.auth import DoorKeys, Secret
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
@@ -24,17 +23,6 @@ SpecMaker = Callable[..., PipelineSpec]
 API_KEY = "sk-api-7f3c9e1b"
 ADMIN_KEY = "sk-admin-2d8a4f6c"
 WRONG_KEY = "sk-wrong-5b0e9a13"
-
-
-def admin_routes() -> APIRouter:
-    """Return one route that changes nothing but needs the admin key, as admin routes do."""
-    router = APIRouter()
-
-    @router.post("/v1/pipelines/example/sleep", dependencies=ADMIN)
-    async def sleep() -> dict[str, str]:
-        return {"state": "sleeping"}
-
-    return router
 
 
 def v1_routes(served: Served) -> list[tuple[str, str]]:
@@ -59,9 +47,9 @@ def auth(key: str) -> dict[str, str]:
 
 @pytest.fixture
 def locked(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
-    """Serve the reference pipeline with both keys, and the example admin route."""
+    """Serve the reference pipeline with both keys."""
     keys = DoorKeys(api=Secret(API_KEY), admin=Secret(ADMIN_KEY))
-    return serve_spec(t2i_spec(), keys, [admin_routes()])
+    return serve_spec(t2i_spec(), keys)
 
 
 class TestApiKey:
@@ -130,16 +118,16 @@ class TestAdminKey:
     ) -> None:
         """Without --admin-key an admin route answers 403 saying how to enable it, even to
         the API key; the openai client raises PermissionDeniedError."""
-        served = serve_spec(t2i_spec(), DoorKeys(api=Secret(API_KEY)), [admin_routes()])
+        served = serve_spec(t2i_spec(), DoorKeys(api=Secret(API_KEY)))
         with served.client() as client:
-            response = client.post("/v1/pipelines/example/sleep", headers=auth(API_KEY))
+            response = client.post("/v1/pipelines/tiny-t2i/sleep", headers=auth(API_KEY))
         assert response.status_code == 403
         error = response.json()["error"]
         assert error["code"] == "admin_disabled"
         assert "start it with --admin-key KEY (or LIFECYCLE_ADMIN_KEY)" in error["message"]
         client = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
         with pytest.raises(openai.PermissionDeniedError) as denied:
-            client.post("/pipelines/example/sleep", cast_to=object)
+            client.post("/pipelines/tiny-t2i/sleep", cast_to=object)
         assert denied.value.status_code == 403
 
     def test_admin_routes_need_the_admin_key(self, locked: Served) -> None:
@@ -147,15 +135,16 @@ class TestAdminKey:
         admin key; the openai client sees the same."""
         with locked.client() as client:
             codes = [
-                client.post("/v1/pipelines/example/sleep", headers=headers).status_code
+                client.post("/v1/pipelines/tiny-t2i/sleep", headers=headers).status_code
                 for headers in ({}, auth(WRONG_KEY), auth(API_KEY), auth(ADMIN_KEY))
             ]
         assert codes == [401, 401, 401, 200]
         user = openai.OpenAI(base_url=locked.url + "/v1", api_key=API_KEY, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            user.post("/pipelines/example/sleep", cast_to=object)
+            user.post("/pipelines/tiny-t2i/sleep", cast_to=object)
         admin = openai.OpenAI(base_url=locked.url + "/v1", api_key=ADMIN_KEY, max_retries=0)
-        assert admin.post("/pipelines/example/sleep", cast_to=object) == {"state": "sleeping"}
+        woke = admin.post("/pipelines/tiny-t2i/wake", cast_to=object)  # it slept above
+        assert woke == {"name": "tiny-t2i", "state": "serving"}
 
 
 class TestKeys:

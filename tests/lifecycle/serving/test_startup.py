@@ -33,7 +33,7 @@ def started_worker(spec: PipelineSpec, cpu: Platform, seen: list[tuple[str, Phas
 
     metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
     orchestrator = Orchestrator(spec, platform=cpu, observer=record)
-    holder.append(Worker(orchestrator, metrics, admit_ms=1.5))
+    holder.append(Worker([orchestrator], metrics, admit_ms={spec.name: 1.5}))
     holder[0].start()
     return holder[0]
 
@@ -67,21 +67,20 @@ class TestReady:
         worker = started_worker(t2i_spec(warmup=3), cpu, seen)
         try:
             phase = worker.phase
-            startup = worker.startup
+            startup = worker.startup["tiny-t2i"]
         finally:
             worker.drain()
         assert seen == [(f"warm-up-{n}", Phase.STARTING) for n in (1, 2, 3)]
         assert phase is Phase.READY
-        assert startup is not None
         assert startup.warmup == 3
 
     def test_readyz_shows_the_start(self, serve_spec: ServeSpec, t2i_spec: SpecMaker) -> None:
-        """/readyz answers the start-up's times beside its status."""
+        """/readyz answers each pipeline's start-up times beside its status."""
         served = serve_spec(t2i_spec())
         with served.client() as client:
             body = client.get("/readyz").json()
         assert body["status"] == "ready"
-        assert set(body["startup"]["components_ms"]) == NAMES
+        assert set(body["startup"]["tiny-t2i"]["components_ms"]) == NAMES
 
     def test_serve_logs_ready_with_its_admission_time(self, root: Path) -> None:
         """`lifecycle serve --log-level info` logs serving.ready with the measured admit_ms."""
