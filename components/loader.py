@@ -101,6 +101,11 @@ class ComponentLoader:
     them (``T5EncoderModel``): a folder's component of such a class is of this kind."""
     switchable_backends: ClassVar[bool] = False
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
+    adapter_rows: ClassVar[bool] = False
+    """Whether rows naming different unmerged adapters may share one forward: every linear
+    layer's input keeps the batch's rows in order on its leading dimension (once, or
+    repeated for guidance), or the kind says where they lie (``components.adapters.rows``).
+    Otherwise such rows run in separate batches."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options

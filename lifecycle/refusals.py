@@ -13,7 +13,7 @@ from types import MappingProxyType
 import msgspec
 
 from attention import SelectionCode
-from lifecycle.states import ComponentState
+from lifecycle.states import AnyState, ComponentState
 
 
 class RefusalCode(StrEnum):
@@ -150,6 +150,32 @@ class RefusalCode(StrEnum):
         "a request's attention_backend cannot switch the pipeline's switchable sites: "
         "an unknown or sparse backend, no switchable site, or one that would fall back",
     )
+    ADAPTER_TARGET_MISMATCH = (
+        "adapter.target_mismatch",
+        True,
+        "an adapter's file does not fit its component: a key names no linear layer of it, "
+        "a matrix's shape does not fit the layer, or the A and B matrices of a layer "
+        "disagree on the rank",
+    )
+    ADAPTER_OFFLOADED_COMPONENT = (
+        "adapter.offloaded_component",
+        True,
+        "a merged adapter names a component that leaves the device (component or layerwise "
+        "offload): its weights would come back from the offload copy, which holds the base",
+    )
+    ADAPTER_SHARDED_COMPONENT = (
+        "adapter.sharded_component",
+        True,
+        "an adapter names a component the layout shards (tensor parallel or FSDP): its "
+        "file holds whole matrices, not this rank's shards",
+    )
+    ADAPTER_NATIVE_UNSUPPORTED = (
+        "adapter.native_unsupported",
+        True,
+        "an adapter targets a layer that the component's native path does not build as a "
+        "linear layer (it fuses it, as nn.MultiheadAttention fuses q, k and v), so no LoRA "
+        "can apply there",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,
@@ -203,9 +229,10 @@ class TransitionRefused(Refused):
     """A guard said no: the transition did not start, the state is unchanged.
 
     Attributes:
-        component: the component (for a whole pipeline, the pipeline's name).
+        component: the component (for a whole pipeline, the pipeline's name; for an
+            adapter, the adapter's).
         trigger: the trigger that was refused.
-        source: the state the component stayed in.
+        source: the state the component (or the adapter) stayed in.
         refusals: every reason, not only the first.
     """
 
@@ -213,7 +240,7 @@ class TransitionRefused(Refused):
         self,
         component: str,
         trigger: str,
-        source: ComponentState,
+        source: AnyState,
         refusals: Iterable[Refusal],
         message: str | None = None,
     ) -> None:
@@ -252,10 +279,24 @@ def _reason(refusal: Refusal) -> str:
 
 
 class InvalidTransition(TransitionRefused):
-    """The trigger does not lead anywhere from the component's current state."""
+    """The trigger does not lead anywhere from the current state.
+
+    Args:
+        component: the component, or the adapter.
+        trigger: the trigger fired.
+        source: the state it is in.
+        valid_from: the states the trigger is valid from.
+        noun: what ``component`` names (``component`` or ``adapter``).
+    """
 
     def __init__(
-        self, component: str, trigger: str, source: ComponentState, valid_from: Iterable[str]
+        self,
+        component: str,
+        trigger: str,
+        source: AnyState,
+        valid_from: Iterable[str],
+        *,
+        noun: str = "component",
     ) -> None:
         allowed = ", ".join(valid_from)
         super().__init__(
@@ -264,7 +305,7 @@ class InvalidTransition(TransitionRefused):
             source,
             (),
             message=(
-                f"cannot {trigger} component {component!r} from state {source.value!r}; "
+                f"cannot {trigger} {noun} {component!r} from state {source.value!r}; "
                 f"{trigger} is valid from: {allowed}"
             ),
         )
@@ -289,7 +330,7 @@ class TransitionFailed(Exception):
     """
 
     def __init__(
-        self, component: str, trigger: str, source: ComponentState, cause: BaseException
+        self, component: str, trigger: str, source: AnyState, cause: BaseException
     ) -> None:
         self.component = component
         self.trigger = trigger

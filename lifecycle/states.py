@@ -1,12 +1,13 @@
-"""The component lifecycle: its states and the one transition table.
+"""The lifecycles: the states of a component and of an adapter, each with its one table.
 
-This table is the single source of truth: the machine is built from it, the
-diagrams are drawn from that machine, and the docs embed the diagrams.
+Each table is the single source of truth of its machine: the machine is built from
+it, the diagrams are drawn from that machine, and the docs embed the diagrams.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Generic, TypeAlias, TypeVar
 
 import msgspec
 
@@ -22,8 +23,32 @@ class ComponentState(StrEnum):
     RELEASED = "released"
 
 
-class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One row of the transition table.
+class AdapterState(StrEnum):
+    """Where an adapter (a LoRA of one component, DESIGN §14) stands in its lifecycle.
+
+    ADMITTED: its file's header fits the component; LOADED: its low-rank matrices are
+    on the component's device; ACTIVE: merged into the component's weights (``merged``
+    mode) or attached to its linear layers (``unmerged``); RELEASED: dropped.
+    """
+
+    CONFIGURED = "configured"
+    ADMITTED = "admitted"
+    LOADED = "loaded"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+State = TypeVar("State", ComponentState, AdapterState)
+"""The states of one machine: a row of its table names only those."""
+
+AnyState: TypeAlias = ComponentState | AdapterState
+"""A state of either machine (a refusal names the one it stayed in)."""
+
+
+class TransitionRule(
+    msgspec.Struct, Generic[State], frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """One row of a transition table.
 
     Attributes:
         trigger: the method name that fires the transition.
@@ -36,15 +61,15 @@ class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     trigger: str
-    sources: tuple[ComponentState, ...]
-    dest: ComponentState
+    sources: tuple[State, ...]
+    dest: State
     guards: tuple[str, ...] = ()
     postcondition: str | None = None
 
 
 _S = ComponentState
 
-TRANSITIONS: tuple[TransitionRule, ...] = (
+TRANSITIONS: tuple[TransitionRule[ComponentState], ...] = (
     TransitionRule(
         trigger="admit",
         sources=(_S.CONFIGURED,),
@@ -81,3 +106,46 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
 INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
 GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
+
+_A = AdapterState
+
+ADAPTER_TRANSITIONS: tuple[TransitionRule[AdapterState], ...] = (
+    TransitionRule(
+        trigger="admit",
+        sources=(_A.CONFIGURED,),
+        dest=_A.ADMITTED,
+        guards=("targets_fit", "component_kept", "component_whole"),
+    ),
+    TransitionRule(
+        trigger="load",
+        sources=(_A.ADMITTED,),
+        dest=_A.LOADED,
+        guards=("component_loaded", "memory_budget"),
+    ),
+    TransitionRule(
+        trigger="activate",
+        sources=(_A.LOADED,),
+        dest=_A.ACTIVE,
+        guards=("component_idle", "memory_budget"),
+    ),
+    TransitionRule(
+        trigger="deactivate",
+        sources=(_A.ACTIVE,),
+        dest=_A.LOADED,
+        guards=("component_idle",),
+    ),
+    TransitionRule(
+        trigger="release",
+        sources=(_A.CONFIGURED, _A.ADMITTED, _A.LOADED),
+        dest=_A.RELEASED,
+    ),
+)
+"""The adapter's table: admit reads its file's header (every target a linear layer of
+the component with the shapes it has, ranks that agree; a merge only into a component
+that stays on the device, and never into one the layout shards); load reads its
+matrices onto the device within the budget; activate merges it (keeping the base
+weights, counted in the budget) or attaches it, and deactivate restores the base bit
+for bit or detaches it: both only while no request uses the component (a request that
+needs the change waits, as onloads wait); release drops it, never while active."""
+
+INITIAL_ADAPTER_STATE = AdapterState.CONFIGURED

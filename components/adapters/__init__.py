@@ -1,0 +1,21 @@
+"""Adapters (LoRA) of a component: their files, where they fit, how they apply (DESIGN §14)."""
+
+from components.adapters.files import AdapterFile, KeyProblem, LoraTarget
+from components.adapters.lora import LoraMatrices, attach, merged_weight, read_matrices
+from components.adapters.rows import AdapterRows, batch_rows, one_request, request_tokens
+from components.adapters.targets import target_problems
+
+__all__ = [
+    "AdapterFile",
+    "AdapterRows",
+    "KeyProblem",
+    "LoraMatrices",
+    "LoraTarget",
+    "attach",
+    "batch_rows",
+    "merged_weight",
+    "one_request",
+    "read_matrices",
+    "request_tokens",
+    "target_problems",
+]
