@@ -20,7 +20,8 @@ from lifecycle.events import RequestCancelled
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job, JobCancelled
 from lifecycle.testing import EventRecorder
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, decode_png, run_alone
+from tests.conftest import decode_png
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, run_alone
 from tests.lifecycle.test_waiting import until
 
 SpecMaker = Callable[..., PipelineSpec]

@@ -22,6 +22,7 @@ from lifecycle.events import Move, Refused, Transitioned
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
 from lifecycle.serving.page_access import API_KEY_ENV
 from lifecycle.states import ComponentState
+from tests.lifecycle.serving.command import metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 from tests.lifecycle.serving.streams import (
     EventReader,
@@ -30,7 +31,6 @@ from tests.lifecycle.serving.streams import (
     is_snapshot,
     moves,
 )
-from tests.lifecycle.serving.test_process import metric, serving
 from tests.lifecycle.test_waiting import until
 
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
@@ -277,9 +277,8 @@ class TestStreamAgainstTheLogs:
         """Over one run of ``lifecycle serve`` (load, concurrent requests that evict, a refusal,
         SIGTERM's drain) the stream carries every residency.moved of the JSON log, in order."""
         spec = evicting_spec(root, tmp_path)
-        log = tmp_path / "serve.log"
-        options = ("--log-format", "json", "--log-level", "info", "--threads", "1")
-        with serving(spec, log, *options) as (process, url):
+        options = ("--log-format", "json", "--log-level", "info")
+        with serving(spec, *options) as (program, url):
             reader = EventReader(url)
             reader.until(is_snapshot)
 
@@ -291,11 +290,12 @@ class TestStreamAgainstTheLogs:
             with ThreadPoolExecutor(len(bodies)) as pool:
                 assert list(pool.map(generate, bodies)) == [200] * len(bodies)
             assert generate({"prompt": "a fox", "attention_backend": "sliding_window"}) == 400
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=WATCHDOG_S) == 0
+            program.send_signal(signal.SIGTERM)
+            returncode, _, log = program.wait(timeout=WATCHDOG_S)
+            assert returncode == 0, log
             assert reader.ended.wait(WATCHDOG_S)  # the drain ended the stream
             reader.close()
-        lines = [msgspec.json.decode(line) for line in log.read_text().splitlines()]
+        lines = [msgspec.json.decode(line) for line in log.splitlines()]
         logged = [
             {key: line[key] for key in MOVE_FIELDS}
             for line in lines

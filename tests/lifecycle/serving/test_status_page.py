@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
 from tests.lifecycle.serving.streams import evicting_spec
-from tests.lifecycle.serving.test_process import serving
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
 
@@ -93,7 +93,7 @@ class TestStatusPageInABrowser:
         offloaded, the budget bar move within its limit, the queue fill and drain, and a
         refused override with its code and fix; it fits a phone's width."""
         spec = evicting_spec(root, tmp_path)
-        with serving(spec, tmp_path / "serve.log", "--threads", "1") as (_, url):
+        with serving(spec) as (_, url):
             page.goto(url + "/")
             page.wait_for_selector('#connection[data-state="live"]')
             page.wait_for_selector(f'{PIPELINE} tr[data-component="text_encoder"]')

@@ -14,7 +14,8 @@ from lifecycle.config import PipelineSpec
 from lifecycle.events import RequestCancelled
 from lifecycle.serving.streaming import preview_steps
 from lifecycle.testing import EventRecorder
-from tests.lifecycle.serving.conftest import ServeSpec, decode_png
+from tests.conftest import decode_png
+from tests.lifecycle.serving.conftest import ServeSpec
 from tests.lifecycle.serving.test_cancelling import at_rest
 from tests.lifecycle.test_waiting import until
 
