@@ -70,6 +70,9 @@ class Residency:
         # (or reserved there by a prefetch), and their sum
         self._charged: dict[str, int] = {}
         self._charged_total = 0
+        # what adapters hold on the device (their matrices, the bases merges keep) by
+        # key: counted in the total, never evicted
+        self._held: dict[str, int] = {}
 
     # -- guards ----------------------------------------------------------------
 
@@ -241,6 +244,31 @@ class Residency:
             return False
         self._charged_total -= charged
         return True
+
+    def hold_refusals(self, key: str, nbytes: int) -> list[Refusal]:
+        """Refuse holding ``nbytes`` more under ``key`` (beside what it holds) past the budget."""
+        budget = self.spec.memory.device_budget
+        if isinstance(budget, msgspec.UnsetType):
+            return []
+        used = self._charged_total - self._held.get(key, 0)
+        if fits(used, nbytes, budget):
+            return []
+        return [
+            Refusal(
+                code=RefusalCode.MEMORY_BUDGET,
+                component=key,
+                message=f"{key} needs {nbytes} bytes on the device, but {used} of the "
+                f"budget's {budget} are taken",
+                hint="raise memory.device_budget, or use fewer or lower-rank adapters at once",
+            )
+        ]
+
+    def hold(self, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` held on the device under ``key`` (replacing what it held)."""
+        self._charged_total += nbytes - self._held.get(key, 0)
+        self._held[key] = nbytes
+        if not nbytes:
+            del self._held[key]
 
     def _used_by_others(self, name: str) -> int:
         """Return the bytes the running total counts for every component but ``name``."""

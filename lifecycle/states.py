@@ -120,7 +120,7 @@ ADAPTER_TRANSITIONS: tuple[TransitionRule[AdapterState], ...] = (
         trigger="load",
         sources=(_A.ADMITTED,),
         dest=_A.LOADED,
-        guards=("component_loaded", "memory_budget"),
+        guards=("memory_budget",),
     ),
     TransitionRule(
         trigger="activate",

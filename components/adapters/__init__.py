@@ -1,8 +1,14 @@
 """Adapters (LoRA) of a component: their files, where they fit, how they apply (DESIGN §14)."""
 
 from components.adapters.files import AdapterFile, KeyProblem, LoraTarget
-from components.adapters.lora import LoraMatrices, attach, merged_weight, read_matrices
-from components.adapters.rows import AdapterRows, batch_rows, one_request, request_tokens
+from components.adapters.lora import (
+    LoraMatrices,
+    attach,
+    linear_layers,
+    merged_weight,
+    read_matrices,
+)
+from components.adapters.rows import AdapterRows, batch_rows
 from components.adapters.targets import target_problems
 
 __all__ = [
@@ -13,9 +19,8 @@ __all__ = [
     "LoraTarget",
     "attach",
     "batch_rows",
+    "linear_layers",
     "merged_weight",
-    "one_request",
     "read_matrices",
-    "request_tokens",
     "target_problems",
 ]

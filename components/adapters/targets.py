@@ -50,7 +50,3 @@ def target_problems(targets: Mapping[str, LoraTarget], module: nn.Module) -> lis
         )
     return sorted(problems)
 
-
-def is_linear(module: nn.Module, name: str) -> bool:
-    """Tell whether ``module`` holds a linear layer at ``name``."""
-    return isinstance(dict(module.named_modules()).get(name), nn.Linear)

@@ -19,6 +19,7 @@ from attention import ComponentRequests, PlannedSelection, Platform
 from attention import registry as backends
 from components import registry as kinds
 from components.loader import ComponentLoader
+from lifecycle.admission.adapters import AdapterAdmission, admit_adapters
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import budget_refusals
 from lifecycle.admission.construction import construct_module
@@ -78,11 +79,13 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         pipeline: the pipeline's name.
         components: each component's admission.
         pipeline_refusals: refusals that belong to no single component (the layout).
+        adapters: each adapter's admission (DESIGN §14).
     """
 
     pipeline: str
     components: dict[str, ComponentAdmission]
     pipeline_refusals: tuple[Refusal, ...] = ()
+    adapters: dict[str, AdapterAdmission] = msgspec.field(default_factory=dict)
 
     @property
     def admitted(self) -> bool:
@@ -90,9 +93,10 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return not self.refusals()
 
     def refusals(self) -> tuple[Refusal, ...]:
-        """Return every refusal: the pipeline's first, then each component's."""
+        """Return every refusal: the pipeline's first, then each component's, each adapter's."""
         per_component = (r for c in self.components.values() for r in c.all_refusals())
-        return (*self.pipeline_refusals, *per_component)
+        per_adapter = (r for a in self.adapters.values() for r in a.refusals)
+        return (*self.pipeline_refusals, *per_component, *per_adapter)
 
 
 def admit_pipeline(
@@ -127,6 +131,18 @@ def admit_pipeline(
         for name, component in spec.components.items()
     }
     paths = {name: admitted.plan.loader for name, admitted in components.items()}
+    builders = {
+        name: partial(
+            construct_module,
+            path,
+            components[name].requests,
+            components[name].planned,
+            platform,
+            partial(loaders[name].construct, path),
+        )
+        for name, path in paths.items()
+        if path is not None
+    }
     return Admission(
         pipeline=spec.name,
         components=components,
@@ -142,6 +158,7 @@ def admit_pipeline(
             *interface_refusals(spec, loaders),
             *unused_option_refusals(spec, components),
         ),
+        adapters=admit_adapters(spec, paths, builders),
     )
 
 
