@@ -24,6 +24,8 @@ from lifecycle.states import AdapterState
 from lifecycle.testing import EventRecorder
 from tests.conftest import Lifecycle
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_t2i.toml"
 
 
