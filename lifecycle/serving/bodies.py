@@ -49,9 +49,21 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     timeout: Timeout | None = None
     stream: bool = False
     partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
+    lora: dict[str, float | None] | None = None
+    """The adapters to run, by name, each at a scale (null: the adapter's own ``scale``)."""
 
 
-Body = TypeVar("Body", EmbeddingsBody, ImagesBody)
+class AdapterBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/adapters``: an ``[adapters.NAME]`` table with its name."""
+
+    name: str
+    path: str
+    component: str | None = None
+    scale: float = 1.0
+    mode: Literal["merged", "unmerged"] = "merged"
+
+
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody, AdapterBody)
 
 EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)

@@ -45,6 +45,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
         negative: its images are guided away from a negative prompt (a job without one
             guides away from the empty prompt: the two never share a batch).
+        adapters: the adapters it runs with their scales, by name (DESIGN §14): jobs
+            with the same set batch together.
     """
 
     endpoint: Endpoint
@@ -53,6 +55,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     attention_backend: str | None = None
     latent_size: tuple[int, int] = (0, 0)
     negative: bool = False
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -194,6 +197,7 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
         latent_size=key.latent_size if key.endpoint == "images" else (4, 4),
         prompts=prompts,
         latents=latents,
+        adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
     )
 
 

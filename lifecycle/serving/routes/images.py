@@ -22,6 +22,7 @@ from lifecycle.serving.dispatch import (
 )
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.routes.adapters import adapter_set
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
@@ -51,6 +52,7 @@ def images_routes(worker: Worker) -> APIRouter:
             attention_backend=body.attention_backend,
             latent_size=latent_size,
             negative=body.negative_prompt is not None,
+            adapters=adapter_set(worker, body.lora),
         )
         job = Job(
             id=request.state.id,
