@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from components.adapters import LoraMatrices, attach, linear_layers, merged_weight, read_matrices
-from lifecycle.admission.adapters import AdapterAdmission
 from lifecycle.adapter_machine import AdapterLifecycle, AdapterMachine
+from lifecycle.admission.adapters import AdapterAdmission
 from lifecycle.config import AdapterMode, AdapterSpec
 from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
@@ -87,9 +87,8 @@ class AdapterSlot:
 
     @property
     def component(self) -> str:
-        """Return the component it changes; only after admission."""
-        assert self.admission is not None and self.admission.component is not None
-        return self.admission.component
+        """Return the component it changes ("" until admission tells it)."""
+        return self.lifecycle.component
 
 
 class AdapterKeeper:
@@ -246,7 +245,7 @@ class AdapterKeeper:
         ]
 
     def settle(self, uses: Sequence[str], rows: Rows | None, request_id: str) -> None:
-        """Merge into each of ``uses`` exactly the merged adapters ``rows`` name (call under the lock).
+        """Merge into each of ``uses`` exactly the merged adapters ``rows`` name (lock held).
 
         A component whose merged set must change waits until no request uses it,
         then switches; a component that has no merged adapter loaded is left alone.
@@ -319,9 +318,7 @@ class AdapterKeeper:
                 self.adapters[name].lifecycle.deactivate(args)
         for name, scale in sorted(wanted.items()):
             if self.merged.get(component, {}).get(name) != scale:
-                self.adapters[name].lifecycle.activate(
-                    MoveArgs(request_id=request_id, scale=scale)
-                )
+                self.adapters[name].lifecycle.activate(MoveArgs(request_id=request_id, scale=scale))
         self.switches += 1
         seconds = round(time.perf_counter() - started, 6)
         now = dict(self.merged.get(component, {}))
@@ -403,7 +400,8 @@ class AdapterKeeper:
     def _load(self, name: str, context: TransitionContext) -> None:
         slot = self.adapters[name]
         admission = slot.admission
-        assert admission is not None and admission.file is not None
+        assert admission is not None
+        assert admission.file is not None
         module = self.slots[slot.component].loaded_module()
         layers = linear_layers(module, admission.targets)
         slot.matrices = read_matrices(

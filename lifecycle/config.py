@@ -569,8 +569,7 @@ def _check_adapters(spec: PipelineSpec) -> None:
         component = adapter.component
         if not isinstance(component, UnsetType) and component not in spec.components:
             raise ConfigError(
-                f"Expected a declared component ({', '.join(spec.components)}), got "
-                f"{component!r}",
+                f"Expected a declared component ({', '.join(spec.components)}), got {component!r}",
                 f"{at}.component",
             )
 

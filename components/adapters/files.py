@@ -107,8 +107,7 @@ class AdapterFile:
                 problems.append(
                     KeyProblem(
                         key,
-                        f"key '{key}' is not a LoRA matrix (a key ends in .{LORA_A} or "
-                        f".{LORA_B})",
+                        f"key '{key}' is not a LoRA matrix (a key ends in .{LORA_A} or .{LORA_B})",
                     )
                 )
         targets: dict[str, LoraTarget] = {}
@@ -118,7 +117,9 @@ class AdapterFile:
                 problems.append(problem)
                 continue
             down, up = self.header[keys[LORA_A]].shape, self.header[keys[LORA_B]].shape
-            targets[module] = LoraTarget(module, down[0], down[1], up[0], keys[LORA_A], keys[LORA_B])
+            targets[module] = LoraTarget(
+                module, down[0], down[1], up[0], keys[LORA_A], keys[LORA_B]
+            )
         return targets, sorted(problems)
 
     def _pair_problem(self, module: str, keys: dict[str, str]) -> KeyProblem | None:

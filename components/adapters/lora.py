@@ -99,9 +99,7 @@ def read_matrices(
     return matrices
 
 
-def merged_weight(
-    base: torch.Tensor, merged: list[tuple[LoraMatrices, float]]
-) -> torch.Tensor:
+def merged_weight(base: torch.Tensor, merged: list[tuple[LoraMatrices, float]]) -> torch.Tensor:
     """Return ``base`` plus each LoRA's delta at its scale, in order; ``base`` is not changed."""
     weight = base
     for matrices, scale in merged:

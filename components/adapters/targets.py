@@ -49,4 +49,3 @@ def target_problems(targets: Mapping[str, LoraTarget], module: nn.Module) -> lis
             )
         )
     return sorted(problems)
-

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_t2i.toml"
 
 
-def linear_shapes(kind: str, path: str = "custom", contains: str = "") -> dict[str, tuple[int, int]]:
+def linear_shapes(
+    kind: str, path: str = "custom", contains: str = ""
+) -> dict[str, tuple[int, int]]:
     """Return ``out x in`` of the linear layers of ``kind`` built on ``path`` (on meta)."""
     loader = kinds.get(kind).from_options({})
     with torch.device("meta"):
@@ -109,20 +111,28 @@ class TestAdmission:
         text = EXAMPLE.read_text().replace('device = "auto"', 'device = "cpu"')
         table = f'[adapters.a]\npath = "{lora}"\n'
         if case == "shape":
-            write_lora({"blocks.0.mlp.0": (64, 16)}, tmp_path / "a.safetensors", prefix="transformer")
+            write_lora(
+                {"blocks.0.mlp.0": (64, 16)}, tmp_path / "a.safetensors", prefix="transformer"
+            )
             table = f'[adapters.a]\npath = "{tmp_path / "a.safetensors"}"\n'
         elif case == "missing":
-            write_lora({"blocks.9.mlp.0": (64, 32)}, tmp_path / "a.safetensors", prefix="transformer")
+            write_lora(
+                {"blocks.9.mlp.0": (64, 32)}, tmp_path / "a.safetensors", prefix="transformer"
+            )
             table = f'[adapters.a]\npath = "{tmp_path / "a.safetensors"}"\n'
         elif case == "offloaded":
-            text = text.replace('kind = "tiny_dit"', 'kind = "tiny_dit"\nresidency = "component_offload"')
+            text = text.replace(
+                'kind = "tiny_dit"', 'kind = "tiny_dit"\nresidency = "component_offload"'
+            )
         elif case == "sharded":
             text = text.replace("[memory]", "[parallel]\ntp_size = 2\n\n[memory]")
         else:
             shapes = linear_shapes("tiny_text_encoder", contains="linear1")
             shapes["layers.0.self_attn.in_proj"] = (96, 32)
             write_lora(shapes, tmp_path / "a.safetensors", prefix="text_encoder")
-            text = text.replace('kind = "tiny_text_encoder"', 'kind = "tiny_text_encoder"\nloader = "native"')
+            text = text.replace(
+                'kind = "tiny_text_encoder"', 'kind = "tiny_text_encoder"\nloader = "native"'
+            )
             table = f'[adapters.a]\npath = "{tmp_path / "a.safetensors"}"\nmode = "unmerged"\n'
         spec = tmp_path / "spec.toml"
         spec.write_text(text + table)
@@ -133,7 +143,10 @@ class TestAdmission:
         assert [r["code"] for r in found] == [code]
         assert found[0]["hint"]
         if case == "shape":
-            assert "'transformer.blocks.0.mlp.0.lora_A.weight' has shape [4, 16]" in found[0]["message"]
+            assert (
+                "'transformer.blocks.0.mlp.0.lora_A.weight' has shape [4, 16]"
+                in found[0]["message"]
+            )
             assert "takes [4, 32]" in found[0]["message"]
 
     def test_component_from_the_keys_prefix(self, lora: Path, cpu: Platform) -> None:
@@ -141,7 +154,11 @@ class TestAdmission:
         with Orchestrator(spec_with(f'[adapters.a]\npath = "{lora}"\n'), platform=cpu) as orch:
             orch.load()
             (view,) = orch.adapters()
-        assert (view.component, view.state, view.mode) == ("transformer", AdapterState.LOADED, "merged")
+        assert (view.component, view.state, view.mode) == (
+            "transformer",
+            AdapterState.LOADED,
+            "merged",
+        )
 
     def test_unknown_component_is_a_config_error(self, lora: Path) -> None:
         """An adapter naming an undeclared component is a ConfigError naming its key."""
@@ -164,7 +181,7 @@ class TestMergeAndUnmerge:
     """A merge keeps the base: unmerging puts the very tensors back, bit for bit."""
 
     def test_unmerge_restores_the_base_bit_for_bit(self, orch: Orchestrator) -> None:
-        """After requests with merged adapters, a base request's weights and image equal the base."""
+        """After merged requests, a base request's weights and image equal the base."""
         before = weights(orch)
         copies = {k: v.clone() for k, v in before.items()}
         base = generate(orch, None)
@@ -199,7 +216,7 @@ class TestMergeAndUnmerge:
         assert moves == [("mlp", "activate"), ("mlp", "deactivate"), ("out", "activate")]
 
     def test_refused_switch_leaves_the_weights(self, lora: Path, cpu: Platform) -> None:
-        """Removing a merged adapter while a request uses its component is refused; nothing moves."""
+        """Removing a merged adapter while a request uses its component is refused; no move."""
         spec = spec_with(f'[adapters.a]\npath = "{lora}"\n')
         spec = msgspec.structs.replace(
             spec, memory=msgspec.structs.replace(spec.memory, wait_timeout=0.0)

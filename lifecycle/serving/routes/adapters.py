@@ -97,7 +97,9 @@ def adapter_set(
     if not lora:
         return ()
     views = {view.name: view for view in worker.orchestrator.adapters()}
-    usable = sorted(name for name, view in views.items() if view.state.value in ("loaded", "active"))
+    usable = sorted(
+        name for name, view in views.items() if view.state.value in ("loaded", "active")
+    )
     for name in lora:
         if name not in usable:
             raise ApiError(
@@ -107,7 +109,9 @@ def adapter_set(
                 code="unknown_adapter",
             )
     return tuple(
-        sorted((name, views[name].scale if scale is None else scale) for name, scale in lora.items())
+        sorted(
+            (name, views[name].scale if scale is None else scale) for name, scale in lora.items()
+        )
     )
 
 

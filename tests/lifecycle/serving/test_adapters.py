@@ -12,13 +12,13 @@ import msgspec
 import pytest
 import torch
 
+from benchmarks.make_adapter import write_lora
 from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.serving.jobs import BatchKey, Job
 from tests.conftest import decode_png
+from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.serving.conftest import ServeSpec, run_alone
 from tests.lifecycle.test_adapters import linear_shapes
-from benchmarks.make_adapter import write_lora
-from tests.lifecycle.conftest import ReferenceSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +29,9 @@ ADMIN = "admin-secret"
 def lora_spec(reference_spec: ReferenceSpec, tmp_path: Path) -> PipelineSpec:
     """The reference spec with a merged and an unmerged LoRA of the DiT's MLPs."""
     path = write_lora(
-        linear_shapes("tiny_dit", contains="mlp"), tmp_path / "mlp.safetensors", prefix="transformer"
+        linear_shapes("tiny_dit", contains="mlp"),
+        tmp_path / "mlp.safetensors",
+        prefix="transformer",
     )
     raw = msgspec.to_builtins(reference_spec())
     raw["adapters"] = {
@@ -65,7 +67,9 @@ class TestAdaptersOverHttp:
         served = serve_spec(lora_spec)
         with served.client() as client:
             listed = client.get("/v1/adapters").json()
-        assert [(a["name"], a["component"], a["state"], a["mode"], a["scale"]) for a in listed["data"]] == [
+        assert [
+            (a["name"], a["component"], a["state"], a["mode"], a["scale"]) for a in listed["data"]
+        ] == [
             ("mlp", "transformer", "loaded", "merged", 0.5),
             ("mlp_u", "transformer", "active", "unmerged", 1.0),
         ]
@@ -139,9 +143,13 @@ class TestAdaptersOverHttp:
     ) -> None:
         """An adapter that does not fit is a 409 carrying adapter.target_mismatch."""
         served = serve_spec(lora_spec)
-        bad = write_lora({"blocks.0.mlp.0": (64, 16)}, tmp_path / "bad.safetensors", prefix="transformer")
+        bad = write_lora(
+            {"blocks.0.mlp.0": (64, 16)}, tmp_path / "bad.safetensors", prefix="transformer"
+        )
         monkeypatch.setenv("LIFECYCLE_ADMIN_KEY", ADMIN)
         with served.client(headers={"authorization": f"Bearer {ADMIN}"}) as client:
             response = client.post("/v1/adapters", json={"name": "bad", "path": str(bad)})
         assert response.status_code == 409
-        assert [r["code"] for r in response.json()["error"]["refusals"]] == ["adapter.target_mismatch"]
+        assert [r["code"] for r in response.json()["error"]["refusals"]] == [
+            "adapter.target_mismatch"
+        ]
