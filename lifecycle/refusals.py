@@ -161,7 +161,8 @@ class RefusalCode(StrEnum):
         "adapter.offloaded_component",
         True,
         "a merged adapter names a component that leaves the device (component or layerwise "
-        "offload): its weights would come back from the offload copy, which holds the base",
+        "offload, or eviction under a budget when not explicitly resident): its weights "
+        "would come back from the offload copy, which holds the base",
     )
     ADAPTER_SHARDED_COMPONENT = (
         "adapter.sharded_component",

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from msgspec import UnsetType
 from torch import nn
 
 from components import ResidencyMode
@@ -169,15 +170,21 @@ def _placement_refusal(
             hint=f"run '{component}' whole (tp_size = 1, not in parallel.fsdp) to use the "
             "adapter, or drop it",
         )
-    residency = spec.components[component].residency_mode
-    if adapter.mode == "merged" and residency is not ResidencyMode.RESIDENT:
-        return Refusal(
-            code=RefusalCode.ADAPTER_OFFLOADED_COMPONENT,
-            component=name,
-            message=f"merged adapter '{name}' changes component '{component}', whose "
-            f"residency is {residency.value}: its weights come back from the offload copy, "
-            "which holds the base",
-            hint=f'set adapters.{name}.mode = "unmerged" (the weights never change), or '
-            f'components.{component}.residency = "resident"',
-        )
-    return None
+    declared = spec.components[component]
+    residency = declared.residency_mode
+    if adapter.mode != "merged":
+        return None
+    if residency is not ResidencyMode.RESIDENT:
+        why = f"whose residency is {residency.value}"
+    elif not declared.is_pinned and not isinstance(spec.memory.device_budget, UnsetType):
+        why = "which the budget may evict (it is resident by default, not explicitly)"
+    else:
+        return None
+    return Refusal(
+        code=RefusalCode.ADAPTER_OFFLOADED_COMPONENT,
+        component=name,
+        message=f"merged adapter '{name}' changes component '{component}', {why}: its "
+        "weights would come back from the offload copy, which holds the base",
+        hint=f'set adapters.{name}.mode = "unmerged" (the weights never change), or '
+        f'components.{component}.residency = "resident"',
+    )

@@ -100,6 +100,7 @@ class TestAdmission:
             ("shape", "adapter.target_mismatch"),
             ("missing", "adapter.target_mismatch"),
             ("offloaded", "adapter.offloaded_component"),
+            ("evictable", "adapter.offloaded_component"),
             ("sharded", "adapter.sharded_component"),
             ("native", "adapter.native_unsupported"),
         ],
@@ -124,6 +125,8 @@ class TestAdmission:
             text = text.replace(
                 'kind = "tiny_dit"', 'kind = "tiny_dit"\nresidency = "component_offload"'
             )
+        elif case == "evictable":  # resident by default, but a budget may evict it
+            text = text.replace("[memory]", "[memory]\ndevice_budget = \"1GB\"")
         elif case == "sharded":
             text = text.replace("[memory]", "[parallel]\ntp_size = 2\n\n[memory]")
         else:
@@ -246,6 +249,38 @@ class TestMergeAndUnmerge:
             assert orch.adapters()[0].state is AdapterState.ACTIVE
         assert [err.codes for err in refused] == [("residency.in_use",)]
         assert seen == [True]
+
+
+class TestBudget:
+    """Adapter matrices and the bases merges keep are counted in ``memory.device_budget``."""
+
+    def test_kept_base_is_counted(self, lora: Path, cpu: Platform) -> None:
+        """A merge whose kept base would pass the budget is refused; the weights stay the base."""
+        shapes = linear_shapes("tiny_dit", contains="mlp")
+        matrices = sum(4 * (out + in_) for out, in_ in shapes.values()) * 4  # rank 4, float32
+        kept = sum(out * in_ for out, in_ in shapes.values()) * 4
+        text = (
+            'name = "dit"\ndevice = "cpu"\n[components.transformer]\nkind = "tiny_dit"\n'
+            'residency = "resident"\n[[stages]]\nname = "denoise"\nuses = ["transformer"]\n'
+            f'[adapters.a]\npath = "{lora}"\n'
+        )
+        with Orchestrator(decode_spec(text), platform=cpu) as orch:
+            orch.load()
+            footprint = orch.component("transformer").footprint
+        budget = footprint + matrices + kept - 1
+        spec = decode_spec(
+            text.replace("[components", f"[memory]\ndevice_budget = {budget}\n[components", 1)
+        )
+        with Orchestrator(spec, platform=cpu) as orch:
+            orch.load()  # the matrices fit beside the DiT
+            base = weights(orch)
+            copies = {k: v.clone() for k, v in base.items()}
+            with pytest.raises(TransitionRefused) as caught:
+                generate(orch, [{"a": 1.0}], size=1)
+            assert caught.value.codes == ("residency.memory_budget",)
+            assert all(torch.equal(v, copies[k]) for k, v in weights(orch).items())
+            assert orch.adapters()[0].state is AdapterState.LOADED
+            generate(orch, None, size=1)  # the base still runs
 
 
 class TestPerRequest:
