@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.attention_overhead import interleaved, one_thread
 from benchmarks.make_pipeline import Family, write_pipeline
+from components.adapters import batch_rows
 from components.batch import Batch
 from components.folders.pipeline import FolderPipeline
 from components.libraries import is_importable
@@ -76,16 +77,22 @@ def load_diffusers(folder: Path) -> Any:
     return pipeline
 
 
-def request_ours(loaded: Loaded, guidance: float) -> torch.Tensor:
-    """Run one request through the recipe's stages; return the image in [0, 1]."""
+def request_ours(
+    loaded: Loaded, guidance: float, adapters: list[dict[str, float]] | None = None
+) -> torch.Tensor:
+    """Run one request through the recipe's stages; return the image in [0, 1].
+
+    ``adapters`` are the row's unmerged adapters (``Batch.adapters``), None for none.
+    """
     batch = Batch(
         generator=torch.Generator("cpu").manual_seed(0),
         steps=STEPS,
         prompts=[PROMPT],
         guidance_scale=guidance,
         image_size=SIZE,
+        adapters=adapters,
     )
-    with torch.inference_mode():
+    with torch.inference_mode(), batch_rows(batch):
         for stage in loaded.recipe.stages:
             modules = {name: loaded.modules[name] for name in stage.uses}
             loaded.recipe.run(stage.name, modules, batch)

@@ -1,7 +1,9 @@
 """A typed state-machine orchestrator for the components of a serving pipeline."""
 
 from components.batch import Cancelled
+from lifecycle.adapters import AdapterView
 from lifecycle.config import (
+    AdapterSpec,
     AttentionConfig,
     ComponentSpec,
     ConfigError,
@@ -26,11 +28,21 @@ from lifecycle.refusals import (
     TransitionFailed,
     TransitionRefused,
 )
-from lifecycle.states import TRANSITIONS, ComponentState, TransitionRule
+from lifecycle.states import (
+    ADAPTER_TRANSITIONS,
+    TRANSITIONS,
+    AdapterState,
+    ComponentState,
+    TransitionRule,
+)
 
 __all__ = [
+    "ADAPTER_TRANSITIONS",
     "REFUSAL_CODES",
     "TRANSITIONS",
+    "AdapterSpec",
+    "AdapterState",
+    "AdapterView",
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",

@@ -126,7 +126,7 @@ class TestAdmission:
                 'kind = "tiny_dit"', 'kind = "tiny_dit"\nresidency = "component_offload"'
             )
         elif case == "evictable":  # resident by default, but a budget may evict it
-            text = text.replace("[memory]", "[memory]\ndevice_budget = \"1GB\"")
+            text = text.replace("[memory]", '[memory]\ndevice_budget = "1GB"')
         elif case == "sharded":
             text = text.replace("[memory]", "[parallel]\ntp_size = 2\n\n[memory]")
         else:
@@ -295,6 +295,11 @@ class TestPerRequest:
         """One batch cannot hold two merged sets of one component: it would need two weights."""
         with pytest.raises(ValueError, match="different merged adapters"):
             generate(orch, [{"mlp": 1.0}, {}])
+
+    def test_mixed_unmerged_rows_need_a_kind_that_finds_rows(self, orch: Orchestrator) -> None:
+        """The packed tiny DiT cannot tell rows apart: different unmerged sets are refused."""
+        with pytest.raises(ValueError, match="different unmerged adapters"):
+            generate(orch, [{"mlp_u": 1.0}, {}])
 
     def test_concurrent_requests_never_mix_weights(self, orch: Orchestrator) -> None:
         """Threads with different adapter sets each get what their set gives alone."""

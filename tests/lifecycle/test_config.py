@@ -88,6 +88,7 @@ class TestDecode:
             "parallel",
             "memory",
             "serving",
+            "adapters",
             "stages",
         }
         residency = schema["$defs"]["ResidencyMode"]["enum"]
