@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from benchmarks.attention_overhead import interleaved
-from benchmarks.folders import load_ours, request_ours
+from benchmarks.folders import Loaded, load_ours, request_ours
 from benchmarks.make_adapter import DEFAULT_TARGETS, linear_shapes, write_lora
 from benchmarks.make_pipeline import write_pipeline
 from components.adapters import AdapterFile, attach, linear_layers, merged_weight, read_matrices
@@ -48,8 +48,6 @@ def ranks(root: Path) -> None:
     """Print the merged-switch and unmerged-overhead table of the Flux bench folder."""
     folder = write_pipeline("flux", root / "flux", size="bench")
     loaded = load_ours(folder)
-    module = loaded.modules["transformer"]
-    guidance = loaded.recipe.default_guidance
     shapes = linear_shapes(folder, "transformer", DEFAULT_TARGETS)
     print(f"### Ranks (Flux bench transformer, {len(shapes)} target layers, 256x256, 4 steps)")
     print()
@@ -60,65 +58,71 @@ def ranks(root: Path) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for rank in RANKS:
         lora = write_lora(shapes, root / f"r{rank}.safetensors", prefix="transformer", rank=rank)
-        file = AdapterFile.read(lora)
-        targets, _ = file.targets("transformer")
-        layers = linear_layers(module, targets)
-        matrices = read_matrices(lora, targets, layers, file.alpha_ratio, torch.device("cpu"))
-        bases = {path: layer.weight.data for path, layer in layers.items()}
-        size = sum(m.nbytes for m in matrices.values()) / 2**20
+        print(f"| {rank} | {rank_row(loaded, lora)}", flush=True)
+    print()
 
-        def merge() -> None:
-            for path, layer in layers.items():
-                layer.weight.data = merged_weight(bases[path], [(matrices[path], 1.0)])
 
-        def unmerge() -> None:
-            for path, layer in layers.items():
-                layer.weight.data = bases[path]
+def rank_row(loaded: Loaded, lora: Path) -> str:
+    """Measure one LoRA on the transformer of ``loaded``; return the rest of its table row."""
+    module = loaded.modules["transformer"]
+    guidance = loaded.recipe.default_guidance
+    file = AdapterFile.read(lora)
+    targets, _ = file.targets("transformer")
+    layers = linear_layers(module, targets)
+    matrices = read_matrices(lora, targets, layers, file.alpha_ratio, torch.device("cpu"))
+    bases = {path: layer.weight.data for path, layer in layers.items()}
+    size = sum(m.nbytes for m in matrices.values()) / 2**20
 
-        def switch() -> None:
-            merge()
+    def merge() -> None:
+        for path, layer in layers.items():
+            layer.weight.data = merged_weight(bases[path], [(matrices[path], 1.0)])
+
+    def unmerge() -> None:
+        for path, layer in layers.items():
+            layer.weight.data = bases[path]
+
+    def switch() -> None:
+        merge()
+        unmerge()
+
+    def merged_request() -> None:
+        merge()
+        try:
+            request_ours(loaded, guidance)
+        finally:
             unmerge()
 
-        def merged_request() -> None:
-            merge()
-            try:
-                request_ours(loaded, guidance)
-            finally:
-                unmerge()
+    def unmerged_request() -> None:
+        handles = [attach(layer, "a", matrices[p]) for p, layer in layers.items()]
+        try:
+            request_ours(loaded, guidance, adapters=[{"a": 1.0}])
+        finally:
+            for handle in handles:
+                handle.remove()
 
-        def unmerged_request() -> None:
-            handles = [attach(layer, "a", matrices[p]) for p, layer in layers.items()]
-            try:
-                request_ours(loaded, guidance, adapters=[{"a": 1.0}])
-            finally:
-                for handle in handles:
-                    handle.remove()
-
-        with torch.inference_mode():
-            switches = interleaved({"switch": switch}, rounds=ROUNDS, inner=5)["switch"]
-        samples = interleaved(
-            {
-                "base": lambda: request_ours(loaded, guidance),
-                "merged": merged_request,
-                "unmerged": unmerged_request,
-            },
-            rounds=ROUNDS,
-            inner=1,
-        )
-        base = statistics.median(samples["base"])
-        switch_s = statistics.median(switches)
-        merged_ratio = statistics.median(
-            m / b for m, b in zip(samples["merged"], samples["base"], strict=True)
-        )
-        unmerged_ratio = statistics.median(
-            u / b for u, b in zip(samples["unmerged"], samples["base"], strict=True)
-        )
-        print(
-            f"| {rank} | {size:.2f} | {base:.3f} | {merged_ratio:.3f}x | {unmerged_ratio:.3f}x "
-            f"| {1e3 * switch_s:.1f} | {switch_s / base:.3f} |",
-            flush=True,
-        )
-    print()
+    with torch.inference_mode():
+        switches = interleaved({"switch": switch}, rounds=ROUNDS, inner=5)["switch"]
+    samples = interleaved(
+        {
+            "base": lambda: request_ours(loaded, guidance),
+            "merged": merged_request,
+            "unmerged": unmerged_request,
+        },
+        rounds=ROUNDS,
+        inner=1,
+    )
+    base = statistics.median(samples["base"])
+    switch_s = statistics.median(switches)
+    merged = statistics.median(
+        m / b for m, b in zip(samples["merged"], samples["base"], strict=True)
+    )
+    unmerged = statistics.median(
+        u / b for u, b in zip(samples["unmerged"], samples["base"], strict=True)
+    )
+    return (
+        f"{size:.2f} | {base:.3f} | {merged:.3f}x | {unmerged:.3f}x "
+        f"| {1e3 * switch_s:.1f} | {switch_s / base:.3f} |"
+    )
 
 
 def clients(root: Path) -> None:

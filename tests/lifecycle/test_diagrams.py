@@ -8,8 +8,8 @@ from pathlib import Path
 
 from attention import Platform
 from lifecycle import diagrams
-from lifecycle.config import load_spec
 from lifecycle.adapter_machine import AdapterMachine
+from lifecycle.config import load_spec
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import RefusalCode
