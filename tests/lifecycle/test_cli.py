@@ -415,10 +415,11 @@ class TestDiagramCommand:
     def test_format_svg_writes_the_pictures_only(
         self, lifecycle: Lifecycle, tmp_path: Path
     ) -> None:
-        """``--format svg --spec`` writes the lifecycle and the plan as SVG, nothing else."""
+        """``--format svg --spec`` writes the lifecycles and the plan as SVG, nothing else."""
         result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
         assert result.returncode == 0
         assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "adapter_lifecycle.svg",
             "component_lifecycle.svg",
             "tiny-t2i_plan.svg",
         ]
