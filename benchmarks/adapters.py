@@ -1,11 +1,12 @@
 """Adapters (LoRA, DESIGN §14): a merged switch against unmerged per-request overhead, and
 throughput with several adapters against one.
 
-- **ranks**: a bench Flux folder's transformer (8 + 8 blocks, width 384) with a LoRA of
-  its attention projections at rank 4, 16 and 64. Side by side: a request (256x256, 4
-  steps) on the base weights, with the LoRA merged, and unmerged (each linear layer adds
-  ``B A x`` in the forward); and a switch: merging the LoRA from the kept base, then
-  putting the base back (what ``lifecycle.adapters`` does on a change of merged set).
+- **ranks**: a bench Flux folder (transformer of 8 + 8 blocks, width 384) loaded by the
+  orchestrator, with a LoRA of its attention projections at rank 4, 16 and 64 added at
+  run time, merged and unmerged. Side by side: a request (256x256, 4 steps) on the base
+  weights, naming the merged adapter (the base request before it unmerged it, so each
+  one switches), and naming the unmerged one (each linear layer adds ``B A x`` in the
+  forward); the switch's own time is read from its ``adapter.switched`` event.
 - **clients**: ``tiny_t2i`` through the serving worker's queue (no HTTP), 16 submitting
   threads: every request with one adapter, against 4 adapters in turn; merged (the batcher
   keys by set, and a change of set switches the weights) and unmerged.
@@ -20,18 +21,18 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import msgspec
-import torch
 
 from benchmarks.attention_overhead import interleaved
-from benchmarks.folders import Loaded, load_ours, request_ours
+from benchmarks.folders import SIZE, STEPS, load_ours, request_ours
 from benchmarks.make_adapter import DEFAULT_TARGETS, linear_shapes, write_lora
 from benchmarks.make_pipeline import write_pipeline
-from components.adapters import AdapterFile, attach, linear_layers, merged_weight, read_matrices
 from components.libraries import is_importable
-from lifecycle.config import decode_spec, load_spec
+from lifecycle.config import AdapterSpec, decode_spec, load_spec
+from lifecycle.events import AdapterSwitched
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.metrics import ServingMetrics
@@ -39,6 +40,7 @@ from lifecycle.serving.worker import Worker
 
 RANKS = (4, 16, 64)
 ROUNDS = 5
+RANK_ROUNDS = 3
 CLIENTS = 16
 REQUESTS_PER_CLIENT = 4
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "tiny_t2i.toml"
@@ -47,82 +49,55 @@ SPEC = Path(__file__).resolve().parents[1] / "examples" / "tiny_t2i.toml"
 def ranks(root: Path) -> None:
     """Print the merged-switch and unmerged-overhead table of the Flux bench folder."""
     folder = write_pipeline("flux", root / "flux", size="bench")
-    loaded = load_ours(folder)
+    orchestrator = load_ours(folder)
+    assert orchestrator.recipe is not None
+    guidance = orchestrator.recipe.default_guidance
     shapes = linear_shapes(folder, "transformer", DEFAULT_TARGETS)
-    print(f"### Ranks (Flux bench transformer, {len(shapes)} target layers, 256x256, 4 steps)")
+    switches: list[float] = []
+    orchestrator.observe(
+        lambda event: switches.append(event.seconds) if isinstance(event, AdapterSwitched) else None
+    )
+    print(
+        f"### Ranks (Flux bench folder through the orchestrator, LoRA of {len(shapes)} "
+        f"attention projections, {SIZE[0]}x{SIZE[1]}, {STEPS} steps, {RANK_ROUNDS} rounds)"
+    )
     print()
     print(
-        "| rank | MiB of LoRA | request base s | merged / base | unmerged / base "
-        "| switch ms (merge + unmerge) | switch / request |"
+        "| rank | MiB of LoRA | request base s | merged (a switch each) / base "
+        "| unmerged / base | switch ms (unmerge + merge) | switch / request |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for rank in RANKS:
         lora = write_lora(shapes, root / f"r{rank}.safetensors", prefix="transformer", rank=rank)
-        print(f"| {rank} | {rank_row(loaded, lora)}", flush=True)
+        for mode in ("merged", "unmerged"):
+            orchestrator.add_adapter(f"{mode}{rank}", AdapterSpec(path=str(lora), mode=mode))
+        switches.clear()
+        samples = interleaved(
+            {
+                "base": lambda: request_ours(orchestrator, guidance),
+                "merged": partial(request_ours, orchestrator, guidance, {f"merged{rank}": 1.0}),
+                "unmerged": partial(request_ours, orchestrator, guidance, {f"unmerged{rank}": 1.0}),
+            },
+            rounds=RANK_ROUNDS,
+            inner=1,
+        )
+        for mode in ("merged", "unmerged"):
+            orchestrator.remove_adapter(f"{mode}{rank}")
+        size = lora.stat().st_size / 2**20
+        base = statistics.median(samples["base"])
+        switch = statistics.median(switches)
+        print(
+            f"| {rank} | {size:.2f} | {base:.3f} | {ratio(samples, 'merged'):.3f}x "
+            f"| {ratio(samples, 'unmerged'):.3f}x | {1e3 * switch:.1f} | {switch / base:.3f} |",
+            flush=True,
+        )
+    orchestrator.close()
     print()
 
 
-def rank_row(loaded: Loaded, lora: Path) -> str:
-    """Measure one LoRA on the transformer of ``loaded``; return the rest of its table row."""
-    module = loaded.modules["transformer"]
-    guidance = loaded.recipe.default_guidance
-    file = AdapterFile.read(lora)
-    targets, _ = file.targets("transformer")
-    layers = linear_layers(module, targets)
-    matrices = read_matrices(lora, targets, layers, file.alpha_ratio, torch.device("cpu"))
-    bases = {path: layer.weight.data for path, layer in layers.items()}
-    size = sum(m.nbytes for m in matrices.values()) / 2**20
-
-    def merge() -> None:
-        for path, layer in layers.items():
-            layer.weight.data = merged_weight(bases[path], [(matrices[path], 1.0)])
-
-    def unmerge() -> None:
-        for path, layer in layers.items():
-            layer.weight.data = bases[path]
-
-    def switch() -> None:
-        merge()
-        unmerge()
-
-    def merged_request() -> None:
-        merge()
-        try:
-            request_ours(loaded, guidance)
-        finally:
-            unmerge()
-
-    def unmerged_request() -> None:
-        handles = [attach(layer, "a", matrices[p]) for p, layer in layers.items()]
-        try:
-            request_ours(loaded, guidance, adapters=[{"a": 1.0}])
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    with torch.inference_mode():
-        switches = interleaved({"switch": switch}, rounds=ROUNDS, inner=5)["switch"]
-    samples = interleaved(
-        {
-            "base": lambda: request_ours(loaded, guidance),
-            "merged": merged_request,
-            "unmerged": unmerged_request,
-        },
-        rounds=ROUNDS,
-        inner=1,
-    )
-    base = statistics.median(samples["base"])
-    switch_s = statistics.median(switches)
-    merged = statistics.median(
-        m / b for m, b in zip(samples["merged"], samples["base"], strict=True)
-    )
-    unmerged = statistics.median(
-        u / b for u, b in zip(samples["unmerged"], samples["base"], strict=True)
-    )
-    return (
-        f"{size:.2f} | {base:.3f} | {merged:.3f}x | {unmerged:.3f}x "
-        f"| {1e3 * switch_s:.1f} | {switch_s / base:.3f} |"
-    )
+def ratio(samples: dict[str, list[float]], name: str) -> float:
+    """Return the median over rounds of ``name``'s time over the base's in the same round."""
+    return statistics.median(t / b for t, b in zip(samples[name], samples["base"], strict=True))
 
 
 def clients(root: Path) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 from components import ResidencyMode
 from components.adapters import batch_rows
 from components.batch import Batch, Cancelled, Left
+from components.recipes import Recipe
 from lifecycle.adapters import AdapterKeeper, Rows
 from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
@@ -161,18 +162,32 @@ class StageKeeper:
 class Request:
     """One request moving through the pipeline's stages (``Orchestrator.request``).
 
+    Args:
+        keeper: what moves the components around its stages.
+        request_id: its id.
+        priority: its place when stages wait for memory.
+        recipe: what runs a stage of a pipeline from a folder; None: each component's
+            kind runs itself.
+
     Attributes:
         id: the request's id, on every event it causes.
         priority: its place when stages wait for memory (higher first, with ageing).
         stages: the stages it entered, in order.
     """
 
-    def __init__(self, keeper: StageKeeper, request_id: str, priority: int = 0) -> None:
+    def __init__(
+        self,
+        keeper: StageKeeper,
+        request_id: str,
+        priority: int = 0,
+        recipe: Recipe | None = None,
+    ) -> None:
         self.id = request_id
         self.priority = priority
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self._keeper = keeper
+        self._recipe = recipe
         self._cancelled = False
         self._batch: Batch | None = None
         # one inference-mode guard for every stage: a request runs its stages one at a
@@ -215,13 +230,15 @@ class Request:
             self._keeper.leave(self.id, position)
 
     def run(self, stage: str, batch: Batch) -> None:
-        """Run one stage: each component's kind runs on what ``batch`` carries.
+        """Run one stage on what ``batch`` carries: the recipe's stage for a pipeline from a
+        folder, else each component's kind in turn.
 
         Rows cancelled through ``batch.cancellation`` leave before the stage and
         between its denoising steps; when none is left the stage raises ``Cancelled``.
 
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
+            ValueError: the batch asks a recipe for what its pipeline class cannot do.
             Cancelled: every row of ``batch`` was cancelled, or the request was.
         """
         # the body of ``stage()`` inlined: a generator context manager per stage is a
@@ -241,8 +258,11 @@ class Request:
                 try:
                     slots = keeper.slots
                     with batch_rows(batch):
-                        for name, module in modules.items():
-                            slots[name].loader.run(module, batch)
+                        if self._recipe is not None:
+                            self._recipe.run(stage, modules, batch)
+                        else:
+                            for name, module in modules.items():
+                                slots[name].loader.run(module, batch)
                 finally:
                     self._keeper.leave(self.id, position)
                 batch.drop_cancelled()  # what was cancelled during the stage leaves now
