@@ -189,3 +189,34 @@ def test_rows_with_different_scales_share_one_forward(families: dict[str, Family
     assert (mixed[0] - half[0]).abs().max() <= TOLERANCE
     assert (mixed[1] - base[1]).abs().max() <= TOLERANCE
     assert (half[0] - base[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_through_the_orchestrator_equals_diffusers(
+    family: str, families: dict[str, Family], tmp_path: Path
+) -> None:
+    """A folder spec with ``[adapters]``: requests naming them equal diffusers' LoRA images."""
+    from attention import Platform
+    from lifecycle.config import load_spec
+    from lifecycle.orchestrator import Orchestrator
+
+    fam, request = families[family], CASES[family]
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        f'source = "{fam.folder}"\nname = "{family}"\ndevice = "cpu"\n'
+        f'[adapters.m]\npath = "{fam.lora}"\n'
+        f'[adapters.u]\npath = "{fam.lora}"\nmode = "unmerged"\n'
+    )
+    theirs = diffusers_images(family, fam, request, 0.7)
+    images = {}
+    with Orchestrator(load_spec(spec), platform=Platform("cpu")) as orchestrator:
+        orchestrator.load()
+        for name in ("m", "u"):
+            batch = batch_of(request)
+            batch.adapters = [{name: 0.7}] * request.count
+            with orchestrator.request() as running:
+                running.run_all(batch)
+            assert batch.images is not None
+            images[name] = (batch.images / 2 + 0.5).clamp(0, 1)
+    assert (images["m"] - theirs).abs().max() <= TOLERANCE
+    assert (images["u"] - theirs).abs().max() <= TOLERANCE
