@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lifecycle.events import AdapterTransitioned
+from lifecycle.events import AdapterTransitioned, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machine import (
     NO_ARGS,
@@ -48,8 +48,9 @@ class AdapterLifecycle(Guarded):
         component: str,
         checks: dict[str, Check],
         work: dict[str, Work] | None = None,
+        observers: Observers | None = None,
     ) -> None:
-        super().__init__(name, checks=checks, work=work)
+        super().__init__(name, checks=checks, work=work, observers=observers)
         self.component = component
 
     # The machine binds these; the bodies exist so that type checkers see them.
@@ -125,7 +126,9 @@ class AdapterLifecycle(Guarded):
 class AdapterMachine(GuardedMachine):
     """The machine every adapter of an orchestrator shares, on its components' lock.
 
-    See ``GuardedMachine`` for the arguments.
+    Args:
+        name: the machine's name.
+        lock: the lock its triggers run under (the components' machine's).
     """
 
     states_enum = AdapterState
@@ -151,5 +154,5 @@ class AdapterMachine(GuardedMachine):
         )
         if context.is_logged:
             log.info("adapter.transition", **msgspec.structs.asdict(done))
-        if self.observers.attached:
-            self.observers.emit(done)
+        if model.observers.attached:
+            model.observers.emit(done)

@@ -118,7 +118,7 @@ class AdapterKeeper:
         self.lock = lock
         self.idle = threading.Condition(lock)
         self.wait_timeout = wait_timeout
-        self.machine = AdapterMachine("adapters", observers, lock)
+        self.machine = AdapterMachine("adapters", lock)
         self.observers = observers
         self.adapters: dict[str, AdapterSlot] = {}
         # per component: the merged adapters with their scales, and the base weight of
@@ -136,6 +136,7 @@ class AdapterKeeper:
             component="" if not isinstance(spec.component, str) else spec.component,
             checks=self._checks(name),
             work=self._work(name),
+            observers=self.observers,
         )
         self.machine.add_adapter(lifecycle)
         slot = AdapterSlot(name, spec, lifecycle)
@@ -359,7 +360,9 @@ class AdapterKeeper:
     def _budget(self, name: str, context: TransitionContext) -> list[Refusal]:
         slot = self.adapters[name]
         if context.trigger == "load":
-            return self.residency.hold_refusals(f"adapter '{name}'", self._matrix_bytes(slot))
+            return self.residency.budget.hold_refusals(
+                f"adapter '{name}'", self._matrix_bytes(slot)
+            )
         if slot.spec.mode == "unmerged":
             return []
         component = slot.component
@@ -367,7 +370,7 @@ class AdapterKeeper:
         layers = self._layers(component, slot.matrices)
         kept = self.bases.get(component, {})
         more = sum(_nbytes(layer.weight) for path, layer in layers.items() if path not in kept)
-        return self.residency.hold_refusals(key, self._base_bytes(component) + more)
+        return self.residency.budget.hold_refusals(key, self._base_bytes(component) + more)
 
     def _idle(self, name: str, context: TransitionContext) -> list[Refusal]:
         slot = self.adapters[name]
@@ -408,7 +411,7 @@ class AdapterKeeper:
             admission.file.path, admission.targets, layers, admission.file.alpha_ratio, self.device
         )
         key = f"adapter '{name}'"
-        self.residency.hold(key, self._matrix_bytes(slot))
+        self.residency.budget.hold(key, self._matrix_bytes(slot))
         context.on_rollback(lambda: self._drop(slot, key))
 
     def _activate(self, name: str, context: TransitionContext) -> None:
@@ -445,7 +448,7 @@ class AdapterKeeper:
 
     def _drop(self, slot: AdapterSlot, key: str) -> None:
         slot.matrices = {}
-        self.residency.hold(key, 0)
+        self.residency.budget.hold(key, 0)
 
     def _remerge(self, component: str, merged: Mapping[str, float]) -> None:
         self.merged[component] = dict(merged)
@@ -473,7 +476,7 @@ class AdapterKeeper:
                 else:
                     layer.weight.data = base
                     kept.pop(path, None)
-        self.residency.hold(_base_key(component), self._base_bytes(component))
+        self.residency.budget.hold(_base_key(component), self._base_bytes(component))
 
     def _base_bytes(self, component: str) -> int:
         return sum(_nbytes(base) for base in self.bases.get(component, {}).values())

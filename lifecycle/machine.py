@@ -1,4 +1,4 @@
-"""The guarded lifecycles: components (and adapters) on shared ``transitions`` machines.
+"""The guarded lifecycles: components (and pipelines) on shared ``transitions`` machines.
 
 Two extension points of ``transitions`` carry the project's semantics:
 
@@ -21,8 +21,9 @@ work travels on typed fields of the ``TransitionContext``.
 
 The machine knows no loader and no kernel: guards and work are injected per
 component by whoever owns the component (the orchestrator). ``GuardedMachine``
-holds what the component machine and the adapter machine
-(``lifecycle.adapter_machine``) share; each is built from its own table in
+holds what the component machine, the pipeline machine
+(``lifecycle.pipeline_machine``) and the adapter machine (``lifecycle.adapter_machine``)
+share; each is built from its own table in
 ``lifecycle.states``.
 """
 
@@ -46,7 +47,9 @@ from lifecycle.states import (
     AdapterState,
     AnyState,
     ComponentState,
+    PipelineState,
     TransitionRule,
+    WorkerState,
 )
 
 log = get_logger("lifecycle")
@@ -62,6 +65,10 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             -1 before any stage): the budget measures next uses from there.
         eviction: whether the budget evicts the component to make room for another's
             onload (a component resident by default may go then, never otherwise).
+        pipeline: the pipeline whose request moves it (its timeline measures next
+            uses); None: the pipeline that owns the component.
+        sleeping: its pipeline goes to sleep: it leaves the device even when kept
+            resident, or used by no stage (``wake`` brings it back).
         scale: the scale an adapter is merged at by ``activate`` (None: its own
             ``scale``); an unmerged adapter takes each request's scale instead.
     """
@@ -69,6 +76,8 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     request_id: str | None = None
     position: int = -1
     eviction: bool = False
+    pipeline: str | None = None
+    sleeping: bool = False
     scale: float | None = None
 
 
@@ -80,7 +89,7 @@ class TransitionContext:
     """What the guards and the work of one transition see.
 
     Attributes:
-        component: the component's (or adapter's) name.
+        component: the component's (or pipeline's) name.
         trigger: the trigger being fired.
         source: the state the component is in.
         dest: the state it will be in if the transition completes.
@@ -151,16 +160,17 @@ Work: TypeAlias = Callable[[TransitionContext], None]
 
 
 class Guarded:
-    """One model on a guarded machine: its name, guards and work.
+    """One model on a guarded machine: its name, guards, work and observers.
 
     Every guard and postcondition its machine's table (``rules``) names must be given
     in ``checks``; ``work`` maps a trigger to its side effect (a trigger without work
     only changes state).
 
     Args:
-        name: the model's name (a component's, or an adapter's).
+        name: the model's name (a component's, or a pipeline's).
         checks: each guard and postcondition by name.
         work: each trigger's side effect.
+        observers: who receives its transitions and refusals; none by default.
 
     Attributes:
         name: the model's name.
@@ -170,7 +180,7 @@ class Guarded:
     rules: ClassVar[Sequence[TransitionRule[Any]]]
     """The table of the machine its kind of model lives on."""
     noun: ClassVar[str]
-    """What the model is called in errors (``component``, ``adapter``)."""
+    """What the model is called in errors (``component``, ``pipeline``)."""
     state: Any
 
     def __init__(
@@ -179,6 +189,7 @@ class Guarded:
         *,
         checks: Mapping[str, Check],
         work: Mapping[str, Work] | None = None,
+        observers: Observers | None = None,
     ) -> None:
         needed = {n for r in self.rules for n in (*r.guards, r.postcondition) if n is not None}
         missing = sorted(needed - checks.keys())
@@ -193,6 +204,7 @@ class Guarded:
         self.name = name
         self.checks = dict(checks)
         self.work = dict(work or {})
+        self.observers = Observers() if observers is None else observers
 
 
 class ComponentLifecycle(Guarded):
@@ -404,7 +416,7 @@ class RefusingEvent(Event):
         with machine.lock:
             source = component.state
             context = TransitionContext(component.name, self.name, source, move, self._dest)
-            observers = machine.observers
+            observers = component.observers
             # timed only when someone reads the duration: a log line or an observer
             is_reported = context.is_logged or observers.attached != ()
             started = time.perf_counter() if is_reported else 0.0
@@ -513,13 +525,12 @@ class GuardedMachine(Machine):
     """A ``transitions`` machine built from one table of ``lifecycle.states``.
 
     Triggers are serialised on ``lock`` (re-entrant, so the work of one transition
-    may fire another, e.g. an onload that evicts). Subclasses set ``states_enum``,
-    ``rules`` and ``initial_state``, and say how a completed transition is reported
-    (``report_done``).
+    may fire another, e.g. an onload that evicts, a sleep that offloads). Subclasses
+    set ``states_enum``, ``rules`` and ``initial_state``, and say how a completed
+    transition is reported (``report_done``).
 
     Args:
         name: the machine's name.
-        observers: who receives every transition and refusal; none by default.
         lock: the lock its triggers run under; a fresh one by default (machines whose
             transitions fire each other's share one).
     """
@@ -527,16 +538,13 @@ class GuardedMachine(Machine):
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
-    states_enum: ClassVar[type[ComponentState] | type[AdapterState]]
+    states_enum: ClassVar[
+        type[ComponentState] | type[PipelineState] | type[WorkerState] | type[AdapterState]
+    ]
     rules: ClassVar[Sequence[TransitionRule[Any]]]
     initial_state: ClassVar[AnyState]
 
-    def __init__(
-        self,
-        name: str,
-        observers: Observers | None = None,
-        lock: threading.RLock | None = None,
-    ) -> None:
+    def __init__(self, name: str, lock: threading.RLock | None = None) -> None:
         super().__init__(
             model=None,
             states=self.states_enum,
@@ -547,7 +555,6 @@ class GuardedMachine(Machine):
             name=name,
         )
         self.lock = threading.RLock() if lock is None else lock
-        self.observers = Observers() if observers is None else observers
         # transitions keys states by Enum name; reading a member's name costs an Enum lookup
         self._by_key = {
             key: self.states[member.name]
@@ -585,7 +592,7 @@ class GuardedMachine(Machine):
         return isinstance(event, RefusingEvent) and event.may(model, *args, **kwargs)
 
     def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
-        """Log a completed transition and hand it to the observers.
+        """Log a completed transition and hand it to ``model``'s observers.
 
         Called only when one of them reads it (``context.is_logged``, or an observer).
         """
@@ -600,23 +607,21 @@ class GuardedMachine(Machine):
 
 
 class LifecycleMachine(GuardedMachine):
-    """The one machine every component of an orchestrator shares.
+    """The one machine every component of a ``SharedDevice`` shares.
 
-    Built from ``lifecycle.states.TRANSITIONS`` (see ``GuardedMachine`` for the
-    arguments).
+    Built from ``lifecycle.states.TRANSITIONS``.
+
+    Args:
+        name: the machine's name.
+        lock: the lock its triggers run under; a fresh one by default.
     """
 
     states_enum = ComponentState
     rules = TRANSITIONS
     initial_state = INITIAL_STATE
 
-    def __init__(
-        self,
-        name: str = "lifecycle",
-        observers: Observers | None = None,
-        lock: threading.RLock | None = None,
-    ) -> None:
-        super().__init__(name, observers, lock)
+    def __init__(self, name: str = "lifecycle", lock: threading.RLock | None = None) -> None:
+        super().__init__(name, lock)
 
     def add_component(self, component: ComponentLifecycle) -> None:
         """Attach ``component`` in the initial state; its triggers become live."""
@@ -635,5 +640,5 @@ class LifecycleMachine(GuardedMachine):
         )
         if context.is_logged:
             log.info("lifecycle.transition", **msgspec.structs.asdict(done))
-        if self.observers.attached:
-            self.observers.emit(done)
+        if model.observers.attached:
+            model.observers.emit(done)

@@ -157,6 +157,12 @@ class RefusalCode(StrEnum):
         "a request's attention_backend cannot switch the pipeline's switchable sites: "
         "an unknown or sparse backend, no switchable site, or one that would fall back",
     )
+    PIPELINE_ASLEEP = (
+        "pipeline.asleep",
+        False,
+        "a component of a sleeping pipeline (one it shares with no pipeline that is awake) "
+        "was to be onloaded; wake the pipeline first (or let serving.auto_wake do it)",
+    )
     ADAPTER_TARGET_MISMATCH = (
         "adapter.target_mismatch",
         True,
@@ -252,7 +258,7 @@ class TransitionRefused(Refused):
         component: the component (for a whole pipeline, the pipeline's name; for an
             adapter, the adapter's).
         trigger: the trigger that was refused.
-        source: the state the component (or the adapter) stayed in.
+        source: the state the component (or the pipeline, or the adapter) stayed in.
         refusals: every reason, not only the first.
     """
 
@@ -302,11 +308,11 @@ class InvalidTransition(TransitionRefused):
     """The trigger does not lead anywhere from the current state.
 
     Args:
-        component: the component, or the adapter.
+        component: the component, the pipeline or the adapter.
         trigger: the trigger fired.
         source: the state it is in.
         valid_from: the states the trigger is valid from.
-        noun: what ``component`` names (``component`` or ``adapter``).
+        noun: what ``component`` names (``component``, ``pipeline`` or ``adapter``).
     """
 
     def __init__(

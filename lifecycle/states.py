@@ -1,4 +1,5 @@
-"""The lifecycles: the states of a component and of an adapter, each with its one table.
+"""The lifecycles: the states of a component, of a pipeline, of a serving worker and of
+an adapter, each with its one table.
 
 Each table is the single source of truth of its machine: the machine is built from
 it, the diagrams are drawn from that machine, and the docs embed the diagrams.
@@ -23,6 +24,37 @@ class ComponentState(StrEnum):
     RELEASED = "released"
 
 
+class PipelineState(StrEnum):
+    """Where a pipeline stands in a worker (DESIGN §13).
+
+    A pipeline is SERVING once loaded; SLEEPING, its components are off the device
+    and stay admitted, loaded where their target allows; SWAPPING, a new pipeline of
+    its name takes over (its requests wait for that one); DRAINING, it takes no new
+    requests and its open ones finish; RELEASED, every component it held alone is
+    released.
+    """
+
+    SERVING = "serving"
+    SLEEPING = "sleeping"
+    SWAPPING = "swapping"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+class WorkerState(StrEnum):
+    """Where a serving worker stands (DESIGN §13); ``/readyz`` follows it.
+
+    STARTING, it loads its pipelines; READY, it serves them; FAILED, one could not be
+    loaded (the process stays up to say why); DRAINING, it takes no new requests,
+    finishes the queued ones and releases every pipeline.
+    """
+
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
 class AdapterState(StrEnum):
     """Where an adapter (a LoRA of one component, DESIGN §14) stands in its lifecycle.
 
@@ -38,11 +70,11 @@ class AdapterState(StrEnum):
     RELEASED = "released"
 
 
-State = TypeVar("State", ComponentState, AdapterState)
+State = TypeVar("State", ComponentState, PipelineState, WorkerState, AdapterState)
 """The states of one machine: a row of its table names only those."""
 
-AnyState: TypeAlias = ComponentState | AdapterState
-"""A state of either machine (a refusal names the one it stayed in)."""
+AnyState: TypeAlias = ComponentState | PipelineState | WorkerState | AdapterState
+"""A state of any machine (a refusal names the one it stayed in)."""
 
 
 class TransitionRule(
@@ -87,7 +119,7 @@ TRANSITIONS: tuple[TransitionRule[ComponentState], ...] = (
         trigger="onload",
         sources=(_S.LOADED, _S.OFFLOADED),
         dest=_S.RESIDENT,
-        guards=("memory_budget",),
+        guards=("pipeline_awake", "memory_budget"),
     ),
     TransitionRule(
         trigger="offload",
@@ -107,6 +139,55 @@ INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
 GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
 
+_P = PipelineState
+
+PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
+    TransitionRule(
+        trigger="sleep",
+        sources=(_P.SERVING,),
+        dest=_P.SLEEPING,
+        guards=("requests_ended",),
+    ),
+    TransitionRule(
+        trigger="wake",
+        sources=(_P.SLEEPING,),
+        dest=_P.SERVING,
+        guards=("memory_budget",),
+    ),
+    TransitionRule(trigger="swap", sources=(_P.SERVING, _P.SLEEPING), dest=_P.SWAPPING),
+    TransitionRule(
+        trigger="drain", sources=(_P.SERVING, _P.SLEEPING, _P.SWAPPING), dest=_P.DRAINING
+    ),
+    TransitionRule(
+        trigger="release",
+        sources=(_P.DRAINING,),
+        dest=_P.RELEASED,
+        guards=("requests_ended",),
+    ),
+)
+"""The pipeline's table: sleep (once its requests ended) offloads every component it
+does not share with a pipeline that is awake; wake (when its resident components fit
+beside what the other pipelines pin) puts them back where ``load`` placed them, and an
+onload refused on the way fails it, rolled back; swap marks it as being replaced by a
+new pipeline of its name (loaded beside it, or after it drains); drain marks it on its
+way out; release follows once every component it held alone is released (a shared one
+stays with its other users)."""
+
+INITIAL_PIPELINE_STATE = PipelineState.SERVING
+
+_W = WorkerState
+
+WORKER_TRANSITIONS: tuple[TransitionRule[WorkerState], ...] = (
+    TransitionRule(trigger="ready", sources=(_W.STARTING,), dest=_W.READY),
+    TransitionRule(trigger="fail", sources=(_W.STARTING,), dest=_W.FAILED),
+    TransitionRule(trigger="drain", sources=(_W.STARTING, _W.READY, _W.FAILED), dest=_W.DRAINING),
+)
+"""The serving worker's table: ready once every pipeline is loaded and warmed up, or
+failed when one could not be; drain (a signal) from any of those, also while starting
+(the load in progress finishes first, and none starts after). A worker's pipelines
+each follow ``PIPELINE_TRANSITIONS`` meanwhile."""
+
+INITIAL_WORKER_STATE = WorkerState.STARTING
 _A = AdapterState
 
 ADAPTER_TRANSITIONS: tuple[TransitionRule[AdapterState], ...] = (

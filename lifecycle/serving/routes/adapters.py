@@ -1,18 +1,16 @@
 """``/v1/adapters``: list the pipeline's adapters (LoRA), add and remove them at run time.
 
-``GET`` answers ``{"data": [{"name", "component", "state", "mode", "scale",
-"merged_scale"}], "switches"}``. ``POST`` (an ``[adapters.NAME]`` table with its
-``name``) admits and loads one; ``DELETE /v1/adapters/{name}`` unmerges or detaches
-it once no request uses its component, and releases it. Both change what requests
-may name, so they need the admin key (``LIFECYCLE_ADMIN_KEY``, sent as
-``Authorization: Bearer``): without one configured they are disabled (403). A refused
-adapter is a 409 with the refusals; nothing stays of it.
+``GET`` answers ``{"data": [{"pipeline", "name", "component", "state", "mode",
+"scale", "merged_scale"}], "switches"}`` over every pipeline served. ``POST`` (an
+``[adapters.NAME]`` table with its ``name``, and ``model``: the pipeline, needed when
+several are served) admits and loads one; ``DELETE /v1/adapters/{name}[?model=]``
+unmerges or detaches it once no request uses its component, and releases it. Both
+change what requests may name: they are admin routes (``require_admin``, as the
+pipeline routes). A refused adapter is a 409 with the refusals; nothing stays of it.
 """
 
 from __future__ import annotations
 
-import hmac
-import os
 from collections.abc import Mapping
 
 import msgspec
@@ -23,46 +21,39 @@ from starlette.concurrency import run_in_threadpool
 from lifecycle.config import AdapterSpec
 from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.bodies import AdapterBody, decode_body, documented
+from lifecycle.serving.dispatch import check_ready
 from lifecycle.serving.errors import ApiError
+from lifecycle.serving.routes.pipelines import require_admin
+from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
 
-ADMIN_KEY_VARIABLE = "LIFECYCLE_ADMIN_KEY"
 ADAPTER_BODY = msgspec.json.Decoder(AdapterBody)
-
-
-def require_admin(request: Request) -> None:
-    """Let only a request carrying the admin key through (403 without one configured)."""
-    key = os.environ.get(ADMIN_KEY_VARIABLE)
-    if not key:
-        raise ApiError(
-            403,
-            f"adding and removing adapters is disabled: set {ADMIN_KEY_VARIABLE} for the "
-            "worker and send it as 'Authorization: Bearer <admin key>'",
-            code="admin_disabled",
-        )
-    offered = request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not hmac.compare_digest(offered.encode(), key.encode()):
-        raise ApiError(401, "a missing or wrong admin key", code="invalid_admin_key")
 
 
 def adapters_routes(worker: Worker) -> APIRouter:
     """Return the adapter endpoints."""
     router = APIRouter()
-    orchestrator = worker.orchestrator
+    admin = [Depends(require_admin)]
 
     @router.get("/v1/adapters")
     async def listed() -> Response:
-        views = orchestrator.adapters()
-        body = {"data": views, "switches": orchestrator.adapter_switches}
+        data = [
+            {"pipeline": served.name, **msgspec.to_builtins(view)}
+            for served in worker.served()
+            for view in served.orchestrator.adapters()
+        ]
+        switches = sum(served.orchestrator.adapter_switches for served in worker.served())
+        body = {"data": data, "switches": switches}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     @router.post(
         "/v1/adapters",
-        dependencies=[Depends(require_admin)],
+        dependencies=admin,
         openapi_extra=documented(AdapterBody),
     )
     async def add(request: Request) -> Response:
         body = decode_body(ADAPTER_BODY, await request.body())
+        orchestrator = check_ready(worker, body.model).orchestrator
         spec = AdapterSpec(
             path=body.path,
             component=msgspec.UNSET if body.component is None else body.component,
@@ -77,8 +68,9 @@ def adapters_routes(worker: Worker) -> APIRouter:
             raise ApiError(409, str(err), param="name", code="adapter_not_added") from None
         return Response(msgspec.json.encode(view), media_type="application/json")
 
-    @router.delete("/v1/adapters/{name}", dependencies=[Depends(require_admin)])
-    async def remove(name: str) -> Response:
+    @router.delete("/v1/adapters/{name}", dependencies=admin)
+    async def remove(name: str, model: str | None = None) -> Response:
+        orchestrator = check_ready(worker, model).orchestrator
         try:
             await run_in_threadpool(orchestrator.remove_adapter, name)
         except KeyError as err:
@@ -91,12 +83,12 @@ def adapters_routes(worker: Worker) -> APIRouter:
 
 
 def adapter_set(
-    worker: Worker, lora: Mapping[str, float | None] | None
+    served: ServedPipeline, lora: Mapping[str, float | None] | None
 ) -> tuple[tuple[str, float], ...]:
     """Return a request's ``lora`` as a batch key's adapter set (400 naming the known ones)."""
     if not lora:
         return ()
-    views = {view.name: view for view in worker.orchestrator.adapters()}
+    views = {view.name: view for view in served.orchestrator.adapters()}
     usable = sorted(
         name for name, view in views.items() if view.state.value in ("loaded", "active")
     )
