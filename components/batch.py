@@ -165,6 +165,8 @@ class Batch:
         left: every cancellation taken so far, in order (the orchestrator reports each).
         truncated: per prompt, whether a text encoder cut it to the longest
             tokenisation it reads (None until a text encoder ran).
+        adapters: each row's adapters (LoRA, DESIGN §14) by name with the scale it runs
+            them at; None, or a row naming none, runs the base weights.
 
     A denoising loop calls ``stepped`` after each step: it reports the step and drops
     the rows cancelled meanwhile, so a cancelled row costs at most one more step and
@@ -196,6 +198,7 @@ class Batch:
     cancellation: Cancellation = field(default_factory=Cancellation)
     left: list[Left] = field(default_factory=list)
     truncated: list[bool] | None = None
+    adapters: list[dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -251,6 +254,7 @@ class Batch:
             "negative_prompts",
             "negative_context",
             "truncated",
+            "adapters",
         ):
             values = getattr(self, name)
             if values is not None:

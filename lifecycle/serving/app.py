@@ -22,6 +22,7 @@ from lifecycle.serving.auth import DoorKeys
 from lifecycle.serving.errors import add_error_handler
 from lifecycle.serving.limits import BodyLimits
 from lifecycle.serving.middleware import RequestIds
+from lifecycle.serving.routes.adapters import adapters_routes
 from lifecycle.serving.routes.embeddings import embeddings_routes
 from lifecycle.serving.routes.events import events_routes
 from lifecycle.serving.routes.health import health_routes
@@ -49,6 +50,7 @@ def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
         status_routes,
         events_routes,
         pipelines_routes,
+        adapters_routes,
     ):
         app.include_router(routes(worker))
     return app

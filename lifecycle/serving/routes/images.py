@@ -27,6 +27,7 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.limits import ImageSize, check_images, image_pixels
+from lifecycle.serving.routes.adapters import adapter_set
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
@@ -63,6 +64,8 @@ def images_routes(worker: Worker) -> APIRouter:
             assert job.key.image_size is not None  # a folder's job names its size, or the default
             height, width = job.key.image_size
             image_pixels(body.n, ImageSize(width=width, height=height), settings)
+        if body.lora:
+            job.key = msgspec.structs.replace(job.key, adapters=adapter_set(served, body.lora))
         if body.stream:
             served = await gate_passed(worker, served, job)
             return stream_images(worker, served, job, timeout, body.partial_images, seed)
