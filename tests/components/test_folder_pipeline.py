@@ -15,7 +15,7 @@ from components.folders.index import PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
-from components.weights import stored_bytes
+from components.weights import read_header, stored_bytes
 from tests.conftest import PipelineFolders
 from tests.processes import run_python
 
@@ -236,26 +236,42 @@ sys.meta_path.insert(0, Blocker())
 
 from pathlib import Path
 
+import torch
+
+from attention import ComponentRequests, arm_layers, component_attention_scope
 from components import registry
 from components.folders.pipeline import FolderPipeline
 
 folder = Path(sys.argv[1])
 pipeline = FolderPipeline.read(folder)
 print(sorted(plan.kind for plan in pipeline.components.values()))
-loader = registry.get("autoencoder_kl").from_options(pipeline.components["vae"].options)
-print(loader.unavailable_reason("native"))
-print(loader.tensors(), loader.declared_bytes())
+loaders = {
+    name: registry.get(plan.kind).from_options(plan.options)
+    for name, plan in pipeline.components.items()
+    if name in ("vae", "text_encoder")
+}
+vae = loaders["vae"]
+print(vae.unavailable_reason("native"))
+print(vae.unavailable_reason("custom"), len(vae.tensors()), vae.declared_bytes())
+built = {}
+for name, loader in loaders.items():
+    with component_attention_scope(ComponentRequests(component=name)):
+        built[name] = loader.build("custom")
+    arm_layers(built[name])
+print(tuple(vae.decode(built["vae"], torch.zeros(1, 4, 4, 4)).shape))
+print(tuple(built["text_encoder"](torch.tensor([[5, 6, 1]])).shape))
 assert "diffusers" not in sys.modules and "transformers" not in sys.modules
 """
 
 
 class TestOptionalLibraries:
-    """Without diffusers and transformers, folders are read and sized; the load says why not."""
+    """Without diffusers and transformers, folders are read and sized, and custom paths run."""
 
     def test_read_and_sized_without_the_libraries(
         self, pipeline_folder: PipelineFolders, root: Path
     ) -> None:
-        """Kinds come from the index; bytes from the headers; the native path names the extra."""
+        """Kinds from the index, bytes from headers, custom paths built and run; native names
+        the extra."""
         folder = pipeline_folder("pixart")
         result = run_python(root, "-c", WITHOUT_LIBRARIES, str(folder))
         assert result.returncode == 0, result.stderr
@@ -263,7 +279,9 @@ class TestOptionalLibraries:
         assert result.stdout.splitlines() == [
             "['autoencoder_kl', 'pixart_transformer', 't5_encoder']",
             "the diffusers package is not installed (pip install 'pipeline-lifecycle[diffusers]')",
-            f"None {stored_bytes(weights)}",
+            f"None {len(read_header(weights))} {stored_bytes(weights)}",
+            "(1, 3, 32, 32)",
+            "(1, 3, 64)",
         ]
 
 
