@@ -307,7 +307,7 @@ loader = registry.get("t5_encoder").from_options({"path": sys.argv[1]})
 loader.declared_bytes()  # reads headers, imports transformers, builds on meta once
 Path("/proc/self/clear_refs").write_text("5")  # the peak starts afresh here
 before = peak()
-module = loader.build("native")
+module = loader.build(sys.argv[2])
 touched = sum(float(p.sum()) for p in module.parameters())  # every page of every weight
 print(peak() - before, loader.declared_bytes())
 """
@@ -318,7 +318,10 @@ RSS_SLACK = 48 * 2**20
 class TestOneCopy:
     """A load holds one copy of the weights: the mapped file's pages."""
 
-    def test_peak_memory_stays_within_the_weights(self, tmp_path: Path, root: Path) -> None:
+    @pytest.mark.parametrize("path", ["native", "custom"])
+    def test_peak_memory_stays_within_the_weights(
+        self, tmp_path: Path, root: Path, path: str
+    ) -> None:
         """Peak RSS grows by the weights' size and a small constant, never twice the weights."""
         from transformers import T5Config, T5EncoderModel
 
@@ -326,7 +329,7 @@ class TestOneCopy:
             d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
         )
         T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
-        result = run_python(root, "-c", LOAD_PEAK, str(tmp_path / "t5"))
+        result = run_python(root, "-c", LOAD_PEAK, str(tmp_path / "t5"), path)
         assert result.returncode == 0, result.stderr
         grown, weights = map(int, result.stdout.split())
         assert weights > 100 * 2**20  # large enough that a second copy could not hide
