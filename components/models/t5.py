@@ -301,7 +301,8 @@ class T5Encoder(nn.Module):
 
         q, k, v, the bias table (by heads) and the feed-forward input projections go
         column-wise; ``o`` and ``wo`` row-wise (DTensor all-reduces their partial sums).
-        Embeddings and norms stay whole.
+        Embeddings and norms stay whole. The heads must divide by the degree (admission
+        refuses otherwise); the feed-forward units need not.
         """
         for block in self.encoder.block:
             assert isinstance(block, T5Block)
@@ -313,6 +314,8 @@ class T5Encoder(nn.Module):
                 plan["layer.0.SelfAttention.relative_attention_bias"] = ColwiseParallel()
             ff = block.feed_forward.DenseReluDense
             for name in ("wi_0", "wi_1") if ff.gated else ("wi",):
-                plan[f"layer.1.DenseReluDense.{name}"] = ColwiseParallel()
+                # kept as DTensors, so that d_ff need not divide by the tp degree: a
+                # local shard would not say how many units the other ranks hold
+                plan[f"layer.1.DenseReluDense.{name}"] = ColwiseParallel(use_local_output=False)
             plan["layer.1.DenseReluDense.wo"] = RowwiseParallel()
             parallelize_module(block, mesh, plan)
