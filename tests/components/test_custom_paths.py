@@ -223,6 +223,22 @@ class TestThroughTheLifecycle:
         assert_close(before, want, FLOAT32_TOLERANCE)
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
+    @pytest.mark.parametrize("case", ["t5", "clip_projected"])
+    def test_layerwise_offload_from_disk(
+        self, case: str, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """Admitted for layerwise offload (its stack found on the meta build), it streams."""
+        folder, name = pipeline_folder(CASES[case][0]), CASES[case][1]
+        loader = loader_of(folder, name)
+        want = outputs(loader, loader.build("native"))
+        spec = spec_of(folder, name, tmp_path, residency="layerwise_offload")
+        with Orchestrator(spec) as pipeline:
+            assert pipeline.admit().components[name].loader == "custom"
+            pipeline.load()
+            with pipeline.request() as request, request.stage("run") as modules:
+                got = outputs(loader, modules[name])
+        assert_close(got, want, FLOAT32_TOLERANCE)
+
     def test_native_is_still_chosen_by_name(
         self, pipeline_folder: PipelineFolders, tmp_path: Path
     ) -> None:
