@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from components.folders.loader import FolderLoader, Layout
@@ -61,8 +62,6 @@ class CustomFolderLoader(FolderLoader):
 
     def float32_rule(self) -> Callable[[str], bool]:
         """Keep ``float16_keeps_float32`` in float32 under float16, as the library does."""
-        import torch
-
         kept = set(self.float16_keeps_float32) if self.dtype == torch.float16 else set()
         return lambda name: not kept.isdisjoint(name.split("."))
 

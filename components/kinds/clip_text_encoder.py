@@ -34,6 +34,8 @@ from components.sites import AttentionSite
 
 # B texts, L tokens, E width, P pooled width, T packed tokens
 
+OURS = (ClipTextModel, ClipTextTransformer)
+"""The roots our custom path builds (with or without the ``text_model.`` prefix)."""
 PREFIX = "text_model."
 """Where ``CLIPTextModelWithProjection`` (and transformers 4's ``CLIPTextModel``) keep the tower."""
 
@@ -146,7 +148,7 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
         """Encode ``texts`` padded to ``max_tokens``."""
         device = device_of(module)
         ids, _ = self.tokenize(texts, self.max_tokens)
-        if isinstance(module, ClipTextTransformer | ClipTextModel):
+        if isinstance(module, OURS):
             states: ClipStates = module(ids.to(device))
             return ClipEncoding(states.pooled, states.penultimate)
         out = module(ids.to(device), output_hidden_states=True)
@@ -160,10 +162,7 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
         causal attention makes the end token's state independent of what follows it, so
         this equals the padded result.
         """
-        if not (
-            self.options.packed_sequences
-            and isinstance(module, ClipTextModel | ClipTextTransformer)
-        ):
+        if not (self.options.packed_sequences and isinstance(module, OURS)):
             return self.encode(module, texts).pooled
         device = device_of(module)
         ids, keep = self.tokenize(texts, self.max_tokens)
