@@ -165,6 +165,21 @@ class TestEqualToNative:
         assert rel_err(encoded_moments(custom(loader), images), want) <= FLOAT32_TOLERANCE
 
     @pytest.mark.parametrize("case", list(CASES))
+    def test_every_declared_layer_runs(self, case: str, pipeline_folder: PipelineFolders) -> None:
+        """Each attention layer of the declared sites runs (the VAE's encoder on encode)."""
+        loader = loader_of(pipeline_folder(CASES[case][0]), CASES[case][1])
+        module = custom(loader)
+        layers = [m for m in module.modules() if isinstance(m, Attention)]
+        calls = dict.fromkeys(range(len(layers)), 0)
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+        outputs(loader, module)
+        if isinstance(loader, AutoencoderKlLoader):
+            encoded_moments(module, torch.zeros(1, 3, 16, 16))
+        assert {layer.site for layer in layers} == {site.name for site in loader.sites()}
+        assert all(count > 0 for count in calls.values())
+
+    @pytest.mark.parametrize("case", list(CASES))
     def test_same_tensors_as_the_library_loads(
         self, case: str, pipeline_folder: PipelineFolders
     ) -> None:
