@@ -43,9 +43,9 @@ class TestTensorParallel:
         """Masked and unmasked states equal one process's; each rank holds about half."""
         folder = pipeline_folder("pixart")
         result = run_python(
-            root,
-            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "tests/parallel/t5_worker.py", str(write_spec(folder, tmp_path, 2)), str(tmp_path),
+            "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "tests/parallel/t5_worker.py", write_spec(folder, tmp_path, 2), tmp_path,
+            cwd=root, module=True,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         split: list[torch.Tensor] = torch.load(tmp_path / "states.pt")
