@@ -9,8 +9,10 @@ Encoders (``t5``, ``clip``): one forward of our custom path (``loader.build("cus
 its default backend) against transformers' class from ``from_pretrained``, on the same
 token ids: T5 v1.1-style (gated GELU) 1024 wide, 8 layers, two PixArt prompts padded to
 120 tokens with the padding masked; CLIP-L-style (quick GELU) 768 wide, 12 layers, two
-prompts padded to 77, hidden states asked for (as SD3 and Flux use them). Time: median
-of interleaved rounds. Target: ours <= 1.0x.
+prompts padded to 77, hidden states asked for (as SD3 and Flux use them). The VAE
+(``vae``): one decode of our custom path against diffusers' ``AutoencoderKL``, SD's layout
+at half width, a 16x16 latent to a 128x128 image. Time: median of interleaved rounds.
+Target: ours <= 1.0x.
 
 Run: ``python -m benchmarks archs``.
 """
@@ -32,6 +34,7 @@ from torch import nn
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from benchmarks.attention_overhead import interleaved
 from components.folders.custom import CustomFolderLoader
+from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.libraries import is_importable
@@ -42,6 +45,8 @@ ROUNDS = 9
 BATCH = 2
 T5_TOKENS, T5_REAL = 120, 30  # PixArt pads to 120; a prompt of about 30 tokens
 CLIP_TOKENS = 77
+VAE_CHANNELS = (64, 128, 256, 256)  # SD's VAE at half width
+VAE_LATENT = 16  # a 128x128 image
 
 
 class Row(NamedTuple):
@@ -163,7 +168,31 @@ def compare_clip(folder: Path, counts: tuple[int, ...]) -> list[Row]:
     return timed("CLIP text model (768 wide, 12 layers, 2 x 77 tokens)", mine, library, counts)
 
 
-COMPARISONS: dict[str, Comparison] = {"t5": compare_t5, "clip": compare_clip}
+def compare_vae(folder: Path, counts: tuple[int, ...]) -> list[Row]:
+    """VAE decode, as every pipeline ends: ours against diffusers' ``AutoencoderKL``."""
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(
+        block_out_channels=VAE_CHANNELS,
+        down_block_types=("DownEncoderBlock2D",) * len(VAE_CHANNELS),
+        up_block_types=("UpDecoderBlock2D",) * len(VAE_CHANNELS),
+        layers_per_block=2,
+        latent_channels=4,
+    ).save_pretrained(str(folder))
+    loader = AutoencoderKlLoader.from_options({"path": str(folder)})
+    ours, theirs = custom_module(loader), AutoencoderKL.from_pretrained(str(folder)).eval()
+    draw = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 4, VAE_LATENT, VAE_LATENT, generator=draw)
+    image = VAE_LATENT * loader.scale_factor
+    return timed(
+        f"VAE decode ({', '.join(map(str, VAE_CHANNELS))} channels, 1 x {image}x{image})",
+        lambda: loader.decode(ours, latents),
+        lambda: loader.decode(theirs, latents),
+        counts,
+    )
+
+
+COMPARISONS: dict[str, Comparison] = {"t5": compare_t5, "clip": compare_clip, "vae": compare_vae}
 
 
 def main() -> None:

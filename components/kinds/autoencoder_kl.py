@@ -31,6 +31,7 @@ class AutoencoderKlLoader(CustomFolderLoader):
     library = "diffusers"
     classes = ("AutoencoderKL",)
     allows_global_fallback = True
+    fully_shardable = True
 
     @cached_property
     def shape(self) -> VaeShape:
@@ -67,7 +68,8 @@ class AutoencoderKlLoader(CustomFolderLoader):
     def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Decode latents ``(B, L, h, w)`` (unscaled) into images ``(B, 3, H, W)`` in [-1, 1]."""
         if isinstance(module, AutoencoderKl):
-            return module.decode(latents)
+            decoded: torch.Tensor = module(latents)  # through forward, where FSDP gathers
+            return decoded
         native: Any = module
         images: torch.Tensor = native.decode(latents, return_dict=False)[0]
         return images

@@ -67,6 +67,7 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
     classes = ("CLIPTextModel", "CLIPTextModelWithProjection")
     block_stack = "text_model.encoder.layers"
     options_type = ClipOptions
+    fully_shardable = True
 
     def __init__(self, options: ClipOptions) -> None:
         super().__init__(options)

@@ -44,6 +44,7 @@ class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
     classes = ("T5EncoderModel",)
     block_stack = "encoder.block"
     tensor_parallel = True
+    fully_shardable = True
     float16_keeps_float32 = ("wo",)
 
     @cached_property

@@ -33,9 +33,10 @@ from components.loader import PathUnavailable
 from components.offload import LayerwiseStore
 from lifecycle import AdmissionRefused, Orchestrator
 from lifecycle.config import PipelineSpec, decode_spec
+from tests.components.encoder_outputs import TEXTS, outputs
 from tests.conftest import PipelineFolders
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("one_thread")]
 
 # B texts or images, L tokens, E width, T packed tokens
 
@@ -45,7 +46,6 @@ HALF_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 is 1.6-1.7e-2 from its float32 result: our tanh GELU is one fused op, transformers' five
 rounded ones), 0 for CLIP and the VAE; float16: 1.4e-3 for T5."""
 
-TEXTS = ["a red fox leaps over the snow at dawn", "ramen", ""]
 CASES: dict[str, tuple[Family, str]] = {
     "t5": ("pixart", "text_encoder"),
     "clip": ("flux", "text_encoder"),
@@ -86,18 +86,6 @@ def custom(loader: CustomFolderLoader, backend: str | None = None) -> nn.Module:
         module = loader.build("custom")
     arm_layers(module)
     return module
-
-
-def outputs(loader: CustomFolderLoader, module: nn.Module) -> list[torch.Tensor]:
-    """Run what a pipeline asks of the kind, on fixed inputs; return every output."""
-    if isinstance(loader, T5EncoderLoader):
-        return [loader.encode(module, TEXTS, 16, masked=masked).hidden for masked in (True, False)]
-    if isinstance(loader, ClipTextEncoderLoader):
-        return list(loader.encode(module, TEXTS))
-    assert isinstance(loader, AutoencoderKlLoader)
-    draw = torch.Generator().manual_seed(3)
-    latents = torch.randn(2, loader.shape.latent_channels, 8, 6, generator=draw)
-    return [loader.decode(module, latents.to(loader.dtype))]
 
 
 def encoded_moments(module: nn.Module, images: torch.Tensor) -> torch.Tensor:
