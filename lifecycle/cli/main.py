@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -51,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+@functools.cache  # built once: in-process callers (tests, embedders) run main() many times
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lifecycle",
