@@ -15,13 +15,14 @@ import inspect
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 
 from components.batch import Batch, BatchField, Port, device_of
-from components.folders.index import PipelineIndex
+from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
@@ -69,8 +70,9 @@ class Recipe(ABC):
 
     Raises:
         RecipeError: a component is missing or of a kind the recipe cannot drive.
-        ValueError: the scheduler's config cannot be read or its class is not a
-            diffusers scheduler.
+        FileNotFoundError: the scheduler's config is missing.
+        ValueError: the scheduler's config is not JSON or its class is not a diffusers
+            scheduler.
     """
 
     pipeline_class: ClassVar[str]
@@ -86,14 +88,8 @@ class Recipe(ABC):
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
         self.loaders = loaders
-        entry = index.entries.get(SCHEDULER)
-        if entry is None:
-            raise ValueError(f"{index.folder} lists no scheduler in its model_index.json")
-        path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
-        try:
-            self.scheduler_config: dict[str, Any] = json.loads(path.read_text())
-        except OSError as err:
-            raise FileNotFoundError(f"cannot read {path} ({err})") from err
+        self.scheduler_config = scheduler_config(index)
+        entry = index.entries[SCHEDULER]
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
         self.transformer = self.loader("transformer", FolderLoader)
         self.vae = self.loader("vae", AutoencoderKlLoader)
@@ -108,6 +104,31 @@ class Recipe(ABC):
     def new_scheduler(self) -> Any:
         """Return a fresh scheduler from the folder's config (a run mutates its state)."""
         return self.scheduler_class.from_config(self.scheduler_config)  # type: ignore[attr-defined]
+
+    @cached_property
+    def scheduler_draws(self) -> bool:
+        """Tell whether the folder's scheduler draws noise from the generator as it steps.
+
+        Such a scheduler (an SDE or ancestral one) draws for the whole batch at once, so
+        requests batched together would not each make their image alone: they run apart.
+        Found by stepping a fresh scheduler twice on zeros and watching the generator; a
+        scheduler that cannot be stepped so is taken to draw.
+        """
+        scheduler = self.new_scheduler()
+        generator = torch.Generator().manual_seed(0)
+        before = generator.get_state()
+        try:
+            shift = {"mu": 0.0} if scheduler.config.get("use_dynamic_shifting") else {}
+            scheduler.set_timesteps(2, **shift)
+            sample = torch.zeros(1, self.channels, 2, 2)
+            for t in scheduler.timesteps:
+                if hasattr(scheduler, "scale_model_input"):  # as the pipelines that have it
+                    sample = scheduler.scale_model_input(sample, t)
+                options = step_options(scheduler, generator)
+                sample = scheduler.step(sample * 0, t, sample, **options, return_dict=False)[0]
+        except Exception:  # a scheduler of its own: whatever it needs, assume it draws
+            return True
+        return not torch.equal(before, generator.get_state())
 
     def loader(self, name: str, kind: type[LoaderT]) -> LoaderT:
         """Return component ``name``'s loader, which must be a ``kind``.
@@ -217,7 +238,7 @@ class Recipe(ABC):
         dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
         h, w = self.latent_size(size)
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
-        return [x.flatten(1).T for x in noise]  # (N, C) each
+        return latent_rows(noise)
 
     def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
         """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
@@ -264,6 +285,27 @@ class Recipe(ABC):
         """Say where the text encoders' widths do not fit what the DiT reads."""
 
 
+def scheduler_config(index: PipelineIndex) -> dict[str, Any]:
+    """Return the folder's ``scheduler/scheduler_config.json``.
+
+    Raises:
+        ValueError: the index lists no scheduler, or its config is not a JSON object.
+        FileNotFoundError: the scheduler's folder or config is missing (named).
+    """
+    if SCHEDULER not in index.entries:
+        raise ValueError(f"{index.folder / INDEX_FILE} lists no scheduler")
+    path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
+
+
 def width(loader: ComponentLoader, field: BatchField, *, written: bool) -> int | None:
     """Return the width ``loader`` declares for ``field`` (written or read); None if none."""
     ports: Sequence[Port] = loader.writes() if written else loader.reads()
@@ -307,6 +349,52 @@ def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
     if "generator" in accepted:
         options["generator"] = generator
     return options
+
+
+def step_done(
+    batch: Batch, scheduler: Any, latents: torch.Tensor, grid: torch.Tensor
+) -> list[int] | None:
+    """Report one denoising step of ``batch`` and take out the rows cancelled meanwhile.
+
+    ``latents`` is what the loop steps, one row per image first (Flux's packed tokens);
+    ``grid`` the same latents ``(B, C, h, w)``, reported as each image's ``(N, C)``. A
+    cancelled row leaves ``batch`` (``Batch.stepped``) and every per-image tensor the
+    scheduler keeps between steps, so the rows that stay step on as they would alone.
+
+    Returns the positions of the rows that stay (index ``latents`` with them and rebuild
+    the per-row inputs from ``batch``), or None when every row stays.
+
+    Raises:
+        Cancelled: no row is left.
+    """
+    kept = batch.stepped(latent_rows(grid))
+    if kept is not None:
+        narrow_scheduler(scheduler, latents.shape, kept)
+    return kept
+
+
+def narrow_scheduler(scheduler: Any, shape: torch.Size, keep: list[int]) -> None:
+    """Keep rows ``keep`` of every tensor ``scheduler`` holds shaped as the sample it steps.
+
+    Those are per image: a multistep scheduler keeps earlier steps' outputs and samples
+    (DPM-Solver's ``model_outputs``, UniPC's ``last_sample``), in attributes or lists;
+    its timesteps and sigmas are one-dimensional and never match.
+    """
+
+    def per_image(value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.shape == shape
+
+    state = vars(scheduler)
+    for name, value in list(state.items()):
+        if per_image(value):
+            state[name] = value[keep]
+        elif isinstance(value, list) and any(per_image(x) for x in value):
+            state[name] = [x[keep] if per_image(x) else x for x in value]
+
+
+def latent_rows(grid: torch.Tensor) -> list[torch.Tensor]:
+    """Return latents ``(B, C, h, w)`` as one ``(N, C)`` tensor per image, row-major (views)."""
+    return [x.flatten(1).T for x in grid]
 
 
 def latent_grid(latents: Sequence[torch.Tensor], h: int, w: int) -> torch.Tensor:

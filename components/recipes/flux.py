@@ -28,7 +28,9 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
+    latent_rows,
     mismatch,
+    step_done,
     unique_texts,
     width,
 )
@@ -92,23 +94,15 @@ class FluxRecipe(Recipe):
         """Step the flow-matching scheduler with the DiT on packed latents."""
         module = modules["transformer"]
         device = device_of(module)
-        if batch.context is None or batch.pooled is None:
-            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        context, pooled, guidance = self._conditions(batch, device)
         size = self.image_size(batch)
         h, w = self.latent_size(size)
         latents = pack(self.noise(batch, size)).to(device)  # (B, N, 4C)
-        context = torch.stack(batch.context).to(device)  # (B, L, E)
-        pooled = batch.pooled.to(device)
         text_ids = torch.zeros(context.shape[1], 3, device=device, dtype=self.clip.dtype)
         image_ids = positions(h // 2, w // 2).to(device, latents.dtype)
         scheduler = self.new_scheduler()
         self.set_timesteps(scheduler, batch.steps, latents.shape[1], device)
         scheduler.set_begin_index(0)
-        guidance = None
-        if self.transformer.config.get("guidance_embeds"):
-            scale = self.guidance_scale(batch)
-            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
-            guidance = guidance.expand(latents.shape[0])
         for t in scheduler.timesteps:
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             prediction = module(
@@ -123,7 +117,30 @@ class FluxRecipe(Recipe):
                 return_dict=False,
             )[0]
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-        batch.latents = [x.flatten(1).T for x in unpack(latents, h, w)]  # (h * w, C) each
+            kept = step_done(batch, scheduler, latents, unpack(latents, h, w))
+            if kept is not None:
+                latents = latents[kept]
+                context, pooled, guidance = self._conditions(batch, device)
+        batch.latents = latent_rows(unpack(latents, h, w))  # (h * w, C) each
+
+    def _conditions(
+        self, batch: Batch, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Return the batch's rows' T5 states ``(B, L, E)``, pooled CLIP vectors and distilled
+        guidance scales (None where the DiT embeds no guidance).
+
+        Raises:
+            ValueError: the encode stage has not run.
+        """
+        if batch.context is None or batch.pooled is None:
+            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        context = torch.stack(batch.context).to(device)
+        guidance = None
+        if self.transformer.config.get("guidance_embeds"):
+            scale = self.guidance_scale(batch)
+            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
+            guidance = guidance.expand(context.shape[0])
+        return context, batch.pooled.to(device), guidance
 
     def set_timesteps(self, scheduler: Any, steps: int, tokens: int, device: torch.device) -> None:
         """Set Flux's sigmas (1 down to 1/steps), shifted by the image's token count."""

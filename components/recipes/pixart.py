@@ -30,7 +30,9 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
+    latent_rows,
     mismatch,
+    step_done,
     step_options,
     unique_texts,
     width,
@@ -133,19 +135,13 @@ class PixArtAlphaRecipe(Recipe):
         height, width = self.image_size(batch)
         scale = self.guidance_scale(batch)
         guided = scale > 1
-        context, mask = _joined(batch.context, batch.context_mask, device)
-        if guided:
-            negative, negative_mask = _joined(
-                batch.negative_context, batch.negative_context_mask, device
-            )
-            context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
+        context, mask, conditions = self._conditions(batch, device, guided, (height, width))
         scheduler = self.new_scheduler()
         scheduler.set_timesteps(batch.steps, device=device)
         if self.starts_at_first_step and hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
         noise = self.noise(batch, (height, width)).to(device)
         latents = noise * scheduler.init_noise_sigma  # (B, C, h, w)
-        conditions = self.micro_conditions(batch.size * (2 if guided else 1), height, width)
         options = step_options(scheduler, batch.generator)
         original = self.one_step_keeps_original and batch.steps == 1
         for t in scheduler.timesteps:
@@ -169,7 +165,24 @@ class PixArtAlphaRecipe(Recipe):
             # (where a one-step run finds no predicted original, diffusers' alpha pipeline
             # fails; this keeps the previous sample)
             latents = out[1] if original and len(out) > 1 else out[0]
-        batch.latents = [x.flatten(1).T for x in latents]  # (N, C) each
+            kept = step_done(batch, scheduler, latents, latents)
+            if kept is not None:
+                latents = latents[kept]
+                context, mask, conditions = self._conditions(batch, device, guided, (height, width))
+        batch.latents = latent_rows(latents)
+
+    def _conditions(
+        self, batch: Batch, device: torch.device, guided: bool, size: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
+        """Return the DiT's text states ``(B', L, E)``, masks and micro-conditions of the
+        batch's rows: negative rows first when ``guided`` (B' = 2B), as diffusers orders them."""
+        context, mask = _joined(batch.context, batch.context_mask, device)
+        if guided:
+            negative, negative_mask = _joined(
+                batch.negative_context, batch.negative_context_mask, device
+            )
+            context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
+        return context, mask, self.micro_conditions(int(context.shape[0]), *size)
 
     def micro_conditions(
         self, count: int, height: int, width: int

@@ -27,7 +27,9 @@ from components.recipes.base import (
     ENCODE,
     Recipe,
     Stage,
+    latent_rows,
     mismatch,
+    step_done,
     unique_texts,
     width,
 )
@@ -94,17 +96,9 @@ class Sd3Recipe(Recipe):
         """Step the flow-matching scheduler with the MMDiT, guided when the scale is above 1."""
         module = modules["transformer"]
         device = device_of(module)
-        if batch.context is None or batch.pooled is None:
-            raise ValueError("the denoise stage needs the encode stage's text: run it first")
         scale = self.guidance_scale(batch)
         guided = scale > 1
-        context, pooled = torch.stack(batch.context), batch.pooled
-        if guided:
-            if batch.negative_context is None or batch.negative_pooled is None:
-                raise ValueError("guidance needs the negative prompts' text: run encode first")
-            context = torch.cat([torch.stack(batch.negative_context), context])
-            pooled = torch.cat([batch.negative_pooled, pooled])
-        context, pooled = context.to(device), pooled.to(device)
+        context, pooled = self._text(batch, device, guided)
         size = self.image_size(batch)
         h, w = self.latent_size(size)
         latents = self.noise(batch, size).to(device)  # (B, C, h, w)
@@ -128,7 +122,30 @@ class Sd3Recipe(Recipe):
                 uncond, cond = prediction.chunk(2)
                 prediction = uncond + scale * (cond - uncond)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-        batch.latents = [x.flatten(1).T for x in latents]  # (N, C) each
+            kept = step_done(batch, scheduler, latents, latents)
+            if kept is not None:
+                latents = latents[kept]
+                context, pooled = self._text(batch, device, guided)
+        batch.latents = latent_rows(latents)
+
+    def _text(
+        self, batch: Batch, device: torch.device, guided: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the joined text states ``(B', L, E)`` and pooled vectors of the batch's rows,
+        negative rows first when ``guided`` (B' = 2B), as diffusers orders them.
+
+        Raises:
+            ValueError: the encode stage has not run.
+        """
+        if batch.context is None or batch.pooled is None:
+            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        context, pooled = torch.stack(batch.context), batch.pooled
+        if guided:
+            if batch.negative_context is None or batch.negative_pooled is None:
+                raise ValueError("guidance needs the negative prompts' text: run encode first")
+            context = torch.cat([torch.stack(batch.negative_context), context])
+            pooled = torch.cat([batch.negative_pooled, pooled])
+        return context.to(device), pooled.to(device)
 
     def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Unscale and shift the latents as the VAE's config says, and decode them."""

@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from components.batch import Batch
+from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview
 
@@ -45,14 +46,19 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
         negative: its images are guided away from a negative prompt (a job without one
             guides away from the empty prompt: the two never share a batch).
+        image_size: the images' (height, width) in pixels, for a pipeline from a folder.
+        alone: the job's own id where it must run alone (its scheduler draws noise for a
+            whole batch as it steps); None where it may share.
     """
 
     endpoint: Endpoint
     steps: int = 0
-    guidance_scale: float = 1.0
+    guidance_scale: float | None = None
     attention_backend: str | None = None
     latent_size: tuple[int, int] = (0, 0)
     negative: bool = False
+    image_size: tuple[int, int] | None = None
+    alone: str | None = None
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -170,21 +176,35 @@ def estimate_tokens(prompts: Sequence[str]) -> int:
     return sum(len(text.split()) + 2 for text in prompts)
 
 
-def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
-    """Return one ``Batch`` carrying every job's prompts and its own seeded latents."""
+def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = None) -> Batch:
+    """Return one ``Batch`` carrying every job's prompts and its own seeded latents.
+
+    A pipeline from a folder (``recipe``) draws each job's latents as diffusers draws
+    them for ``generator=torch.Generator("cpu").manual_seed(seed)`` and
+    ``num_images_per_prompt=n``.
+    """
     key = jobs[0].key
     prompts = [text for job in jobs for text in job.prompts]
     latents = None
-    if key.endpoint == "images":
+    generator = torch.Generator().manual_seed(jobs[0].seed)  # unused unless drawn from
+    if recipe is not None and key.image_size is not None:
+        size = recipe.binned(key.image_size)
+        latents = []
+        for job in jobs:
+            # a job alone keeps drawing from its generator (a scheduler that draws as it
+            # steps runs its jobs alone: ``BatchKey.alone``)
+            generator = torch.Generator().manual_seed(job.seed)
+            latents += recipe.draw_latents(generator, len(job.prompts), size)
+    elif key.endpoint == "images":
         h, w = key.latent_size
         latents = []
         for job in jobs:
-            generator = torch.Generator().manual_seed(job.seed)
+            drawn = torch.Generator().manual_seed(job.seed)
             latents += [
-                torch.randn(h * w, shapes.latent_channels, generator=generator) for _ in job.prompts
+                torch.randn(h * w, shapes.latent_channels, generator=drawn) for _ in job.prompts
             ]  # (N, C) each
     return Batch(
-        generator=torch.Generator().manual_seed(jobs[0].seed),  # unused: inputs are given
+        generator=generator,
         steps=max(key.steps, 1),
         guidance_scale=key.guidance_scale,
         negative_prompts=[job.negative_prompt or "" for job in jobs for _ in job.prompts]
@@ -194,6 +214,7 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
         latent_size=key.latent_size if key.endpoint == "images" else (4, 4),
         prompts=prompts,
         latents=latents,
+        image_size=key.image_size,
     )
 
 
@@ -236,16 +257,26 @@ WARM_UP_LATENT_SIZE = (8, 8)
 def warm_up(orchestrator: Orchestrator) -> Shapes:
     """Run one request through every stage and read off what the pipeline produces.
 
-    A pipeline that makes images also gets its preview map fitted on this request.
+    A pipeline that makes images also gets its preview map fitted on this request; one
+    from a folder warms up on its smallest image (its sizes' multiple a side), unfitted.
     """
+    recipe = orchestrator.recipe
     batch = Batch(
         generator=torch.Generator().manual_seed(0),
         steps=1,
         prompts=["warm up"],
         latent_size=WARM_UP_LATENT_SIZE,
+        image_size=None if recipe is None else (recipe.multiple, recipe.multiple),
     )
     with orchestrator.request("warm-up") as request:
         request.run_all(batch)
+    if recipe is not None:
+        return Shapes(
+            embeddings=False,
+            images=True,
+            latent_channels=recipe.channels,
+            image_scale=recipe.vae.scale_factor,
+        )
     latents = batch.latents or []
     images = batch.images
     scale = 0 if images is None else int(images.shape[-1]) // batch.latent_size[1]
