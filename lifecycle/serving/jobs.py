@@ -49,6 +49,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         image_size: the images' (height, width) in pixels, for a pipeline from a folder.
         alone: the job's own id where it must run alone (its scheduler draws noise for a
             whole batch as it steps); None where it may share.
+        adapters: the adapters it runs with their scales, by name (DESIGN §14): jobs
+            with the same set batch together.
     """
 
     endpoint: Endpoint
@@ -59,6 +61,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     negative: bool = False
     image_size: tuple[int, int] | None = None
     alone: str | None = None
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -215,6 +218,7 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         prompts=prompts,
         latents=latents,
         image_size=key.image_size,
+        adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
     )
 
 
