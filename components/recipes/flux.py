@@ -85,11 +85,12 @@ class FluxRecipe(Recipe):
                 has no unconditional pass to use them).
         """
         distinct, rows = unique_texts(self.check(batch))
-        clip = self.clip.encode(modules["text_encoder"], distinct)
+        pooled = self.clip.pooled(modules["text_encoder"], distinct)  # (B', P)
         hidden = self.t5.encode(modules["text_encoder_2"], distinct, self.max_tokens, masked=False)
-        batch.pooled = clip.pooled[rows]  # (B, P)
+        batch.pooled = pooled[rows]
         batch.context = [hidden.hidden[row] for row in rows]  # (L, E) each
-        batch.mark_truncated([clip.truncated[row] or hidden.truncated[row] for row in rows])
+        # T5 reads the prompt; CLIP pools its first 77 tokens, as diffusers does
+        batch.mark_truncated([hidden.truncated[row] for row in rows])
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Step the flow-matching scheduler with the DiT on packed latents."""
