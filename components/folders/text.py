@@ -42,7 +42,6 @@ class Tokens(NamedTuple):
 
     ids: torch.Tensor  # (B, L) int64
     mask: torch.Tensor  # (B, L) int64, 1 = real token
-    truncated: tuple[bool, ...]  # (B,) whether each text had more tokens than L
 
 
 class TextEncoderLoader(FolderLoader):
@@ -83,22 +82,22 @@ class TextEncoderLoader(FolderLoader):
         return tokenizer_class.from_pretrained(str(folder), local_files_only=True)  # type: ignore[attr-defined]
 
     def tokenize(self, texts: Sequence[str], length: int) -> Tokens:
-        """Tokenise ``texts``, truncated and padded to ``length`` tokens, specials included.
-
-        Also tells which texts were cut: those that still fill ``length + 1`` tokens.
-        """
-        texts = list(texts)
-        longer = self.tokenizer(texts, max_length=length + 1, truncation=True).input_ids
+        """Tokenise ``texts``, truncated and padded to ``length`` tokens, specials included."""
         out = self.tokenizer(
-            texts,
+            list(texts),
             padding="max_length",
             max_length=length,
             truncation=True,
             add_special_tokens=True,
             return_tensors="pt",
         )
-        truncated = tuple(len(ids) > length for ids in longer)
-        return Tokens(out.input_ids, out.attention_mask, truncated)
+        return Tokens(out.input_ids, out.attention_mask)
+
+    def truncated(self, texts: Sequence[str], length: int) -> list[bool]:
+        """Tell which of ``texts`` ``tokenize`` cuts to ``length`` tokens: those that still
+        fill ``length + 1``."""
+        longer = self.tokenizer(list(texts), max_length=length + 1, truncation=True).input_ids
+        return [len(ids) > length for ids in longer]
 
 
 def _configured_class(folder: Path) -> str:

@@ -57,7 +57,6 @@ class ClipEncoding(NamedTuple):
 
     pooled: torch.Tensor  # (B, P): pooler output, or its projection (text_embeds)
     penultimate: torch.Tensor  # (B, L, E): the states the last layer reads
-    truncated: tuple[bool, ...]  # (B,) whether each text was cut to L tokens
 
 
 class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
@@ -149,13 +148,13 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
     def encode(self, module: nn.Module, texts: Sequence[str]) -> ClipEncoding:
         """Encode ``texts`` padded to ``max_tokens``."""
         device = device_of(module)
-        ids, _, truncated = self.tokenize(texts, self.max_tokens)
+        ids, _ = self.tokenize(texts, self.max_tokens)
         if isinstance(module, OURS):
             states: ClipStates = module(ids.to(device))
-            return ClipEncoding(states.pooled, states.penultimate, truncated)
+            return ClipEncoding(states.pooled, states.penultimate)
         out = module(ids.to(device), output_hidden_states=True)
         pooled = out.text_embeds if self.has_projection else out.pooler_output
-        return ClipEncoding(pooled, out.hidden_states[-2], truncated)
+        return ClipEncoding(pooled, out.hidden_states[-2])
 
     def pooled(self, module: nn.Module, texts: Sequence[str]) -> torch.Tensor:
         """Return the pooled output ``(B, P)`` of ``texts``.
@@ -167,7 +166,7 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
         if not (self.options.packed_sequences and isinstance(module, OURS)):
             return self.encode(module, texts).pooled
         device = device_of(module)
-        ids, keep, _ = self.tokenize(texts, self.max_tokens)
+        ids, keep = self.tokenize(texts, self.max_tokens)
         lengths = keep.sum(-1)  # (B,)
         cu_seqlens = pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         states: ClipStates = module(ids[keep.bool()].to(device), cu_seqlens.to(device))  # (T,)

@@ -34,7 +34,6 @@ class T5Encoding(NamedTuple):
 
     hidden: torch.Tensor  # (B, L, E), the last layer's normalised output
     mask: torch.Tensor  # (B, L) int64, 1 = real token
-    truncated: tuple[bool, ...]  # (B,) whether each text was cut to L tokens
 
 
 class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
@@ -97,8 +96,8 @@ class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
     ) -> T5Encoding:
         """Encode ``texts`` padded to ``length`` tokens; ``masked``: padding is not attended to."""
         device = device_of(module)
-        ids, mask, truncated = self.tokenize(texts, length)
+        ids, mask = self.tokenize(texts, length)
         keep = mask.to(device) if masked else None
         if isinstance(module, T5Encoder):
-            return T5Encoding(module(ids.to(device), keep), mask, truncated)
-        return T5Encoding(module(ids.to(device), attention_mask=keep)[0], mask, truncated)
+            return T5Encoding(module(ids.to(device), keep), mask)
+        return T5Encoding(module(ids.to(device), attention_mask=keep)[0], mask)

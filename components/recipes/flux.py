@@ -90,7 +90,8 @@ class FluxRecipe(Recipe):
         batch.pooled = pooled[rows]
         batch.context = [hidden.hidden[row] for row in rows]  # (L, E) each
         # T5 reads the prompt; CLIP pools its first 77 tokens, as diffusers does
-        batch.mark_truncated([hidden.truncated[row] for row in rows])
+        cut = self.t5.truncated(distinct, self.max_tokens)
+        batch.mark_truncated([cut[row] for row in rows])
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Step the flow-matching scheduler with the DiT on packed latents."""

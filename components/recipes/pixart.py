@@ -125,10 +125,10 @@ class PixArtAlphaRecipe(Recipe):
         """Return each text's padded states ``(L, E)``, the token masks ``(B, L)`` and
         whether each text was cut."""
         distinct, rows = unique_texts(texts)
-        encoded = self.text_encoder.encode(
-            module, clean_captions(self.pipeline_class, distinct), self.max_tokens, masked=True
-        )
-        truncated = [encoded.truncated[row] for row in rows]
+        cleaned = clean_captions(self.pipeline_class, distinct)
+        encoded = self.text_encoder.encode(module, cleaned, self.max_tokens, masked=True)
+        cut = self.text_encoder.truncated(cleaned, self.max_tokens)
+        truncated = [cut[row] for row in rows]
         return [encoded.hidden[row] for row in rows], encoded.mask[rows], truncated
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:

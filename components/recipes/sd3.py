@@ -92,7 +92,14 @@ class Sd3Recipe(Recipe):
         clip_states = functional.pad(clip_states, (0, t5_width - clip_states.shape[-1]))
         states = torch.cat([clip_states, t5.hidden], dim=-2)  # (B', 77 + 256, E)
         pooled = torch.cat([c.pooled for c in clips], dim=-1)  # (B', P)
-        cut = [any(c.truncated[i] for c in clips) or t5.truncated[i] for i in range(len(distinct))]
+        cut = [
+            any(each)
+            for each in zip(
+                *(loader.truncated(distinct, loader.max_tokens) for loader in self.clips),
+                self.t5.truncated(distinct, self.max_tokens),
+                strict=True,
+            )
+        ]
         return [states[row] for row in rows], pooled[rows], [cut[row] for row in rows]
 
     def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
