@@ -89,7 +89,7 @@ def request_ours(loaded: Loaded, guidance: float) -> torch.Tensor:
         for stage in loaded.recipe.stages:
             modules = {name: loaded.modules[name] for name in stage.uses}
             loaded.recipe.run(stage.name, modules, batch)
-    assert batch.images is not None
+    assert isinstance(batch.images, torch.Tensor)  # one size: one tensor
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 

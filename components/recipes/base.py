@@ -15,7 +15,7 @@ import inspect
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from components.folders.index import PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
+from components.kinds.dit.base import PackedTransformer
 from components.libraries import library_class
 from components.loader import ComponentLoader
 
@@ -42,6 +43,57 @@ class Stage(NamedTuple):
 
     name: str
     uses: tuple[str, ...]
+
+
+class SizeGroup(NamedTuple):
+    """The images of a batch that ask for one size.
+
+    Attributes:
+        requested: the size asked for (height, width) in pixels.
+        size: the size the latents are made at (a bin of ``requested``, where the
+            pipeline bins).
+        rows: the images' indices in the batch.
+    """
+
+    requested: tuple[int, int]
+    size: tuple[int, int]
+    rows: tuple[int, ...]
+
+
+class ModelInputs(Protocol):
+    """One group's arguments to a DiT, as diffusers' class takes them (a NamedTuple)."""
+
+    def _asdict(self) -> dict[str, Any]: ...
+
+
+class Denoising(ABC):
+    """One size group on its way through its own scheduler.
+
+    Attributes:
+        timesteps: the scheduler's timesteps (every group of a batch takes as many).
+    """
+
+    timesteps: torch.Tensor
+
+    @abstractmethod
+    def inputs(self, step: int) -> ModelInputs:
+        """Return the DiT's arguments at ``step``."""
+
+    @abstractmethod
+    def advance(self, step: int, prediction: torch.Tensor) -> None:
+        """Step the scheduler with the DiT's ``prediction`` at ``step``."""
+
+    @abstractmethod
+    def result(self) -> list[torch.Tensor]:
+        """Return each image's latents ``(N, C)``, row-major over its grid."""
+
+
+def predict(module: nn.Module, inputs: Sequence[ModelInputs]) -> list[torch.Tensor]:
+    """Run the DiT on every group: the project's in one packed forward, diffusers' per group."""
+    if isinstance(module, PackedTransformer):
+        predictions: list[torch.Tensor] = module(inputs)
+        return predictions
+    return [module(**group._asdict(), return_dict=False)[0] for group in inputs]
 
 
 class RecipeError(ValueError):
@@ -161,7 +213,7 @@ class Recipe(ABC):
                 f"{self.pipeline_class} guides by its distilled guidance embedding and has no "
                 "unconditional pass: a negative prompt would be ignored; drop it"
             )
-        self.image_size(batch)
+        self.size_groups(batch)
         return batch.prompts
 
     def guidance_scale(self, batch: Batch) -> float:
@@ -178,28 +230,41 @@ class Recipe(ABC):
         side = int(self.transformer.config["sample_size"]) * self.vae.scale_factor
         return side, side
 
-    def requested_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the size the batch asks for, else the default."""
-        return batch.image_size or self.default_size()
+    def requested_sizes(self, batch: Batch) -> list[tuple[int, int]]:
+        """Return the size each image asks for: its own, else the batch's, else the default."""
+        if batch.image_sizes is not None:
+            if len(batch.image_sizes) != batch.size:
+                raise ValueError(
+                    f"the batch carries {len(batch.image_sizes)} image sizes for {batch.size} "
+                    "images; give one size per image"
+                )
+            return list(batch.image_sizes)
+        return [batch.image_size or self.default_size()] * batch.size
 
     def binned(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the size the latents are made at for ``size`` asked (the same by default)."""
         return size
 
-    def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the (height, width) in pixels the batch's latents are made at.
+    def size_groups(self, batch: Batch) -> list[SizeGroup]:
+        """Return the batch's images grouped by the size they ask for, in first-seen order.
 
         Raises:
-            ValueError: the size is off the grid this pipeline can make (the message
-                names the multiple it must be).
+            ValueError: a size is off the grid this pipeline can make (the message names
+                the multiple it must be).
         """
-        height, width = self.binned(self.requested_size(batch))
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
-                f"width must be multiples of {self.multiple}"
-            )
-        return height, width
+        rows: dict[tuple[int, int], list[int]] = {}
+        for row, requested in enumerate(self.requested_sizes(batch)):
+            rows.setdefault(requested, []).append(row)
+        groups = []
+        for requested, members in rows.items():
+            height, width = self.binned(requested)
+            if height % self.multiple or width % self.multiple:
+                raise ValueError(
+                    f"{self.pipeline_class} cannot make {height}x{width} images: height and "
+                    f"width must be multiples of {self.multiple}"
+                )
+            groups.append(SizeGroup(requested, (height, width), tuple(members)))
+        return groups
 
     def latent_size(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the latent grid (h, w) of an image of ``size`` pixels."""
@@ -219,18 +284,71 @@ class Recipe(ABC):
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
         return [x.flatten(1).T for x in noise]  # (N, C) each
 
-    def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
-        """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
-        latents = batch.latents or self.draw_latents(batch.generator, batch.size, size)
-        return latent_grid(latents, *self.latent_size(size))
+    def noise(self, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Return a group's starting latents ``(B_g, C, h, w)``, drawn if the batch brings none.
 
-    def decode_latents(self, module: nn.Module, batch: Batch, *, shifted: bool) -> torch.Tensor:
-        """Decode the batch's latents, unscaled (and shifted) as the VAE's config says.
+        Drawn noise is one ``torch.randn`` per group, groups in order: a batch of one size
+        draws as diffusers does.
+        """
+        if batch.latents is None:
+            latents = self.draw_latents(batch.generator, len(group.rows), group.size)
+        else:
+            latents = [batch.latents[row] for row in group.rows]
+        return latent_grid(latents, *self.latent_size(group.size))
 
-        Returns images ``(B, 3, H, W)`` in [-1, 1].
+    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Denoise the batch's latents (drawn from its generator if it has none).
+
+        Each size group steps its own scheduler; every step predicts for all groups at
+        once: in one packed forward on the custom path, group after group on diffusers'.
+
+        Raises:
+            ValueError: an earlier stage's output is missing, or a size is off the grid.
+        """
+        module = modules["transformer"]
+        device = device_of(module)
+        groups = self.size_groups(batch)
+        runs = [self.start(batch, group, device) for group in groups]
+        for step in range(len(runs[0].timesteps)):
+            predictions = predict(module, [run.inputs(step) for run in runs])
+            for run, prediction in zip(runs, predictions, strict=True):
+                run.advance(step, prediction)
+        latents: dict[int, torch.Tensor] = {}
+        for group, run in zip(groups, runs, strict=True):
+            latents |= dict(zip(group.rows, run.result(), strict=True))
+        batch.latents = [latents[row] for row in range(batch.size)]
+
+    @abstractmethod
+    def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> Denoising:
+        """Set up the denoising of one size group: its noise, text and scheduler."""
+
+    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Decode the batch's latents into images in [-1, 1]: ``(B, 3, H, W)``, or one
+        ``(3, H, W)`` per image when the batch mixes sizes."""
+        groups = self.size_groups(batch)
+        decoded = [self.decode_group(modules["vae"], batch, group) for group in groups]
+        if len(groups) == 1:
+            batch.images = decoded[0]
+            return
+        images: dict[int, torch.Tensor] = {}
+        for group, each in zip(groups, decoded, strict=True):
+            images |= dict(zip(group.rows, each, strict=True))
+        batch.images = [images[row] for row in range(batch.size)]
+
+    @abstractmethod
+    def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Decode one size group's latents into images ``(B_g, 3, H, W)`` in [-1, 1]."""
+
+    def decode_latents(
+        self, module: nn.Module, batch: Batch, group: SizeGroup, *, shifted: bool
+    ) -> torch.Tensor:
+        """Decode a group's latents, unscaled (and shifted) as the VAE's config says.
+
+        Returns images ``(B_g, 3, H, W)`` in [-1, 1].
         """
         config = self.vae.config
-        latents = latent_grid(batch.latents or [], *self.latent_size(self.image_size(batch)))
+        given = [] if batch.latents is None else [batch.latents[row] for row in group.rows]
+        latents = latent_grid(given, *self.latent_size(group.size))
         latents = latents.to(device_of(module), self.vae.dtype) / config["scaling_factor"]
         if shifted:
             latents = latents + config["shift_factor"]
@@ -241,14 +359,6 @@ class Recipe(ABC):
     @abstractmethod
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the batch's prompts (and negative prompts where guidance needs them)."""
-
-    @abstractmethod
-    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Denoise the batch's latents (drawn from its generator if it has none)."""
-
-    @abstractmethod
-    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Decode the batch's latents into images ``(B, 3, H, W)`` in [-1, 1]."""
 
     def interface_problems(self) -> list[Problem]:
         """Say where the components' widths do not fit together (from configs alone)."""

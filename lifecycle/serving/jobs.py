@@ -141,7 +141,8 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
     start = 0
     for job in jobs:
         rows = slice(start, start + len(job.prompts))
-        job.output = produced[rows].detach().cpu()
+        mine = produced[rows]  # one job's images share a size, so a list of them stacks
+        job.output = (torch.stack(mine) if isinstance(mine, list) else mine).detach().cpu()
         job.prompt_tokens = sum(int(c.shape[0]) for c in context[rows])
         start = rows.stop
 
@@ -157,5 +158,5 @@ def warm_up(orchestrator: Orchestrator) -> Shapes:
         embeddings=batch.sentence_embeddings is not None,
         images=images is not None,
         latent_channels=int(latents[0].shape[-1]) if latents else 0,
-        image_scale=0 if images is None else int(images.shape[-1]) // batch.latent_size[1],
+        image_scale=0 if images is None else int(images[0].shape[-1]) // batch.latent_size[1],
     )
