@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +113,9 @@ class TestCustomPath:
         """Nothing is missing for the custom path, so admission chooses it; it splits."""
         loader = loader_of(folders[family], family)
         assert loader.unavailable_reason("custom") is None
-        assert loader.sequence_parallel and loader.tensor_parallel and loader.fully_shardable
+        assert loader.sequence_parallel
+        assert loader.tensor_parallel
+        assert loader.fully_shardable
         sites = {site.name: site for site in loader.sites()}
         assert sites["self"].role is AttentionRole.SELF
         assert sites["self"].requirements.packed_varlen
@@ -219,7 +220,7 @@ class TestEqualToNative:
     def test_through_disk_offload_and_onload(
         self, family: str, folders: dict[str, Path], tmp_path: Path
     ) -> None:
-        """Offloaded to a file and onloaded, the custom module gives the same output, bit for bit."""
+        """Offloaded to a file and onloaded, the custom module gives the same output exactly."""
         loader = loader_of(folders[family], family)
         custom = build(loader)
         groups = mixed_groups(family, loader.config)
@@ -276,7 +277,8 @@ class TestLayerwise:
         groups = mixed_groups(family, loader.config)
         resident = custom_outputs(custom, groups)
         blocks = loader.blocks(custom)
-        assert blocks is not None and len(blocks) == loader.block_count()
+        assert blocks is not None
+        assert len(blocks) == loader.block_count()
         store = LayerwiseStore(custom, blocks, target="host", device="cpu")
         try:
             store.onload()
@@ -349,10 +351,13 @@ class TestWithoutDiffusers:
 
 def _cast(group: Any, dtype: torch.dtype) -> Any:
     """Return ``group`` with its floating tensors in ``dtype`` (timesteps stay as they are)."""
-    cast: Callable[[Any], Any] = lambda t: (
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    )  # noqa: E731
-    return type(group)(**{k: v if k == "timestep" else cast(v) for k, v in group._asdict().items()})
+
+    def cast(name: str, value: Any) -> Any:
+        if name == "timestep" or not isinstance(value, torch.Tensor):
+            return value
+        return value.to(dtype) if value.is_floating_point() else value
+
+    return type(group)(**{name: cast(name, value) for name, value in group._asdict().items()})
 
 
 def test_custom_module_packs() -> None:
