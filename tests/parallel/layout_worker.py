@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -36,6 +38,8 @@ REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1)
 TIMEOUT_S = 30
 
 Outputs = list[torch.Tensor]
+CaseRunner = Callable[[Any], tuple[Outputs, int]]
+"""Runs one case on this rank: its outputs and the bytes of weights it holds here."""
 
 
 class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -127,8 +131,16 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int
     return run_component(module, component.kind, component.options), module_bytes(module)
 
 
-def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir: str) -> None:
-    """Run every case as rank ``rank`` of ``world``; write outputs, traffic and failures."""
+def run_cases(
+    rank: int,
+    world: int,
+    port: int,
+    cases: Mapping[str, Any],
+    out_dir: str,
+    runner: CaseRunner = run_case,
+) -> None:
+    """Run every case with ``runner`` as rank ``rank`` of ``world``; write outputs, traffic
+    and failures."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -142,7 +154,7 @@ def run_cases(rank: int, world: int, port: int, cases: dict[str, Case], out_dir:
         for name, case in cases.items():
             try:
                 with count_traffic() as traffic:
-                    outputs, held = run_case(case)
+                    outputs, held = runner(case)
             except Exception:  # reported to the parent, which asserts on it
                 (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
                 raise

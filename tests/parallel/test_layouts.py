@@ -5,14 +5,24 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
-from tests.parallel.layout_worker import Case, Outputs, Sent, run_alone, run_cases
+from tests.parallel.layout_worker import (
+    Case,
+    CaseRunner,
+    Outputs,
+    Sent,
+    run_alone,
+    run_case,
+    run_cases,
+)
 
 # Float32, max|split - alone| / max|alone| over every output. Measured: 0 for Ulysses and
 # K/V gather (the same kernels on the same rows), about 2e-7 for ring (LSE merge) and
@@ -103,12 +113,15 @@ def free_port() -> int:
         return port
 
 
-def spawn(world: int, cases: dict[str, Case], out_dir: Path) -> None:
-    """Run ``cases`` on ``world`` spawned ranks; fail with every rank's error if one fails."""
+def spawn(
+    world: int, cases: Mapping[str, Any], out_dir: Path, runner: CaseRunner = run_case
+) -> None:
+    """Run ``cases`` with ``runner`` on ``world`` spawned ranks; fail with every rank's error
+    if one fails."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
-        context.Process(target=run_cases, args=(rank, world, port, cases, str(out_dir)))
+        context.Process(target=run_cases, args=(rank, world, port, cases, str(out_dir), runner))
         for rank in range(world)
     ]
     for process in processes:

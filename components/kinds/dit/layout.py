@@ -152,6 +152,15 @@ class JointLayout:
             raise RuntimeError("a whole single request has no joint indices: use split_at")
         return self.text.joint, self.image.joint
 
+    def gather(self, joint: torch.Tensor) -> torch.Tensor:
+        """Return the whole joint sequence ``(sum L_i + N_i, C)`` from this rank's rows ``(T, C)``.
+
+        Under sequence parallel every rank of the group gets the whole result.
+        """
+        if self.sequence is None:
+            return joint
+        return gather_rows(joint, self.sequence.sp)[: self.total]
+
     def gather_image(self, image: torch.Tensor) -> torch.Tensor:
         """Return every request's image rows ``(sum N_i, C)`` from this rank's ``(n_i, C)``.
 
@@ -161,7 +170,7 @@ class JointLayout:
             return image
         joint = image.new_zeros((self.rows, image.shape[1]))
         joint.index_copy_(0, self._joint_indices()[1], image)
-        everything = gather_rows(joint, self.sequence.sp)[: self.total]  # (sum L_i + N_i, C)
+        everything = self.gather(joint)  # (sum L_i + N_i, C)
         positions = torch.cat(
             [torch.arange(a + t, b, device=image.device) for t, (a, b) in self._requests()]
         )

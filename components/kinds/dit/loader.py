@@ -19,6 +19,7 @@ from components.folders.meta import assign_weights, build_empty, expected_tensor
 from components.kinds.dit.base import PackedTransformer
 from components.libraries import missing
 from components.loader import LoaderPath, PathUnavailable
+from components.mesh import ComponentParallel
 from components.sites import NO_REQUIREMENTS, AttentionSite
 
 
@@ -102,6 +103,11 @@ class DitLoader(FolderLoader):
             return super().layout
         module = build_empty(self.custom_module)
         return Layout(expected_tensors(module), {name: name for name in self.stored})
+
+    def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
+        """Shard the packed joint rows (sp) and the heads and MLP units (tp) of the DiT."""
+        assert isinstance(module, PackedTransformer)  # the custom path builds one
+        module.parallelize(parallel)
 
     def build_custom(self) -> nn.Module:
         """Build the project's module on ``meta`` and give it the folder's mapped weights.

@@ -121,7 +121,7 @@ class PixArtBlock(nn.Module):
         """Update image rows ``(n, E)`` given ``(B, 6E)`` and each request's text ``(L_i, E)``."""
         table = self.scale_shift_table[None] + modulation.reshape(modulation.shape[0], 6, -1)
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = table.unbind(1)  # (B, E) each
-        rows = layout.image.rows
+        rows = layout.joint_rows
         q, k, v = self.attn1.project(modulate(x, rows, shift, scale, self.eps))
         add_gated(x, self.attn1.output(self.attn1.attend(q, k, v, layout)), rows, gate)
         x = x + self.attn2.cross(x, rows, text)
@@ -184,7 +184,7 @@ class PixArtTransformer(PackedTransformer):
         images = [x for group in tokens for x in group]  # (N_i, E) each
         device = images[0].device
         layout = JointLayout([0] * len(images), [x.shape[0] for x in images], device, self.sequence)
-        x = layout.image.take(torch.cat(images))  # (n, E)
+        x = layout.local(torch.cat(images))  # (T, E): no text, so the joint rows are the image
         modulation, embedded = self.adaln_single(
             torch.cat([g.timestep for g in groups]), _conditions(groups), x.dtype
         )
@@ -193,9 +193,9 @@ class PixArtTransformer(PackedTransformer):
             x = block(x, modulation, text, layout)
         table = self.scale_shift_table[None] + embedded[:, None]
         shift, scale = table.unbind(1)  # (B, E) each
-        out = self.proj_out(modulate(x, layout.image.rows, shift, scale, EPS))
+        out = self.proj_out(modulate(x, layout.joint_rows, shift, scale, EPS))
         counts = [x.shape[0] for x in images]
-        stacked = regroup(layout.gather_image(out), counts, [len(g.timestep) for g in groups])
+        stacked = regroup(layout.gather(out), counts, [len(g.timestep) for g in groups])
         return [
             unpatchify(
                 s,
