@@ -274,13 +274,14 @@ class Recipe(ABC):
     def draw_latents(
         self, generator: torch.Generator, count: int, size: tuple[int, int]
     ) -> list[torch.Tensor]:
-        """Draw the noise of ``count`` images of ``size`` (pixels) as diffusers draws it.
+        """Draw the noise of ``count`` images asking for ``size`` (pixels) as diffusers draws it.
 
-        One ``torch.randn`` of every image's latents together, in the dtype of
-        ``noise_dtype_of``; returns one ``(N, C)`` tensor per image, row-major over the grid.
+        One ``torch.randn`` of every image's latents together, at the size's bin (where
+        the pipeline bins), in the dtype of ``noise_dtype_of``; returns one ``(N, C)``
+        tensor per image, row-major over the grid.
         """
         dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
-        h, w = self.latent_size(size)
+        h, w = self.latent_size(self.binned(size))
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
         return [x.flatten(1).T for x in noise]  # (N, C) each
 
@@ -291,7 +292,7 @@ class Recipe(ABC):
         draws as diffusers does.
         """
         if batch.latents is None:
-            latents = self.draw_latents(batch.generator, len(group.rows), group.size)
+            latents = self.draw_latents(batch.generator, len(group.rows), group.requested)
         else:
             latents = [batch.latents[row] for row in group.rows]
         return latent_grid(latents, *self.latent_size(group.size))

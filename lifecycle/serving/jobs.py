@@ -9,7 +9,7 @@ its output run alone, up to float rounding (``OUTPUT_TOLERANCE``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -36,7 +36,9 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         steps: denoising steps.
         guidance_scale: classifier-free guidance scale.
         attention_backend: the per-request backend override, or None.
-        latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
+        latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings, and for
+            the jobs of a pipeline whose batches mix sizes (each job carries its own
+            ``size``).
         negative: its images are guided away from a negative prompt (a job without one
             guides away from the empty prompt: the two never share a batch).
     """
@@ -81,6 +83,8 @@ class Job:
         batch_id: the orchestrator request it ran in (its members' ids joined by ``+``),
             the ``request_id`` of the transitions and moves it caused.
         batch_size: how many jobs shared that batch.
+        size: its images' (height, width) in pixels, for a pipeline whose batches mix
+            sizes (a folder pipeline's recipe); None where the key's ``latent_size`` says.
     """
 
     id: str
@@ -93,6 +97,12 @@ class Job:
     prompt_tokens: int = 0
     batch_id: str = ""
     batch_size: int = 1
+    size: tuple[int, int] | None = None
+
+
+LatentDraw: TypeAlias = Callable[[torch.Generator, int, tuple[int, int]], list[torch.Tensor]]
+"""Draws one job's starting latents from its seeded generator: its image count and size in,
+one ``(N, C)`` tensor per image out (a recipe's ``draw_latents``)."""
 
 
 def estimate_tokens(prompts: Sequence[str]) -> int:
@@ -100,12 +110,25 @@ def estimate_tokens(prompts: Sequence[str]) -> int:
     return sum(len(text.split()) + 2 for text in prompts)
 
 
-def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
-    """Return one ``Batch`` carrying every job's prompts and its own seeded latents."""
+def merged_batch(jobs: Sequence[Job], shapes: Shapes, draw: LatentDraw | None = None) -> Batch:
+    """Return one ``Batch`` carrying every job's prompts and its own seeded latents.
+
+    With ``draw`` each job's latents are drawn at its own ``size`` and the batch carries
+    every image's size (``Batch.image_sizes``): jobs of different sizes share the batch.
+    """
     key = jobs[0].key
     prompts = [text for job in jobs for text in job.prompts]
     latents = None
-    if key.endpoint == "images":
+    image_sizes = None
+    if key.endpoint == "images" and draw is not None:
+        sizes = [_size(job) for job in jobs]
+        latents = [
+            x
+            for job, size in zip(jobs, sizes, strict=True)
+            for x in draw(torch.Generator().manual_seed(job.seed), len(job.prompts), size)
+        ]
+        image_sizes = [size for job, size in zip(jobs, sizes, strict=True) for _ in job.prompts]
+    elif key.endpoint == "images":
         h, w = key.latent_size
         latents = []
         for job in jobs:
@@ -124,7 +147,14 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes) -> Batch:
         latent_size=key.latent_size if key.endpoint == "images" else (4, 4),
         prompts=prompts,
         latents=latents,
+        image_sizes=image_sizes,
     )
+
+
+def _size(job: Job) -> tuple[int, int]:
+    if job.size is None:
+        raise ValueError(f"image job '{job.id}' has no size, and its pipeline mixes sizes")
+    return job.size
 
 
 def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:

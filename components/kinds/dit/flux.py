@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.nn.functional import gelu
 
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
@@ -23,6 +22,7 @@ from components.kinds.dit.layers import (
     Modulation,
     TextProjection,
     TimestepEmbedding,
+    gelu_,
     timestep_features,
 )
 from components.kinds.dit.layout import JointLayout, add_gated, modulate
@@ -65,10 +65,12 @@ def rotary(ids: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotate each pair of channels of ``x`` ``(T, H, D)`` by its token's ``rotation`` ``(T, D/2)``.
 
-    Computed in float32 and returned in ``x``'s dtype, as diffusers does.
+    Computed in float32 and returned in ``x``'s dtype, as diffusers does. A float32 ``x``
+    (which the caller owns) is rotated in place; another dtype through one float32 copy.
     """
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (T, H, D/2)
-    return torch.view_as_real(pairs * rotation[:, None, :]).flatten(-2).to(x.dtype)
+    work = x if x.dtype == torch.float32 else x.float()
+    torch.view_as_complex(work.view(*x.shape[:-1], -1, 2)).mul_(rotation[:, None, :])
+    return work if work is x else work.to(x.dtype)
 
 
 class FluxTimeTextEmbedding(nn.Module):
@@ -171,7 +173,7 @@ class FluxSingleBlock(nn.Module):
         shift, scale, gate = self.norm(condition)
         rows = layout.joint_rows
         h = modulate(x, rows, shift, scale, EPS)
-        mlp = gelu(self.proj_mlp(h), approximate="tanh")  # (T, 4E)
+        mlp = gelu_(self.proj_mlp(h))  # (T, 4E)
         q, k, v = self.attn.project(h)
         o = self.attn.attend(rotate(q, rotation), rotate(k, rotation), v, layout)  # (T, E)
         add_gated(x, self.proj_out(torch.cat([o, mlp], dim=-1)), rows, gate)

@@ -97,7 +97,13 @@ class GeluProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project ``(n, E)`` to ``(n, inner)`` and apply GELU (tanh)."""
-        return gelu(self.proj(x), approximate="tanh")
+        return gelu_(self.proj(x))
+
+
+def gelu_(x: torch.Tensor) -> torch.Tensor:
+    """Apply GELU (tanh) to ``x`` in place: the widest activation of a block, never copied."""
+    out: torch.Tensor = torch.ops.aten.gelu_(x, approximate="tanh")
+    return out
 
 
 class FeedForward(nn.Module):
