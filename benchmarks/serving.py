@@ -27,6 +27,10 @@ A thread pool of httpx clients spent about as much CPU per request as the server
 measured; the tests keep the real clients (httpx, openai). On a shared 2-core machine
 server and clients still compete for the cores, so the figures are conservative.
 
+Requests over time (``benchmarks._requests_over_time``): the cost of streaming against
+not streaming, of a preview against a denoising step, and the latency of a
+high-priority job under a full low-priority queue against an empty one.
+
 Run: ``python -m benchmarks serving``.
 """
 
@@ -50,6 +54,7 @@ import httpx
 import msgspec
 import torch
 
+from benchmarks import _requests_over_time
 from benchmarks._http_load import LoadPlan, LoadResult
 from components.batch import Batch
 from components.kinds.minilm_text_encoder import PROMPTS
@@ -347,6 +352,10 @@ def main() -> None:
                     if clients == 1 and spec == IMAGE_SPEC:
                         overhead["images"] = (http["p50"], base["p50"])
     local.orchestrator.close()
+    with worker(IMAGE_SPEC) as url:
+        _requests_over_time.streaming(url)
+    _requests_over_time.previews(IMAGE_SPEC)
+    _requests_over_time.priorities(IMAGE_SPEC)
 
     print("\n| overhead at batch 1 | HTTP p50 ms | embedded p50 ms | server overhead ms |")
     print("|---|---:|---:|---:|")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple, TypeAlias
 
 import msgspec
 import torch
@@ -32,6 +34,87 @@ class Port(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     field: BatchField
     width: int | None = None
     option: str | None = None
+
+
+class Cancelled(Exception):
+    """Every row of a batch was cancelled: the request stops where it stands.
+
+    Raised between denoising steps or before a stage; the stage it leaves puts its
+    components back by the ordinary moves, as for any other exception.
+
+    Attributes:
+        stage: the stage it stopped in (or was about to enter), when known.
+        step: the denoising steps that stage had done.
+    """
+
+    def __init__(self, stage: str | None, step: int) -> None:
+        super().__init__(f"cancelled at stage {stage!r}, step {step}")
+        self.stage = stage
+        self.step = step
+
+
+class StepDone(NamedTuple):
+    """One denoising step of a batch is done (what ``Batch.on_step`` receives).
+
+    Attributes:
+        step: steps done so far, 1 to ``steps``.
+        steps: the stage's steps in all.
+        rows: the batch's original row of each latent, the rows still running.
+        latents: each running row's latents after this step.
+    """
+
+    step: int
+    steps: int
+    rows: tuple[int, ...]
+    latents: Sequence[torch.Tensor]
+
+
+StepHook: TypeAlias = Callable[[StepDone], None]
+"""Called on the denoising thread after every step: return quickly (a preview, a queue)."""
+
+
+class Left(NamedTuple):
+    """Rows that left a batch because a request was cancelled (``Batch.left``).
+
+    Attributes:
+        request_id: who cancelled them.
+        rows: the original rows that left.
+        stage: the stage they left in.
+        step: the denoising steps that stage had done.
+    """
+
+    request_id: str
+    rows: tuple[int, ...]
+    stage: str | None
+    step: int
+
+
+class Cancellation:
+    """Rows of a batch cancelled from any thread, taken out between steps.
+
+    ``pending`` is a plain attribute: the denoising loop reads it once a step,
+    without a lock, and takes the lock only when something was cancelled.
+    """
+
+    __slots__ = ("_lock", "_rows", "pending")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, Collection[int] | None] = {}
+        self.pending = False
+
+    def cancel(self, request_id: str, rows: Collection[int] | None = None) -> None:
+        """Cancel ``rows`` (original rows; None: every row) on behalf of ``request_id``."""
+        with self._lock:
+            self._rows[request_id] = rows
+            self.pending = True
+
+    def take(self) -> dict[str, Collection[int] | None]:
+        """Return and forget what was cancelled since the last call."""
+        with self._lock:
+            taken, self._rows = self._rows, {}
+            self.pending = False
+            return taken
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -77,6 +160,18 @@ class Batch:
         negative_context_mask: the same for ``negative_context``.
         pooled: one pooled text vector per prompt, ``(B, P)`` (Flux, SD3).
         negative_pooled: the same for the negative prompts.
+        rows: the original row (0 to the first ``size`` - 1) of each row still in the
+            batch: cancelled rows leave (``drop_cancelled``), the others keep their order.
+        stage: the stage running now (the orchestrator sets it).
+        step: the denoising steps the running stage has done.
+        on_step: called after every denoising step (progress, previews).
+        cancellation: where rows are cancelled from other threads.
+        left: every cancellation taken so far, in order (the orchestrator reports each).
+
+    A denoising loop calls ``stepped`` after each step: it reports the step and drops
+    the rows cancelled meanwhile, so a cancelled row costs at most one more step and
+    the rows that stay compute exactly what they would have alone. A kind whose
+    loop keeps per-row values of its own narrows them with the positions returned.
     """
 
     generator: torch.Generator
@@ -97,3 +192,78 @@ class Batch:
     negative_context_mask: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
     negative_pooled: torch.Tensor | None = None
+    rows: list[int] = field(default_factory=list)
+    stage: str | None = None
+    step: int = 0
+    on_step: StepHook | None = None
+    cancellation: Cancellation = field(default_factory=Cancellation)
+    left: list[Left] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            self.rows = list(range(self.size))
+
+    def stepped(self, latents: Sequence[torch.Tensor]) -> list[int] | None:
+        """Say one denoising step is done with ``latents``, then drop cancelled rows.
+
+        Call it after each step, with the latents of the rows still in the batch.
+
+        Returns the positions of the rows that stay (index your own per-row values
+        with it), or None when every row stays.
+
+        Raises:
+            Cancelled: no row is left.
+        """
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(StepDone(self.step, self.steps, tuple(self.rows), latents))
+        return self.drop_cancelled()
+
+    def drop_cancelled(self) -> list[int] | None:
+        """Take the rows cancelled since the last call out of every per-row field.
+
+        Returns the positions of the rows that stay, or None when every row stays.
+        Rows a kind makes up (no prompts, no latents given) are drawn for the rows
+        left, so give them when outputs must not depend on a cancellation.
+
+        Raises:
+            Cancelled: no row is left.
+        """
+        if not self.cancellation.pending:
+            return None
+        gone: set[int] = set()
+        for request_id, rows in self.cancellation.take().items():
+            here = tuple(row for row in self.rows if rows is None or row in rows)
+            gone.update(here)
+            self.left.append(Left(request_id, here, self.stage, self.step))
+        keep = [i for i, row in enumerate(self.rows) if row not in gone]
+        if len(keep) == len(self.rows):
+            return None
+        if not keep:
+            raise Cancelled(self.stage, self.step)
+        self._narrow(keep)
+        return keep
+
+    def _narrow(self, keep: list[int]) -> None:
+        """Keep only the rows at positions ``keep`` in every per-row field."""
+        for name in (
+            "prompts",
+            "context",
+            "latents",
+            "negative_prompts",
+            "negative_context",
+            "image_sizes",
+            "sentence_embeddings",
+            "images",  # a list of tensors when the batch mixes sizes
+            "context_mask",
+            "negative_context_mask",
+            "pooled",
+            "negative_pooled",
+        ):
+            values = getattr(self, name)
+            if isinstance(values, list):
+                setattr(self, name, [values[i] for i in keep])
+            elif values is not None:
+                setattr(self, name, values[keep])
+        self.rows = [self.rows[i] for i in keep]
+        self.size = len(keep)

@@ -1,5 +1,6 @@
 """A typed state-machine orchestrator for the components of a serving pipeline."""
 
+from components.batch import Cancelled
 from lifecycle.config import (
     AttentionConfig,
     ComponentSpec,
@@ -33,6 +34,7 @@ __all__ = [
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",
+    "Cancelled",
     "ComponentLifecycle",
     "ComponentPlan",
     "ComponentSpec",

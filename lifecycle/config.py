@@ -29,6 +29,7 @@ from lifecycle.sizes import SIZE_PATTERN, ByteSize
 
 Loader = Literal["custom", "native"]
 Device = Literal["cpu", "cuda", "auto"]
+StatusPage = Literal["open", "private"]
 ALL_ROLES = "all"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _T = TypeVar("_T")
@@ -107,8 +108,19 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             one batch; a single request larger than this still runs, alone.
         batch_window_ms: how long the first request of a batch waits for others
             while another batch runs (an idle worker starts it at once).
-        max_queue: requests waiting or running at once; one more is answered 429.
+        max_queue: requests of one priority waiting or running at once; one more of
+            that priority is answered 429 (each priority has its own room, so batch
+            jobs never lock interactive ones out).
         drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        max_request_seconds: the longest a request may take, queued and running; a
+            request's own ``timeout`` may be shorter. Past it the request is
+            cancelled (DESIGN §15).
+        max_priority: the highest ``priority`` a request may carry (0 is the
+            default and the lowest); it also sets the ageing bound of
+            ``lifecycle.serving.priorities``.
+        status_page: who may read the status page (``GET /``, ``/status``) and its event
+            stream (``GET /v1/events``): ``open`` to every client, like ``/healthz``, or
+            ``private``: only with the API key (``Authorization: Bearer``).
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -116,6 +128,10 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # requests over time (DESIGN §15)
+    max_request_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    max_priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
+    status_page: StatusPage = "open"
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -7,12 +7,16 @@ is the table as it actually runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from components import ResidencyMode
+from lifecycle.config import PipelineSpec
 from lifecycle.machine import GuardedTransition, LifecycleMachine
+from lifecycle.plan import AdmissionPlan
 from lifecycle.refusals import RefusalCode
 from lifecycle.states import INITIAL_STATE, ComponentState
+from lifecycle.svg import PlanBox, plan_svg, state_svg
 
 DIAGRAM_NAME = "component_lifecycle"
 REFUSAL_TABLE_NAME = "refusal_codes.md"
@@ -72,6 +76,49 @@ def dot(machine: LifecycleMachine | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def svg(machine: LifecycleMachine | None = None, *, upright: bool = False) -> str:
+    """Return the lifecycle as an SVG drawing: triggers on the arrows, guards in the legend.
+
+    The status page inlines this same drawing (and, for narrow screens, the ``upright``
+    one, whose flow runs top to bottom) and highlights the states in it.
+    """
+    machine = machine or LifecycleMachine()
+    legend = [_label(trigger, machine.transitions_of(trigger)[0]) for trigger in machine.events]
+    edges = [(src, dst, label.split(" ")[0]) for src, dst, label in _edges(machine)]
+    states = [state.value for state in ComponentState]
+    return state_svg(DIAGRAM_NAME, states, INITIAL_STATE.value, edges, legend, upright=upright)
+
+
+def plan_name(spec: PipelineSpec) -> str:
+    """Return the file name of ``spec``'s plan diagram."""
+    return f"{spec.name}_plan.svg"
+
+
+def plan(spec: PipelineSpec, admitted: AdmissionPlan) -> str:
+    """Return a pipeline's admitted plan as SVG: its stages in order, the components
+    each uses, and how each is loaded, kept and attended."""
+    stages = [
+        PlanBox(key=stage.name, lines=(stage.name, f"stage {i + 1} of {len(spec.stages)}"))
+        for i, stage in enumerate(spec.stages)
+    ]
+    first_use: dict[str, int] = {}
+    for i, stage in enumerate(spec.stages):
+        for name in stage.uses:
+            first_use.setdefault(name, i)
+    order = sorted(admitted.components, key=lambda n: first_use.get(n, len(spec.stages)))
+    boxes = []
+    for name in order:
+        component = admitted.components[name]
+        kept = component.residency.value
+        if component.residency is not ResidencyMode.RESIDENT:
+            kept += f" -> {spec.memory.offload_target}"
+        lines = [name, f"kind: {component.kind}", f"loader: {component.loader or '-'}", kept]
+        lines += [f"{site.site}: {site.backend}" for site in component.attention]
+        boxes.append(PlanBox(key=name, lines=tuple(lines)))
+    uses = {stage.name: stage.uses for stage in spec.stages}
+    return plan_svg(f"{spec.name}_plan", stages, boxes, uses)
+
+
 def refusal_table() -> str:
     """Return the Markdown table of every refusal code, drawn from ``RefusalCode``."""
     lines = [
@@ -86,31 +133,42 @@ def refusal_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_all() -> dict[str, str]:
-    """Return every generated docs file's name and text."""
+FORMATS: dict[str, tuple[str, ...]] = {
+    "mermaid": (".mmd",),
+    "dot": (".dot",),
+    "svg": (".svg",),
+    "all": (".mmd", ".dot", ".svg", ".md"),
+}
+"""What ``lifecycle diagram --format`` writes: the file endings of each choice."""
+
+
+def render_all(fmt: str = "all") -> dict[str, str]:
+    """Return the name and text of every generated docs file of format ``fmt``."""
     machine = LifecycleMachine()
-    return {
+    files = {
         f"{DIAGRAM_NAME}.mmd": mermaid(machine),
         f"{DIAGRAM_NAME}.dot": dot(machine),
+        f"{DIAGRAM_NAME}.svg": svg(machine),
         REFUSAL_TABLE_NAME: refusal_table(),
     }
+    return {name: text for name, text in files.items() if name.endswith(FORMATS[fmt])}
 
 
-def write_diagrams(folder: Path) -> list[Path]:
-    """Write every diagram under ``folder``; return the paths written."""
+def write_diagrams(folder: Path, files: Mapping[str, str] | None = None) -> list[Path]:
+    """Write ``files`` (every diagram by default) under ``folder``; return the paths written."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render_all().items():
+    for name, text in (render_all() if files is None else files).items():
         path = folder / name
         path.write_text(text, encoding="utf-8")
         written.append(path)
     return written
 
 
-def stale_diagrams(folder: Path) -> list[Path]:
-    """Return the diagram files under ``folder`` that are missing or differ."""
+def stale_diagrams(folder: Path, files: Mapping[str, str] | None = None) -> list[Path]:
+    """Return the files (every diagram by default) under ``folder`` that are missing or differ."""
     stale = []
-    for name, text in render_all().items():
+    for name, text in (render_all() if files is None else files).items():
         path = folder / name
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             stale.append(path)

@@ -77,12 +77,17 @@ class Refused(
 ):
     """A guard said no: the component stayed where it was (``lifecycle.refused``).
 
+    ``trigger`` is ``request`` for a request refused before it opened (a per-request
+    attention backend override that breaks a rule, DESIGN §4.6): nothing moved then.
+
     Attributes:
         component: the component.
         trigger: the trigger refused.
         source: the state it stayed in.
         codes: every refusal's code.
         messages: every refusal's message, in the same order.
+        hints: every refusal's fix, in the same order (none for a trigger not valid from
+            ``source``, which has no refusal to name one).
         request_id: the request it happened for, or None.
         may_wait: refused while a stage tried to onload: the request may wait for
             memory and try again instead of being refused (``MemoryWait`` says how
@@ -95,6 +100,7 @@ class Refused(
     codes: tuple[str, ...]
     messages: tuple[str, ...]
     request_id: str | None
+    hints: tuple[str, ...] = ()
     may_wait: bool = False
 
 
@@ -108,15 +114,15 @@ class MemoryWait(
         stage: the stage it waited to enter.
         components: the stage's components it waited to hold.
         seconds: how long it waited.
-        outcome: ``acquired`` (the stage went on) or ``refused`` (``memory.wait_timeout``
-            passed first).
+        outcome: ``acquired`` (the stage went on), ``refused`` (``memory.wait_timeout``
+            passed first) or ``cancelled`` (the request was cancelled while it waited).
     """
 
     request_id: str
     stage: str
     components: tuple[str, ...]
     seconds: float
-    outcome: Literal["acquired", "refused"]
+    outcome: Literal["acquired", "refused", "cancelled"]
 
 
 class RequestBegan(
@@ -147,7 +153,26 @@ class RequestEnded(
     duration_ms: float
 
 
-Event: TypeAlias = Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded
+class RequestCancelled(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.cancelled"
+):
+    """A request was cancelled; its work stopped there (``request.cancelled``).
+
+    Attributes:
+        request_id: the request cancelled (a worker's job: the job's id, also when it
+            shared a batch with others that went on).
+        stage: the stage it stopped in or was about to enter; None while it was queued.
+        step: the denoising steps that stage had done.
+    """
+
+    request_id: str
+    stage: str | None
+    step: int
+
+
+Event: TypeAlias = (
+    Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded | RequestCancelled
+)
 """Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
 under ``type``."""
 

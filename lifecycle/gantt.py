@@ -1,4 +1,7 @@
-"""The residency of a run's components over time, as a Mermaid gantt chart."""
+"""The residency of a run's components over time, as a Mermaid gantt chart.
+
+``run --timeline`` writes the chart; the status page draws the same intervals live.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def residency_gantt(
     lines = ["gantt", f"    title {title}", "    dateFormat x", "    axisFormat %S.%L s"]
     several = len(moves_by_rank) > 1
     for rank, moves in enumerate(moves_by_rank):
-        intervals = _intervals(components, moves)
+        intervals = resident_intervals(components, moves)
         for component in components:
             section = f"rank {rank} {component}" if several else component
             lines.append(f"    section {section}")
@@ -34,8 +37,13 @@ def residency_gantt(
     return "\n".join(lines) + "\n"
 
 
-def _intervals(components: Sequence[str], moves: Sequence[Move]) -> dict[str, list[Interval]]:
-    """Pair each onload with the next offload; intervals still open end at the last move."""
+def resident_intervals(
+    components: Sequence[str], moves: Sequence[Move]
+) -> dict[str, list[Interval]]:
+    """Return each component's resident intervals: (start, stop, request id) in seconds.
+
+    Each onload pairs with the next offload; intervals still open end at the last move.
+    """
     end = moves[-1].at if moves else 0.0
     onloaded_at: dict[str, float] = {}
     intervals: dict[str, list[Interval]] = {c: [] for c in components}

@@ -402,6 +402,7 @@ class RefusingEvent(Event):
                         codes=tuple(str(code) for code in refused.codes),
                         messages=tuple(r.message for r in refused.refusals) or (str(refused),),
                         request_id=context.request_id,
+                        hints=tuple(r.hint for r in refused.refusals),
                         may_wait=MAY_WAIT.get() is True,
                     ),
                     observers,
@@ -477,6 +478,7 @@ def report_refused(refused: Refused, observers: Observers) -> None:
         source=refused.source,
         codes=list(refused.codes),
         messages=list(refused.messages),
+        hints=list(refused.hints),
         request_id=refused.request_id,
     )
     if observers.attached:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -24,6 +24,7 @@ from torch import nn
 from attention import Platform
 from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
+from components.batch import Left
 from components.mesh import ParallelMesh
 from lifecycle import admission as adm
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
@@ -51,6 +52,7 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
+    RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import Residency
@@ -71,6 +73,8 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         state: where it stands now.
         in_use_by: the open requests using it now.
         prefetching: whether a prefetch has started its onload (CUDA host target).
+        footprint: the bytes it takes on the device while resident (0 until loaded).
+        resident_bytes: the bytes it holds on the device now.
     """
 
     name: str
@@ -79,6 +83,8 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     state: ComponentState
     in_use_by: tuple[str, ...] = ()
     prefetching: bool = False
+    footprint: int = 0
+    resident_bytes: int = 0
 
 
 class Orchestrator:
@@ -168,16 +174,7 @@ class Orchestrator:
                 slot.admission = admission.components[name]
             refusals = admission.refusals()
             if refusals:
-                for component, found in _by_component(refusals).items():
-                    refused = Refused(
-                        component=component,
-                        trigger="admit",
-                        source=ComponentState.CONFIGURED.value,
-                        codes=tuple(r.code.value for r in found),
-                        messages=tuple(r.message for r in found),
-                        request_id=None,
-                    )
-                    report_refused(refused, self._observers)
+                self._report(refusals, trigger="admit", request_id=None)
                 raise AdmissionRefused(self.spec.name, refusals)
             for slot in self._slots.values():
                 slot.lifecycle.admit()
@@ -217,7 +214,11 @@ class Orchestrator:
 
     @contextmanager
     def request(
-        self, request_id: str | None = None, *, attention_backend: str | None = None
+        self,
+        request_id: str | None = None,
+        *,
+        attention_backend: str | None = None,
+        priority: int = 0,
     ) -> Iterator[Request]:
         """Open a request; enter its stages with ``request.stage(name)``.
 
@@ -225,19 +226,26 @@ class Orchestrator:
         is put back where its plan says, and ``request.end`` is logged.
         ``attention_backend`` switches the switchable sites for this request only
         (DESIGN §4.6); it is validated and prepared before the request opens.
+        ``priority`` orders its stages among those waiting for memory (higher first,
+        with ageing: ``lifecycle.waiting``). ``request.cancel()`` stops it from any
+        thread (DESIGN §15).
 
         Raises:
             ValueError: a request with that id is already open.
             RequestRefused: ``attention_backend`` breaks a rule; nothing was switched.
         """
-        if attention_backend is not None:
-            self._switch.prepare(attention_backend)
         rid = request_id or f"r{next(self._request_ids)}"
+        if attention_backend is not None:
+            try:
+                self._switch.prepare(attention_backend)
+            except RequestRefused as err:
+                self._report(err.refusals, trigger="request", request_id=rid)
+                raise
         with self._machine.lock:
             if rid in self._stages.open_requests:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
             self._stages.open_requests.add(rid)
-        request = Request(self._stages, rid)
+        request = Request(self._stages, rid, priority)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
@@ -298,6 +306,14 @@ class Orchestrator:
         """
         self._slot(name).lifecycle.release()
 
+    def report_cancelled(self, request_id: str) -> None:
+        """Log and announce ``request.cancelled`` for a request cancelled before it opened.
+
+        A serving worker calls it for a job that left its queue; a request cancelled
+        once open is reported by the orchestrator itself.
+        """
+        self._stages.cancelled([Left(request_id, (), None, 0)])
+
     @property
     def waiter(self) -> MemoryWaiter:
         """Return who queues requests waiting for memory (``MemoryWait`` events say how long)."""
@@ -323,6 +339,8 @@ class Orchestrator:
             state=slot.lifecycle.state,
             in_use_by=tuple(sorted(slot.in_use_by)),
             prefetching=slot.reserved,
+            footprint=slot.footprint,
+            resident_bytes=0 if slot.store is None else slot.store.resident_bytes(),
         )
 
     def module(self, name: str) -> nn.Module:
@@ -447,6 +465,21 @@ class Orchestrator:
 
     # -- helpers ---------------------------------------------------------------
 
+    def _report(self, refusals: Sequence[Refusal], *, trigger: str, request_id: str | None) -> None:
+        """Log and observe one ``Refused`` per component of ``refusals`` (nothing moved)."""
+        for component, found in _by_component(refusals).items():
+            slot = self._slots.get(component)  # a request's own refusal names no component
+            refused = Refused(
+                component=component,
+                trigger=trigger,
+                source="none" if slot is None else slot.lifecycle.state.value,
+                codes=tuple(r.code.value for r in found),
+                messages=tuple(r.message for r in found),
+                hints=tuple(r.hint for r in found),
+                request_id=request_id,
+            )
+            report_refused(refused, self._observers)
+
     def _slot(self, name: str) -> ComponentSlot:
         try:
             return self._slots[name]
@@ -457,7 +490,7 @@ class Orchestrator:
             ) from None
 
 
-def _by_component(refusals: tuple[Refusal, ...]) -> dict[str, list[Refusal]]:
+def _by_component(refusals: Sequence[Refusal]) -> dict[str, list[Refusal]]:
     grouped: dict[str, list[Refusal]] = {}
     for refusal in refusals:
         grouped.setdefault(refusal.component, []).append(refusal)

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from components import ResidencyMode
-from components.batch import Batch
-from lifecycle.events import Observers
+from components.batch import Batch, Cancelled, Left
+from lifecycle.events import Observers, RequestCancelled
+from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.waiting import MemoryWaiter
+
+log = get_logger("lifecycle")
 
 _RESIDENT = ComponentState.RESIDENT
 
@@ -47,23 +50,37 @@ class StageKeeper:
         self.residency = residency
         self.timeline = residency.timeline
         self.lock = lock
+        self.observers = observers
         self.open_requests: set[str] = set()
         self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout, observers)
 
-    def enter(self, request_id: str, position: int) -> dict[str, nn.Module]:
+    def enter(
+        self, request_id: str, position: int, priority: int, check: Callable[[], object]
+    ) -> dict[str, nn.Module]:
         """Use the stage's components for ``request_id`` and make them resident.
 
-        While other requests use the memory it needs it waits its turn, first come
-        first served (``lifecycle.waiting``).
+        While other requests use the memory it needs it waits its turn, by priority
+        with ageing (``lifecycle.waiting``); ``check`` raises ``Cancelled`` to stop
+        waiting.
 
         Raises:
             TransitionRefused: an onload was refused (e.g. the memory budget, also
                 after ``memory.wait_timeout``); nothing stays in use.
             TransitionFailed: an onload failed; nothing stays in use.
+            Cancelled: the request was cancelled while it waited; nothing is in use.
         """
         with self.lock:
             stage = self.timeline.stages[position]
-            return self.waiter.acquire(request_id, position, stage, self._use, self.leave)
+            return self.waiter.acquire(
+                request_id, position, stage, self._use, self.leave, priority=priority, check=check
+            )
+
+    def cancelled(self, left: Sequence[Left]) -> None:
+        """Log and announce ``request.cancelled`` for each cancellation in ``left``."""
+        for request_id, _, stage, step in left:
+            log.info("request.cancelled", request_id=request_id, stage=stage, step=step)
+            if self.observers.attached:
+                self.observers.emit(RequestCancelled(request_id=request_id, stage=stage, step=step))
 
     def _use(self, request_id: str, position: int) -> dict[str, nn.Module]:
         """Mark the stage's components in use and onload them, or (raising) leave none in use.
@@ -134,17 +151,41 @@ class Request:
 
     Attributes:
         id: the request's id, on every event it causes.
+        priority: its place when stages wait for memory (higher first, with ageing).
         stages: the stages it entered, in order.
     """
 
-    def __init__(self, keeper: StageKeeper, request_id: str) -> None:
+    def __init__(self, keeper: StageKeeper, request_id: str, priority: int = 0) -> None:
         self.id = request_id
+        self.priority = priority
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self._keeper = keeper
+        self._cancelled = False
+        self._batch: Batch | None = None
         # one inference-mode guard for every stage: a request runs its stages one at a
         # time, and building the guard is half of what entering it costs
         self._inference = torch.inference_mode()
+
+    def cancel(self) -> None:
+        """Cancel the request, from any thread: it stops before its next denoising step.
+
+        A stage waiting for memory stops waiting; a running stage stops after the
+        step it is in (kinds that step through ``Batch.stepped``) and puts its
+        components back by the ordinary moves; a later stage does not start. The
+        stage raises ``components.batch.Cancelled``, and ``request.cancelled`` is
+        logged with the stage and step reached.
+        """
+        self._cancelled = True
+        batch = self._batch
+        if batch is not None:
+            batch.cancellation.cancel(self.id)
+        self._keeper.waiter.wake()
+
+    @property
+    def is_cancelled(self) -> bool:
+        """Tell whether ``cancel()`` was called."""
+        return self._cancelled
 
     @contextmanager
     def stage(self, name: str) -> Iterator[dict[str, nn.Module]]:
@@ -153,8 +194,9 @@ class Request:
         Raises:
             KeyError: no stage has that name.
             TransitionRefused: a component could not be onloaded (budget).
+            Cancelled: the request was cancelled; nothing was entered.
         """
-        position, modules = self._enter(name)
+        position, modules = self._enter(name, self._check_cancelled(name))
         try:
             yield modules
         finally:
@@ -163,35 +205,66 @@ class Request:
     def run(self, stage: str, batch: Batch) -> None:
         """Run one stage: each component's kind runs on what ``batch`` carries.
 
+        Rows cancelled through ``batch.cancellation`` leave before the stage and
+        between its denoising steps; when none is left the stage raises ``Cancelled``.
+
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
+            Cancelled: every row of ``batch`` was cancelled, or the request was.
         """
         # the body of ``stage()`` inlined: a generator context manager per stage is a
         # measurable part of a move's cost (issue 12)
-        with self._inference:
-            position, modules = self._enter(stage)
-            try:
-                slots = self._keeper.slots
-                for name, module in modules.items():
-                    slots[name].loader.run(module, batch)
-            finally:
-                self._keeper.leave(self.id, position)
+        reported = len(batch.left)
+        batch.stage, batch.step = stage, 0
+        self._batch = batch
+        try:
+            if self._cancelled:
+                batch.cancellation.cancel(self.id)
+            with self._inference:
+                position, modules = self._enter(stage, batch.drop_cancelled)
+                try:
+                    slots = self._keeper.slots
+                    for name, module in modules.items():
+                        slots[name].loader.run(module, batch)
+                finally:
+                    self._keeper.leave(self.id, position)
+                batch.drop_cancelled()  # what was cancelled during the stage leaves now
+        finally:
+            self._batch = None
+            if len(batch.left) > reported:
+                self._keeper.cancelled(batch.left[reported:])
 
     def run_all(self, batch: Batch) -> None:
         """Run every stage of the pipeline on ``batch``, in declared order.
 
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
+            Cancelled: every row of ``batch`` was cancelled, or the request was.
         """
         for stage in self._keeper.timeline.stages:
             self.run(stage.name, batch)
 
-    def _enter(self, name: str) -> tuple[int, dict[str, nn.Module]]:
-        """Use the stage ``name`` and onload its components; return its position and modules."""
+    def _check_cancelled(self, stage: str) -> Callable[[], None]:
+        """Return the check that stops stage ``stage`` of a request run without a batch."""
+
+        def check() -> None:
+            if self._cancelled:
+                self._keeper.cancelled([Left(self.id, (), stage, 0)])
+                raise Cancelled(stage, 0)
+
+        return check
+
+    def _enter(self, name: str, check: Callable[[], object]) -> tuple[int, dict[str, nn.Module]]:
+        """Use the stage ``name`` and onload its components; return its position and modules.
+
+        ``check`` raises ``Cancelled`` when the request must not go on; it is asked
+        before anything is held and while the stage waits for memory.
+        """
         timeline = self._keeper.timeline
         position = timeline.index(name)
+        check()
         self.touched.update(timeline.stages[position].uses)
         self.touched.update(timeline.added_next(position))
-        modules = self._keeper.enter(self.id, position)
+        modules = self._keeper.enter(self.id, position, self.priority, check)
         self.stages.append(name)
         return position, modules

@@ -1,5 +1,9 @@
 """Waiting for memory: an onload that cannot fit only because other requests hold
-components waits its turn, in FIFO order, instead of being refused (DESIGN §5.5).
+components waits its turn, by priority with ageing, instead of being refused
+(DESIGN §5.5, §15).
+
+The order and its bound are ``lifecycle.priorities``'s: a turn is a stage granted to
+a waiter; every other waiter ages by one. With one priority the order is FIFO.
 
 Why this cannot deadlock:
 
@@ -13,25 +17,28 @@ Why this cannot deadlock:
 3. *The head always fits eventually.* Admission refuses a pipeline whose largest
    stage does not fit the budget together with the pinned components; so once
    every holder has dropped its holds, the head's stage fits after evicting idle
-   components. Newcomers queue behind waiters (FIFO), so the set of holders the
-   head waits for only shrinks.
+   components. Only the head acquires, so while it waits the set of holders only
+   shrinks; a newcomer that goes ahead of it holds nothing either, and ageing
+   bounds how often that happens.
 
 Hence the head of the queue always progresses, and every waiter becomes the head.
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
-``residency.memory_budget``, naming the requests that hold what it needs.
+``residency.memory_budget``, naming the requests that hold what it needs. A request
+cancelled while it waits (``Request.cancel()``) leaves the queue at once.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, TypeVar
 
+from components.batch import Cancelled
 from lifecycle.config import StageSpec
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
+from lifecycle.priorities import PriorityQueue
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
 
@@ -41,7 +48,7 @@ T = TypeVar("T")
 
 
 class MemoryWaiter:
-    """Let requests wait, first come first served, for others to release the device.
+    """Let requests wait, by priority with ageing, for others to release the device.
 
     Args:
         slots: the orchestrator's components by name.
@@ -61,7 +68,8 @@ class MemoryWaiter:
         self.timeout = timeout
         self.observers = observers
         self._turns = threading.Condition(lock)
-        self._queue: deque[str] = deque()
+        self._queue: PriorityQueue[str] = PriorityQueue()
+        self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
 
     def acquire(
         self,
@@ -70,19 +78,25 @@ class MemoryWaiter:
         stage: StageSpec,
         attempt: Callable[[str, int], T],
         release: Callable[[str, int], object],
+        *,
+        priority: int = 0,
+        check: Callable[[], object] = lambda: None,
     ) -> T:
         """Run ``attempt`` (use and onload ``stage``) when it may; wait while others use it.
 
         Call with the lock held. ``attempt(request_id, position)`` marks in use every
         component of ``stage``, the stage at ``position``, or, when it raises, none;
         ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
-        should anything after it fail (writing the wait's event).
+        should anything after it fail (writing the wait's event). Waiters go in order
+        of ``priority`` with ageing (see the module); ``check`` is asked on every
+        wake-up and raises ``Cancelled`` to stop waiting.
 
         Raises:
             TransitionRefused: the budget refused for another reason than other
                 requests' holds, or they still held it after ``timeout``; the
                 refusal names them.
             TransitionFailed: an onload failed.
+            Cancelled: ``check`` said the request was cancelled while it waited.
         """
         if not self._queue:
             try:
@@ -93,10 +107,16 @@ class MemoryWaiter:
         started = time.monotonic()
         deadline = started + self.timeout
         last: TransitionRefused | None = None
-        self._queue.append(request_id)
+        self._queue.push(request_id, priority)
+        self._stages[request_id] = stage
         try:
             while True:
-                if self._queue[0] == request_id:
+                try:
+                    check()
+                except Cancelled:
+                    self._record(request_id, stage, started, "cancelled")
+                    raise
+                if self._queue.head() is request_id:
                     try:
                         result = self._try(attempt, request_id, position)
                     except TransitionRefused as err:
@@ -104,6 +124,7 @@ class MemoryWaiter:
                             raise
                         last = err
                     else:
+                        self._queue.served()  # every other waiter was passed over: it ages
                         try:
                             self._record(request_id, stage, started, "acquired")
                         except BaseException:
@@ -118,6 +139,7 @@ class MemoryWaiter:
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
+            del self._stages[request_id]
             self._turns.notify_all()  # the next in line may try now
 
     @staticmethod
@@ -134,10 +156,20 @@ class MemoryWaiter:
         """Return the ids of the waiting requests, first in line first."""
         return tuple(self._queue)
 
+    def waiting(self) -> tuple[tuple[str, StageSpec], ...]:
+        """Return each waiting request with the stage it waits to enter, first in line first."""
+        stages = dict(self._stages)  # one copy: the waiting threads change it under the lock
+        return tuple((rid, stages[rid]) for rid in tuple(self._queue) if rid in stages)
+
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""
         if self._queue:  # whoever waits on the condition is in the queue
             self._turns.notify_all()
+
+    def wake(self) -> None:
+        """Wake the waiters from any thread, so that a cancelled one leaves at once."""
+        with self._turns:
+            self.released()
 
     def users(self) -> dict[str, list[str]]:
         """Return each request that holds (uses) a component, with what it holds."""
@@ -177,7 +209,7 @@ class MemoryWaiter:
         request_id: str,
         stage: StageSpec,
         started: float,
-        outcome: Literal["acquired", "refused"],
+        outcome: Literal["acquired", "refused", "cancelled"],
     ) -> None:
         """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
         seconds = round(time.monotonic() - started, 6)

@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import io
+import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple, TypeAlias
 
 import pytest
+import structlog
 import torch
+from PIL import Image
 
 from attention import Platform
 from benchmarks.make_pipeline import Family, write_pipeline
+from lifecycle.cli import main
+from lifecycle.logs import saved_logging
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Share the cores among xdist workers: each one's torch computes on its part of them.
+
+    Two workers with a thread a core each would run twice as many threads as cores,
+    which spin waiting for each other.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``cuda`` tests where no CUDA device is present (they run where a GPU is lent)."""
+    """Put ``long`` files first; skip ``cuda`` tests where no CUDA device is present.
+
+    xdist hands whole files to its workers in this order: a long file handed out last
+    would end the run on one worker while the others wait.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
     if torch.cuda.is_available():
-        return
+        return  # the cuda tests run where a GPU is lent
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("cuda"):
@@ -38,6 +61,95 @@ def cpu() -> Platform:
 def fixed_seed() -> None:
     """Seed torch's global generator before each test, so implicit draws (layer init) repeat."""
     torch.manual_seed(0)
+
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""``run`` and ``serve`` handle the first two; the torchrun agent that ``run --nproc``
+starts in its own process handles all four."""
+
+
+@pytest.fixture(autouse=True)
+def process_state() -> Iterator[None]:
+    """Put back what a test changed of the process: logging, torch threads, signals, env.
+
+    The CLI configures structlog and sets torch's thread count; ``serve`` and ``run``
+    install signal handlers, and torchrun sets ``OMP_NUM_THREADS``. A test that leaks
+    one of them would change every later test on the same worker, in an order that
+    depends on how the suite is split.
+    """
+    context = structlog.contextvars.get_contextvars()
+    threads = torch.get_num_threads()
+    handlers = {number: signal.getsignal(number) for number in HANDLED_SIGNALS}
+    environ = dict(os.environ)
+    with saved_logging():  # the project's loggers follow the configuration put back
+        yield
+    if structlog.contextvars.get_contextvars() != context:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**context)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    for number, handler in handlers.items():
+        if signal.getsignal(number) is not handler:
+            signal.signal(number, handler)
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+class CliResult(NamedTuple):
+    """What one call of the ``lifecycle`` command returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Lifecycle: TypeAlias = Callable[..., CliResult]
+"""Call the ``lifecycle`` command in this process with these arguments (str or Path)."""
+
+
+def cli_caller(capture: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Return a caller of ``lifecycle.cli.main`` that reads the output back from ``capture``."""
+
+    def call(*args: str | Path) -> CliResult:
+        capture.readouterr()  # what the test printed before is not the command's
+        code = main([str(arg) for arg in args])
+        out, err = capture.readouterr()
+        return CliResult(code, out, err)
+
+    return call
+
+
+@pytest.fixture
+def lifecycle(capsys: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Call ``lifecycle.cli.main`` in this process; its exit code is the return value.
+
+    ``process_state`` puts back the logging configuration, thread count and signal
+    handlers it set.
+    """
+    return cli_caller(capsys)
+
+
+@pytest.fixture
+def lifecycle_fd(capfd: pytest.CaptureFixture[str]) -> Lifecycle:
+    """Call ``lifecycle.cli.main`` here, reading stdout and stderr at the file descriptors.
+
+    What processes it starts write there too: the workers of ``run --nproc``.
+    """
+    return cli_caller(capfd)
+
+
+def decode_png(data: bytes) -> torch.Tensor:
+    """Decode a PNG with Pillow, which checks every chunk; return its pixels ``(H, W, 3)``.
+
+    The image must be 8-bit RGB, what the project writes.
+    """
+    with Image.open(io.BytesIO(data)) as image:
+        image.verify()  # chunk CRCs and structure; the image must be opened again after
+    with Image.open(io.BytesIO(data)) as image:
+        assert (image.format, image.mode) == ("PNG", "RGB"), (image.format, image.mode)
+        pixels = bytearray(image.tobytes())
+        return torch.frombuffer(pixels, dtype=torch.uint8).reshape(image.height, image.width, 3)
 
 
 class PipelineFolders:
@@ -74,13 +186,11 @@ def pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> PipelineFolders
 
 
 @pytest.fixture
-def one_thread() -> Iterator[None]:
+def one_thread() -> None:
     """Run the test with one torch thread: tiny models run faster alone on a shared machine.
 
     (Two OpenMP threads on a busy 2-core machine spin against each other: a tiny
-    pipeline request measured 0.3 s with one thread and 4 s with two.)
+    pipeline request measured 0.3 s with one thread and 4 s with two.) ``process_state``
+    puts the count back.
     """
-    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -1,19 +1,188 @@
-"""Run Python in a process of its own, as a person runs a command, and keep what it printed."""
+"""Programs that need a process of their own, forked from a server that imported torch.
+
+A test that crashes a process, signals it, or watches what importing the project does
+in a fresh interpreter needs a new process; starting ``python`` for it costs seconds
+of CPU, most of them importing torch. Here multiprocessing's fork server imports torch
+once (``PRELOAD``), and every program runs in a process forked from it, the way
+``python -c`` or ``python -m`` runs it: none of the project's packages, structlog or
+the optional libraries is imported yet, the exit status is the program's (negative:
+the signal that ended it), and stdout and stderr are the process's own file
+descriptors.
+
+What Python or torch read once at start (``PYTHONPATH``, ``OMP_NUM_THREADS``) is the
+fork server's; a test that varies those starts ``python`` itself. The ranks of a gloo
+group start here too (``fork_server``).
+
+This module imports nothing of the project: the forked process unpickles its target
+from here before the program runs.
+"""
 
 from __future__ import annotations
 
-import subprocess
+import atexit
+import multiprocessing
+import os
+import runpy
+import shutil
+import signal
 import sys
+import tempfile
+import time
+import traceback
+import types
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
+from typing import NamedTuple
+
+PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
+"""What the fork server imports: the heavy part of the project's imports, nothing of it."""
 
 
-def run_python(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run this interpreter with ``args`` in ``cwd``; return its exit code and output."""
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+def fork_server() -> ForkServerContext:
+    """Return the fork-server context; its server imports ``PRELOAD`` when first used."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+class Finished(NamedTuple):
+    """What a program left: its exit status (negative: killed by that signal) and output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Program:
+    """A program running in a forked process, writing to files until it ends.
+
+    Use it as a context manager: leaving the block kills the process if it still
+    runs, and removes the files.
+    """
+
+    def __init__(self, process: ForkServerProcess, folder: Path) -> None:
+        self.process = process
+        self._folder = folder
+
+    @property
+    def pid(self) -> int:
+        """Return the process id."""
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def send_signal(self, signum: signal.Signals) -> None:
+        """Send ``signum`` to the process."""
+        os.kill(self.pid, signum)
+
+    def stderr(self) -> str:
+        """Return what the program wrote to stderr so far."""
+        return (self._folder / "stderr").read_text(errors="replace")
+
+    def wait_for_line(self, text: str, timeout: float) -> str:
+        """Return the first whole stderr line that holds ``text``, once it is written.
+
+        Fails if the program ends first, or after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            written = self.stderr()
+            lines = [line for line in written.splitlines(keepends=True) if text in line]
+            if lines and lines[0].endswith("\n"):
+                return lines[0]
+            assert self.process.is_alive(), f"the program ended without {text!r}:\n{written}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{written}"
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> Finished:
+        """Wait for the program to end; kill it and fail after ``timeout`` seconds."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+            raise AssertionError(f"the program ran past {timeout} s:\n{self.stderr()}")
+        stdout = (self._folder / "stdout").read_text(errors="replace")
+        return Finished(self.process.exitcode, stdout, self.stderr())
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def start_python(program: str, *argv: str | Path, cwd: Path, module: bool = False) -> Program:
+    """Start ``python -c program *argv`` (``python -m program`` with ``module``) in ``cwd``.
+
+    The environment is this process's, as ``subprocess`` would pass it.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="lifecycle-program-"))
+    for name in ("stdout", "stderr"):
+        (folder / name).touch()
+    process = fork_server().Process(
+        target=_run_program,
+        args=(program, module, [str(arg) for arg in argv], str(cwd), dict(os.environ), folder),
     )
+    process.start()
+    return Program(process, folder)
+
+
+def run_python(
+    program: str, *argv: str | Path, cwd: Path, module: bool = False, timeout: float = 120
+) -> Finished:
+    """Run ``python -c program *argv`` (or ``-m``) in ``cwd`` to its end; return what it left."""
+    with start_python(program, *argv, cwd=cwd, module=module) as started:
+        return started.wait(timeout)
+
+
+def _run_program(
+    program: str,
+    module: bool,
+    argv: list[str],
+    cwd: str,
+    environ: dict[str, str],
+    folder: Path,
+) -> None:
+    """Run the program as a new interpreter would, then end the process with its status."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a new interpreter has
+    status = 0
+    # as ``python -m`` and ``-c`` do: the working directory first on the path
+    sys.path.insert(0, cwd if module else "")
+    try:
+        if module:
+            sys.argv = [program, *argv]
+            runpy.run_module(program, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *argv]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(program, "<string>", "exec"), main.__dict__)
+    except SystemExit as done:
+        status = _exit_status(done.code)
+    except BaseException as failed:
+        # as the interpreter prints it: from the program's frames, not this function's
+        traceback.print_exception(failed.with_traceback(failed.__traceback__.tb_next))
+        status = 1
+    atexit._run_exitfuncs()  # what the interpreter runs before it exits
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _exit_status(code: object) -> int:
+    """Return the exit status ``sys.exit(code)`` gives, printing a message as Python does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1

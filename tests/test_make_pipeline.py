@@ -25,7 +25,9 @@ class TestMakePipeline:
         self, pipeline_folder: PipelineFolders, root: Path, tmp_path: Path
     ) -> None:
         """The command prints the folder it wrote; the same seed writes the same weights."""
-        result = run_python(root, "-m", "benchmarks.make_pipeline", "flux", str(tmp_path / "f"))
+        result = run_python(
+            "benchmarks.make_pipeline", "flux", tmp_path / "f", cwd=root, module=True
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout == f"{tmp_path / 'f'}\n"
         index = json.loads((tmp_path / "f" / "model_index.json").read_text())
@@ -45,7 +47,7 @@ class TestMakePipeline:
 
     def test_unknown_family_is_bad_input(self, root: Path, tmp_path: Path) -> None:
         """A family the command does not make is exit 2 with the choices."""
-        result = run_python(root, "-m", "benchmarks.make_pipeline", "sdxl", str(tmp_path))
+        result = run_python("benchmarks.make_pipeline", "sdxl", tmp_path, cwd=root, module=True)
         assert result.returncode == 2
         assert (
             "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3')"

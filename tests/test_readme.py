@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lifecycle import ComponentState, Orchestrator
-from lifecycle.logs import saved_logging
 
 
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    """Put structlog's configuration back after the tour configured it."""
-    with saved_logging():
-        yield
-
-
-@pytest.mark.usefixtures("restore_structlog")
 def test_python_tour_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], root: Path
 ) -> None:

@@ -453,6 +453,10 @@ class TinyDitLoader(ComponentLoader):
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Denoise the request's latents in ``batch.steps`` Euler steps, from noise if none.
 
+        After each step ``batch.stepped`` reports it and drops the rows cancelled
+        meanwhile; the other rows go on unchanged (each row's step reads only its own
+        latents, text and timestep).
+
         With a guidance scale (the batch's, else the ``guidance_scale`` option) other than
         1 each step predicts with and without
         the text (classifier-free guidance): in one packed pass, or, under
@@ -481,6 +485,11 @@ class TinyDitLoader(ComponentLoader):
                 cond, uncond = self.predict_branches(module, latents, timesteps, context, negative)
                 predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
             latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
+            kept = batch.stepped(latents)  # cancelled rows leave here, before the next step
+            if kept is not None:
+                latents = [latents[i] for i in kept]
+                context = [context[i] for i in kept]
+                negative = [negative[i] for i in kept]
         batch.latents = latents
 
     def predict_branches(

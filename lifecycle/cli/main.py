@@ -15,11 +15,11 @@ from pathlib import Path
 
 from msgspec import UnsetType
 
-from lifecycle import diagrams, exits
+from lifecycle import exits
 from lifecycle.cli.arguments import positive
 from lifecycle.cli.console import format_refusals, table
+from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.output import print_json
-from lifecycle.cli.paths import OutputPathError, prepare_folder
 from lifecycle.cli.run import run_command
 from lifecycle.cli.serve import add_serve_command
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
@@ -122,14 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=run_command)
 
-    diagram = command("diagram", "write the lifecycle diagrams")
-    diagram.add_argument(
-        "--out", type=Path, default=Path("diagrams"), help="output folder (default: %(default)s)"
-    )
-    diagram.add_argument(
-        "--check", action="store_true", help="exit 1 when the files differ from the machine"
-    )
-    diagram.set_defaults(handler=_diagram)
+    add_diagram_command(command)
 
     schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
@@ -209,40 +202,6 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
 def _site_text(site: SitePlan) -> str:
     text = f"{site.site}={site.backend} ({site.provenance.value}"
     return text + (f", {site.reason})" if site.reason else ")")
-
-
-def _diagram(args: argparse.Namespace) -> int:
-    try:
-        if args.check:
-            return _check_diagrams(args.out)
-        prepare_folder(args.out, "the diagram folder")
-        written = diagrams.write_diagrams(args.out)
-    except (OutputPathError, OSError) as err:
-        print(f"lifecycle diagram: {_os_error_text(err)}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    for path in written:
-        print(path)
-    return ExitCode.OK
-
-
-def _check_diagrams(folder: Path) -> int:
-    stale = diagrams.stale_diagrams(folder)
-    for path in stale:
-        if path.is_file():
-            print(f"lifecycle diagram: {path} is stale; run `lifecycle diagram`", file=sys.stderr)
-        else:
-            print(
-                f"lifecycle diagram: {path} is missing; run `lifecycle diagram --check` from "
-                "the repository's root, or give --out the folder that holds the diagrams",
-                file=sys.stderr,
-            )
-    return ExitCode.REFUSED if stale else ExitCode.OK
-
-
-def _os_error_text(err: Exception) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
-    return str(err)
 
 
 def _schema(args: argparse.Namespace) -> int:

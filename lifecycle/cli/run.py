@@ -21,6 +21,7 @@ from lifecycle.cli.console import format_refusals, run_summary
 from lifecycle.cli.cores import torch_threads
 from lifecycle.cli.output import print_json
 from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
+from lifecycle.cli.progress import run_progress
 from lifecycle.cli.runner import (
     MoveTally,
     RunOutputs,
@@ -150,6 +151,10 @@ def _requests(
     args: argparse.Namespace, orchestrator: Orchestrator, outputs: RunOutputs, stop: StopOnSignal
 ) -> Ending:
     """Load the pipeline and run this rank's share of the requests; say how that ended."""
+    # JSON logs make stderr a stream of JSON lines: a display there would break it
+    is_quiet = args.json or args.json_logs or args.log_format == "json"
+    progress = run_progress(args.requests, is_quiet=is_quiet, is_main_rank=launch.is_main_rank())
+    detach = orchestrator.observe(progress.observe)
     try:
         try:
             orchestrator.load()
@@ -164,10 +169,12 @@ def _requests(
                 negative_prompt=args.negative_prompt,
                 out=args.out if launch.is_main_rank() else None,
                 should_stop=stop.should_stop,
-                on_request=_Progress(len(share)),
+                progress=progress,
             )
         finally:
             stop.settle()  # from here on a signal is only noted: reporting and cleanup finish
+            detach()
+            progress.close()
     except Abandoned:
         pass  # the request in flight is given up; what completed is reported
     except TransitionRefused as refused:
@@ -255,18 +262,3 @@ def _torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-class _Progress:
-    """A progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.shown = sys.stderr.isatty()
-
-    def __call__(self, done: int) -> None:
-        if self.shown:
-            filled = 30 * done // self.total
-            bar = "#" * filled + "." * (30 - filled)
-            end = "\n" if done == self.total else ""
-            print(f"\r[{bar}] {done}/{self.total} requests", end=end, file=sys.stderr)

@@ -19,6 +19,7 @@ from components import registry
 from components.batch import Batch
 from components.loader import ComponentLoader
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
+from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
@@ -170,7 +171,7 @@ def run_requests(
     negative_prompt: str | None = None,
     out: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-    on_request: Callable[[int], None] | None = None,
+    progress: RunProgress | None = None,
 ) -> None:
     """Run up to ``requests`` requests (a count, or the indices to run) through every stage.
 
@@ -178,12 +179,15 @@ def run_requests(
     ``prompts`` when given (one image or embedding each), and ``negative_prompt`` for
     every prompt's unconditional guidance branch when given. ``should_stop`` is
     asked before each request; a request that started always completes.
+    ``progress`` hears of each request, stage and denoising step.
 
     Raises:
         TransitionRefused: a stage could not onload its components.
         TransitionFailed: moving a component failed (rolled back).
     """
     indices = range(requests) if isinstance(requests, int) else requests
+    shown = progress or Silent()
+    stages = [stage.name for stage in orchestrator.spec.stages]
     for done, index in enumerate(indices, start=1):
         if should_stop():
             return
@@ -196,14 +200,18 @@ def run_requests(
             size=size,
             prompts=list(prompts) or None,
             negative_prompts=None if negative_prompt is None else [negative_prompt] * size,
+            on_step=shown.stepped,
         )
         request_id = f"r{index + 1}"
+        shown.request_began(request_id, done)
         with orchestrator.request(request_id) as request:
-            request.run_all(batch)
+            for stage in stages:
+                shown.stage_began(stage)
+                request.run(stage, batch)
+                shown.stage_ended()
         outputs.request_ms.append(round((time.perf_counter() - started) * 1e3, 3))
         outputs.record(request_id, batch, out)
-        if on_request is not None:
-            on_request(done)
+        shown.request_ended(outputs.request_ms[-1])
 
 
 def summarise(

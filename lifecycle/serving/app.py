@@ -2,11 +2,15 @@
 
 ``POST /v1/embeddings`` and ``POST /v1/images/generations`` queue jobs on the
 worker's batcher; ``GET /v1/models``, ``/v1/pipeline``, ``/healthz``, ``/readyz``
-and ``/metrics`` read its state. Errors are OpenAI error objects: 400 for bad input
-or a refused override, 404 for an endpoint the pipeline does not serve, 429 when
-the queue is full, 503 while starting or draining. Every response carries the
-request id (``x-request-id``) that the logs use; jobs that shared a batch ran as
-one orchestrator request whose id joins theirs (``x-batch-id``).
+and ``/metrics`` read its state; ``GET`` and ``DELETE /v1/requests/{id}`` follow and
+cancel a job; ``GET /`` (``/status``) is the status page, live from ``GET /v1/events``.
+Errors are OpenAI error objects: 400 for bad input
+or a refused override, 404 for an endpoint the pipeline does not serve, 409 for a
+request id already in use (or a request cancelled by DELETE), 429 when the queue of
+the request's priority is full, 503 while starting or draining, 504 past the
+request's timeout. Every response carries the request id (``x-request-id``: the
+client's own, else one the worker assigns) that the logs use; jobs that shared a
+batch ran as one orchestrator request whose id joins theirs (``x-batch-id``).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from fastapi import FastAPI
 from lifecycle.serving.errors import add_error_handler
 from lifecycle.serving.middleware import RequestIds
 from lifecycle.serving.routes.embeddings import embeddings_routes
+from lifecycle.serving.routes.events import events_routes
 from lifecycle.serving.routes.health import health_routes
 from lifecycle.serving.routes.images import images_routes
+from lifecycle.serving.routes.requests import requests_routes
+from lifecycle.serving.routes.status import status_routes
 from lifecycle.serving.worker import Worker
 
 
@@ -26,6 +33,13 @@ def create_app(worker: Worker) -> FastAPI:
     app = FastAPI(title=f"lifecycle serve: {worker.name}", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIds, worker=worker)
     add_error_handler(app)
-    for routes in (health_routes, embeddings_routes, images_routes):
+    for routes in (
+        health_routes,
+        embeddings_routes,
+        images_routes,
+        requests_routes,
+        status_routes,
+        events_routes,
+    ):
         app.include_router(routes(worker))
     return app

@@ -10,14 +10,25 @@ from msgspec import Meta
 
 from lifecycle.serving.errors import ApiError
 
+Priority = Annotated[int, Meta(ge=0)]
+"""A request's ``priority``: higher first; at most ``serving.max_priority`` (checked
+against the spec once decoded)."""
+
+Timeout = Annotated[float, Meta(gt=0)]
+"""A request's ``timeout`` in seconds, queued and running; at most, and by default,
+``serving.max_request_seconds``."""
+
 
 class EmbeddingsBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The body of ``POST /v1/embeddings`` (OpenAI's fields this worker honours)."""
+    """The body of ``POST /v1/embeddings`` (OpenAI's fields this worker honours, and its own
+    ``priority`` and ``timeout``)."""
 
     input: str | Annotated[list[str], Meta(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
 
 
 class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +45,10 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     guidance_scale: Annotated[float, Meta(ge=0)] = 1.0
     negative_prompt: str | None = None
     attention_backend: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
+    stream: bool = False
+    partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
 
 
 Body = TypeVar("Body", EmbeddingsBody, ImagesBody)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 from fastapi.responses import Response
+from starlette.types import Receive
 
 from lifecycle.logs import get_logger
 from lifecycle.refusals import RequestRefused, TransitionFailed, TransitionRefused
-from lifecycle.serving.batcher import Draining, QueueFull
+from lifecycle.serving.batcher import Draining, DuplicateRequest, QueueFull
 from lifecycle.serving.errors import ApiError
-from lifecycle.serving.jobs import Job
+from lifecycle.serving.jobs import Job, JobCancelled
 from lifecycle.serving.worker import Phase, Worker
 
 log = get_logger("lifecycle")
@@ -44,17 +46,50 @@ def not_served(worker: Worker, what: str, example: str) -> ApiError:
     )
 
 
-async def run_job(worker: Worker, job: Job) -> Job:
-    """Queue ``job`` and wait for it; map the worker's errors to HTTP ones."""
+def request_timeout(worker: Worker, priority: int, timeout: float | None) -> float:
+    """Check a request's ``priority`` and ``timeout`` against ``[serving]``; return its timeout.
+
+    Raises:
+        ApiError: 400 naming the field and the key that bounds it.
+    """
+    settings = worker.orchestrator.spec.serving
+    if priority > settings.max_priority:
+        raise ApiError(
+            400,
+            f"priority {priority} is above serving.max_priority = {settings.max_priority}; "
+            f"send 0 to {settings.max_priority} (higher first)",
+            param="priority",
+        )
+    if timeout is not None and timeout > settings.max_request_seconds:
+        raise ApiError(
+            400,
+            f"timeout {timeout:g} s is above serving.max_request_seconds = "
+            f"{settings.max_request_seconds:g}; send at most that, or leave it out",
+            param="timeout",
+        )
+    return settings.max_request_seconds if timeout is None else timeout
+
+
+def submit_job(worker: Worker, job: Job) -> Future[Job]:
+    """Queue ``job``; map the queue's refusals to HTTP errors."""
     try:
-        future = worker.submit(job)
+        return worker.submit(job)
     except QueueFull:
         raise ApiError(
             429,
-            f"the queue is full (serving.max_queue = "
-            f"{worker.orchestrator.spec.serving.max_queue} requests); retry later",
+            f"the queue is full for priority {job.priority} (serving.max_queue = "
+            f"{worker.orchestrator.spec.serving.max_queue} requests of each priority); "
+            "retry later",
             kind="rate_limit_error",
             code="queue_full",
+        ) from None
+    except DuplicateRequest:
+        raise ApiError(
+            409,
+            f"a queued or running request already has the id {job.id!r}; send another "
+            "x-request-id, or none and the worker assigns one",
+            param="x-request-id",
+            code="duplicate_request_id",
         ) from None
     except Draining:
         raise ApiError(
@@ -63,28 +98,85 @@ async def run_job(worker: Worker, job: Job) -> Job:
             kind="service_unavailable",
             code="draining",
         ) from None
+
+
+async def run_job(worker: Worker, job: Job, receive: Receive, timeout: float) -> Job:
+    """Queue ``job`` and wait for it; map the worker's errors to HTTP ones.
+
+    The job is cancelled when its client disconnects (``receive`` says so) or after
+    ``timeout`` seconds, and when the handler itself is cancelled (server shutdown).
+    """
+    done = asyncio.wrap_future(submit_job(worker, job))
+    gone = asyncio.ensure_future(disconnected(receive))
     try:
-        return await asyncio.wrap_future(future)
-    except RequestRefused as err:
-        worker.metrics.refused(tuple(code.value for code in err.codes))
-        raise ApiError(
+        finished, _ = await asyncio.wait(
+            (done, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:
+        worker.cancel(job.id, "disconnected")
+        raise
+    finally:
+        gone.cancel()
+    if done not in finished:
+        worker.cancel(job.id, "disconnected" if gone in finished else "timeout")
+    try:
+        return await done
+    except Exception as err:
+        raise job_error(worker, job, err) from None
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return once the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def job_error(worker: Worker, job: Job, err: Exception) -> Exception:
+    """Return the HTTP error that answers a job that failed with ``err`` (else ``err``)."""
+    if isinstance(err, JobCancelled):
+        status, code = CANCELLED_STATUS[err.reason]
+        return ApiError(
+            status,
+            f"{err}; {CANCELLED_FIX[err.reason]}",
+            kind="invalid_request_error" if status == 409 else "server_error",
+            code=code,
+            extra={"request": msgspec.to_builtins(err.status)},
+        )
+    if isinstance(err, RequestRefused):  # the orchestrator's observer counted it
+        return ApiError(
             400,
             "; ".join(f"{r.message}; fix: {r.hint}" for r in err.refusals),
             param="attention_backend",
             code=err.refusals[0].code.value,
             extra={"refusals": [msgspec.to_builtins(r) for r in err.refusals]},
-        ) from None
-    except TransitionRefused as err:
+        )
+    if isinstance(err, TransitionRefused):
         worker.metrics.refused(tuple(code.value for code in err.codes))
-        raise ApiError(
+        return ApiError(
             503,
             str(err),
             kind="service_unavailable",
             code=err.refusals[0].code.value if err.refusals else "refused",
-        ) from None
-    except TransitionFailed as err:
+        )
+    if isinstance(err, TransitionFailed):
         log.error("serving.job_failed", request_id=job.id, error=str(err))
-        raise ApiError(500, str(err), kind="server_error", code="transition_failed") from None
+        return ApiError(500, str(err), kind="server_error", code="transition_failed")
+    return err
+
+
+CANCELLED_STATUS = {
+    "deleted": (409, "request_cancelled"),
+    "timeout": (504, "request_timeout"),
+    "disconnected": (499, "client_disconnected"),  # nobody reads it: the client left
+}
+"""The HTTP status and code of a job cancelled for each reason."""
+
+CANCELLED_FIX = {
+    "deleted": "DELETE /v1/requests/{id} cancelled it",
+    "timeout": "send a larger timeout (at most serving.max_request_seconds), fewer steps, "
+    "or retry when the worker is less busy",
+    "disconnected": "the client disconnected",
+}
 
 
 def job_response(content: dict[str, Any], done: Job) -> Response:

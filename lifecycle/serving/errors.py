@@ -41,15 +41,24 @@ def add_error_handler(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        headers = {"retry-after": "1"} if err.status in (429, 503) else None
-        return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
+        return error_response(err)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    """Return ``err`` as OpenAI's error object; 429 and 503 say when to retry."""
+    headers = {"retry-after": "1"} if err.status in (429, 503) else None
+    return JSONResponse({"error": err.body}, status_code=err.status, headers=headers)
 
 
 def server_error(err: Exception) -> JSONResponse:
-    body = {
+    return JSONResponse({"error": server_error_body(err)}, status_code=500)
+
+
+def server_error_body(err: Exception) -> dict[str, Any]:
+    """Return the error object of an exception no handler answered."""
+    return {
         "message": f"{type(err).__name__}: {err}",
         "type": "server_error",
         "param": None,
         "code": "internal_error",
     }
-    return JSONResponse({"error": body}, status_code=500)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -18,10 +19,15 @@ import torch
 
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.preview import PreviewMap, fit_preview
 
 # B prompts, N latent tokens, C latent channels, E embedding width, H, W image size
 
 Endpoint: TypeAlias = Literal["embeddings", "images"]
+
+JobSteps: TypeAlias = Callable[[int, int, list[torch.Tensor]], None]
+"""Called on the runner thread after each denoising step of a job's batch with the step
+done, the steps in all and the job's own latents ``(N, C)``, one per image."""
 
 OUTPUT_TOLERANCE = 1e-5
 """Largest absolute difference between a job's output batched and run alone (float32;
@@ -59,12 +65,16 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         images: it writes images.
         latent_channels: C of each latent token (0 without a denoiser).
         image_scale: image pixels per latent position along each side (0 without images).
+        preview: the linear map from a latent token to its RGB colour, ``C + 1`` rows
+            (one per channel, then the bias) of 3, fitted at warm-up
+            (``lifecycle.serving.preview``); empty without images.
     """
 
     embeddings: bool
     images: bool
     latent_channels: int = 0
     image_scale: int = 0
+    preview: PreviewMap = ()
 
 
 @dataclass
@@ -83,6 +93,12 @@ class Job:
         batch_id: the orchestrator request it ran in (its members' ids joined by ``+``),
             the ``request_id`` of the transitions and moves it caused.
         batch_size: how many jobs shared that batch.
+        priority: its place in the queue (higher first, with ageing).
+        on_step: hears of each denoising step (a streamed request), or None.
+        queued_turn: the batches the worker had started when it was queued.
+        started_turn: the batches it had started when this job's batch started:
+            ``started_turn - queued_turn`` batches passed it over
+            (``lifecycle.priorities`` bounds them).
         size: its images' (height, width) in pixels, for a pipeline whose batches mix
             sizes (a folder pipeline's recipe); None where the key's ``latent_size`` says.
     """
@@ -97,12 +113,66 @@ class Job:
     prompt_tokens: int = 0
     batch_id: str = ""
     batch_size: int = 1
+    priority: int = 0
+    on_step: JobSteps | None = None
+    queued_turn: int = 0
+    started_turn: int = 0
     size: tuple[int, int] | None = None
 
 
 LatentDraw: TypeAlias = Callable[[torch.Generator, int, tuple[int, int]], list[torch.Tensor]]
 """Draws one job's starting latents from its seeded generator: its image count and size in,
 one ``(N, C)`` tensor per image out (a recipe's ``draw_latents``)."""
+
+
+class RequestState(StrEnum):
+    """Where a job stands (``GET /v1/requests/{id}``)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+class RequestStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A job's progress, as ``GET /v1/requests/{id}`` answers it.
+
+    Attributes:
+        id: the request id.
+        state: queued, running, done or cancelled.
+        stage: the stage it runs in (or stopped in); None while queued.
+        step: denoising steps done in that stage.
+        steps: denoising steps it asked for (0 for embeddings).
+        queue_position: the jobs that start before it, while queued; else None.
+    """
+
+    id: str
+    state: RequestState
+    stage: str | None = None
+    step: int = 0
+    steps: int = 0
+    queue_position: int | None = None
+
+
+class JobCancelled(Exception):
+    """A job was cancelled before it finished (DESIGN §15).
+
+    Attributes:
+        job_id: the job's request id.
+        reason: why: ``disconnected``, ``deleted`` or ``timeout``.
+        status: where it stood when cancelled.
+    """
+
+    def __init__(self, job_id: str, reason: str, status: RequestStatus) -> None:
+        where = (
+            "while queued"
+            if status.stage is None
+            else (f"at stage {status.stage!r}, step {status.step} of {status.steps}")
+        )
+        super().__init__(f"request {job_id!r} was cancelled ({reason}) {where}")
+        self.job_id = job_id
+        self.reason = reason
+        self.status = status
 
 
 def estimate_tokens(prompts: Sequence[str]) -> int:
@@ -157,8 +227,20 @@ def _size(job: Job) -> tuple[int, int]:
     return job.size
 
 
+def job_rows(jobs: Sequence[Job]) -> list[range]:
+    """Return each job's rows of their merged batch, in order."""
+    rows = []
+    start = 0
+    for job in jobs:
+        rows.append(range(start, start + len(job.prompts)))
+        start += len(job.prompts)
+    return rows
+
+
 def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
     """Hand each job its rows of the merged batch's output, and its token usage.
+
+    A job whose rows left the batch (cancelled) gets no output.
 
     Raises:
         ValueError: the pipeline did not produce what the jobs' endpoint returns.
@@ -168,25 +250,43 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
     if produced is None:
         raise ValueError(f"the pipeline produced no {endpoint}")
     context = batch.context or []
-    start = 0
-    for job in jobs:
-        rows = slice(start, start + len(job.prompts))
-        mine = produced[rows]  # one job's images share a size, so a list of them stacks
+    position = {row: index for index, row in enumerate(batch.rows)}
+    for job, rows in zip(jobs, job_rows(jobs), strict=True):
+        if rows.start not in position:
+            continue  # cancelled: its rows left the batch
+        here = slice(position[rows.start], position[rows.start] + len(rows))
+        mine = produced[here]  # one job's images share a size, so a list of them stacks
         job.output = (torch.stack(mine) if isinstance(mine, list) else mine).detach().cpu()
-        job.prompt_tokens = sum(int(c.shape[0]) for c in context[rows])
-        start = rows.stop
+        job.prompt_tokens = sum(int(c.shape[0]) for c in context[here])
+
+
+WARM_UP_LATENT_SIZE = (8, 8)
+"""The warm-up image's latent grid: 64 tokens to fit the preview map on."""
 
 
 def warm_up(orchestrator: Orchestrator) -> Shapes:
-    """Run one request through every stage and read off what the pipeline produces."""
-    batch = Batch(generator=torch.Generator().manual_seed(0), steps=1, prompts=["warm up"])
+    """Run one request through every stage and read off what the pipeline produces.
+
+    A pipeline that makes images also gets its preview map fitted on this request.
+    """
+    batch = Batch(
+        generator=torch.Generator().manual_seed(0),
+        steps=1,
+        prompts=["warm up"],
+        latent_size=WARM_UP_LATENT_SIZE,
+    )
     with orchestrator.request("warm-up") as request:
         request.run_all(batch)
     latents = batch.latents or []
     images = batch.images
+    scale = 0 if images is None else int(images[0].shape[-1]) // batch.latent_size[1]
+    preview: PreviewMap = ()
+    if images is not None and latents:
+        preview = fit_preview(latents[0], images[0], batch.latent_size, scale)
     return Shapes(
         embeddings=batch.sentence_embeddings is not None,
         images=images is not None,
         latent_channels=int(latents[0].shape[-1]) if latents else 0,
-        image_scale=0 if images is None else int(images[0].shape[-1]) // batch.latent_size[1],
+        image_scale=scale,
+        preview=preview,
     )

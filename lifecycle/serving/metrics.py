@@ -19,6 +19,7 @@ from lifecycle.events import (
     MemoryWait,
     Move,
     Refused,
+    RequestCancelled,
     RequestEnded,
     Transitioned,
 )
@@ -76,6 +77,12 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.cancelled = Counter(
+            "lifecycle_cancelled_requests",
+            "requests cancelled, by the stage they stopped in (queued: before any)",
+            ["stage"],
+            registry=r,
+        )
         Gauge("lifecycle_queue_depth", "jobs waiting for a batch", registry=r).set_function(
             queue_depth
         )
@@ -109,6 +116,8 @@ class ServingMetrics:
             self.waited.labels(outcome=event.outcome).observe(event.seconds)
         elif isinstance(event, RequestEnded):
             self.request_seconds.observe(event.duration_ms / 1e3)
+        elif isinstance(event, RequestCancelled):
+            self.cancelled.labels(stage=event.stage or "queued").inc()
 
     def refused(self, codes: tuple[str, ...]) -> None:
         """Count each code of a refusal: a transition's, or a request's the HTTP layer answers."""

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lifecycle.logs import get_logger
-from lifecycle.serving.errors import server_error
+from lifecycle.serving.errors import ApiError, error_response, server_error
 from lifecycle.serving.worker import Worker
 
 log = get_logger("lifecycle")
+
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+"""What a client's ``x-request-id`` may be (DESIGN §15)."""
 
 
 class RequestIds:
     """Give every request an id (``x-request-id``, bound in the logs) and count it.
 
-    Pure ASGI, not ``BaseHTTPMiddleware``: it adds no task or stream per request.
-    An exception no handler answered becomes a 500 error object, with the id.
+    The id is the client's ``x-request-id`` header when it sends one (1 to 128
+    characters of ``[A-Za-z0-9._:-]``; anything else is answered 400), else one the
+    worker assigns. A job's id must also be unique among the worker's live jobs
+    (409 otherwise, when it is queued). Pure ASGI, not ``BaseHTTPMiddleware``: it adds
+    no task or stream per request. An exception no handler answered becomes a 500
+    error object, with the id.
 
     Args:
         app: the application it wraps.
@@ -34,7 +42,8 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = self.worker.next_id()
+        sent = _client_id(scope)
+        rid = self.worker.next_id() if sent is None or not CLIENT_ID.fullmatch(sent) else sent
         scope.setdefault("state", {})["id"] = rid
         started = time.perf_counter()
         status = 500
@@ -50,7 +59,10 @@ class RequestIds:
         # bind and reset rather than bound_contextvars(): no generator per request
         bound = structlog.contextvars.bind_contextvars(http_request_id=rid)
         try:
-            await self.app(scope, receive, send_with_id)
+            if sent is not None and sent != rid:
+                await error_response(_bad_id(sent))(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         except Exception as err:
             log.error("serving.failed_request", error=f"{type(err).__name__}: {err}")
             if answered:
@@ -60,3 +72,22 @@ class RequestIds:
             structlog.contextvars.reset_contextvars(**bound)
         endpoint = getattr(scope.get("route"), "path", "unrouted")  # bounded label values
         self.worker.metrics.observe_request(endpoint, status, time.perf_counter() - started)
+
+
+def _client_id(scope: Scope) -> str | None:
+    """Return the ``x-request-id`` header the client sent, or None."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _bad_id(sent: str) -> ApiError:
+    shown = sent if len(sent) <= 40 else sent[:40] + "..."
+    return ApiError(
+        400,
+        f"header x-request-id {shown!r} is not a request id: send 1 to 128 letters, digits "
+        "or the characters . _ : - , or leave the header out and the worker assigns one",
+        param="x-request-id",
+        code="invalid_request_id",
+    )

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import time
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import msgspec
@@ -14,6 +11,7 @@ import torch
 from attention import AttentionImpl, BackendSelectionError, registry
 from attention.distributed import kv_gather_attention, ring_attention, ulysses_attention
 from tests.attention.distributed_worker import CASES, Outcome, layer, run_cases
+from tests.ranks import run_ranks
 
 # B batch, H heads, S seq, D head dim
 
@@ -30,29 +28,8 @@ Outcomes = dict[str, list[Outcome]]
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Outcomes:
     """Every case's outcome on each rank, from one spawn of two gloo processes."""
     out_dir = tmp_path_factory.mktemp("distributed")
-    spawn = multiprocessing.get_context("spawn")
-    processes = [
-        spawn.Process(target=run_cases, args=(rank, WORLD, str(out_dir / "init"), str(out_dir)))
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        # Stop at the first rank that fails: its peers would wait in a collective.
-        running = list(processes)
-        while running and time.monotonic() < deadline:
-            wait([p.sentinel for p in running], timeout=deadline - time.monotonic())
-            running = [p for p in running if p.exitcode is None]
-            if any(p.exitcode for p in processes):
-                break
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
-    exits = {rank: p.exitcode for rank, p in enumerate(processes)}
-    assert set(exits.values()) == {0}, f"worker exit codes {exits} (tracebacks on stderr)"
+    exits = run_ranks(run_cases, WORLD, out_dir, str(out_dir), deadline_s=DEADLINE_S)
+    assert exits == [0] * WORLD, f"worker exit codes {exits} (tracebacks on stderr)"
     decoder = msgspec.json.Decoder(dict[str, Outcome])
     ranks = [decoder.decode(Path(out_dir, f"rank{r}.json").read_bytes()) for r in range(WORLD)]
     return {name: [rank[name] for rank in ranks] for name in CASES}

@@ -8,8 +8,6 @@ makes it writable and truncates it anyway, and that the next onload refuses it.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,9 @@ import pytest
 from components.accounting import module_bytes
 from components.offload import DiskStore, OffloadError
 from tests.components.test_offload import build, run
+from tests.processes import run_python
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TRUNCATE_WHILE_MAPPED = """
 import os, sys
@@ -39,12 +40,7 @@ print("survived", flush=True)
 
 def test_truncating_a_mapped_file_kills_the_process_with_sigbus(tmp_path: Path) -> None:
     """Weights mapped from a file truncated under them end the process with SIGBUS."""
-    result = subprocess.run(
-        [sys.executable, "-c", TRUNCATE_WHILE_MAPPED, str(tmp_path / "lm.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(TRUNCATE_WHILE_MAPPED, tmp_path / "lm.safetensors", cwd=ROOT)
     assert result.stdout.splitlines() == ["ran from the map"]
     assert result.returncode == -signal.SIGBUS
 

@@ -257,7 +257,7 @@ class TestOptionalLibraries:
     ) -> None:
         """Kinds come from the index; bytes from the headers; the native path names the extra."""
         folder = pipeline_folder("pixart")
-        result = run_python(root, "-c", WITHOUT_LIBRARIES, str(folder))
+        result = run_python(WITHOUT_LIBRARIES, folder, cwd=root)
         assert result.returncode == 0, result.stderr
         weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
         assert result.stdout.splitlines() == [
@@ -308,7 +308,7 @@ class TestOneCopy:
             d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
         )
         T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
-        result = run_python(root, "-c", LOAD_PEAK, str(tmp_path / "t5"))
+        result = run_python(LOAD_PEAK, tmp_path / "t5", cwd=root)
         assert result.returncode == 0, result.stderr
         grown, weights = map(int, result.stdout.split())
         assert weights > 100 * 2**20  # large enough that a second copy could not hide

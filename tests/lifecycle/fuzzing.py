@@ -16,7 +16,6 @@ import yaml
 from hypothesis import strategies as st
 
 from lifecycle.cli import main
-from lifecycle.logs import saved_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 BASES = [
@@ -213,11 +212,11 @@ class Outcome:
 def lifecycle(*argv: str) -> Outcome:
     """Run the CLI's ``main`` in this process, capturing what it writes.
 
-    ``main`` configures structlog for the process; the configuration it found is put
-    back, so that later tests capture their events as before.
+    ``main`` configures structlog for the process; ``process_state`` (tests/conftest.py)
+    puts the configuration back after the test.
     """
     out, err = io.StringIO(), io.StringIO()
-    with saved_logging(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(argv))
     return Outcome(code, out.getvalue(), err.getvalue())
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.states import ComponentState
+from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import ValueDependentKind
 from tests.plugin.ext import SequentialStackKind
@@ -290,16 +289,10 @@ kind = "tiny_upsampler"
         ]
         assert all(orchestrator.state(n) is ComponentState.CONFIGURED for n in ("vae", "upsampler"))
 
-    def test_check_json_reports_them(self, root: Path) -> None:
+    def test_check_json_reports_them(self, root: Path, lifecycle: Lifecycle) -> None:
         """``lifecycle check --json`` prints the contract's object with every refusal, exit 1."""
         path = root / "examples" / "refused" / "unsupported_backend.toml"
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "check", "--json", str(path)],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        result = lifecycle("check", "--json", path)
         assert result.returncode == 1
         report = json.loads(result.stdout)
         assert list(report) == ["pipeline", "admitted", "components", "refusals"]

@@ -5,49 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar, NamedTuple, TypeAlias
+from typing import ClassVar
 
 import pytest
 from torch import nn
 
 from components import registry
 from components.loader import ComponentLoader
-from lifecycle import cli
 from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
-from lifecycle.logs import saved_logging
+from tests.conftest import Lifecycle, decode_png
 from tests.lifecycle.kinds_for_tests import BrokenKind
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
 REFUSED = ROOT / "examples" / "refused"
-
-
-class Result(NamedTuple):
-    """What one call of the command returned and printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-Lifecycle: TypeAlias = Callable[..., Result]
-"""Call the command with these arguments (str or Path)."""
-
-
-@pytest.fixture
-def lifecycle(capsys: pytest.CaptureFixture[str]) -> Iterator[Lifecycle]:
-    """Call ``cli.main`` with arguments; put the logging configuration back afterwards."""
-
-    def call(*args: str | Path) -> Result:
-        code = cli.main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    with saved_logging():
-        yield call
 
 
 def subprocess_lifecycle(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -393,10 +366,7 @@ class TestRunCommand:
         assert result.returncode == 0, result.stderr
         files = sorted((tmp_path / "png").iterdir())
         assert [f.name for f in files] == ["r1-0.png", "r2-0.png"]
-        for file in files:
-            data = file.read_bytes()
-            assert data[:8] == b"\x89PNG\r\n\x1a\n"
-            assert (int.from_bytes(data[16:20]), int.from_bytes(data[20:24])) == (16, 16)
+        assert [tuple(decode_png(f.read_bytes()).shape) for f in files] == [(16, 16, 3)] * 2
         assert f"2 PNG files written to {tmp_path / 'png'}" in result.stdout
 
     def test_minilm_shows_neighbours_of_given_prompts(self, lifecycle: Lifecycle) -> None:
@@ -438,9 +408,37 @@ class TestDiagramCommand:
     def test_check_passes_on_the_committed_diagrams(
         self, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``diagram --check`` exits 0 on the repository's diagrams."""
+        """``diagram --check`` exits 0 on the repository's diagrams and plan picture."""
         monkeypatch.chdir(ROOT)
-        assert lifecycle("diagram", "--check").returncode == 0
+        assert lifecycle("diagram", "--check", "--spec", EXAMPLE).returncode == 0
+
+    def test_format_svg_writes_the_pictures_only(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``--format svg --spec`` writes the lifecycle and the plan as SVG, nothing else."""
+        result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "component_lifecycle.svg",
+            "tiny-t2i_plan.svg",
+        ]
+
+    def test_a_plan_in_another_format_is_bad_input(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """A plan is drawn only as SVG: ``--format dot --spec`` is exit 2 naming the fix."""
+        result = lifecycle("diagram", "--format", "dot", "--spec", EXAMPLE, "--out", tmp_path)
+        assert result.returncode == 2
+        assert "give --format svg (or all) with --spec" in result.stderr
+        assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+    def test_a_refused_spec_draws_no_plan(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A spec that admission refuses is exit 1 with every reason, and nothing is written."""
+        spec = REFUSED / "backend_not_consumed.toml"
+        result = lifecycle("diagram", "--spec", spec, "--out", tmp_path / "d")
+        assert result.returncode == 1
+        assert "attention.backend_not_consumed" in result.stderr
+        assert not (tmp_path / "d").exists()
 
     def test_check_fails_on_a_stale_file(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """``diagram --check`` exits 1 and names the file when one is stale."""

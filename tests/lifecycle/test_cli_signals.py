@@ -1,14 +1,14 @@
-"""``lifecycle run`` stopped by SIGINT or SIGTERM, in a real process."""
+"""``lifecycle run`` stopped by SIGINT or SIGTERM, in a process of its own."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.processes import Program, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,10 +45,11 @@ uses = ["vae"]
 """
 
 
-def wait_for_files(folder: Path, timeout: float = 90.0) -> None:
+def wait_for_files(folder: Path, program: Program, timeout: float = 90.0) -> None:
     """Return once ``folder`` holds an offload file: the pipeline is loaded and running."""
     deadline = time.monotonic() + timeout
     while not any(folder.glob("*/*")):
+        assert program.process.is_alive(), program.stderr()
         assert time.monotonic() < deadline, f"no offload file appeared under {folder}"
         time.sleep(0.1)
 
@@ -61,21 +62,14 @@ def test_signal_stops_cleanly(tmp_path: Path, signum: signal.Signals, code: int)
     offload_dir = tmp_path / "offload"
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(offload_dir=offload_dir))
-    with subprocess.Popen(
-        [sys.executable, "-m", "lifecycle", "run", str(spec), "--requests", "1000000",
-         "--steps", "1", "--threads", "1"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as process:  # fmt: skip
-        try:
-            wait_for_files(offload_dir)
-            process.send_signal(signum)
-            stdout, stderr = process.communicate(timeout=60)
-        finally:
-            process.kill()
-    assert process.returncode == code, stderr
+    with start_python(
+        "lifecycle", "run", spec, "--requests", "1000000", "--steps", "1", "--threads", "1",
+        cwd=ROOT, module=True,
+    ) as program:  # fmt: skip
+        wait_for_files(offload_dir, program)
+        program.send_signal(signum)
+        returncode, stdout, stderr = program.wait(timeout=60)
+    assert returncode == code, stderr
     assert "Traceback" not in stderr
     assert f"{signum.name} received: finishing the request in flight" in stderr
     assert stdout.startswith("pipeline 'signalled': ")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from attention import Platform
 from lifecycle import diagrams
+from lifecycle.config import load_spec
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
+from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import RefusalCode
 from lifecycle.states import TRANSITIONS, ComponentState
 from tests.lifecycle.test_machine import passing_checks
@@ -63,6 +67,7 @@ class TestDiagrams:
         assert component.state is ComponentState.RELEASED
         assert diagrams.mermaid(machine) == diagrams.mermaid()
         assert diagrams.dot(machine) == diagrams.dot()
+        assert diagrams.svg(machine) == diagrams.svg()
 
     def test_write_then_check(self, tmp_path: Path) -> None:
         """Written diagrams check clean; an edited one is reported stale."""
@@ -70,8 +75,65 @@ class TestDiagrams:
         assert {p.name for p in written} == {
             "component_lifecycle.mmd",
             "component_lifecycle.dot",
+            "component_lifecycle.svg",
             "refusal_codes.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []
         (tmp_path / "component_lifecycle.dot").write_text("digraph {}\n")
         assert diagrams.stale_diagrams(tmp_path) == [tmp_path / "component_lifecycle.dot"]
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+class TestSvg:
+    def test_every_state_is_one_node(self) -> None:
+        """The SVG holds one state node per ComponentState, each with a slot for occupants."""
+        root = ET.fromstring(diagrams.svg())
+        nodes = [g for g in root.iter(f"{SVG}g") if g.get("class") == "state"]
+        assert [g.get("data-state") for g in nodes] == [s.value for s in ComponentState]
+        for node in nodes:
+            texts = {t.get("class"): t for t in node.iter(f"{SVG}text")}
+            assert texts["name"].text == node.get("data-state")
+            assert texts["occupants"].text is None
+
+    def test_every_table_row_is_one_arrow_and_every_guard_is_in_the_legend(self) -> None:
+        """Each (source, trigger) of the table is one arrow; the legend names its guards."""
+        root = ET.fromstring(diagrams.svg())
+        arrows = [
+            (g.get("data-source"), g.get("data-dest"), g.find(f"{SVG}text").text)
+            for g in root.iter(f"{SVG}g")
+            if g.get("class") == "transition"
+        ]
+        expected = [
+            (source.value, rule.dest.value, rule.trigger)
+            for rule in TRANSITIONS
+            for source in rule.sources
+        ]
+        assert sorted(arrows) == sorted(expected)
+        legend = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "legend"]
+        assert [line.split(" ")[0] for line in legend] == [r.trigger for r in TRANSITIONS]
+        for line, rule in zip(legend, TRANSITIONS, strict=True):
+            assert all(guard in line for guard in rule.guards)
+
+    def test_committed_plan_picture_is_current(self, root: Path) -> None:
+        """diagrams/tiny-t2i_plan.svg is the tiny-t2i plan as admitted on the CPU now."""
+        spec = load_spec(root / "examples" / "tiny_t2i.toml")
+        plan = Orchestrator(spec, platform=Platform("cpu")).admit()
+        committed = (root / "diagrams" / diagrams.plan_name(spec)).read_text(encoding="utf-8")
+        assert committed == diagrams.plan(spec, plan)
+
+    def test_plan_links_each_stage_to_what_it_uses(self, root: Path) -> None:
+        """The plan draws each stage and each component once, with the component's residency."""
+        spec = load_spec(root / "examples" / "tiny_t2i.toml")
+        plan = Orchestrator(spec, platform=Platform("cpu")).admit()
+        root_element = ET.fromstring(diagrams.plan(spec, plan))
+        boxes = {
+            g.get("data-key"): [t.text for t in g.iter(f"{SVG}text")]
+            for g in root_element.iter(f"{SVG}g")
+        }
+        assert list(boxes) == ["encode", "denoise", "decode", "text_encoder", "transformer", "vae"]
+        assert "component_offload -> host" in boxes["text_encoder"]
+        assert "resident" in boxes["transformer"]
+        edges = [p for p in root_element.iter(f"{SVG}path") if p.get("class") == "edge"]
+        assert len(edges) == len(spec.stages) - 1 + sum(len(s.uses) for s in spec.stages)

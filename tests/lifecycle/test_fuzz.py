@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 from tests.lifecycle.fuzzing import lifecycle, place_offload, spec_texts, world_size
 
+pytestmark = pytest.mark.long
+
 CORPUS = sorted((Path(__file__).parent / "fuzz_corpus").iterdir())
 PROFILES = {"default": 600, "long": 5000}
 EXAMPLES = PROFILES[os.environ.get("LIFECYCLE_FUZZ", "default")]

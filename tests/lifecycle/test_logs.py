@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +11,14 @@ import structlog
 
 from attention import Platform
 from lifecycle.config import PipelineSpec
-from lifecycle.logs import configure_logging, get_logger, saved_logging
+from lifecycle.logs import configure_logging, get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 from tests.lifecycle.test_requests import NEXT_USES
 from tests.lifecycle.test_waiting import wait_behind
+from tests.processes import Finished, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,28 +45,11 @@ with Orchestrator.from_file("examples/tiny_t2i.toml", platform=Platform("cpu")) 
 """
 
 
-def run_python(program: str) -> subprocess.CompletedProcess[str]:
-    """Run ``program`` in a fresh interpreter at the repository root; return what it wrote."""
-    return subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
-
-
-def embed(prelude: str) -> subprocess.CompletedProcess[str]:
-    """Run the embedding program after ``prelude``; return what it wrote."""
-    return run_python(EMBEDDER.format(prelude=prelude))
-
-
-@pytest.fixture(autouse=True)
-def restore_structlog() -> Iterator[None]:
-    """Put structlog's configuration back after each test, and let cached loggers see it."""
-    with saved_logging():
-        yield
+def embed(prelude: str) -> Finished:
+    """Run the embedding program after ``prelude`` in a new process; return what it wrote."""
+    done = run_python(EMBEDDER.format(prelude=prelude), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 class TestConfigureLogging:
@@ -144,7 +125,8 @@ class TestEmbedded:
             "with component_attention_scope(requests, platform=Platform('cpu')):\n"
             "    Attention('self', AttentionRole.SELF)\n"
         )
-        done = run_python(program)
+        done = run_python(program, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
         quiet, configured = done.stdout.split("quiet\n")
         assert quiet == ""
         assert "attention event=attention.selected component=vae" in configured
@@ -240,5 +222,6 @@ class TestReconfiguring:
             "after = structlog.get_config()\n"
             "print(sorted(key for key in before if after[key] is not before[key]))\n"
         )
-        done = run_python(program)
+        done = run_python(program, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
         assert done.stdout == "[]\n"

@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -23,6 +21,9 @@ from lifecycle.testing import capture_events, events_named
 from tests.components.test_disk_offload import zero_in_place
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.test_requests import generate
+from tests.processes import run_python
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def named(spec: PipelineSpec, name: str) -> PipelineSpec:
@@ -128,12 +129,7 @@ class TestReclaim:
         self, tmp_path: Path, reference_spec: ReferenceSpec, cpu: Platform
     ) -> None:
         """The next orchestrator on the same offload_dir deletes a SIGKILLed one's folder."""
-        killed = subprocess.run(
-            [sys.executable, "-c", KILLED_OWNER, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        killed = run_python(KILLED_OWNER, tmp_path, cwd=ROOT, timeout=180)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
         (left,) = folders(tmp_path / "offload")
         assert sorted(path.name for path in left.iterdir()) == [

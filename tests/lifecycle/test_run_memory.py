@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from lifecycle.cli.runner import MoveTally, RunOutputs, run_requests
 from lifecycle.config import load_spec
-from lifecycle.logs import configure_logging, saved_logging
+from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,14 +24,10 @@ def resident_set_bytes() -> int:
 
 
 @pytest.fixture
-def quiet() -> Iterator[None]:
-    """Log at warning level to a throwaway stream, on one thread; restore both afterwards."""
-    threads = torch.get_num_threads()
-    with saved_logging():
-        configure_logging("json", "warning", stream=io.StringIO())
-        torch.set_num_threads(1)
-        yield
-    torch.set_num_threads(threads)
+def quiet() -> None:
+    """Log at warning level to a throwaway stream, on one thread (``process_state`` restores)."""
+    configure_logging("json", "warning", stream=io.StringIO())
+    torch.set_num_threads(1)
 
 
 @pytest.mark.slow

@@ -5,14 +5,14 @@ from __future__ import annotations
 import io
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import structlog
 
 from attention import Platform
 from lifecycle.events import MemoryWait, Move, Refused
-from lifecycle.logs import configure_logging, saved_logging
+from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.states import ComponentState
@@ -259,16 +259,16 @@ class BreaksOn(io.StringIO):
 
 
 @pytest.fixture
-def break_log() -> Iterator[Callable[[str], BreaksOn]]:
-    """Log JSON lines at info onto a stream that breaks on one event; restore after the test."""
+def break_log() -> Callable[[str], BreaksOn]:
+    """Log JSON lines at info onto a stream that breaks on one event (``process_state``
+    puts the logging back after the test)."""
 
     def configure(event: str) -> BreaksOn:
         stream = BreaksOn(event)
         configure_logging("json", "info", stream)
         return stream
 
-    with saved_logging():
-        yield configure
+    return configure
 
 
 class TestBrokenLogStream:

@@ -20,7 +20,7 @@ from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
 from lifecycle.config import decode_spec
 from tests.components.dit_inputs import KINDS, mixed_groups
-from tests.parallel.layout_worker import Outputs
+from tests.parallel.layout_worker import Outputs, Ran
 
 SPEC = """
 name = "dit"
@@ -61,17 +61,17 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         )
 
 
-def run_dit_case(case: DitCase) -> tuple[Outputs, int]:
+def run_dit_case(case: DitCase) -> Ran:
     """Run ``case`` on this rank: each group's output, and the weight bytes held here."""
     return _run(case, split=True)
 
 
-def run_dit_alone(case: DitCase) -> tuple[Outputs, int]:
+def run_dit_alone(case: DitCase) -> Ran:
     """Run ``case``'s DiT in this one process, unsplit."""
     return _run(case, split=False)
 
 
-def _run(case: DitCase, *, split: bool) -> tuple[Outputs, int]:
+def _run(case: DitCase, *, split: bool) -> Ran:
     spec = decode_spec(case.spec(split=split))
     options = spec.components["transformer"].options
     loader = registry.get(KINDS[case.family]).from_options(options)
@@ -79,11 +79,11 @@ def _run(case: DitCase, *, split: bool) -> tuple[Outputs, int]:
     groups = mixed_groups(case.family, loader.config)
     if split and case.direct:
         module = _built_outside(loader, spec.parallel)
-        return _outputs(module, groups), module_bytes(module)
+        return Ran(_outputs(module, groups), module_bytes(module), {})
     with Orchestrator(spec) as orchestrator:
         orchestrator.load()
         module = orchestrator.module("transformer")
-        return _outputs(module, groups), module_bytes(module)
+        return Ran(_outputs(module, groups), module_bytes(module), {})
 
 
 def _built_outside(loader: DitLoader, layout: ParallelLayout) -> torch.nn.Module:

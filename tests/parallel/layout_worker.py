@@ -1,11 +1,11 @@
 """The spawn target of the layout parity tests: run many layouts on one process group.
 
-Each rank joins the gloo group through the environment torchrun would set, then runs
-every case: a spec loaded through ``Orchestrator.load()`` (which builds the mesh and
-splits the components) and driven on seeded inputs, or, for layouts whose ``DTensor``
-weights the offload stores cannot hold yet (tensor parallel, FSDP), the same loader,
-mesh and split built outside the lifecycle. Rank 0 saves each case's outputs; every rank
-writes the bytes it sent and any failure, for the parent to assert on.
+Each rank joins the gloo group through a shared file, with the rank variables torchrun
+would set, then runs every case: a spec loaded through ``Orchestrator.load()`` (which
+builds the mesh and splits the components) and driven on seeded inputs, or, for layouts
+whose ``DTensor`` weights the offload stores cannot hold yet (tensor parallel, FSDP), the
+same loader, mesh and split built outside the lifecycle. Rank 0 saves each case's
+outputs; every rank writes the bytes it sent and any failure, for the parent to assert on.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -38,8 +38,6 @@ REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1)
 TIMEOUT_S = 30
 
 Outputs = list[torch.Tensor]
-CaseRunner = Callable[[Any], tuple[Outputs, int]]
-"""Runs one case on this rank: its outputs and the bytes of weights it holds here."""
 
 
 class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,10 +46,25 @@ class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     Attributes:
         sent: the bytes its distributed attention sent, by collective.
         held_bytes: the bytes of the compared component's weights it holds.
+        moved: the bytes of each weight move the lifecycle made, by component
+            (cases that run requests).
     """
 
     sent: dict[str, int]
     held_bytes: int
+    moved: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+
+class Ran(NamedTuple):
+    """What running a case here gave: the compared outputs, weights held, moves made."""
+
+    outputs: Outputs
+    held_bytes: int
+    moved: dict[str, list[int]]
+
+
+CaseRunner = Callable[[Any], Ran]
+"""Runs one case on this rank (a ``Case``, or another family's case type)."""
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,12 +76,15 @@ class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         direct: build it through its loader outside the lifecycle (DTensor weights).
         guidance: run the spec's ``denoise`` stage on text embeddings with this
             classifier-free guidance scale, and compare the latents it leaves.
+        requests: run this many seeded requests through every stage of the spec, as
+            ``lifecycle run`` does, and compare their images.
     """
 
     spec: str
     component: str = "transformer"
     direct: bool = False
     guidance: float | None = None
+    requests: int = 0
 
 
 def run_component(loader_module: nn.Module, kind: str, options: dict[str, object]) -> Outputs:
@@ -89,13 +105,30 @@ def run_component(loader_module: nn.Module, kind: str, options: dict[str, object
     return [t for t in produced if t is not None]
 
 
-def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int]:
-    """Run ``case`` (or its ``spec`` as given) here.
+def run_requests(spec: PipelineSpec, requests: int, component: str) -> Ran:
+    """Run ``requests`` seeded requests through every stage, recording each weight move."""
+    moved: dict[str, list[int]] = {name: [] for name in spec.components}
+    images: Outputs = []
+    with Orchestrator(
+        spec, observer=lambda move: moved[move.component].append(move.bytes)
+    ) as orchestrator:
+        orchestrator.load()
+        for index in range(requests):
+            batch = Batch(generator=torch.Generator().manual_seed(SEED + index), steps=2)
+            with orchestrator.request() as request:
+                for stage in spec.stages:
+                    request.run(stage.name, batch)
+            assert batch.images is not None
+            images.append(batch.images)
+        return Ran(images, module_bytes(orchestrator.module(component)), moved)
 
-    Returns the compared component's outputs and the bytes of weights it holds here.
-    """
+
+def run_case(case: Case, spec: PipelineSpec | None = None) -> Ran:
+    """Run ``case`` (or its ``spec`` as given) here."""
     spec = spec or decode_spec(case.spec)
     component = spec.components[case.component]
+    if case.requests:
+        return run_requests(spec, case.requests, case.component)
     if case.guidance is not None:
         generator = torch.Generator().manual_seed(SEED)
         batch = Batch(generator=generator, size=3, steps=3, guidance_scale=case.guidance)
@@ -105,12 +138,13 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int
             with orchestrator.request() as request:
                 request.run("denoise", batch)
             assert batch.latents is not None
-            return batch.latents, module_bytes(orchestrator.module(case.component))
+            return Ran(batch.latents, module_bytes(orchestrator.module(case.component)), {})
     if not case.direct:
         with Orchestrator(spec) as orchestrator:
             orchestrator.load()
             built = orchestrator.module(case.component)
-            return run_component(built, component.kind, component.options), module_bytes(built)
+            outputs = run_component(built, component.kind, component.options)
+            return Ran(outputs, module_bytes(built), {})
     loader = registry.get(component.kind).from_options(component.options)
     mesh = ParallelMesh(spec.parallel, "cpu")
     loader.parallel = mesh.for_component(
@@ -128,46 +162,45 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> tuple[Outputs, int
     ):
         module = loader.build("custom")
     arm_layers(module)
-    return run_component(module, component.kind, component.options), module_bytes(module)
+    return Ran(run_component(module, component.kind, component.options), module_bytes(module), {})
 
 
 def run_cases(
     rank: int,
     world: int,
-    port: int,
+    init_file: str,
     cases: Mapping[str, Any],
     out_dir: str,
     runner: CaseRunner = run_case,
 ) -> None:
     """Run every case with ``runner`` as rank ``rank`` of ``world``; write outputs, traffic
     and failures."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = Path(out_dir)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
     try:
         for name, case in cases.items():
             try:
                 with count_traffic() as traffic:
-                    outputs, held = runner(case)
+                    ran = runner(case)
             except Exception:  # reported to the parent, which asserts on it
                 (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
                 raise
             if rank == 0:
-                torch.save(outputs, out / f"{name}.pt")
-            (out / f"{name}.rank{rank}.json").write_bytes(
-                msgspec.json.encode(Sent(sent=traffic.sent, held_bytes=held))
-            )
+                torch.save(ran.outputs, out / f"{name}.pt")
+            sent = Sent(sent=traffic.sent, held_bytes=ran.held_bytes, moved=ran.moved)
+            (out / f"{name}.rank{rank}.json").write_bytes(msgspec.json.encode(sent))
     finally:
         dist.destroy_process_group()
 
 
-def run_alone(case: Case) -> tuple[Outputs, int]:
+def run_alone(case: Case) -> Ran:
     """Run ``case``'s spec with its ``[parallel]`` table dropped, in this process."""
     spec = decode_spec(case.spec)
     alone = msgspec.structs.replace(case, direct=False)

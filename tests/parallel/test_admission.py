@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +14,9 @@ from lifecycle import AdmissionRefused, ComponentState, Orchestrator, Transition
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.parallel_layout import asked_splits
 from lifecycle.config import decode_spec
+from tests.conftest import Lifecycle
 from tests.lifecycle.kinds_for_tests import NativeOnlyKind
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU = Platform("cpu")
 
 
@@ -122,18 +120,11 @@ class TestAdmission:
         assert orch.state("dit") is ComponentState.ADMITTED
         assert not dist.is_initialized()
 
-    def test_check_refuses_from_a_real_spec(self, tmp_path: Path) -> None:
+    def test_check_refuses_from_a_real_spec(self, tmp_path: Path, lifecycle: Lifecycle) -> None:
         """``lifecycle check`` refuses a layout nothing implements with exit 1 and the fix."""
         spec = tmp_path / "split.toml"
         spec.write_text('name = "x"\n[parallel]\ntp_size = 2\n[components.a]\nkind = "tiny_vae"\n')
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "check", str(spec)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        result = lifecycle("check", spec)
         assert result.returncode == 1
         assert "parallel.invalid_layout" in result.stdout
         assert "fix: set tp_size = 1, or add a component whose kind implements" in result.stdout

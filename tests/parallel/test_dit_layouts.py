@@ -25,6 +25,8 @@ from tests.parallel.dit_worker import DitCase, run_dit_alone, run_dit_case
 from tests.parallel.layout_worker import Sent
 from tests.parallel.test_layouts import spawn
 
+pytestmark = pytest.mark.long
+
 # Float32, max|split - alone| / max|alone| per group, as for the tiny DiT's layouts.
 TOLERANCE = 1e-5
 FAMILIES = ("pixart", "flux")
@@ -112,7 +114,7 @@ def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
     """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
     split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
-    alone, alone_bytes = run_dit_alone(case)
+    alone, alone_bytes, _ = run_dit_alone(case)
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape

@@ -1,4 +1,9 @@
-"""``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank."""
+"""``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank.
+
+``--nproc`` runs torchrun's agent in the command's own process, so most tests call the
+command in this one: the workers it starts are processes of their own either way. The
+killed rank, and torchrun started by hand, run the command as a process.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,15 @@ import threading
 import time
 from pathlib import Path
 
-from components import registry
+import pytest
+
+from tests.conftest import Lifecycle
+
+pytestmark = pytest.mark.long
 
 ROOT = Path(__file__).resolve().parents[2]
 ULYSSES = ROOT / "examples" / "parallel" / "tiny_t2i_ulysses.toml"
 DATA_PARALLEL = ROOT / "examples" / "parallel" / "tiny_t2i_data_parallel.toml"
-TENSOR_PARALLEL = ROOT / "examples" / "parallel" / "tiny_t2i_tensor_parallel.toml"
 DEADLINE_S = 180
 
 
@@ -56,13 +64,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def rank_of(pid: int) -> int:
+    """Return the ``RANK`` torchrun gave the worker ``pid`` (Linux ``/proc``)."""
+    variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (rank,) = [v.removeprefix(b"RANK=") for v in variables if v.startswith(b"RANK=")]
+    return int(rank)
+
+
 class TestRun:
-    def test_nproc_starts_the_workers_through_torchrun(self, tmp_path: Path) -> None:
+    def test_nproc_starts_the_workers_through_torchrun(
+        self, tmp_path: Path, lifecycle_fd: Lifecycle
+    ) -> None:
         """``--nproc 2`` runs Ulysses on two ranks; rank 0 alone prints; events carry rank."""
         timeline = tmp_path / "timeline.mmd"
-        result = run(
-            "-m", "lifecycle", "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2",
-            "--json-logs", "--json", "--timeline", timeline,
+        result = lifecycle_fd(
+            "run", ULYSSES, "--nproc", "2", "--requests", "2", "--steps", "2", "--json-logs",
+            "--json", "--timeline", timeline,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         (line,) = result.stdout.splitlines()  # rank 0 alone prints its one JSON object
@@ -81,21 +98,6 @@ class TestRun:
         logged = events(result.stderr)
         assert {event["rank"] for event in logged} == {0, 1}
         assert all("rank" in event for event in logged)
-
-    def test_tensor_parallel_and_fsdp_run_through_the_lifecycle(self) -> None:
-        """TP over the DiT and FSDP over the VAE load, run and move local shards only."""
-        result = run(
-            "-m", "lifecycle", "run", TENSOR_PARALLEL, "--nproc", "2", "--requests", "2",
-            "--steps", "2", "--json",
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        components = json.loads(result.stdout)["summary"]["components"]
-        vae = components["vae"]
-        per_move = vae["bytes_moved"] / (vae["onloads"] + vae["offloads"])
-        whole = registry.get("tiny_vae").from_options({}).declared_bytes()
-        assert whole is not None
-        assert whole * 0.45 < per_move < whole * 0.55  # this rank's half of the shards
-        assert components["transformer"]["state"] == "resident"
 
     def test_torchrun_splits_requests_across_data_parallel_replicas(self) -> None:
         """Under torchrun with dp_size = 2, each replica runs every other request."""
@@ -116,6 +118,7 @@ class TestRun:
 
 
 class TestNodes:
+    @pytest.mark.slow
     def test_two_nodes_rendezvous_on_localhost(self) -> None:
         """Two torchrun invocations of one worker each form one data-parallel run."""
         with socket.socket() as probe:
@@ -152,18 +155,22 @@ class TestNodes:
 
 
 class TestFaults:
-    def test_a_refusal_on_every_rank_exits_one(self, tmp_path: Path) -> None:
+    def test_a_refusal_on_every_rank_exits_one(
+        self, tmp_path: Path, lifecycle_fd: Lifecycle
+    ) -> None:
         """A 4-process layout started on 2 ranks is refused on each; exit 1 names them."""
         spec = tmp_path / "four.toml"
         spec.write_text(
             ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4")
         )
-        result = run("-m", "lifecycle", "run", spec, "--nproc", "2", "--requests", "1")
+        result = lifecycle_fd("run", spec, "--nproc", "2", "--requests", "1")
         assert result.returncode == 1, result.stderr[-3000:]
         refused = "parallel.invalid_layout  the parallel layout needs 4 processes, but 2 were"
-        assert result.stderr.count(refused) == 2  # each rank prints its refusal once
-        # the rank refused first exits 1; torchrun may stop the other while it exits too
-        assert "failed: exit code 1" in result.stderr
+        # The rank refused first exits 1. torchrun then stops the other with SIGTERM,
+        # maybe before it printed its own refusal: it is named, but exits 143 (or is
+        # killed by the signal). Every rank that exited 1 printed its refusal first.
+        exited_one = result.stderr.count("failed: exit code 1")
+        assert 1 <= exited_one <= result.stderr.count(refused) <= 2, result.stderr[-3000:]
         assert all(f"lifecycle run: rank {rank} failed: " in result.stderr for rank in (0, 1))
 
     def test_a_killed_rank_ends_the_run(self) -> None:
@@ -189,7 +196,8 @@ class TestFaults:
                 serving = {e["rank"] for e in events("\n".join(lines)) if "request_id" in e}
             assert serving == {0, 1}, "both ranks should be serving requests"
             workers = children(process.pid)
-            os.kill(workers[1], signal.SIGKILL)
+            (rank_one,) = [pid for pid in workers if rank_of(pid) == 1]
+            os.kill(rank_one, signal.SIGKILL)
             process.wait(timeout=DEADLINE_S)
             reader.join(timeout=DEADLINE_S)
             stderr = "\n".join(lines)

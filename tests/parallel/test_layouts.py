@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
-import time
 from collections.abc import Mapping
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +19,17 @@ from tests.parallel.layout_worker import (
     run_case,
     run_cases,
 )
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.long
 
 # Float32, max|split - alone| / max|alone| over every output. Measured: 0 for Ulysses and
 # K/V gather (the same kernels on the same rows), about 2e-7 for ring (LSE merge) and
 # 3e-7 for tensor parallel (row-wise partial sums all-reduced); 1e-5 leaves room.
 TOLERANCE = 1e-5
 DEADLINE_S = {2: 240.0, 4: 360.0}
+ROOT = Path(__file__).resolve().parents[2]
+TENSOR_PARALLEL = ROOT / "examples" / "parallel" / "tiny_t2i_tensor_parallel.toml"
 
 DIT = """
 name = "dit"
@@ -80,6 +81,8 @@ TWO = {
     "data_parallel": Case(spec=dit("dp_size = 2")),
     "tensor_parallel": Case(spec=dit("tp_size = 2"), direct=True),
     "cfg_parallel": Case(spec=dit("cfg_parallel = true") + STAGE, guidance=4.0),
+    # TP over the DiT and FSDP over the VAE, through the lifecycle: load, requests, moves
+    "lifecycle_tp_fsdp": Case(spec=TENSOR_PARALLEL.read_text(), component="vae", requests=2),
     **{
         f"fsdp_{name}": Case(spec=PIPELINE, component=name, direct=True)
         for name in ("text_encoder", "transformer", "vae", "upsampler")
@@ -105,42 +108,15 @@ SENT = {
 }
 
 
-def free_port() -> int:
-    """Return a TCP port nothing listens on now (for the gloo rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def spawn(
     world: int, cases: Mapping[str, Any], out_dir: Path, runner: CaseRunner = run_case
 ) -> None:
-    """Run ``cases`` with ``runner`` on ``world`` spawned ranks; fail with every rank's error
-    if one fails."""
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [
-        context.Process(target=run_cases, args=(rank, world, port, cases, str(out_dir), runner))
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S[world]
-    try:
-        running = list(processes)
-        while running and time.monotonic() < deadline:
-            wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
-            running = [p for p in running if p.exitcode is None]
-            if any(p.exitcode for p in processes):
-                break
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
+    """Run ``cases`` with ``runner`` on ``world`` ranks; fail with every rank's error if one
+    fails."""
+    exits = run_ranks(
+        run_cases, world, out_dir, cases, str(out_dir), runner, deadline_s=DEADLINE_S[world]
+    )
     errors = "\n".join(path.read_text() for path in sorted(out_dir.glob("*.error")))
-    exits = [p.exitcode for p in processes]
     assert exits == [0] * world, f"rank exit codes {exits}\n{errors}"
 
 
@@ -163,7 +139,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int) -> None:
     """Assert rank 0's outputs of ``name`` equal one process's, and what each rank sent."""
     split: Outputs = torch.load(out_dir / f"{name}.pt")
-    alone, alone_bytes = run_alone(case)
+    alone, alone_bytes, _ = run_alone(case)
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape
@@ -187,6 +163,21 @@ class TestTwoRanks:
     def test_layout_equals_one_process(self, two: Path, name: str) -> None:
         """The layout's output equals the one-process output within the float32 tolerance."""
         assert_equal_to_alone(two, name, TWO[name], 2)
+
+    def test_lifecycle_moves_this_ranks_shards(self, two: Path) -> None:
+        """TP over the DiT and FSDP over the VAE load, run and move this rank's shards only."""
+        alone = run_alone(TWO["lifecycle_tp_fsdp"]).moved
+        assert all(alone.values())
+        for rank in range(2):
+            path = two / f"lifecycle_tp_fsdp.rank{rank}.json"
+            moved = msgspec.json.decode(path.read_bytes(), type=Sent).moved
+            # as many moves as in one process: the DiT stays resident, the others offload
+            assert {c: len(m) for c, m in moved.items()} == {c: len(m) for c, m in alone.items()}
+            assert moved["text_encoder"] == alone["text_encoder"]  # replicated
+            for shard, whole in zip(moved["vae"], alone["vae"], strict=True):
+                assert 0.45 * whole < shard < 0.55 * whole  # FSDP: half of every weight
+            (shard,), (whole,) = moved["transformer"], alone["transformer"]
+            assert shard < 0.75 * whole  # TP: half of the attention and MLP weights
 
 
 class TestFourRanks:

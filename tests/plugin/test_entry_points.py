@@ -1,4 +1,9 @@
-"""Out-of-tree kinds and backends reach a spec only from installed packages, by entry point."""
+"""Out-of-tree kinds and backends reach a spec only from installed packages, by entry point.
+
+The registries are built in this process over the test's distribution; one test runs
+``python -m lifecycle`` to show that a module lying in the working directory is never
+loaded as a plugin, and ``run --nproc``'s workers find the distribution on their path.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from importlib.metadata import PathDistribution
 from pathlib import Path
 
@@ -17,6 +21,9 @@ from attention.registry import BackendRegistry
 from components import registry as kinds
 from components.registry import KindRegistry
 from lifecycle.config import ConfigError, decode_spec
+from tests.conftest import Lifecycle
+
+pytestmark = pytest.mark.long
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = """
@@ -80,8 +87,6 @@ name = "all"
 uses = ["stack"]
 """
 
-Lifecycle = Callable[..., subprocess.CompletedProcess[str]]
-
 
 @pytest.fixture
 def plugin(tmp_path: Path) -> PathDistribution:
@@ -103,37 +108,31 @@ def plugin_registries(plugin: PathDistribution, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.fixture
-def lifecycle(tmp_path: Path, plugin: PathDistribution) -> Lifecycle:
-    """Run ``python -m lifecycle`` with the plugin distribution on its path.
-
-    The subprocess starts in a working directory that holds ``cwd_plugin.py``, which an
-    entry point names: it must not be importable from there.
-    """
-    site = tmp_path / "site"
+def work(tmp_path: Path) -> Path:
+    """A working directory holding ``spec.toml`` and ``cwd_plugin.py``, which an entry point
+    names: a module that must never be imported from there."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "cwd_plugin.py").write_text("raise SystemExit('imported from the working directory')\n")
     (work / "spec.toml").write_text(SPEC)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "lifecycle", *args],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-
-    return run
+    return work
 
 
+@pytest.fixture
+def plugin_path(plugin: PathDistribution, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Install the plugin distribution for new processes: its folder and the repository
+    (where ``tests.plugin.ext`` lies) on ``PYTHONPATH``."""
+    site = plugin.locate_file("")  # the folder that holds the *.dist-info
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(ROOT)]))
+
+
+@pytest.mark.usefixtures("plugin_registries")
 class TestEntryPoints:
-    def test_installed_kinds_and_backend_are_admitted(self, lifecycle: Lifecycle) -> None:
+    def test_installed_kinds_and_backend_are_admitted(
+        self, lifecycle: Lifecycle, work: Path
+    ) -> None:
         """A plugin kind with a plugin backend, and a factory kind, are admitted by name."""
-        result = lifecycle("check", "--json", "spec.toml")
+        result = lifecycle("check", "--json", work / "spec.toml")
         assert result.returncode == 0, result.stdout + result.stderr
         report = json.loads(result.stdout)
         echo = report["components"]["echo"]
@@ -141,15 +140,14 @@ class TestEntryPoints:
         assert [(s["site"], s["backend"]) for s in echo["attention"]] == [("self", "plugin_sdpa")]
         assert report["components"]["plain"]["kind"] == "plugin_factory"
 
-    def test_installed_kinds_run(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+    def test_installed_kinds_run(self, lifecycle: Lifecycle, work: Path) -> None:
         """The plugin pipeline loads both kinds and runs a request through the one that runs."""
-        spec = tmp_path / "work" / "run.toml"
+        spec = work / "run.toml"
         spec.write_text(SPEC.replace('uses = ["echo", "plain"]', 'uses = ["echo"]'))
-        result = lifecycle("run", str(spec), "--requests", "1", "--steps", "1")
+        result = lifecycle("run", spec, "--requests", "1", "--steps", "1")
         assert result.returncode == 0, result.stderr
         assert "Traceback" not in result.stderr
 
-    @pytest.mark.usefixtures("plugin_registries")
     def test_unknown_kind_lists_the_installed_ones(self) -> None:
         """An unknown kind is bad input at its key, listing built-in and installed kinds."""
         with pytest.raises(ConfigError) as err:
@@ -171,26 +169,36 @@ class TestEntryPoints:
             "a package adds kinds through the entry-point group 'pipeline_lifecycle.kinds'"
         )
 
-    def test_the_working_directory_is_not_importable(
-        self, lifecycle: Lifecycle, tmp_path: Path
-    ) -> None:
-        """An entry point naming a module that lies only in the cwd fails to load; it never runs."""
-        spec = tmp_path / "work" / "cwd.toml"
+    @pytest.mark.usefixtures("plugin_path")
+    def test_the_working_directory_is_not_importable(self, work: Path) -> None:
+        """An entry point naming a module that lies only in the cwd fails to load; it never runs.
+
+        ``python -m`` puts the working directory first on the path: a process of its own
+        shows that ``lifecycle`` takes it off before any plugin loads.
+        """
+        spec = work / "cwd.toml"
         spec.write_text(SPEC.replace('kind = "plugin_factory"', 'kind = "cwd_kind"'))
-        result = lifecycle("check", "--json", str(spec))
-        assert result.returncode == 2
+        result = subprocess.run(
+            [sys.executable, "-m", "lifecycle", "check", "--json", str(spec)],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 2, result.stderr
         assert "imported from the working directory" not in result.stdout + result.stderr
         error = json.loads(result.stdout)["error"]
         assert "entry point 'cwd_kind' failed to load (ModuleNotFoundError" in error["message"]
 
     def test_backend_rules_hold_for_installed_backends(
-        self, lifecycle: Lifecycle, tmp_path: Path
+        self, lifecycle: Lifecycle, work: Path
     ) -> None:
         """Installed backends follow the registry's rules: listed after the built-ins, never
         under a built-in's name, never without a kernel (each failure logged, the rest kept)."""
-        spec = tmp_path / "work" / "bad_backend.toml"
+        spec = work / "bad_backend.toml"
         spec.write_text(SPEC.replace('"plugin_sdpa"', '"plugin_flash"'))
-        result = lifecycle("check", "--json", str(spec))
+        result = lifecycle("check", "--json", spec)
         assert result.returncode == 2
         error = json.loads(result.stdout)["error"]
         assert error["path"] == "$.components.echo.attention_backend"
@@ -204,12 +212,12 @@ class TestEntryPoints:
         assert "plugin_incomplete" not in error["message"]
 
     def test_layerwise_kind_without_a_module_list_is_refused(
-        self, lifecycle: Lifecycle, tmp_path: Path
+        self, lifecycle: Lifecycle, work: Path
     ) -> None:
         """check refuses layerwise offload of an installed kind whose stack is no ModuleList."""
-        spec = tmp_path / "work" / "streamed.toml"
+        spec = work / "streamed.toml"
         spec.write_text(LAYERWISE_SEQUENTIAL)
-        result = lifecycle("check", "--json", str(spec))
+        result = lifecycle("check", "--json", spec)
         assert result.returncode == 1, result.stdout + result.stderr
         (refusal,) = json.loads(result.stdout)["refusals"]
         assert refusal["code"] == "residency.not_offloadable"
@@ -219,13 +227,20 @@ class TestEntryPoints:
             "not an nn.ModuleList" in refusal["message"]
         )
 
-    def test_a_rank_that_raises_ends_the_run(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
-        """A rank whose request raises exits 3; torchrun stops the other; both are named."""
-        spec = tmp_path / "work" / "faulty.toml"
+    @pytest.mark.usefixtures("plugin_path")
+    def test_a_rank_that_raises_ends_the_run(
+        self, lifecycle_fd: Lifecycle, work: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A rank whose request raises exits 3; torchrun stops the other; both are named.
+
+        The workers are processes of their own: they find the plugin on their path.
+        """
+        monkeypatch.chdir(work)
+        spec = work / "faulty.toml"
         spec.write_text(FAULTY_REPLICAS)
-        result = lifecycle("run", str(spec), "--nproc", "2", "--requests", "100000")
+        result = lifecycle_fd("run", spec, "--nproc", "2", "--requests", "100000")
         assert result.returncode == 3, result.stderr[-3000:]
         assert "RuntimeError: the device of rank 1 went away" in result.stderr
         assert "lifecycle run: rank 1 failed: exit code 3" in result.stderr
         assert "Traceback" not in result.stderr
-        assert not list((tmp_path / "work").glob(".lifecycle/offload/*"))
+        assert not list(work.glob(".lifecycle/offload/*"))

@@ -10,7 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from lifecycle.serving.bodies import EmbeddingsBody, decode_body, documented
-from lifecycle.serving.dispatch import check_ready, job_response, not_served, run_job
+from lifecycle.serving.dispatch import (
+    check_ready,
+    job_response,
+    not_served,
+    request_timeout,
+    run_job,
+)
 from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
 from lifecycle.serving.worker import Worker
 
@@ -30,14 +36,16 @@ def embeddings_routes(worker: Worker) -> APIRouter:
         check_ready(worker, body.model)
         if not worker.shapes.embeddings:
             raise not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
+        timeout = request_timeout(worker, body.priority, body.timeout)
         prompts = [body.input] if isinstance(body.input, str) else body.input
         job = Job(
             id=request.state.id,
             key=EMBEDDINGS,
             prompts=prompts,
             tokens=estimate_tokens(prompts),
+            priority=body.priority,
         )
-        done = await run_job(worker, job)
+        done = await run_job(worker, job, request.receive, timeout)
         assert done.output is not None
         rows = _encoded_rows(done.output, body.encoding_format)
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]

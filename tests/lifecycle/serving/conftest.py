@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import socket
-import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -114,24 +112,6 @@ def t2i_spec(reference_spec: ReferenceSpec) -> Callable[..., PipelineSpec]:
         return decode_spec(msgspec.json.encode(raw).decode(), "json")
 
     return make
-
-
-def decode_png(data: bytes) -> torch.Tensor:
-    """Decode an 8-bit RGB PNG with no filters (what the worker writes) to ``(H, W, 3)``."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks: dict[bytes, bytes] = {}
-    offset = 8
-    while offset < len(data):
-        (length,) = struct.unpack(">I", data[offset : offset + 4])
-        tag = data[offset + 4 : offset + 8]
-        chunks[tag] = chunks.get(tag, b"") + data[offset + 8 : offset + 8 + length]
-        offset += 12 + length
-    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour) == (8, 2)
-    raw = torch.frombuffer(bytearray(zlib.decompress(chunks[b"IDAT"])), dtype=torch.uint8)
-    rows = raw.reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any()  # filter type 0 on every scanline
-    return rows[:, 1:].reshape(height, width, 3)
 
 
 def run_alone(worker: Worker, job: Job) -> torch.Tensor:

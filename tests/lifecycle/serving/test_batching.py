@@ -14,6 +14,10 @@ from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 
 PROMPTS = ("a red fox", "an astronaut riding a horse on the moon", "ramen", "a lighthouse")
+UNTIL_FULL_MS = WATCHDOG_S * 1000
+"""A batch window no test waits out: behind a running batch, a batch starts once
+``serving.max_batch`` compatible jobs are queued, however slowly a loaded machine
+submits them (a window in milliseconds would decide the batches by timing)."""
 
 
 def image_job(index: int, key: BatchKey) -> Job:
@@ -23,11 +27,13 @@ def image_job(index: int, key: BatchKey) -> Job:
 
 
 def occupy(batcher: Batcher) -> Future[Job]:
-    """Start a slow batch, so that the next jobs gather for their window.
+    """Start a slow batch, so that the next jobs gather behind it.
 
-    An idle worker would start the first of them at once, alone.
+    An idle worker would start the first of them at once, alone. Its hundred steps
+    outlast the few calls that submit the next jobs; the drain after the test waits
+    for it.
     """
-    slow = BatchKey(endpoint="images", steps=400, latent_size=(8, 8))
+    slow = BatchKey(endpoint="images", steps=100, latent_size=(8, 8))
     future = batcher.submit(Job(id="slow", key=slow, prompts=["slow"], tokens=64))
     for _ in range(int(WATCHDOG_S / 0.005)):
         if batcher.depth == 0:
@@ -41,7 +47,7 @@ class TestBatcher:
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
     ) -> None:
         """Six jobs queued together run as one batch; each output equals the job run alone."""
-        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        served = serve_spec(t2i_spec(batch_window_ms=UNTIL_FULL_MS, max_batch=6))
         batcher = served.worker.batcher
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=2, latent_size=(4, 4))
@@ -60,7 +66,8 @@ class TestBatcher:
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
     ) -> None:
         """Different steps, sizes or overrides go to different batches, each still correct."""
-        served = serve_spec(t2i_spec(batch_window_ms=200, max_batch=8))
+        # two jobs of each key: a full batch is one key's pair, or two jobs that mix keys
+        served = serve_spec(t2i_spec(batch_window_ms=UNTIL_FULL_MS, max_batch=2))
         batcher = served.worker.batcher
         assert batcher is not None
         keys = [
@@ -72,31 +79,44 @@ class TestBatcher:
         jobs = [image_job(i, keys[i % len(keys)]) for i in range(8)]
         occupy(batcher)
         done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
-        batches = {job.batch_id: job.key for job in done}
-        assert len(batches) == len(keys)
+        batches: dict[str, set[BatchKey]] = {}
+        for job in done:
+            batches.setdefault(job.batch_id, set()).add(job.key)
+        assert all(len(found) == 1 for found in batches.values()), batches
+        assert done[0].batch_id == "j0+j4"  # the first pair ran together
         for job in done:
             assert job.output is not None
             alone = run_alone(served.worker, image_job(int(job.id[1:]), job.key))
             assert (job.output - alone).abs().max() <= OUTPUT_TOLERANCE
 
-    @pytest.mark.parametrize(("limit", "expected"), [("max_batch", 2), ("max_batch_tokens", 2)])
+    @pytest.mark.parametrize(
+        ("settings", "jobs"),
+        [
+            # the window is never waited out: each batch starts once two jobs are queued
+            ({"max_batch": 2, "batch_window_ms": UNTIL_FULL_MS}, 4),
+            # three queued jobs start a batch, of which 32 tokens hold two; the last job
+            # waits out the window alone
+            ({"max_batch_tokens": 32, "max_batch": 3, "batch_window_ms": 500}, 3),
+        ],
+        ids=["max_batch", "max_batch_tokens"],
+    )
     def test_batches_stop_at_the_limits(
         self,
         serve_spec: ServeSpec,
         t2i_spec: Callable[..., PipelineSpec],
-        limit: str,
-        expected: int,
+        settings: dict[str, float],
+        jobs: int,
     ) -> None:
         """No batch holds more than serving.max_batch jobs or max_batch_tokens tokens."""
-        settings = {"max_batch": 2} if limit == "max_batch" else {"max_batch_tokens": 32}
-        served = serve_spec(t2i_spec(batch_window_ms=200, **settings))
+        served = serve_spec(t2i_spec(**settings))
         batcher = served.worker.batcher
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=1, latent_size=(4, 4))
-        jobs = [image_job(2 * i, key) for i in range(5)]  # one image (16 tokens) each
+        queued = [image_job(2 * i, key) for i in range(jobs)]  # one image (16 tokens) each
         occupy(batcher)
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
-        assert max(job.batch_size for job in done) == expected
+        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in queued]]
+        assert max(job.batch_size for job in done) == 2
+        assert done[0].batch_id == "j0+j2"
 
 
 class TestFaults:

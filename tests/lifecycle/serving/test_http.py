@@ -1,4 +1,4 @@
-"""The worker over loopback HTTP: override rules, the bounded queue, load under eviction."""
+"""The worker over loopback HTTP: override rules, the queue, load, the official openai client."""
 
 from __future__ import annotations
 
@@ -11,18 +11,20 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
+from components.batch import Batch
 from lifecycle.config import PipelineSpec, load_spec
+from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
-from tests.lifecycle.serving.conftest import (
-    WATCHDOG_S,
-    ServeSpec,
-    decode_png,
-    run_alone,
-)
+from tests.conftest import decode_png
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.long
+
 SpecMaker = Callable[..., PipelineSpec]
+SENTENCES = ["A red fox leaps over a snowy fence.", "Ramen with a soft-boiled egg.", "Hi"]
 
 
 def generate(client: httpx.Client, **body: Any) -> httpx.Response:
@@ -255,6 +257,53 @@ class TestLoad:
         assert "lifecycle_refusals_total{" not in metrics  # no request was refused
         assert "lifecycle_batch_size_count" in metrics
         assert OUTPUT_TOLERANCE < 1 / 255  # a pixel level: batched images round alike or by 1
+
+
+class TestOpenAiClient:
+    """The official openai client against the worker's OpenAI-compatible endpoints."""
+
+    def test_embeddings_equal_the_embedded_api(self, root: Path, serve_spec: ServeSpec) -> None:
+        """client.embeddings.create returns the vectors the Python API computes."""
+        openai = pytest.importorskip("openai")
+        pytest.importorskip("tokenizers")
+        spec = load_spec(root / "examples" / "minilm_embed.toml")
+        with Orchestrator(spec) as orch:
+            orch.load()
+            batch = Batch(generator=torch.Generator(), prompts=SENTENCES, size=len(SENTENCES))
+            with orch.request() as request:
+                request.run("encode", batch)
+            assert batch.sentence_embeddings is not None
+            expected = batch.sentence_embeddings
+        served = serve_spec(spec)
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        response = client.embeddings.create(model="minilm-embed", input=SENTENCES)
+        floats = client.embeddings.create(
+            model="minilm-embed", input=SENTENCES[0], encoding_format="float"
+        )
+        got = torch.tensor([item.embedding for item in response.data])
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert torch.allclose(torch.tensor(floats.data[0].embedding), expected[0], atol=1e-5)
+        assert response.usage.prompt_tokens > len(SENTENCES)
+
+    def test_images_generate_returns_a_png_of_the_size(
+        self, root: Path, serve_spec: ServeSpec
+    ) -> None:
+        """client.images.generate returns n PNGs of the declared size."""
+        openai = pytest.importorskip("openai")
+        served = serve_spec(load_spec(root / "examples" / "tiny_t2i.toml"))
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        response = client.images.generate(
+            model="tiny-t2i",
+            prompt="a lighthouse in a storm",
+            n=2,
+            size="32x16",  # type: ignore[arg-type]  # this pipeline's sizes are small
+            response_format="b64_json",
+            extra_body={"seed": 3, "steps": 2},
+        )
+        assert response.data is not None
+        images = [decode_png(_b64(d.b64_json or "")) for d in response.data]
+        assert [tuple(image.shape) for image in images] == [(16, 32, 3)] * 2
 
 
 def _b64(text: str) -> bytes:

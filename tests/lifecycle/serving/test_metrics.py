@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from lifecycle.config import PipelineSpec
-from lifecycle.logs import configure_logging, saved_logging
+from lifecycle.logs import configure_logging
 from lifecycle.refusals import TransitionRefused
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
 from tests.lifecycle.test_waiting import until
@@ -70,10 +70,9 @@ def test_counts_do_not_depend_on_the_log_level(
     logged: dict[str, list[str]] = {}
     for level in ("warning", "info"):
         stream = io.StringIO()
-        with saved_logging():
-            configure_logging("json", level, stream)
-            served = serve_spec(t2i_spec(memory={"device_budget": BUDGET}, batch_window_ms=0))
-            samples[level] = wait_and_refusals(served)
+        configure_logging("json", level, stream)  # process_state puts the logging back
+        served = serve_spec(t2i_spec(memory={"device_budget": BUDGET}, batch_window_ms=0))
+        samples[level] = wait_and_refusals(served)
         logged[level] = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
     assert "lifecycle.transition" not in logged["warning"]  # the level the user chose
     assert "residency.waited" in logged["info"]

@@ -1,0 +1,258 @@
+"""What the status page shows, read off the worker as one typed value.
+
+A ``StatusSnapshot`` is the whole picture at one moment: per pipeline its
+components (state, users, residency, bytes), its budget, the requests waiting for
+memory, the queue and the running batches, and the residency timeline of its last
+moves. The event stream sends one whenever something changed, after the typed
+events that changed it, so the page always ends on what the worker holds now.
+
+Reads take no lock: each value is read whole (the orchestrator's views, the
+batcher's view under its own lock), so a snapshot taken while a move runs is at
+worst a moment old, and the next one follows that move's event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from components import ResidencyMode
+from lifecycle.events import Move
+from lifecycle.gantt import resident_intervals
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.batcher import Batcher
+from lifecycle.serving.worker import Worker
+
+
+class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One component as the page shows it.
+
+    Attributes:
+        name: the component.
+        kind: the kind that builds it.
+        state: its lifecycle state (lower-case value).
+        users: the open requests using it now.
+        residency: its residency mode.
+        target: where its weights go when offloaded; None for a resident component.
+        footprint: the bytes it takes on the device while resident.
+        resident_bytes: the bytes it holds on the device now.
+    """
+
+    name: str
+    kind: str
+    state: str
+    users: tuple[str, ...]
+    residency: ResidencyMode
+    target: str | None
+    footprint: int
+    resident_bytes: int
+
+
+class WaitingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A request waiting for memory: what it waits to enter and to hold.
+
+    Attributes:
+        request_id: the orchestrator request (a batch's id).
+        stage: the stage it waits to enter.
+        components: the components that stage uses.
+    """
+
+    request_id: str
+    stage: str
+    components: tuple[str, ...]
+
+
+class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An HTTP request waiting in the queue for a batch.
+
+    Attributes:
+        id: its request id (``x-request-id``).
+        endpoint: embeddings or images.
+        items: its prompts (images or embeddings asked for).
+        queued_s: how long it has waited.
+        priority: its priority (higher first, with ageing).
+    """
+
+    id: str
+    endpoint: str
+    items: int
+    queued_s: float
+    priority: int
+
+
+class RunningBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A batch running as one orchestrator request.
+
+    Attributes:
+        id: the batch's id (its requests' ids joined by ``+``), the ``request_id`` of
+            what it moves.
+        request_ids: the HTTP requests in it.
+        endpoint: embeddings or images.
+        stage: the stage whose components it holds now; None between stages.
+        step: the denoising steps it has done in its stage.
+        steps: the denoising steps it runs.
+    """
+
+    id: str
+    request_ids: tuple[str, ...]
+    endpoint: str
+    stage: str | None
+    steps: int
+    step: int
+
+
+class ResidentInterval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One bar of the residency timeline (the gantt ``run --timeline`` writes).
+
+    Attributes:
+        component: the component that was resident.
+        start: seconds since the pipeline started, when it went resident.
+        stop: when it left (the last move's time, for one still resident).
+        request_id: the request its offload happened for, if any.
+    """
+
+    component: str
+    start: float
+    stop: float
+    request_id: str | None
+
+
+class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One served pipeline as the page shows it.
+
+    Attributes:
+        name: the pipeline (the OpenAI ``model``).
+        phase: where its worker stands (starting, ready, draining, failed).
+        budget: ``memory.device_budget`` in bytes; None when unlimited.
+        resident_bytes: the bytes its components hold on the device now.
+        stages: the stages in timeline order.
+        components: its components, in spec order.
+        waiting: the requests waiting for memory, first in line first.
+        queued: the requests waiting for a batch, oldest first.
+        running: the batches running now.
+        timeline: the resident intervals of its last moves, per component in spec order.
+    """
+
+    name: str
+    phase: str
+    budget: int | None
+    resident_bytes: int
+    stages: tuple[str, ...]
+    components: tuple[ComponentStatus, ...]
+    waiting: tuple[WaitingRequest, ...]
+    queued: tuple[QueuedRequest, ...]
+    running: tuple[RunningBatch, ...]
+    timeline: tuple[ResidentInterval, ...]
+
+
+class StatusSnapshot(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="status.snapshot"
+):
+    """Every served pipeline at one moment (the stream's ``status.snapshot``).
+
+    Attributes:
+        pipelines: each pipeline's status.
+    """
+
+    pipelines: tuple[PipelineStatus, ...]
+
+
+def pipeline_status(
+    orchestrator: Orchestrator, batcher: Batcher | None, phase: str, moves: Sequence[Move]
+) -> PipelineStatus:
+    """Return one pipeline's status now.
+
+    Args:
+        orchestrator: the pipeline.
+        batcher: its queue, None before it is ready.
+        phase: its worker's phase.
+        moves: its last moves, oldest first (the timeline's bars).
+    """
+    spec = orchestrator.spec
+    budget = spec.memory.device_budget
+    views = [orchestrator.component(name) for name in spec.components]
+    components = tuple(
+        ComponentStatus(
+            name=view.name,
+            kind=view.spec.kind,
+            state=view.state.value,
+            users=view.in_use_by,
+            residency=view.spec.residency_mode,
+            target=None
+            if view.spec.residency_mode is ResidencyMode.RESIDENT
+            else spec.memory.offload_target,
+            footprint=view.footprint,
+            resident_bytes=view.resident_bytes,
+        )
+        for view in views
+    )
+    waiting = tuple(
+        WaitingRequest(request_id=rid, stage=stage.name, components=stage.uses)
+        for rid, stage in orchestrator.waiter.waiting()
+    )
+    queued: tuple[QueuedRequest, ...] = ()
+    running: tuple[RunningBatch, ...] = ()
+    if batcher is not None:
+        view = batcher.view()
+        now = time.monotonic()
+        queued = tuple(
+            QueuedRequest(
+                id=job.id,
+                endpoint=job.key.endpoint,
+                items=len(job.prompts),
+                queued_s=round(now - arrived, 3),
+                priority=job.priority,
+            )
+            for job, arrived in view.queued
+        )
+        running = tuple(
+            RunningBatch(
+                id=batch_id,
+                request_ids=tuple(job.id for job in jobs),
+                endpoint=jobs[0].key.endpoint,
+                stage=_stage_held(
+                    orchestrator, {c.name for c in components if batch_id in c.users}
+                ),
+                steps=jobs[0].key.steps,
+                step=step,
+            )
+            for batch_id, jobs, step in view.running
+        )
+    intervals = resident_intervals(list(spec.components), moves)
+    timeline = tuple(
+        ResidentInterval(component=name, start=start, stop=stop, request_id=request_id)
+        for name, found in intervals.items()
+        for start, stop, request_id in found
+    )
+    return PipelineStatus(
+        name=spec.name,
+        phase=phase,
+        budget=None if isinstance(budget, msgspec.UnsetType) else int(budget),
+        resident_bytes=sum(c.resident_bytes for c in components),
+        stages=tuple(stage.name for stage in spec.stages),
+        components=components,
+        waiting=waiting,
+        queued=queued,
+        running=running,
+        timeline=timeline,
+    )
+
+
+def _stage_held(orchestrator: Orchestrator, held: set[str]) -> str | None:
+    """Return the stage whose components a request holds: the one it is in."""
+    if not held:
+        return None
+    for stage in orchestrator.spec.stages:
+        if set(stage.uses) == held:
+            return stage.name
+    return None
+
+
+def worker_status(worker: Worker) -> StatusSnapshot:
+    """Return every pipeline the worker serves, now."""
+    orchestrator = worker.orchestrator
+    moves = worker.board.recent_moves(worker.name)
+    phase = worker.phase.value
+    return StatusSnapshot(pipelines=(pipeline_status(orchestrator, worker.batcher, phase, moves),))

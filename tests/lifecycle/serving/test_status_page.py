@@ -1,0 +1,138 @@
+"""The status page in a real browser: the distribution's Chromium, driven by Playwright.
+
+The page is read through its DOM (states, byte figures, request ids, refusal codes),
+never its pixels. Screenshots at desktop and phone width go to the test's folder.
+Where no Chromium is installed (``apt-get install chromium``), these tests skip.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.lifecycle.serving.command import serving
+from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.streams import evicting_spec
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+TEXT_ENCODER_BYTES = 138_240
+"""The tiny text encoder's footprint (its kind's seeded defaults, float32)."""
+
+PIPELINE = 'section[data-pipeline="tiny-t2i"]'
+
+RECORDER = """(selector) => {
+  const root = document.querySelector(selector);
+  const seen = {states: [], queued: [], used: []};
+  const keep = (list, value) => { if (list[list.length - 1] !== value) list.push(value); };
+  const record = () => {
+    const state = root.querySelector('tr[data-component="text_encoder"] td.state span');
+    if (state) keep(seen.states, state.textContent);
+    keep(seen.queued, root.querySelectorAll('.queued tbody tr').length);
+    const bar = root.querySelector('.bar');
+    if (bar.dataset.used !== undefined) keep(seen.used, Number(bar.dataset.used));
+  };
+  new MutationObserver(record).observe(root, {subtree: true, childList: true,
+    attributes: true, characterData: true});
+  record();
+  window.seenByTest = seen;
+}"""
+"""Records, after every change of the page, the text encoder's state, the queue's length
+and the bytes the budget bar shows (each value once per change)."""
+
+IDLE = """(p) => !document.querySelector(`${p} .queued tbody tr, ${p} .running tbody tr`)"""
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> Iterator[Any]:
+    """A fresh headless Chromium page (a new profile in the test's folder)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no Chromium on this machine: `apt-get install chromium` to run the page tests")
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=chromium,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport=DESKTOP,
+        )
+        context.set_default_timeout(WATCHDOG_S * 1000)
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+
+
+def generate(url: str, body: dict[str, object]) -> int:
+    """Send one image request; return its status."""
+    answer = httpx.post(url + "/v1/images/generations", json=body, timeout=WATCHDOG_S)
+    return answer.status_code
+
+
+class TestStatusPageInABrowser:
+    def test_page_follows_a_run_live(self, page: Any, root: Path, tmp_path: Path) -> None:
+        """Under requests that evict, the page shows the text encoder go resident then
+        offloaded, the budget bar move within its limit, the queue fill and drain, and a
+        refused override with its code and fix; it fits a phone's width."""
+        spec = evicting_spec(root, tmp_path)
+        with serving(spec) as (_, url):
+            page.goto(url + "/")
+            page.wait_for_selector('#connection[data-state="live"]')
+            page.wait_for_selector(f'{PIPELINE} tr[data-component="text_encoder"]')
+            page.evaluate(RECORDER, PIPELINE)
+            bodies = [{"prompt": f"a fox {i}", "steps": 4, "seed": i} for i in range(6)]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                statuses = list(pool.map(lambda body: generate(url, body), bodies))
+            assert statuses == [200] * len(bodies)
+            assert generate(url, {"prompt": "a fox", "attention_backend": "sliding_window"}) == 400
+            refusal = page.wait_for_selector(
+                f'{PIPELINE} .refusal-list li[data-code="attention.invalid_override"]'
+            )
+            page.wait_for_function(IDLE, arg=PIPELINE)
+            seen = page.evaluate("window.seenByTest")
+            row = page.locator(f'{PIPELINE} tr[data-component="text_encoder"]')
+            footprint = row.locator("td.bytes").get_attribute("data-footprint")
+            bar = page.locator(f"{PIPELINE} .bar")
+            limit = bar.get_attribute("data-limit")
+            figures = page.locator(f"{PIPELINE} .figures").inner_text()
+            occupied = page.locator(f"{PIPELINE} .diagram .state.occupied").evaluate_all(
+                "nodes => nodes.map(n => n.dataset.state)"
+            )
+            page.screenshot(path=tmp_path / "status-1280x800.png", full_page=True)
+            page.set_viewport_size(PHONE)
+            page_width = page.evaluate("document.documentElement.scrollWidth")
+            page.screenshot(path=tmp_path / "status-390x844.png", full_page=True)
+            refusal_text = refusal.inner_text()
+        first_resident = seen["states"].index("resident")
+        assert "offloaded" in seen["states"][first_resident:]
+        assert max(seen["queued"]) >= 1
+        assert seen["queued"][-1] == 0
+        assert max(seen["used"]) > 0
+        assert all(used <= 300_000 for used in seen["used"])
+        assert footprint == str(TEXT_ENCODER_BYTES)
+        assert limit == "300000"
+        assert "of a 293.0 KiB budget" in figures
+        assert "offloaded" in occupied
+        assert "attention.invalid_override" in refusal_text
+        assert "fix: name a backend" in refusal_text
+        assert page_width <= PHONE["width"]  # the diagram scrolls in its card, not the page
+        for name in ("status-1280x800.png", "status-390x844.png"):
+            assert (tmp_path / name).stat().st_size > 10_000
