@@ -1,16 +1,19 @@
 """The DiT comparisons of ``python -m benchmarks archs``: our DiTs against diffusers' classes.
 
 Both load the same folder (seeded weights written by diffusers' ``save_pretrained``):
-ours through the custom path (``flux_transformer`` / ``pixart_transformer``), diffusers'
-class through the native path. Each table times the two in interleaved rounds (order
-reversed every round), at one intra-op thread and at every CPU; times are medians over
-rounds, the ratio the median over rounds of ours / diffusers' within a round.
+ours through the custom path (``flux_transformer``, ``pixart_transformer``,
+``sd3_transformer``), diffusers' class through the native path. Each table times the
+two in interleaved rounds (order reversed every round), at one intra-op thread and at
+every CPU; times are medians over rounds, the ratio the median over rounds of ours /
+diffusers' within a round.
 
 - ``step_table``: one denoising step (one DiT forward, one request) in float32 and
   bfloat16. Flux-like blocks at width 1024 (8 heads of 128; one double-stream and one
   single-stream block; a 256 x 256 image, 256 tokens, and 256 text tokens) and a
   PixArt-like DiT at width 1024 (16 heads of 64, two blocks, 256 image tokens, T5 text
-  padded to 120 tokens of which 24 are real). Target: ratio <= 0.9.
+  padded to 120 tokens of which 24 are real), and an SD3-like MMDiT at width 1024 (16
+  heads of 64, two joint blocks, 256 image tokens and 256 text tokens). Target: ratio
+  <= 0.9.
 - ``mixed_table``: four requests of four sizes (128 to 320 pixels a side) in one packed
   forward (ours) against one call per request (diffusers cannot batch mixed sizes).
   Throughput is requests per second; target: ours >= 1.5x.
@@ -37,6 +40,7 @@ from components import registry
 from components.kinds.dit.flux import FluxInputs
 from components.kinds.dit.loader import DitLoader
 from components.kinds.dit.pixart import PixArtInputs
+from components.kinds.dit.sd3 import Sd3Inputs
 
 ROUNDS = 5
 DTYPES = (torch.float32, torch.bfloat16)
@@ -63,6 +67,20 @@ PIXART = {
     "out_channels": 8,
     "cross_attention_dim": 1024,
 }
+SD3 = {
+    "sample_size": 32,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 2,
+    "attention_head_dim": 64,
+    "num_attention_heads": 16,
+    "joint_attention_dim": 1024,
+    "caption_projection_dim": 1024,
+    "pooled_projection_dim": 256,
+    "out_channels": 16,
+    "pos_embed_max_size": 96,
+}
+KINDS = {"flux": "flux_transformer", "pixart": "pixart_transformer", "sd3": "sd3_transformer"}
 STEP_SIDE = 256
 """The image side of a one-step request, in pixels (8 pixels a latent, 2 x 2 latents a token)."""
 MIXED_SIDES = (128, 192, 256, 320)
@@ -73,11 +91,13 @@ PIXART_TEXT = (120, 24)
 
 def write_dit(folder: Path, family: str) -> Path:
     """Write a seeded diffusers DiT of ``family`` (bench size) into ``folder/transformer``."""
-    from diffusers import FluxTransformer2DModel, PixArtTransformer2DModel
+    from diffusers import FluxTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel
 
     torch.manual_seed(0)
     if family == "flux":
         model: Any = FluxTransformer2DModel(**FLUX)
+    elif family == "sd3":
+        model = SD3Transformer2DModel(**SD3)
     else:
         model = PixArtTransformer2DModel(**PIXART)
     model.save_pretrained(str(folder / "transformer"))
@@ -86,8 +106,7 @@ def write_dit(folder: Path, family: str) -> Path:
 
 def both(path: Path, family: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
     """Load ours (custom, armed) and diffusers' class (native) from one folder in ``dtype``."""
-    kind = {"flux": "flux_transformer", "pixart": "pixart_transformer"}[family]
-    loader = registry.get(kind).from_options({"path": str(path)})
+    loader = registry.get(KINDS[family]).from_options({"path": str(path)})
     assert isinstance(loader, DitLoader)
     loader.dtype = dtype
     with capture_logs():  # keep the selection events out of the printed table
@@ -113,6 +132,13 @@ def request(family: str, side: int, dtype: torch.dtype, seed: int) -> Any:
             img_ids=ids,
             txt_ids=torch.zeros(TEXT_TOKENS, 3),
             guidance=torch.tensor([3.5]),
+        )
+    if family == "sd3":
+        return Sd3Inputs(
+            hidden_states=torch.randn(1, 16, latents, latents, generator=generator).to(dtype),
+            encoder_hidden_states=torch.randn(1, TEXT_TOKENS, 1024, generator=generator).to(dtype),
+            pooled_projections=torch.randn(1, 256, generator=generator).to(dtype),
+            timestep=torch.tensor([500.0]),
         )
     padded, real = PIXART_TEXT
     mask = torch.zeros(1, padded, dtype=torch.int64)
@@ -209,6 +235,6 @@ def mixed_table(folders: dict[str, Path]) -> None:
 def main() -> None:
     """Write the bench DiTs once and print both tables."""
     with tempfile.TemporaryDirectory() as root:
-        folders = {family: write_dit(Path(root) / family, family) for family in ("flux", "pixart")}
+        folders = {family: write_dit(Path(root) / family, family) for family in KINDS}
         step_table(folders)
         mixed_table(folders)

@@ -38,7 +38,7 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     """One DiT under one layout.
 
     Attributes:
-        family: ``pixart`` or ``flux`` (the folder's pipeline family).
+        family: ``pixart``, ``flux`` or ``sd3`` (the folder's pipeline family).
         folder: the pipeline folder.
         layout: the lines of the ``[parallel]`` table.
         direct: build through the loader outside the lifecycle (DTensor weights).
@@ -63,27 +63,32 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 def run_dit_case(case: DitCase) -> Ran:
     """Run ``case`` on this rank: each group's output, and the weight bytes held here."""
-    return _run(case, split=True)
+    ran, _ = _run(case, split=True)
+    return ran
 
 
-def run_dit_alone(case: DitCase) -> Ran:
-    """Run ``case``'s DiT in this one process, unsplit."""
+def run_dit_alone(case: DitCase) -> tuple[Ran, int]:
+    """Run ``case``'s DiT in this one process, unsplit; also return its blocks' bytes."""
     return _run(case, split=False)
 
 
-def _run(case: DitCase, *, split: bool) -> Ran:
+def _run(case: DitCase, *, split: bool) -> tuple[Ran, int]:
     spec = decode_spec(case.spec(split=split))
     options = spec.components["transformer"].options
     loader = registry.get(KINDS[case.family]).from_options(options)
     assert isinstance(loader, DitLoader)
     groups = mixed_groups(case.family, loader.config)
     if split and case.direct:
-        module = _built_outside(loader, spec.parallel)
-        return Ran(_outputs(module, groups), module_bytes(module), {})
+        return _measured(loader, _built_outside(loader, spec.parallel), groups)
     with Orchestrator(spec) as orchestrator:
         orchestrator.load()
-        module = orchestrator.module("transformer")
-        return Ran(_outputs(module, groups), module_bytes(module), {})
+        return _measured(loader, orchestrator.module("transformer"), groups)
+
+
+def _measured(loader: DitLoader, module: torch.nn.Module, groups: list[object]) -> tuple[Ran, int]:
+    blocks = loader.blocks(module) or []
+    ran = Ran(_outputs(module, groups), module_bytes(module), {})
+    return ran, sum(module_bytes(block) for block in blocks)
 
 
 def _built_outside(loader: DitLoader, layout: ParallelLayout) -> torch.nn.Module:
