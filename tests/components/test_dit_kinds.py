@@ -341,7 +341,7 @@ class TestWithoutDiffusers:
         saved = tmp_path / "expected.pt"
         torch.save((groups, native_outputs(loader.build("native"), groups)), saved)
         folder = str(loader.folder)
-        result = run_python(root, "-c", WITHOUT_DIFFUSERS, KINDS[family], folder, str(saved))
+        result = run_python(WITHOUT_DIFFUSERS, KINDS[family], folder, str(saved), cwd=root)
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines() == [
             "the diffusers package is not installed (pip install 'pipeline-lifecycle[diffusers]')",
