@@ -9,7 +9,7 @@ SPEC ?= examples/tiny_t2i.toml
 # The pipelines whose admitted plan the README shows as a picture (diagrams/NAME_plan.svg).
 DIAGRAM_SPECS := --spec examples/tiny_t2i.toml
 
-.PHONY: run test test-slow lint diagrams check-diagrams bench gpu-check fuzz clean
+.PHONY: run test test-slow lint diagrams check-diagrams bench gpu-check fuzz folder clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,13 @@ check-diagrams: $(STAMP)
 # Copy a failure hypothesis prints into tests/lifecycle/fuzz_corpus/ to keep it.
 fuzz: $(STAMP)
 	LIFECYCLE_FUZZ=long $(PY) -m pytest -q -p no:cacheprovider tests/lifecycle/test_fuzz.py
+
+# A diffusers-format pipeline folder with seeded weights, written by diffusers' own classes:
+# `make folder` (PixArt-alpha in .lifecycle/pixart), or FAMILY=flux|sd3|pixart-sigma.
+FAMILY ?= pixart
+FOLDER ?= .lifecycle/$(FAMILY)
+folder: $(STAMP)
+	$(PY) -m benchmarks.make_pipeline $(FAMILY) $(FOLDER)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

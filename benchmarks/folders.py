@@ -3,16 +3,18 @@
 Writes one ``--size bench`` folder per family (``benchmarks.make_pipeline``: seeded
 weights, a few hundred MB each), then, side by side in one run:
 
-- **load**: ours (read the folder, size it from its headers, build every component
-  natively on ``meta`` and hand it the mapped weights) against diffusers'
-  ``DiffusionPipeline.from_pretrained`` (with accelerate, as the ``bench`` extra
-  installs it: meta init and mapped weights too). Time: median of interleaved
+- **load**: ours is the orchestrator's: read the folder as a spec, ``admit()`` (configs,
+  headers, a ``meta`` build of every class) and ``load()`` (every component built on
+  ``meta`` and handed the mapped weights, placed resident), closed again; against
+  diffusers' ``DiffusionPipeline.from_pretrained`` (with accelerate, as the ``bench``
+  extra installs it: meta init and mapped weights too). Time: median of interleaved
   in-process rounds, page cache warm for both. Peak memory: each in a fresh process,
   the growth of the peak resident set over the process after its imports, every weight
   touched once so both count their pages.
-- **request**: one request end to end (prompt in, image out) through the recipe's stages
-  on the modules built above, against the pipeline's own call with the same arguments;
-  one intra-op thread; median of interleaved rounds. The images are compared too.
+- **request**: one request end to end (prompt in, image out) through the loaded
+  orchestrator (``request.run_all``: every stage, its components resident), against the
+  pipeline's own call with the same arguments; one intra-op thread; median of
+  interleaved rounds. The images are compared too.
 
 Targets (issue 19): load time <= 1.0x and peak RSS <= 1.1x; request <= 1.05x. Component
 offload to host against ``enable_model_cpu_offload`` needs a CUDA device and is skipped
@@ -29,16 +31,17 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from attention import Platform
 from benchmarks.attention_overhead import interleaved, one_thread
 from benchmarks.make_pipeline import Family, write_pipeline
 from components.batch import Batch
-from components.folders.pipeline import FolderPipeline
 from components.libraries import is_importable
-from components.recipes import Recipe
+from lifecycle.config import load_spec
+from lifecycle.orchestrator import Orchestrator
 
 FAMILIES: tuple[Family, ...] = ("pixart", "flux", "sd3")
 PROMPT = "A watercolour painting of a lighthouse in a storm at dusk"
@@ -48,23 +51,12 @@ LOAD_ROUNDS = 5
 REQUEST_ROUNDS = 5
 
 
-class Loaded(NamedTuple):
-    """A folder's recipe and the modules its components built."""
-
-    recipe: Recipe
-    modules: dict[str, torch.nn.Module]
-
-
-def load_ours(folder: Path) -> Loaded:
-    """Read ``folder`` and build every component natively, as admission and load would."""
-    pipeline = FolderPipeline.read(folder)
-    assert pipeline.recipe is not None, pipeline.problems
-    assert not pipeline.problems, pipeline.problems
-    loaders = pipeline.loaders()
-    for loader in loaders.values():
-        loader.declared_bytes()  # admission sizes every component from its headers
-    recipe = pipeline.recipe(pipeline.model_index, loaders)
-    return Loaded(recipe, {name: loader.build("native") for name, loader in loaders.items()})
+def load_ours(folder: Path) -> Orchestrator:
+    """Read ``folder`` as a spec, admit it and load it on the CPU (every component resident)."""
+    orchestrator = Orchestrator(load_spec(folder), platform=Platform("cpu"))
+    orchestrator.admit()
+    orchestrator.load()
+    return orchestrator
 
 
 def load_diffusers(folder: Path) -> Any:
@@ -76,8 +68,8 @@ def load_diffusers(folder: Path) -> Any:
     return pipeline
 
 
-def request_ours(loaded: Loaded, guidance: float) -> torch.Tensor:
-    """Run one request through the recipe's stages; return the image in [0, 1]."""
+def request_ours(orchestrator: Orchestrator, guidance: float) -> torch.Tensor:
+    """Run one request through the orchestrator; return the image in [0, 1]."""
     batch = Batch(
         generator=torch.Generator("cpu").manual_seed(0),
         steps=STEPS,
@@ -85,10 +77,8 @@ def request_ours(loaded: Loaded, guidance: float) -> torch.Tensor:
         guidance_scale=guidance,
         image_size=SIZE,
     )
-    with torch.inference_mode():
-        for stage in loaded.recipe.stages:
-            modules = {name: loaded.modules[name] for name in stage.uses}
-            loaded.recipe.run(stage.name, modules, batch)
+    with orchestrator.request() as request:
+        request.run_all(batch)
     assert isinstance(batch.images, torch.Tensor)  # one size: one tensor
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
@@ -129,7 +119,11 @@ folder, method = Path(sys.argv[1]), sys.argv[2]
 before = status("VmRSS:")
 Path("/proc/self/clear_refs").write_text("5")  # the peak starts at the current RSS
 loaded = load_ours(folder) if method == "ours" else load_diffusers(folder)
-modules = loaded.modules.values() if method == "ours" else loaded.components.values()
+modules = (
+    [loaded.module(name) for name in loaded.spec.components]
+    if method == "ours"
+    else loaded.components.values()
+)
 touched = sum(
     float(p.sum()) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()
 )
@@ -160,11 +154,12 @@ def measure(family: Family, folder: Path) -> dict[str, float]:
     """Measure the load and one request of ``family``'s bench folder, ours beside diffusers'."""
     with one_thread():
         loads: dict[str, Callable[[], object]] = {
-            "ours": lambda: load_ours(folder),
+            "ours": lambda: load_ours(folder).close(),  # closed, so rounds do not pile up
             "diffusers": lambda: load_diffusers(folder),
         }
         load_times = interleaved(loads, rounds=LOAD_ROUNDS, inner=1)
         ours, theirs = load_ours(folder), load_diffusers(folder)
+        assert ours.recipe is not None
         guidance = ours.recipe.default_guidance
         requests: dict[str, Callable[[], object]] = {
             "ours": lambda: request_ours(ours, guidance),
@@ -174,6 +169,7 @@ def measure(family: Family, folder: Path) -> dict[str, float]:
         difference = float(
             (request_ours(ours, guidance) - request_diffusers(theirs, guidance)).abs().max()
         )
+        ours.close()
     rss = {method: peak_growth(folder, method) for method in ("ours", "diffusers")}
     return {
         "load_ours": statistics.median(load_times["ours"]),

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
 import msgspec
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from components.batch import Batch, Port
+from components.dtypes import DType
 from components.mesh import ComponentParallel
 from components.offload.base import OffloadError
 from components.sites import AttentionSite
@@ -101,11 +103,15 @@ class ComponentLoader:
     them (``T5EncoderModel``): a folder's component of such a class is of this kind."""
     switchable_backends: ClassVar[bool] = False
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
+    dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
+    """The dtypes this kind builds its floating weights in (``dtype`` must be one)."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options
         self.parallel: ComponentParallel | None = None
         """How this component is split on this rank; set before ``build`` (None: whole)."""
+        self.dtype: torch.dtype = torch.float32
+        """The dtype of its floating weights once built; set before sizing or building."""
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any]) -> Self:

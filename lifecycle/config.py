@@ -24,8 +24,10 @@ from msgspec import UNSET, UnsetType
 from attention import AttentionRole, registry
 from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMode
 from components import registry as kinds
+from components.dtypes import DType
 from components.loader import ComponentLoader
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
+from lifecycle.sources import SOURCE, SourceError, resolve_source
 
 Loader = Literal["custom", "native"]
 Device = Literal["cpu", "cuda", "auto"]
@@ -156,6 +158,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             any of ``all``, ``self``, ``cross`` (a role key beats ``all``).
         loader: an explicit choice of the custom or native loading path.
         layerwise: block streaming settings, for ``layerwise_offload`` only.
+        dtype: the dtype of its floating weights; the pipeline's ``dtype`` when absent.
         options: the kind's own options, validated by the kind.
     """
 
@@ -164,6 +167,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     attention_backend: str | dict[str, str] | UnsetType = UNSET
     loader: Loader | UnsetType = UNSET
     layerwise: LayerwiseConfig | UnsetType = UNSET
+    dtype: DType | UnsetType = UNSET
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
@@ -207,32 +211,54 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
     Attributes:
         name: the pipeline's name.
+        source: the diffusers-format folder the components and stages come from
+            (``lifecycle.sources``; absolute once decoded), or unset.
         device: where it runs; ``auto`` picks CUDA when present.
+        dtype: the dtype of every component's floating weights that sets none;
+            ``float32`` when absent.
         attention: pipeline-wide attention settings.
         parallel: the parallel layout.
         memory: the memory budget and offload target.
         serving: queueing and batching for ``lifecycle serve``.
-        components: the components by name.
+        components: the components by name (at least one, unless from a folder that
+            refuses every one).
         stages: the stages of a request, in timeline order.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
-    components: Annotated[dict[str, ComponentSpec], msgspec.Meta(min_length=1)]
+    components: dict[str, ComponentSpec]
+    source: str | UnsetType = UNSET
     device: Device = "auto"
+    dtype: DType | UnsetType = UNSET
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     parallel: ParallelLayout = msgspec.field(default_factory=ParallelLayout)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
     stages: tuple[StageSpec, ...] = ()
 
+    def dtype_of(self, name: str) -> DType:
+        """Return the dtype of component ``name``: its own, else the pipeline's, else float32."""
+        own = self.components[name].dtype
+        if not isinstance(own, UnsetType):
+            return own
+        return "float32" if isinstance(self.dtype, UnsetType) else self.dtype
+
 
 def load_spec(path: str | Path) -> PipelineSpec:
     """Read and decode the spec at ``path``; the format follows its extension.
 
+    A folder is read as the spec ``source = "path"``: the pipeline a diffusers-format
+    folder holds, with nothing overridden.
+
     Raises:
-        ConfigError: the file is missing or unreadable, or the spec is bad.
+        ConfigError: the file is missing or unreadable, or the spec (or its folder) is bad.
     """
     source = str(path)
+    if Path(path).is_dir():
+        try:
+            return _decoded({SOURCE: source}, Path())
+        except ConfigError as err:
+            raise ConfigError(err.message, err.path, source) from None
     try:
         with Path(path).open("rb") as file:
             data = file.read(MAX_SPEC_BYTES + 1)
@@ -244,22 +270,36 @@ def load_spec(path: str | Path) -> PipelineSpec:
     except UnicodeDecodeError:
         raise ConfigError("the spec is not UTF-8 text", source=source) from None
     try:
-        return decode_spec(text, Path(path).suffix.lstrip(".").lower())
+        return decode_spec(text, Path(path).suffix.lstrip(".").lower(), Path(path).parent)
     except ConfigError as err:
         raise ConfigError(err.message, err.path, source) from None
 
 
-def decode_spec(text: str, fmt: str = "toml") -> PipelineSpec:
+def decode_spec(text: str, fmt: str = "toml", base: Path | None = None) -> PipelineSpec:
     """Decode the spec in ``text`` written in ``fmt`` (toml, json, yaml or yml).
+
+    A ``source`` folder is read relative to ``base`` (the spec file's folder; the working
+    directory when None).
 
     Raises:
         ConfigError: bad syntax, unknown keys, wrong types or values, unknown
-            backend names, or a stage naming an undeclared component.
+            backend names, a stage naming an undeclared component, or a ``source``
+            folder that is missing, malformed, or does not have what the spec names.
     """
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise ConfigError(_TOO_LARGE)
     raw = _parse(text, fmt)
     _check_shape(raw)
+    return _decoded(raw, base or Path())
+
+
+def _decoded(raw: object, base: Path) -> PipelineSpec:
+    """Decode a parsed spec, its ``source`` folder (read relative to ``base``) resolved."""
+    if isinstance(raw, dict) and SOURCE in raw:
+        try:
+            raw = resolve_source(raw, base)
+        except SourceError as err:
+            raise ConfigError(err.message, err.path) from None
     # msgspec writes a dict key as `[...]` in its error paths; converting each
     # component on its own lets the error name the component.
     if isinstance(raw, dict) and isinstance(raw.get("components"), dict):
@@ -442,6 +482,12 @@ def _enum_values(info: msgspec.inspect.Type) -> list[object]:
 
 def _check(spec: PipelineSpec) -> None:
     """Check what the types cannot say; raise ConfigError at the first problem."""
+    if not spec.components and isinstance(spec.source, UnsetType):
+        raise ConfigError(
+            "Expected at least one component, got none: add a [components.NAME] table, or "
+            'name a pipeline folder with source = "path"',
+            "$.components",
+        )
     _check_attention(spec)
     _check_components(spec)
     _check_names(spec.components, sorted(spec.parallel.fsdp), "$.parallel.fsdp")

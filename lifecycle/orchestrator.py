@@ -19,6 +19,7 @@ from types import TracebackType
 
 import msgspec
 import torch
+from msgspec import UnsetType
 from torch import nn
 
 from attention import Platform
@@ -26,7 +27,9 @@ from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
 from components.batch import Left
 from components.mesh import ParallelMesh
+from components.recipes import Recipe
 from lifecycle import admission as adm
+from lifecycle.admission.folder import open_folder
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
 from lifecycle.events import Observer, Observers, Refused, RequestBegan, RequestEnded
@@ -119,10 +122,17 @@ class Orchestrator:
         )
         self._request_ids = itertools.count(1)
         self._switch = BackendSwitch(self._slots, self.platform)
+        loaders = adm.component_loaders(spec)
         for name, component in spec.components.items():
             lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
             self._machine.add_component(lifecycle)
-            self._slots[name] = ComponentSlot(name, component, lifecycle)
+            self._slots[name] = ComponentSlot(name, component, lifecycle, loaders[name])
+        self.recipe: Recipe | None = (
+            None if isinstance(spec.source, UnsetType) else open_folder(spec, loaders).recipe
+        )
+        """How a request runs the stages of a pipeline from a folder (its pipeline class's
+        recipe, on the components' loaders); None for a pipeline of kinds, whose stages
+        each kind runs itself, and for a folder admission refuses."""
 
     @classmethod
     def from_file(
@@ -245,7 +255,7 @@ class Orchestrator:
             if rid in self._stages.open_requests:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
             self._stages.open_requests.add(rid)
-        request = Request(self._stages, rid, priority)
+        request = Request(self._stages, rid, priority, self.recipe)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
         # a request of N components makes only 2N moves to share what it costs (issue 12)
@@ -371,9 +381,13 @@ class Orchestrator:
                     loader=None if slot.plan is None else slot.plan.loader,
                     residency=slot.spec.residency_mode,
                     attention=() if slot.plan is None else slot.plan.attention,
+                    dtype=self.spec.dtype_of(name),
+                    bytes=None if slot.plan is None else slot.plan.bytes,
                 )
                 for name, slot in self._slots.items()
             },
+            stages={stage.name: stage.uses for stage in self.spec.stages},
+            source=None if isinstance(self.spec.source, UnsetType) else self.spec.source,
             refusals=tuple(
                 RefusalReport(
                     component=r.component,

@@ -6,6 +6,7 @@ import msgspec
 
 from attention import AttentionRole, Provenance
 from components import ResidencyMode
+from components.dtypes import DType
 from components.loader import LoaderPath
 from lifecycle.refusals import RefusalCode
 from lifecycle.states import ComponentState
@@ -38,12 +39,17 @@ class ComponentPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         residency: how it is kept on the device.
         attention: the plan of each declared attention site (none for a native
             path; unknown sites of a generic kind are chosen at load).
+        dtype: the dtype of its floating weights.
+        bytes: the bytes its weights take once loaded, declared by its kind or read from
+            its weights' headers; None when unknown before it is built.
     """
 
     kind: str
     loader: LoaderPath | None
     residency: ResidencyMode
     attention: tuple[SitePlan, ...] = ()
+    dtype: DType = "float32"
+    bytes: int | None = None
 
 
 class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +61,10 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         loader: the loading path, or None when none is admissible.
         residency: how it is kept on the device.
         attention: the backend of each attention site.
+        dtype: the dtype of its floating weights.
+        bytes: the bytes its weights take once loaded, known before loading (admission
+            reads them from the kind or the weights' headers); None before admission or
+            when unknown.
     """
 
     kind: str
@@ -62,6 +72,8 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     loader: LoaderPath | None
     residency: ResidencyMode
     attention: tuple[SitePlan, ...]
+    dtype: DType = "float32"
+    bytes: int | None = None
 
 
 class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -82,12 +94,16 @@ class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         admitted: whether admission passed.
         components: each component's snapshot.
         refusals: every reason admission was refused (empty when admitted).
+        stages: each stage's components, in timeline order.
+        source: the folder the pipeline comes from, if any.
     """
 
     pipeline: str
     admitted: bool
     components: dict[str, ComponentSnapshot]
     refusals: tuple[RefusalReport, ...] = ()
+    stages: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
+    source: str | None = None
 
 
 class AdmissionPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

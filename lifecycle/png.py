@@ -12,11 +12,15 @@ _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def encode_png(image: torch.Tensor) -> bytes:
-    """Return ``image`` ``(3, H, W)`` with values in [-1, 1] as an 8-bit RGB PNG."""
+    """Return ``image`` ``(3, H, W)`` with values in [-1, 1] as an 8-bit RGB PNG.
+
+    Pixels are quantised as diffusers' image processor does (``(x / 2 + 0.5).clamp(0, 1)``
+    times 255, rounded), so an image equal to a diffusers pipeline's has its very pixels.
+    """
     channels, height, width = image.shape
     if channels != 3:
         raise ValueError(f"expected an RGB image (3, H, W), got shape {tuple(image.shape)}")
-    pixels = ((image.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    pixels = ((image.detach().float().cpu() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     rows = pixels.permute(1, 2, 0).reshape(height, width * 3)  # (H, W*3), RGB interleaved
     # each scanline starts with its filter type; 0 = none
     raw = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), rows], dim=1).numpy().tobytes()

@@ -89,7 +89,14 @@ class RefusalCode(StrEnum):
         "loader.unavailable",
         True,
         "no loading path can build the component here: an explicit path the kind lacks "
-        "or cannot import, a missing weights file, or a CUDA device that is not there",
+        "or cannot import, a missing weights file, a CUDA device that is not there, or a "
+        "dtype the kind or the device cannot run",
+    )
+    UNSAFE_WEIGHTS = (
+        "loader.unsafe_weights",
+        True,
+        "a folder's component holds its weights only in pickled files (.bin, .pt), which "
+        "are never read: loading them would run code from the file",
     )
     UNDECLARED_USE = (
         "residency.undeclared_use",
@@ -154,6 +161,18 @@ class RefusalCode(StrEnum):
         "parallel.invalid_layout",
         True,
         "the parallel layout breaks an invariant across its keys, or cannot run here",
+    )
+    UNSUPPORTED_CLASS = (
+        "pipeline.unsupported_class",
+        True,
+        "a folder's pipeline class has no recipe here, or one of its components has a "
+        "class no installed kind loads",
+    )
+    CUSTOM_CODE = (
+        "pipeline.custom_code",
+        True,
+        "a folder's model_index.json names a module shipped in the folder: code that is "
+        "never imported (no trust_remote_code)",
     )
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from components import ResidencyMode
 from components.batch import Batch, Cancelled, Left
+from components.recipes import Recipe
 from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs
@@ -149,18 +150,32 @@ class StageKeeper:
 class Request:
     """One request moving through the pipeline's stages (``Orchestrator.request``).
 
+    Args:
+        keeper: what moves the components around its stages.
+        request_id: its id.
+        priority: its place when stages wait for memory.
+        recipe: what runs a stage of a pipeline from a folder; None: each component's
+            kind runs itself.
+
     Attributes:
         id: the request's id, on every event it causes.
         priority: its place when stages wait for memory (higher first, with ageing).
         stages: the stages it entered, in order.
     """
 
-    def __init__(self, keeper: StageKeeper, request_id: str, priority: int = 0) -> None:
+    def __init__(
+        self,
+        keeper: StageKeeper,
+        request_id: str,
+        priority: int = 0,
+        recipe: Recipe | None = None,
+    ) -> None:
         self.id = request_id
         self.priority = priority
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self._keeper = keeper
+        self._recipe = recipe
         self._cancelled = False
         self._batch: Batch | None = None
         # one inference-mode guard for every stage: a request runs its stages one at a
@@ -203,13 +218,15 @@ class Request:
             self._keeper.leave(self.id, position)
 
     def run(self, stage: str, batch: Batch) -> None:
-        """Run one stage: each component's kind runs on what ``batch`` carries.
+        """Run one stage on what ``batch`` carries: the recipe's stage for a pipeline from a
+        folder, else each component's kind in turn.
 
         Rows cancelled through ``batch.cancellation`` leave before the stage and
         between its denoising steps; when none is left the stage raises ``Cancelled``.
 
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
+            ValueError: the batch asks a recipe for what its pipeline class cannot do.
             Cancelled: every row of ``batch`` was cancelled, or the request was.
         """
         # the body of ``stage()`` inlined: a generator context manager per stage is a
@@ -223,9 +240,12 @@ class Request:
             with self._inference:
                 position, modules = self._enter(stage, batch.drop_cancelled)
                 try:
-                    slots = self._keeper.slots
-                    for name, module in modules.items():
-                        slots[name].loader.run(module, batch)
+                    if self._recipe is not None:
+                        self._recipe.run(stage, modules, batch)
+                    else:
+                        slots = self._keeper.slots
+                        for name, module in modules.items():
+                            slots[name].loader.run(module, batch)
                 finally:
                     self._keeper.leave(self.id, position)
                 batch.drop_cancelled()  # what was cancelled during the stage leaves now

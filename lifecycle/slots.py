@@ -9,7 +9,6 @@ from torch import nn
 from attention import Attention
 from attention.layer import find_layers
 from components import ResidencyMode
-from components import registry as kinds
 from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
@@ -39,12 +38,18 @@ class ComponentSlot:
             in the budget until the onload transition completes it.
     """
 
-    def __init__(self, name: str, spec: ComponentSpec, lifecycle: ComponentLifecycle) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: ComponentSpec,
+        lifecycle: ComponentLifecycle,
+        loader: ComponentLoader,
+    ) -> None:
         self.name = name
         self.spec = spec
         self.mode: ResidencyMode = spec.residency_mode  # read on every move: resolved once
         self.lifecycle = lifecycle
-        self.loader: ComponentLoader = kinds.get(spec.kind).from_options(spec.options)
+        self.loader = loader
         self.admission: ComponentAdmission | None = None
         self._module: nn.Module | None = None
         self.layers: tuple[Attention, ...] = ()

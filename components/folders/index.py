@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 INDEX_FILE = "model_index.json"
 LIBRARIES = ("diffusers", "transformers")
 """The libraries whose classes a folder may name; anything else is a module to import."""
+PIPELINE = "pipeline"
+"""What the folder's pipeline class is called where a component's name would stand."""
 
 
 class Entry(NamedTuple):
@@ -37,13 +39,16 @@ class PipelineIndex(NamedTuple):
 
     Attributes:
         folder: the pipeline folder.
-        pipeline_class: the diffusers pipeline class (``FluxPipeline``).
+        pipeline_class: the pipeline class (``FluxPipeline``).
         entries: the subfolders it has, by name (null entries left out).
+        pipeline_library: the module the pipeline class comes from: ``diffusers``, unless
+            ``_class_name`` is a ``[module, class]`` pair naming code of its own.
     """
 
     folder: Path
     pipeline_class: str
     entries: dict[str, Entry]
+    pipeline_library: str = "diffusers"
 
     @classmethod
     def read(cls, folder: Path) -> PipelineIndex:
@@ -51,8 +56,9 @@ class PipelineIndex(NamedTuple):
 
         Raises:
             FileNotFoundError: the folder or its ``model_index.json`` does not exist.
-            ValueError: the file is not JSON, lacks ``_class_name``, or an entry is not a
-                ``[library, class]`` pair (the message names the key).
+            ValueError: the file is not JSON, lacks ``_class_name`` (a class name, or a
+                ``[module, class]`` pair), or an entry is not a ``[library, class]`` pair
+                (the message names the key).
         """
         path = folder / INDEX_FILE
         if not path.is_file():
@@ -64,7 +70,10 @@ class PipelineIndex(NamedTuple):
             raw = json.loads(path.read_text())
         except ValueError as err:
             raise ValueError(f"{path} is not valid JSON ({err})") from err
-        if not isinstance(raw, dict) or not isinstance(raw.get("_class_name"), str):
+        pipeline = raw.get("_class_name") if isinstance(raw, dict) else None
+        if isinstance(pipeline, str):
+            pipeline = ["diffusers", pipeline]
+        if not _is_pair(pipeline):
             raise ValueError(
                 f"{path} has no '_class_name' string: it must name the pipeline class, "
                 'e.g. "_class_name": "FluxPipeline"'
@@ -73,27 +82,25 @@ class PipelineIndex(NamedTuple):
         for name, value in raw.items():
             if name.startswith("_") or value in ([None, None], None):
                 continue
-            if not (
-                isinstance(value, list)
-                and len(value) == 2
-                and all(isinstance(part, str) for part in value)
-            ):
+            if not _is_pair(value):
                 raise ValueError(
                     f"{path}: entry '{name}' is {json.dumps(value)}; expected a "
                     '["library", "ClassName"] pair or [null, null]'
                 )
             entries[name] = Entry(name, value[0], value[1])
-        return cls(folder, raw["_class_name"], entries)
+        return cls(folder, pipeline[1], entries, pipeline[0])
 
     def custom_code(self) -> list[Entry]:
         """Return the entries whose library is a Python module shipped in the folder.
 
         diffusers would import such a module from the folder (code the folder brings);
-        it is never imported here.
+        it is never imported here. A pipeline class of the folder's own code is the
+        entry named ``pipeline``.
         """
+        pipeline = Entry(PIPELINE, self.pipeline_library, self.pipeline_class)
         return [
             entry
-            for entry in self.entries.values()
+            for entry in (pipeline, *self.entries.values())
             if entry.library not in LIBRARIES
             and any(
                 (place / f"{entry.library}.py").is_file()
@@ -115,3 +122,8 @@ class PipelineIndex(NamedTuple):
                 "to [null, null]"
             )
         return path
+
+
+def _is_pair(value: object) -> TypeGuard[list[str]]:
+    """Tell whether ``value`` is a ``[library, class]`` pair of strings."""
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)

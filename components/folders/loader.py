@@ -73,20 +73,17 @@ class FolderLoader(ComponentLoader):
 
     Subclasses set ``kind``, ``library``, ``classes`` (the classes of that library the
     kind loads), ``block_stack``, and the widths ``reads``/``writes`` take from
-    ``config``. Weights are safetensors only.
-
-    Attributes:
-        dtype: the dtype of the floating weights once loaded; the files may store
-            another. ``float32`` unless the pipeline asks otherwise.
+    ``config``. Weights are safetensors only; ``dtype`` may differ from the files' (each
+    floating tensor is cast once, as it is assigned).
     """
 
     library: ClassVar[Library]
     options_type = FolderOptions
+    dtypes = ("float32", "bfloat16", "float16")
 
     def __init__(self, options: FolderOptions) -> None:
         super().__init__(options)
         self.options: FolderOptions = options
-        self.dtype = torch.float32
         self._spare: nn.Module | None = None
 
     @property
@@ -161,8 +158,7 @@ class FolderLoader(ComponentLoader):
         """
         if missing(self.library) is not None:
             return None
-        module = self.empty()
-        self._spare = module  # the next native build takes it rather than build another
+        module = self.construct("native")
         return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
 
     def tensors(self) -> DeclaredTensors | None:
@@ -238,25 +234,50 @@ class FolderLoader(ComponentLoader):
         )
         return found
 
+    def construct(self, path: LoaderPath) -> nn.Module:
+        """Return the class built from ``config.json`` with no weights (parameters on ``meta``).
+
+        One such module is kept: admission inspects it (its tensors, its block stack)
+        and the next native build gives it the weights, so a folder's class is built
+        once from admission to load.
+
+        Raises:
+            NotImplementedError: ``path`` is custom (these kinds have only the native path).
+        """
+        if path == "custom":
+            return super().construct(path)
+        if self._spare is None:
+            self._spare = self.empty()
+        return self._spare
+
+    def build(self, path: LoaderPath) -> nn.Module:
+        """Build the module through ``path`` with the folder's weights, in eval mode, no grad."""
+        module = self.build_native() if path == "native" else self.build_custom()
+        module.eval()
+        module.requires_grad_(False)
+        return module
+
     def empty(self) -> nn.Module:
         """Build the class from ``config.json`` with its parameters on ``meta``, uninitialised.
 
         Initialisers are skipped through the library's own switch (as its loading does):
-        on meta tensors they do nothing but cost time.
+        on meta tensors they do nothing but cost time. Buffers are made on the CPU, also
+        under an enclosing ``torch.device`` (admission's meta build): the class computes
+        some (position tables) that no file stores.
         """
         model = self.model_class()
         if self.library == "transformers":
             from transformers.initialization import no_init_weights
 
             config = model.config_class.from_dict(self.config)  # type: ignore[attr-defined]
-            with no_init_weights():
+            with no_init_weights(), torch.device("cpu"):
                 module = build_empty(lambda: model(config))
             # skipping transformers' init_weights skips its tying too (T5's shared embedding)
             module.tie_weights()  # type: ignore[operator]
             return module
         from diffusers.models.modeling_utils import no_init_weights as no_diffusers_init
 
-        with no_diffusers_init():
+        with no_diffusers_init(), torch.device("cpu"):
             return build_empty(lambda: model.from_config(self.config))  # type: ignore[attr-defined]
 
     def build_native(self) -> nn.Module:
@@ -271,7 +292,7 @@ class FolderLoader(ComponentLoader):
             raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
         layout = self.layout
         assert layout is not None  # the library is installed: unavailable_reason said so
-        module, self._spare = self._spare or self.empty(), None
+        module, self._spare = self.construct("native"), None
         stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
         assign_weights(module, stored, self.dtype, self.float32_rule())
         return module

@@ -14,12 +14,12 @@ from typing import NamedTuple
 
 from components import registry
 from components.folders.files import UnsafeWeightsError, weight_files
-from components.folders.index import INDEX_FILE, PipelineIndex
+from components.folders.index import INDEX_FILE, PIPELINE, Entry, PipelineIndex
 from components.folders.loader import CONFIG_FILE
 from components.folders.problems import Problem
 from components.loader import ComponentLoader
 from components.recipes import RECIPES, Recipe
-from components.recipes.base import ENCODE
+from components.recipes.base import ENCODE, scheduler_config
 
 TEXT_ENCODER, TOKENIZER = "text_encoder", "tokenizer"
 
@@ -50,22 +50,28 @@ class FolderPipeline(NamedTuple):
     def read(cls, folder: Path) -> FolderPipeline:
         """Read ``folder``: its index, the kind of each component, what must be refused.
 
+        A component that is refused (code of the folder's own, pickled weights, a class no
+        kind loads) is left out of ``components``; its problem says why.
+
         Raises:
             FileNotFoundError: ``model_index.json``, a subfolder the recipe uses, its
-                ``config.json``, its tokenizer folder or its weights are missing (the
-                message names the path).
+                ``config.json``, its tokenizer folder, its weights or the scheduler's
+                config are missing (the message names the path).
             ValueError: a JSON file is malformed, or the index lacks a component the
                 pipeline class needs (the message names it).
         """
         index = PipelineIndex.read(folder)
-        problems = [_custom_code(entry.name, entry.library) for entry in index.custom_code()]
+        custom = {entry.name: entry for entry in index.custom_code()}
+        problems = [_custom_code(entry) for entry in custom.values()]
         recipe = RECIPES.get(index.pipeline_class)
+        if PIPELINE in custom:
+            return cls(index, None, {}, problems)  # its class is the folder's own code
         if recipe is None:
             problems.append(_unsupported_pipeline(index.pipeline_class))
             return cls(index, None, {}, problems)
+        scheduler_config(index)
         components = {}
         encoders = next(stage.uses for stage in recipe.stages if stage.name == ENCODE)
-        custom = {entry.name for entry in index.custom_code()}
         for name in recipe.components():
             if name not in index.entries:
                 raise ValueError(
@@ -73,24 +79,18 @@ class FolderPipeline(NamedTuple):
                 )
             entry = index.entries[name]
             path = index.subfolder(name)
+            if name in custom:
+                continue
             if not (path / CONFIG_FILE).is_file():
                 raise FileNotFoundError(f"{path / CONFIG_FILE} does not exist")
             try:
                 weight_files(path)
             except UnsafeWeightsError as err:
-                problems.append(
-                    Problem(
-                        "loader.unsafe_weights",
-                        name,
-                        str(err),
-                        f"convert {path.name}'s weights to safetensors (for example with "
-                        "save_pretrained(..., safe_serialization=True)) where you trust them",
-                    )
-                )
+                problems.append(_unsafe_weights(name, err))
+                continue
             kind = kind_for_class(entry.class_name)
             if kind is None:
-                if name not in custom:
-                    problems.append(_unsupported_component(name, entry.class_name))
+                problems.append(_unsupported_component(name, entry.class_name))
                 continue
             options = {"path": str(path), "class_name": entry.class_name}
             if name in encoders:
@@ -103,6 +103,13 @@ class FolderPipeline(NamedTuple):
                 options["tokenizer_class"] = index.entries[tokenizer].class_name
             components[name] = ComponentPlan(kind, options)
         return cls(index, recipe, components, problems)
+
+    def names(self) -> tuple[str, ...]:
+        """Return every component the folder has: those its recipe uses, refused or not
+        (without a recipe, every entry of its index)."""
+        if self.recipe is None:
+            return tuple(self.model_index.entries)
+        return self.recipe.components()
 
     def loaders(self) -> dict[str, ComponentLoader]:
         """Return each component's loader, made from its plan's kind and options."""
@@ -120,13 +127,27 @@ def kind_for_class(class_name: str) -> str | None:
     return None
 
 
-def _custom_code(name: str, module: str) -> Problem:
+def _custom_code(entry: Entry) -> Problem:
+    if entry.name == PIPELINE:
+        what, key = "its pipeline class", "_class_name"
+    else:
+        what, key = f"'{entry.name}'", entry.name
     return Problem(
         "pipeline.custom_code",
+        entry.name,
+        f"{INDEX_FILE} takes {what} ({entry.class_name}) from module '{entry.library}', code "
+        "shipped in the folder; it is never imported (no trust_remote_code)",
+        f"use a folder whose '{key}' entry names a diffusers or transformers class",
+    )
+
+
+def _unsafe_weights(name: str, err: UnsafeWeightsError) -> Problem:
+    return Problem(
+        "loader.unsafe_weights",
         name,
-        f"{INDEX_FILE} names module '{module}' for '{name}', code shipped in the folder; "
-        "it is never imported (no trust_remote_code)",
-        f"use a folder whose '{name}' entry names a diffusers or transformers class",
+        str(err),
+        f"convert {err.folder.name}'s weights to safetensors (for example with "
+        "save_pretrained(..., safe_serialization=True)) where you trust them",
     )
 
 

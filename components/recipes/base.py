@@ -15,13 +15,14 @@ import inspect
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from components.batch import Batch, BatchField, Port, device_of
-from components.folders.index import PipelineIndex
+from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
@@ -69,11 +70,19 @@ class ModelInputs(Protocol):
 class Denoising(ABC):
     """One size group on its way through its own scheduler.
 
+    Args:
+        group: the images it denoises.
+
     Attributes:
+        rows: its images' positions among the batch's rows (they shift as cancelled rows
+            leave the batch).
         timesteps: the scheduler's timesteps (every group of a batch takes as many).
     """
 
     timesteps: torch.Tensor
+
+    def __init__(self, group: SizeGroup) -> None:
+        self.rows = list(group.rows)
 
     @abstractmethod
     def inputs(self, step: int) -> ModelInputs:
@@ -86,6 +95,11 @@ class Denoising(ABC):
     @abstractmethod
     def result(self) -> list[torch.Tensor]:
         """Return each image's latents ``(N, C)``, row-major over its grid."""
+
+    @abstractmethod
+    def narrow(self, keep: list[int]) -> None:
+        """Keep only its images at positions ``keep`` (of ``rows``): latents, text and the
+        scheduler's per-image state (``narrow_scheduler``), so they step on as alone."""
 
 
 def predict(module: nn.Module, inputs: Sequence[ModelInputs]) -> list[torch.Tensor]:
@@ -121,8 +135,9 @@ class Recipe(ABC):
 
     Raises:
         RecipeError: a component is missing or of a kind the recipe cannot drive.
-        ValueError: the scheduler's config cannot be read or its class is not a
-            diffusers scheduler.
+        FileNotFoundError: the scheduler's config is missing.
+        ValueError: the scheduler's config is not JSON or its class is not a diffusers
+            scheduler.
     """
 
     pipeline_class: ClassVar[str]
@@ -138,14 +153,8 @@ class Recipe(ABC):
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
         self.loaders = loaders
-        entry = index.entries.get(SCHEDULER)
-        if entry is None:
-            raise ValueError(f"{index.folder} lists no scheduler in its model_index.json")
-        path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
-        try:
-            self.scheduler_config: dict[str, Any] = json.loads(path.read_text())
-        except OSError as err:
-            raise FileNotFoundError(f"cannot read {path} ({err})") from err
+        self.scheduler_config = scheduler_config(index)
+        entry = index.entries[SCHEDULER]
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
         self.transformer = self.loader("transformer", FolderLoader)
         self.vae = self.loader("vae", AutoencoderKlLoader)
@@ -160,6 +169,31 @@ class Recipe(ABC):
     def new_scheduler(self) -> Any:
         """Return a fresh scheduler from the folder's config (a run mutates its state)."""
         return self.scheduler_class.from_config(self.scheduler_config)  # type: ignore[attr-defined]
+
+    @cached_property
+    def scheduler_draws(self) -> bool:
+        """Tell whether the folder's scheduler draws noise from the generator as it steps.
+
+        Such a scheduler (an SDE or ancestral one) draws for the whole batch at once, so
+        requests batched together would not each make their image alone: they run apart.
+        Found by stepping a fresh scheduler twice on zeros and watching the generator; a
+        scheduler that cannot be stepped so is taken to draw.
+        """
+        scheduler = self.new_scheduler()
+        generator = torch.Generator().manual_seed(0)
+        before = generator.get_state()
+        try:
+            shift = {"mu": 0.0} if scheduler.config.get("use_dynamic_shifting") else {}
+            scheduler.set_timesteps(2, **shift)
+            sample = torch.zeros(1, self.channels, 2, 2)
+            for t in scheduler.timesteps:
+                if hasattr(scheduler, "scale_model_input"):  # as the pipelines that have it
+                    sample = scheduler.scale_model_input(sample, t)
+                options = step_options(scheduler, generator)
+                sample = scheduler.step(sample * 0, t, sample, **options, return_dict=False)[0]
+        except Exception:  # a scheduler of its own: whatever it needs, assume it draws
+            return True
+        return not torch.equal(before, generator.get_state())
 
     def loader(self, name: str, kind: type[LoaderT]) -> LoaderT:
         """Return component ``name``'s loader, which must be a ``kind``.
@@ -230,6 +264,10 @@ class Recipe(ABC):
         side = int(self.transformer.config["sample_size"]) * self.vae.scale_factor
         return side, side
 
+    def requested_size(self, batch: Batch) -> tuple[int, int]:
+        """Return the size the batch asks for, else the default."""
+        return batch.image_size or self.default_size()
+
     def requested_sizes(self, batch: Batch) -> list[tuple[int, int]]:
         """Return the size each image asks for: its own, else the batch's, else the default."""
         if batch.image_sizes is not None:
@@ -239,32 +277,48 @@ class Recipe(ABC):
                     "images; give one size per image"
                 )
             return list(batch.image_sizes)
-        return [batch.image_size or self.default_size()] * batch.size
+        return [self.requested_size(batch)] * batch.size
 
     def binned(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the size the latents are made at for ``size`` asked (the same by default)."""
         return size
 
+    def image_size(self, batch: Batch) -> tuple[int, int]:
+        """Return the (height, width) in pixels the latents of a batch of one size are made at.
+
+        Raises:
+            ValueError: the size is off the grid (``grid_size``).
+        """
+        return self.grid_size(self.requested_size(batch))
+
+    def grid_size(self, requested: tuple[int, int]) -> tuple[int, int]:
+        """Return the size the latents of an image asking for ``requested`` are made at.
+
+        Raises:
+            ValueError: it is off the grid this pipeline can make (the message names the
+                multiple it must be).
+        """
+        height, width = self.binned(requested)
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"{self.pipeline_class} cannot make {height}x{width} images: height and "
+                f"width must be multiples of {self.multiple}"
+            )
+        return height, width
+
     def size_groups(self, batch: Batch) -> list[SizeGroup]:
         """Return the batch's images grouped by the size they ask for, in first-seen order.
 
         Raises:
-            ValueError: a size is off the grid this pipeline can make (the message names
-                the multiple it must be).
+            ValueError: a size is off the grid (``grid_size``).
         """
         rows: dict[tuple[int, int], list[int]] = {}
         for row, requested in enumerate(self.requested_sizes(batch)):
             rows.setdefault(requested, []).append(row)
-        groups = []
-        for requested, members in rows.items():
-            height, width = self.binned(requested)
-            if height % self.multiple or width % self.multiple:
-                raise ValueError(
-                    f"{self.pipeline_class} cannot make {height}x{width} images: height and "
-                    f"width must be multiples of {self.multiple}"
-                )
-            groups.append(SizeGroup(requested, (height, width), tuple(members)))
-        return groups
+        return [
+            SizeGroup(requested, self.grid_size(requested), tuple(members))
+            for requested, members in rows.items()
+        ]
 
     def latent_size(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the latent grid (h, w) of an image of ``size`` pixels."""
@@ -283,7 +337,7 @@ class Recipe(ABC):
         dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
         h, w = self.latent_size(self.binned(size))
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
-        return [x.flatten(1).T for x in noise]  # (N, C) each
+        return latent_rows(noise)
 
     def noise(self, batch: Batch, group: SizeGroup) -> torch.Tensor:
         """Return a group's starting latents ``(B_g, C, h, w)``, drawn if the batch brings none.
@@ -302,22 +356,21 @@ class Recipe(ABC):
 
         Each size group steps its own scheduler; every step predicts for all groups at
         once: in one packed forward on the custom path, group after group on diffusers'.
+        Each step is reported, and rows cancelled meanwhile leave (``step_done``).
 
         Raises:
             ValueError: an earlier stage's output is missing, or a size is off the grid.
+            Cancelled: every row was cancelled.
         """
         module = modules["transformer"]
         device = device_of(module)
-        groups = self.size_groups(batch)
-        runs = [self.start(batch, group, device) for group in groups]
+        runs = [self.start(batch, group, device) for group in self.size_groups(batch)]
         for step in range(len(runs[0].timesteps)):
             predictions = predict(module, [run.inputs(step) for run in runs])
             for run, prediction in zip(runs, predictions, strict=True):
                 run.advance(step, prediction)
-        latents: dict[int, torch.Tensor] = {}
-        for group, run in zip(groups, runs, strict=True):
-            latents |= dict(zip(group.rows, run.result(), strict=True))
-        batch.latents = [latents[row] for row in range(batch.size)]
+            runs = step_done(batch, runs)
+        batch.latents = in_rows(runs, batch.size)
 
     @abstractmethod
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> Denoising:
@@ -377,6 +430,27 @@ class Recipe(ABC):
         """Say where the text encoders' widths do not fit what the DiT reads."""
 
 
+def scheduler_config(index: PipelineIndex) -> dict[str, Any]:
+    """Return the folder's ``scheduler/scheduler_config.json``.
+
+    Raises:
+        ValueError: the index lists no scheduler, or its config is not a JSON object.
+        FileNotFoundError: the scheduler's folder or config is missing (named).
+    """
+    if SCHEDULER not in index.entries:
+        raise ValueError(f"{index.folder / INDEX_FILE} lists no scheduler")
+    path = index.subfolder(SCHEDULER) / SCHEDULER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
+
+
 def width(loader: ComponentLoader, field: BatchField, *, written: bool) -> int | None:
     """Return the width ``loader`` declares for ``field`` (written or read); None if none."""
     ports: Sequence[Port] = loader.writes() if written else loader.reads()
@@ -420,6 +494,62 @@ def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
     if "generator" in accepted:
         options["generator"] = generator
     return options
+
+
+def in_rows(runs: Sequence[Denoising], count: int) -> list[torch.Tensor]:
+    """Return the latents ``(N, C)`` of the batch's ``count`` rows, from every group's run."""
+    latents: dict[int, torch.Tensor] = {}
+    for run in runs:
+        latents |= dict(zip(run.rows, run.result(), strict=True))
+    return [latents[row] for row in range(count)]
+
+
+def step_done(batch: Batch, runs: list[Denoising]) -> list[Denoising]:
+    """Report one denoising step of ``batch`` and take out the rows cancelled meanwhile.
+
+    A cancelled row leaves ``batch`` (``Batch.stepped``) and its group's run (latents,
+    text and the scheduler's per-image state), so the rows that stay step on as they
+    would alone; a group left with no row stops. Returns the runs that go on.
+
+    Raises:
+        Cancelled: no row is left.
+    """
+    kept = batch.stepped(in_rows(runs, batch.size))
+    if kept is None:
+        return runs
+    position = {row: index for index, row in enumerate(kept)}
+    going = []
+    for run in runs:
+        keep = [i for i, row in enumerate(run.rows) if row in position]
+        if keep:
+            run.narrow(keep)
+            run.rows = [position[run.rows[i]] for i in keep]
+            going.append(run)
+    return going
+
+
+def narrow_scheduler(scheduler: Any, shape: torch.Size, keep: list[int]) -> None:
+    """Keep rows ``keep`` of every tensor ``scheduler`` holds shaped as the sample it steps.
+
+    Those are per image: a multistep scheduler keeps earlier steps' outputs and samples
+    (DPM-Solver's ``model_outputs``, UniPC's ``last_sample``), in attributes or lists;
+    its timesteps and sigmas are one-dimensional and never match.
+    """
+
+    def per_image(value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.shape == shape
+
+    state = vars(scheduler)
+    for name, value in list(state.items()):
+        if per_image(value):
+            state[name] = value[keep]
+        elif isinstance(value, list) and any(per_image(x) for x in value):
+            state[name] = [x[keep] if per_image(x) else x for x in value]
+
+
+def latent_rows(grid: torch.Tensor) -> list[torch.Tensor]:
+    """Return latents ``(B, C, h, w)`` as one ``(N, C)`` tensor per image, row-major (views)."""
+    return [x.flatten(1).T for x in grid]
 
 
 def latent_grid(latents: Sequence[torch.Tensor], h: int, w: int) -> torch.Tensor:

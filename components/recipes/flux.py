@@ -31,7 +31,9 @@ from components.recipes.base import (
     Recipe,
     SizeGroup,
     Stage,
+    latent_rows,
     mismatch,
+    narrow_scheduler,
     unique_texts,
     width,
 )
@@ -148,7 +150,8 @@ class FluxDenoising(Denoising):
     ) -> None:
         if batch.context is None or batch.pooled is None:
             raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        rows = list(group.rows)
+        super().__init__(group)
+        rows = self.rows
         self.h, self.w = recipe.latent_size(group.size)
         self.latents = pack(recipe.noise(batch, group)).to(device)  # (B_g, N, 4C)
         self.context = torch.stack([batch.context[row] for row in rows]).to(device)  # (B_g, L, E)
@@ -189,7 +192,15 @@ class FluxDenoising(Denoising):
 
     def result(self) -> list[torch.Tensor]:
         """Return each image's unpacked latents ``(h * w, C)``."""
-        return [x.flatten(1).T for x in unpack(self.latents, self.h, self.w)]
+        return latent_rows(unpack(self.latents, self.h, self.w))
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their packed latents, text, guidance, scheduler state."""
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.pooled = self.context[keep], self.pooled[keep]
+        if self.guidance is not None:
+            self.guidance = self.guidance[keep]
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

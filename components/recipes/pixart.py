@@ -33,7 +33,9 @@ from components.recipes.base import (
     Recipe,
     SizeGroup,
     Stage,
+    latent_rows,
     mismatch,
+    narrow_scheduler,
     step_options,
     unique_texts,
     width,
@@ -180,7 +182,8 @@ class PixArtDenoising(Denoising):
     def __init__(
         self, recipe: PixArtAlphaRecipe, batch: Batch, group: SizeGroup, device: torch.device
     ) -> None:
-        rows = list(group.rows)
+        super().__init__(group)
+        rows = self.rows
         self.scale = recipe.guidance_scale(batch)
         self.guided = self.scale > 1
         context, mask = _joined(batch.context, batch.context_mask, rows, device)
@@ -234,7 +237,18 @@ class PixArtDenoising(Denoising):
 
     def result(self) -> list[torch.Tensor]:
         """Return each image's latents ``(N, C)``."""
-        return [x.flatten(1).T for x in self.latents]
+        return latent_rows(self.latents)
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their latents, text and masks (negatives too),
+        conditions and scheduler state."""
+        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.mask = self.context[both], self.mask[both]
+        self.conditions = {
+            name: None if value is None else value[both] for name, value in self.conditions.items()
+        }
 
 
 class PixArtSigmaRecipe(PixArtAlphaRecipe):

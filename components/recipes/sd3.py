@@ -30,7 +30,9 @@ from components.recipes.base import (
     Recipe,
     SizeGroup,
     Stage,
+    latent_rows,
     mismatch,
+    narrow_scheduler,
     unique_texts,
     width,
 )
@@ -153,7 +155,8 @@ class Sd3Denoising(Denoising):
     ) -> None:
         if batch.context is None or batch.pooled is None:
             raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        rows = list(group.rows)
+        super().__init__(group)
+        rows = self.rows
         self.scale = recipe.guidance_scale(batch)
         self.guided = self.scale > 1
         context = torch.stack([batch.context[row] for row in rows])
@@ -197,4 +200,11 @@ class Sd3Denoising(Denoising):
 
     def result(self) -> list[torch.Tensor]:
         """Return each image's latents ``(N, C)``."""
-        return [x.flatten(1).T for x in self.latents]
+        return latent_rows(self.latents)
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their latents, text (negatives too), scheduler state."""
+        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.pooled = self.context[both], self.pooled[both]

@@ -14,6 +14,7 @@ from lifecycle.admission.pipeline import (
     Admission,
     ComponentAdmission,
     admit_pipeline,
+    component_loaders,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ComponentAdmission",
     "admit_pipeline",
     "backend_requests",
+    "component_loaders",
     "plan_onload",
     "stage_fits",
 ]

@@ -18,10 +18,13 @@ import torch
 from attention import ComponentRequests, PlannedSelection, Platform
 from attention import registry as backends
 from components import registry as kinds
+from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
-from lifecycle.admission.budget import budget_refusals
+from lifecycle.admission.budget import budget_refusals, declared_bytes
 from lifecycle.admission.construction import construct_module
+from lifecycle.admission.dtypes import dtype_refusals
+from lifecycle.admission.folder import open_folder
 from lifecycle.admission.host_memory import available_host_bytes, host_memory_refusals
 from lifecycle.admission.interfaces import interface_refusals
 from lifecycle.admission.loader_path import (
@@ -103,13 +106,11 @@ def admit_pipeline(
     """Plan every component of ``spec`` on ``platform``, collecting every refusal.
 
     ``loaders`` are the components' loaders when the caller already holds them
-    (the orchestrator does); otherwise they are made from the spec.
+    (the orchestrator does); otherwise they are made from the spec. A pipeline from a
+    folder is held to what its folder and recipe say (``lifecycle.admission.folder``).
     """
     if loaders is None:
-        loaders = {
-            name: kinds.get(component.kind).from_options(component.options)
-            for name, component in spec.components.items()
-        }
+        loaders = component_loaders(spec)
     used = {name for stage in spec.stages for name in stage.uses}
     options = {
         name: backends.decode_options(name, raw)
@@ -139,10 +140,29 @@ def admit_pipeline(
             *budget_refusals(spec, loaders),
             *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
-            *interface_refusals(spec, loaders),
+            *dtype_refusals(spec, loaders, platform),
+            *(
+                interface_refusals(spec, loaders)
+                if isinstance(spec.source, msgspec.UnsetType)
+                else open_folder(spec, loaders).refusals
+            ),
             *unused_option_refusals(spec, components),
         ),
     )
+
+
+def component_loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
+    """Return each component's loader: its kind's, with its options, in its dtype.
+
+    Raises:
+        msgspec.ValidationError: an option is bad (decoding the spec refuses that first).
+    """
+    loaders = {}
+    for name, component in spec.components.items():
+        loader = kinds.get(component.kind).from_options(component.options)
+        loader.dtype = TORCH_DTYPES[spec.dtype_of(name)]
+        loaders[name] = loader
+    return loaders
 
 
 def unused_option_refusals(
@@ -212,6 +232,8 @@ def admit_component(
             kind=component.kind,
             loader=path,
             residency=component.residency_mode,
+            dtype=spec.dtype_of(name),
+            bytes=declared_bytes(loader),
             attention=tuple(
                 SitePlan(
                     site=site,

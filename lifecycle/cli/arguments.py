@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NamedTuple
 
 
 def positive(text: str) -> int:
@@ -14,3 +15,34 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a count >= 1, got {value}")
     return value
+
+
+def non_negative(text: str) -> int:
+    """Parse a whole number of at least 0 (a seed), or tell argparse what is wrong."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+class ImageSize(NamedTuple):
+    """An image's size in pixels, written ``WIDTHxHEIGHT`` as OpenAI's ``size`` is."""
+
+    width: int
+    height: int
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+
+def image_size(text: str) -> ImageSize:
+    """Parse ``WIDTHxHEIGHT`` (``512x768``), or tell argparse what is wrong with ``text``."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) and int(height)):
+        raise argparse.ArgumentTypeError(
+            f"expected WIDTHxHEIGHT in pixels, such as 512x768, got {text!r}"
+        )
+    return ImageSize(int(width), int(height))

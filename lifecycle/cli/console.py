@@ -35,11 +35,17 @@ def format_refusals(
         command: the subcommand that was refused (``check``, ``run``).
         pipeline: the pipeline's name.
         refusals: every reason.
-        components: the pipeline's components; a refusal about anything else is
-            about the whole pipeline and shows ``(pipeline)``.
+        components: the pipeline's components; a refusal about the pipeline's name that
+            names none of them is about the whole pipeline and shows ``(pipeline)`` (one
+            about a component a folder has and refuses shows that component).
     """
     count = len(refusals)
-    names = [r.component if r.component in components else PIPELINE_COLUMN for r in refusals]
+    names = [
+        PIPELINE_COLUMN
+        if r.component == pipeline and r.component not in components
+        else r.component
+        for r in refusals
+    ]
     lines = [
         f"lifecycle {command}: pipeline {pipeline!r} refused ({count} reason{'s' * (count != 1)})"
     ]

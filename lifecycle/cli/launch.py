@@ -90,13 +90,14 @@ def replica_requests(mesh: ParallelMesh | None, requests: int) -> range:
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """Return the ``lifecycle`` arguments each worker runs: this command without ``--nproc``."""
     argv = ["--log-format", args.log_format, "--log-level", args.log_level, "run", str(args.spec)]
-    argv += ["--requests", str(args.requests), "--steps", str(args.steps)]
+    argv += ["--requests", str(args.requests), "--seed", str(args.seed)]
     for prompt in args.prompt:
         argv += ["--prompt", prompt]
     for flag in ("json", "json_logs"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
-    for option in ("threads", "out", "timeline", "guidance_scale", "negative_prompt"):
+    options = ("steps", "size", "threads", "out", "timeline", "guidance_scale", "negative_prompt")
+    for option in options:
         if (value := getattr(args, option)) is not None:
             argv += ["--" + option.replace("_", "-"), str(value)]
     return argv

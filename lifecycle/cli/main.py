@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import msgspec
 from msgspec import UnsetType
 
 from lifecycle import exits
-from lifecycle.cli.arguments import positive
+from lifecycle.cli.arguments import image_size, non_negative, positive
 from lifecycle.cli.console import format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.output import print_json
-from lifecycle.cli.run import run_command
+from lifecycle.cli.run import DEFAULT_STEPS, run_command
 from lifecycle.cli.serve import add_serve_command
 from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
 from lifecycle.exits import ExitCode
@@ -28,8 +30,10 @@ from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.sizes import format_bytes
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SPEC_HELP = "the spec file (.toml, .json, .yaml), or a diffusers-format pipeline folder"
 DEFAULT_LOG_LEVEL = "warning"
 DEFAULT_LOG_FORMAT = "auto"
 
@@ -51,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+@functools.cache  # built once: in-process callers (tests, embedders) run main() many times
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lifecycle",
@@ -77,20 +82,34 @@ def _parser() -> argparse.ArgumentParser:
         )
 
     check = command("check", "validate a pipeline spec (admission dry run)")
-    check.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    check.add_argument("spec", type=Path, help=SPEC_HELP)
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(handler=_check)
 
     run = command("run", "run requests of a pipeline (the main job)")
-    run.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    run.add_argument("spec", type=Path, help=SPEC_HELP)
     run.add_argument(
         "--requests", type=positive, default=4, help="requests to run (default: %(default)s)"
     )
     run.add_argument(
         "--steps",
         type=positive,
-        default=8,
-        help="denoising steps per request (default: %(default)s)",
+        help="denoising steps per request (default: a folder's pipeline class's, else "
+        f"{DEFAULT_STEPS})",
+    )
+    run.add_argument(
+        "--seed",
+        type=non_negative,
+        default=0,
+        help="request i draws its inputs from seed N + i; a pipeline from a folder as "
+        'diffusers\' generator=torch.Generator("cpu").manual_seed(N + i) (default: %(default)s)',
+    )
+    run.add_argument(
+        "--size",
+        type=image_size,
+        metavar="WxH",
+        help="the images' width and height in pixels, for a pipeline from a folder "
+        "(default: its pipeline class's)",
     )
     run.add_argument(
         "--threads",
@@ -126,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
 
     schema = command("schema", "print the JSON Schema of the spec")
     schema.set_defaults(handler=_schema)
+
+    effective = command(
+        "spec", "print the effective spec of a pipeline folder (or spec file) as TOML to edit"
+    )
+    effective.add_argument("spec", type=Path, help=SPEC_HELP)
+    effective.set_defaults(handler=_spec)
 
     add_serve_command(command)
     return parser
@@ -183,7 +208,9 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
         f"pipeline {spec.name!r}: admitted ({len(spec.components)} components, "
         f"{len(spec.stages)} stages, platform {platform})"
     )
-    rows: list[tuple[str, ...]] = [("component", "kind", "loader", "residency", "attention")]
+    rows: list[tuple[str, ...]] = [
+        ("component", "kind", "loader", "size", "residency", "attention")
+    ]
     for name, component in snapshot.components.items():
         explicit = not isinstance(spec.components[name].residency, UnsetType)
         rows.append(
@@ -191,12 +218,14 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
                 name,
                 component.kind,
                 component.loader or "-",
+                "-" if component.bytes is None else format_bytes(component.bytes),
                 component.residency.value + (" (explicit)" if explicit else ""),
                 ", ".join(_site_text(site) for site in component.attention) or "-",
             )
         )
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
-    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}"])
+    source = [] if isinstance(spec.source, UnsetType) else [f"  source: {spec.source}"]
+    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}", *source])
 
 
 def _site_text(site: SitePlan) -> str:
@@ -206,4 +235,14 @@ def _site_text(site: SitePlan) -> str:
 
 def _schema(args: argparse.Namespace) -> int:
     print_json(spec_schema())
+    return ExitCode.OK
+
+
+def _spec(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.spec)
+    except ConfigError as err:
+        print(f"lifecycle spec: {args.spec}: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    print(msgspec.toml.encode(spec).decode(), end="")
     return ExitCode.OK

@@ -15,7 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from msgspec import UnsetType
 
+from lifecycle.admission import component_loaders
+from lifecycle.admission.folder import open_folder
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
 from lifecycle.cli.cores import torch_threads
@@ -24,6 +27,7 @@ from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
 from lifecycle.cli.progress import run_progress
 from lifecycle.cli.runner import (
     MoveTally,
+    RequestArgs,
     RunOutputs,
     RunReport,
     run_requests,
@@ -38,6 +42,9 @@ from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
+
+DEFAULT_STEPS = 8
+"""Denoising steps per request of a pipeline of kinds, when ``--steps`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,10 @@ def _run_here(args: argparse.Namespace) -> int:
         text = "; ".join(problems)
         return _bad_input(args, f"{args.spec}: {text}", {"message": text})
     try:
+        asked = request_args(args, spec)
+    except ValueError as err:
+        return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
+    try:
         if args.timeline is not None:
             prepare_file(args.timeline, "the timeline")
         if args.out is not None:
@@ -108,20 +119,58 @@ def _run_here(args: argparse.Namespace) -> int:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
     threads = torch_threads(args.threads, processes=launch.local_world_size())
     with _torch_threads(threads), StopOnSignal() as stop:
-        outcome = _run(args, spec, threads, stop)
+        outcome = _run(args, spec, asked, threads, stop)
         _report(args, spec, outcome)
         return stop.exit_code or outcome.ending.code
 
 
+def request_args(args: argparse.Namespace, spec: PipelineSpec) -> RequestArgs:
+    """Return what every request of the run asks for, defaults filled in.
+
+    A pipeline from a folder takes its pipeline class's steps, and is asked up front
+    whether it can honour the request (prompts, size, negative prompt).
+
+    Raises:
+        ValueError: the pipeline cannot honour what the options ask (the message says
+            which option to change).
+    """
+    recipe = None
+    if not isinstance(spec.source, UnsetType):
+        # the folder's recipe from its configs (a refused folder has none: admission says why)
+        recipe = open_folder(spec, component_loaders(spec)).recipe
+        if recipe is not None and not args.prompt:
+            raise ValueError("a pipeline from a folder makes an image of each --prompt; give one")
+    elif args.size is not None:
+        raise ValueError(
+            "--size sets the image size of a pipeline from a folder; this pipeline's image "
+            "size follows its kinds' options"
+        )
+    asked = RequestArgs(
+        steps=args.steps or (DEFAULT_STEPS if recipe is None else recipe.default_steps),
+        guidance_scale=args.guidance_scale,
+        prompts=tuple(args.prompt),
+        negative_prompt=args.negative_prompt,
+        seed=args.seed,
+        image_size=None if args.size is None else (args.size.height, args.size.width),
+    )
+    if recipe is not None:
+        recipe.check(asked.batch(0))
+    return asked
+
+
 def _run(
-    args: argparse.Namespace, spec: PipelineSpec, threads: int, stop: StopOnSignal
+    args: argparse.Namespace,
+    spec: PipelineSpec,
+    asked: RequestArgs,
+    threads: int,
+    stop: StopOnSignal,
 ) -> RunOutcome:
     """Load the pipeline, run the requests, close it and write the timeline: what happened."""
     tally = MoveTally(spec.components, keep_moves=args.timeline is not None)
     outputs = RunOutputs()
     orchestrator = Orchestrator(spec, observer=tally)
     try:
-        ending = _requests(args, orchestrator, outputs, stop)
+        ending = _requests(args, asked, orchestrator, outputs, stop)
     finally:
         snapshot = orchestrator.snapshot()
         closing = _close(orchestrator)
@@ -131,7 +180,7 @@ def _run(
         snapshot,
         tally,
         outputs,
-        steps=args.steps,
+        steps=asked.steps,
         threads=threads,
         stopped_by=None if stop.received is None else stop.received.name,
     )
@@ -143,12 +192,16 @@ def _run(
         except OSError as err:  # checked before the run; something changed it since
             ending = ending.failed("writing the timeline failed: " + _describe(err))
     return RunOutcome(
-        ending=ending, report=report, snapshot=snapshot, notes=_unused_outputs(args, outputs)
+        ending=ending, report=report, snapshot=snapshot, notes=_unused_outputs(args, spec, outputs)
     )
 
 
 def _requests(
-    args: argparse.Namespace, orchestrator: Orchestrator, outputs: RunOutputs, stop: StopOnSignal
+    args: argparse.Namespace,
+    asked: RequestArgs,
+    orchestrator: Orchestrator,
+    outputs: RunOutputs,
+    stop: StopOnSignal,
 ) -> Ending:
     """Load the pipeline and run this rank's share of the requests; say how that ended."""
     # JSON logs make stderr a stream of JSON lines: a display there would break it
@@ -163,10 +216,7 @@ def _requests(
                 orchestrator,
                 outputs,
                 requests=share,
-                steps=args.steps,
-                guidance_scale=args.guidance_scale,
-                prompts=args.prompt,
-                negative_prompt=args.negative_prompt,
+                args=asked,
                 out=args.out if launch.is_main_rank() else None,
                 should_stop=stop.should_stop,
                 progress=progress,
@@ -228,10 +278,16 @@ def _write_timeline(
     path.write_text(residency_gantt(title, list(spec.components), moves_by_rank), encoding="utf-8")
 
 
-def _unused_outputs(args: argparse.Namespace, outputs: RunOutputs) -> tuple[str, ...]:
-    """Say so when an output the user asked for was produced by no component."""
+def _unused_outputs(
+    args: argparse.Namespace, spec: PipelineSpec, outputs: RunOutputs
+) -> tuple[str, ...]:
+    """Say so when an output the user asked for was produced by no component.
+
+    (A pipeline from a folder draws its prompts: nothing is unused there.)
+    """
     notes = []
-    if args.prompt and not outputs.sentences:
+    from_folder = not isinstance(spec.source, UnsetType)
+    if args.prompt and not outputs.sentences and not from_folder:
         notes.append(
             "no component of this pipeline embeds sentences, so no nearest neighbours are "
             "shown; the prompts are encoded as the pipeline's text"

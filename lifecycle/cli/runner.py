@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+from msgspec import UnsetType
 
 from components import registry
 from components.batch import Batch
@@ -150,7 +151,12 @@ class RunOutputs:
 
 
 def unrunnable_components(spec: PipelineSpec) -> list[str]:
-    """Return a sentence for each staged component whose kind does not say how it runs."""
+    """Return a sentence for each staged component whose kind does not say how it runs.
+
+    A pipeline from a folder has none: its recipe runs every stage.
+    """
+    if not isinstance(spec.source, UnsetType):
+        return []
     staged = {name for stage in spec.stages for name in stage.uses}
     return [
         f"component '{name}' of kind '{component.kind}' does not say how it runs in a "
@@ -160,26 +166,59 @@ def unrunnable_components(spec: PipelineSpec) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class RequestArgs:
+    """What every request of a run asks for.
+
+    Attributes:
+        steps: denoising steps.
+        guidance_scale: the guidance scale; None takes the pipeline's default.
+        prompts: the sentences each request carries (one image or embedding each); none:
+            seeded ones.
+        negative_prompt: the text every prompt's unguided branch carries, or None.
+        seed: request ``i`` draws its inputs from seed ``seed + i`` (for a pipeline from a
+            folder, as diffusers' ``generator=torch.Generator("cpu").manual_seed(seed + i)``).
+        image_size: (height, width) in pixels of a pipeline from a folder's images; None
+            takes its default.
+    """
+
+    steps: int
+    guidance_scale: float | None = None
+    prompts: Sequence[str] = ()
+    negative_prompt: str | None = None
+    seed: int = 0
+    image_size: tuple[int, int] | None = None
+
+    def batch(self, index: int) -> Batch:
+        """Return the ``Batch`` of request ``index`` (counted from 0)."""
+        size = len(self.prompts) or 1
+        negative = self.negative_prompt
+        return Batch(
+            generator=torch.Generator("cpu").manual_seed(self.seed + index),
+            steps=self.steps,
+            guidance_scale=self.guidance_scale,
+            size=size,
+            prompts=list(self.prompts) or None,
+            negative_prompts=None if negative is None else [negative] * size,
+            image_size=self.image_size,
+        )
+
+
 def run_requests(
     orchestrator: Orchestrator,
     outputs: RunOutputs,
     *,
     requests: int | range,
-    steps: int,
-    guidance_scale: float | None = None,
-    prompts: Sequence[str] = (),
-    negative_prompt: str | None = None,
+    args: RequestArgs,
     out: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     progress: RunProgress | None = None,
 ) -> None:
     """Run up to ``requests`` requests (a count, or the indices to run) through every stage.
 
-    Each request starts from seeded inputs (seed = its index) and carries
-    ``prompts`` when given (one image or embedding each), and ``negative_prompt`` for
-    every prompt's unconditional guidance branch when given. ``should_stop`` is
-    asked before each request; a request that started always completes.
-    ``progress`` hears of each request, stage and denoising step.
+    Request ``i`` is ``args.batch(i)``. ``should_stop`` is asked before each request; a
+    request that started always completes. ``progress`` hears of each request, stage and
+    denoising step.
 
     Raises:
         TransitionRefused: a stage could not onload its components.
@@ -192,16 +231,8 @@ def run_requests(
         if should_stop():
             return
         started = time.perf_counter()
-        size = len(prompts) or 1
-        batch = Batch(
-            generator=torch.Generator().manual_seed(index),
-            steps=steps,
-            guidance_scale=guidance_scale,
-            size=size,
-            prompts=list(prompts) or None,
-            negative_prompts=None if negative_prompt is None else [negative_prompt] * size,
-            on_step=shown.stepped,
-        )
+        batch = args.batch(index)
+        batch.on_step = shown.stepped
         request_id = f"r{index + 1}"
         shown.request_began(request_id, done)
         with orchestrator.request(request_id) as request:

@@ -22,7 +22,9 @@ SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_clie
 def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Register ``serve`` through ``command``, which makes a subcommand's parser from its help."""
     serve = command("serve", "serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)")
-    serve.add_argument("spec", type=Path, help="the spec file (.toml, .json, .yaml)")
+    serve.add_argument(
+        "spec", type=Path, help="the spec file (.toml, .json, .yaml), or a pipeline folder"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(

@@ -342,7 +342,7 @@ class Batcher:
             if self.on_batch is not None:
                 self.on_batch(len(jobs))
             log.info("serving.batched", batch_id=batch_id, size=len(jobs))
-            batch = merged_batch(jobs, self.shapes)
+            batch = merged_batch(jobs, self.shapes, self.orchestrator.recipe)
             batch.on_step = _steps_hook(group, self.on_change)
             with self._changed:  # cancellations from now on reach the batch itself
                 for entry, rows in zip(group, job_rows(jobs), strict=True):

@@ -32,7 +32,11 @@ class EmbeddingsBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The body of ``POST /v1/images/generations``, with this worker's extra fields."""
+    """The body of ``POST /v1/images/generations``, with this worker's extra fields.
+
+    ``steps`` and ``guidance_scale`` left out take the pipeline's defaults (a folder's
+    pipeline class's, as diffusers' call has them).
+    """
 
     prompt: str
     model: str | None = None
@@ -40,9 +44,9 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     size: str | None = None
     response_format: Literal["b64_json"] = "b64_json"
     user: str | None = None
-    steps: Annotated[int, Meta(ge=1, le=1000)] = 4
+    steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    guidance_scale: Annotated[float, Meta(ge=0)] = 1.0
+    guidance_scale: Annotated[float, Meta(ge=0)] | None = None
     negative_prompt: str | None = None
     attention_backend: str | None = None
     priority: Priority = 0

@@ -18,6 +18,8 @@ import msgspec
 import torch
 
 from components.batch import Batch
+from components.kinds.dit.base import PackedTransformer
+from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview
 
@@ -42,19 +44,23 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         steps: denoising steps.
         guidance_scale: classifier-free guidance scale.
         attention_backend: the per-request backend override, or None.
-        latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings, and for
-            the jobs of a pipeline whose batches mix sizes (each job carries its own
-            ``size``).
+        latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
         negative: its images are guided away from a negative prompt (a job without one
             guides away from the empty prompt: the two never share a batch).
+        image_size: the images' (height, width) in pixels, for a pipeline from a folder
+            whose batches keep to one size; None where each job carries its ``size``.
+        alone: the job's own id where it must run alone (its scheduler draws noise for a
+            whole batch as it steps); None where it may share.
     """
 
     endpoint: Endpoint
     steps: int = 0
-    guidance_scale: float = 1.0
+    guidance_scale: float | None = None
     attention_backend: str | None = None
     latent_size: tuple[int, int] = (0, 0)
     negative: bool = False
+    image_size: tuple[int, int] | None = None
+    alone: str | None = None
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +74,8 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         preview: the linear map from a latent token to its RGB colour, ``C + 1`` rows
             (one per channel, then the bias) of 3, fitted at warm-up
             (``lifecycle.serving.preview``); empty without images.
+        mixes_sizes: its DiT packs images of different sizes into one forward (a
+            folder's transformer on its custom path): jobs of any size share a batch.
     """
 
     embeddings: bool
@@ -75,6 +83,7 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     latent_channels: int = 0
     image_scale: int = 0
     preview: PreviewMap = ()
+    mixes_sizes: bool = False
 
 
 @dataclass
@@ -99,8 +108,8 @@ class Job:
         started_turn: the batches it had started when this job's batch started:
             ``started_turn - queued_turn`` batches passed it over
             (``lifecycle.priorities`` bounds them).
-        size: its images' (height, width) in pixels, for a pipeline whose batches mix
-            sizes (a folder pipeline's recipe); None where the key's ``latent_size`` says.
+        size: its images' (height, width) in pixels, for a pipeline from a folder whose
+            batches mix sizes (its DiT packs them); None where the key says.
     """
 
     id: str
@@ -118,11 +127,6 @@ class Job:
     queued_turn: int = 0
     started_turn: int = 0
     size: tuple[int, int] | None = None
-
-
-LatentDraw: TypeAlias = Callable[[torch.Generator, int, tuple[int, int]], list[torch.Tensor]]
-"""Draws one job's starting latents from its seeded generator: its image count and size in,
-one ``(N, C)`` tensor per image out (a recipe's ``draw_latents``)."""
 
 
 class RequestState(StrEnum):
@@ -180,34 +184,39 @@ def estimate_tokens(prompts: Sequence[str]) -> int:
     return sum(len(text.split()) + 2 for text in prompts)
 
 
-def merged_batch(jobs: Sequence[Job], shapes: Shapes, draw: LatentDraw | None = None) -> Batch:
+def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = None) -> Batch:
     """Return one ``Batch`` carrying every job's prompts and its own seeded latents.
 
-    With ``draw`` each job's latents are drawn at its own ``size`` and the batch carries
-    every image's size (``Batch.image_sizes``): jobs of different sizes share the batch.
+    A pipeline from a folder (``recipe``) draws each job's latents as diffusers draws
+    them for ``generator=torch.Generator("cpu").manual_seed(seed)`` and
+    ``num_images_per_prompt=n``, at the job's own ``size`` (else the key's
+    ``image_size``); the batch carries every image's size (``Batch.image_sizes``), so
+    jobs of different sizes may share it.
     """
     key = jobs[0].key
     prompts = [text for job in jobs for text in job.prompts]
     latents = None
     image_sizes = None
-    if key.endpoint == "images" and draw is not None:
-        sizes = [_size(job) for job in jobs]
-        latents = [
-            x
-            for job, size in zip(jobs, sizes, strict=True)
-            for x in draw(torch.Generator().manual_seed(job.seed), len(job.prompts), size)
-        ]
-        image_sizes = [size for job, size in zip(jobs, sizes, strict=True) for _ in job.prompts]
+    generator = torch.Generator().manual_seed(jobs[0].seed)  # unused unless drawn from
+    if recipe is not None and key.endpoint == "images":
+        latents, image_sizes = [], []
+        for job in jobs:
+            size = _size(job)
+            # a job alone keeps drawing from its generator (a scheduler that draws as it
+            # steps runs its jobs alone: ``BatchKey.alone``)
+            generator = torch.Generator().manual_seed(job.seed)
+            latents += recipe.draw_latents(generator, len(job.prompts), size)
+            image_sizes += [size] * len(job.prompts)
     elif key.endpoint == "images":
         h, w = key.latent_size
         latents = []
         for job in jobs:
-            generator = torch.Generator().manual_seed(job.seed)
+            drawn = torch.Generator().manual_seed(job.seed)
             latents += [
-                torch.randn(h * w, shapes.latent_channels, generator=generator) for _ in job.prompts
+                torch.randn(h * w, shapes.latent_channels, generator=drawn) for _ in job.prompts
             ]  # (N, C) each
     return Batch(
-        generator=torch.Generator().manual_seed(jobs[0].seed),  # unused: inputs are given
+        generator=generator,
         steps=max(key.steps, 1),
         guidance_scale=key.guidance_scale,
         negative_prompts=[job.negative_prompt or "" for job in jobs for _ in job.prompts]
@@ -217,14 +226,16 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, draw: LatentDraw | None = 
         latent_size=key.latent_size if key.endpoint == "images" else (4, 4),
         prompts=prompts,
         latents=latents,
+        image_size=key.image_size,
         image_sizes=image_sizes,
     )
 
 
 def _size(job: Job) -> tuple[int, int]:
-    if job.size is None:
-        raise ValueError(f"image job '{job.id}' has no size, and its pipeline mixes sizes")
-    return job.size
+    size = job.size or job.key.image_size
+    if size is None:
+        raise ValueError(f"image job '{job.id}' has no size: give the job or its key one")
+    return size
 
 
 def job_rows(jobs: Sequence[Job]) -> list[range]:
@@ -267,16 +278,27 @@ WARM_UP_LATENT_SIZE = (8, 8)
 def warm_up(orchestrator: Orchestrator) -> Shapes:
     """Run one request through every stage and read off what the pipeline produces.
 
-    A pipeline that makes images also gets its preview map fitted on this request.
+    A pipeline that makes images also gets its preview map fitted on this request; one
+    from a folder warms up on its smallest image (its sizes' multiple a side), unfitted.
     """
+    recipe = orchestrator.recipe
     batch = Batch(
         generator=torch.Generator().manual_seed(0),
         steps=1,
         prompts=["warm up"],
         latent_size=WARM_UP_LATENT_SIZE,
+        image_size=None if recipe is None else (recipe.multiple, recipe.multiple),
     )
     with orchestrator.request("warm-up") as request:
         request.run_all(batch)
+    if recipe is not None:
+        return Shapes(
+            embeddings=False,
+            images=True,
+            latent_channels=recipe.channels,
+            image_scale=recipe.vae.scale_factor,
+            mixes_sizes=isinstance(orchestrator.module("transformer"), PackedTransformer),
+        )
     latents = batch.latents or []
     images = batch.images
     scale = 0 if images is None else int(images[0].shape[-1]) // batch.latent_size[1]

@@ -82,7 +82,16 @@ def run_recipe(
 
     ``around(stage, modules)`` may return a context manager each stage runs inside.
     """
-    batch = batch_of(request)
+    return run_batch(loaded, batch_of(request), around)
+
+
+def run_batch(
+    loaded: Loaded,
+    batch: Batch,
+    around: Callable[[str, Mapping[str, nn.Module]], Any] | None = None,
+) -> torch.Tensor:
+    """Run every stage of the recipe on ``batch`` (``around`` as ``run_recipe``'s); return
+    the images in [0, 1]."""
     with torch.inference_mode():
         for stage in loaded.recipe.stages:
             modules = {name: loaded.modules[name] for name in stage.uses}
@@ -95,11 +104,14 @@ def run_recipe(
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 
-def run_diffusers(folder: Path, request: Request, **extra: Any) -> torch.Tensor:
-    """Run diffusers' own pipeline from ``folder`` on ``request``; the images in [0, 1]."""
+def run_diffusers(
+    folder: Path, request: Request, dtype: torch.dtype = torch.float32, **extra: Any
+) -> torch.Tensor:
+    """Run diffusers' own pipeline from ``folder`` in ``dtype`` on ``request``; the images
+    in [0, 1] (``extra`` goes to the pipeline's call)."""
     from diffusers import DiffusionPipeline
 
-    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     if request.negative_prompt is not None:
         extra["negative_prompt"] = request.negative_prompt

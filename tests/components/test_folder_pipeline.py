@@ -108,7 +108,7 @@ class TestRefused:
         (problem,) = FolderPipeline.read(folder).problems
         assert problem.code == "pipeline.custom_code"
         assert problem.component == "transformer"
-        assert "names module 'my_dit' for 'transformer'" in problem.message
+        assert "takes 'transformer' (MyDit) from module 'my_dit'" in problem.message
 
     def test_a_class_no_kind_loads(self, pipeline_folder: PipelineFolders, tmp_path: Path) -> None:
         """A component class no kind claims names the entry-point group that adds one."""

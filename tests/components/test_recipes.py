@@ -12,12 +12,15 @@ import pytest
 import torch
 from torch import nn
 
+from components.batch import Cancelled, Left, StepDone
 from components.offload.layerwise import LayerwiseStore
 from tests.components.folder_runs import (
     Loaded,
     Request,
+    batch_of,
     load,
     recipe_of,
+    run_batch,
     run_diffusers,
     run_recipe,
 )
@@ -125,6 +128,52 @@ class TestLayerwise:
         }
         if family == "flux":  # two stacks, double-stream then single-stream blocks
             assert streamed["transformer"] == 4
+
+
+class TestSteps:
+    """Each denoising step is reported; a row cancelled between steps leaves, the rest go on."""
+
+    def test_every_step_reports_each_images_latents(self, loaded: dict[str, Loaded]) -> None:
+        """Flux reports each step with every image's unpacked latents ``(h * w, C)``."""
+        reports: list[tuple[int, int, tuple[int, ...], list[tuple[int, ...]]]] = []
+        batch = batch_of(Request(size=(32, 48), count=2, steps=3))
+        batch.on_step = lambda done: reports.append(
+            (done.step, done.steps, done.rows, [tuple(x.shape) for x in done.latents])
+        )
+        run_batch(loaded["flux"], batch)
+        channels = loaded["flux"].recipe.channels
+        assert reports == [(step, 3, (0, 1), [(4 * 6, channels)] * 2) for step in (1, 2, 3)]
+
+    @pytest.mark.parametrize("family", ["pixart-sigma", "flux"])
+    def test_a_cancelled_row_leaves_and_the_others_are_unchanged(
+        self, family: str, loaded: dict[str, Loaded]
+    ) -> None:
+        """Row 0 cancelled after step 1 leaves at once; row 1's image is its image uncancelled
+        (PixArt's multistep scheduler keeps per-image state; Flux's latents are packed)."""
+        request = Request(size=(48, 48), count=2, steps=3, seed=4)
+        whole = run_recipe(loaded[family], request)
+        batch = batch_of(request)
+        steps: list[tuple[int, tuple[int, ...]]] = []
+
+        def cancel_row_0(done: StepDone) -> None:
+            steps.append((done.step, done.rows))
+            if done.step == 1:
+                batch.cancellation.cancel("r1", [0])
+
+        batch.on_step = cancel_row_0
+        images = run_batch(loaded[family], batch)
+        assert steps == [(1, (0, 1)), (2, (1,)), (3, (1,))]
+        assert batch.left == [Left("r1", (0,), None, 1)]
+        assert images.shape == (1, 3, 48, 48)
+        assert (images[0] - whole[1]).abs().max() <= TOLERANCE
+
+    def test_cancelling_every_row_stops_the_stage(self, loaded: dict[str, Loaded]) -> None:
+        """With no row left after step 1 the stage raises ``Cancelled`` at that step."""
+        batch = batch_of(Request(steps=3))
+        batch.on_step = lambda done: batch.cancellation.cancel("r1")
+        with pytest.raises(Cancelled) as raised:
+            run_batch(loaded["sd3"], batch)
+        assert raised.value.step == 1
 
 
 class TestRequestsRefused:

@@ -295,7 +295,14 @@ kind = "tiny_upsampler"
         result = lifecycle("check", "--json", path)
         assert result.returncode == 1
         report = json.loads(result.stdout)
-        assert list(report) == ["pipeline", "admitted", "components", "refusals"]
+        assert list(report) == [
+            "pipeline",
+            "admitted",
+            "components",
+            "refusals",
+            "stages",
+            "source",
+        ]
         assert report["admitted"] is False
         assert report["components"]["vae"] == {
             "kind": "tiny_vae",
@@ -303,6 +310,8 @@ kind = "tiny_upsampler"
             "loader": "custom",
             "residency": "resident",
             "attention": [],
+            "dtype": "float32",
+            "bytes": 248588,
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

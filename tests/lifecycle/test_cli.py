@@ -76,6 +76,13 @@ class TestCheck:
                     "reason": None,
                 }
             ],
+            "dtype": "float32",
+            "bytes": 248588,
+        }
+        assert report["stages"] == {
+            "encode": ["text_encoder"],
+            "denoise": ["transformer"],
+            "decode": ["vae"],
         }
 
     def test_bad_key_is_one_line_and_exit_two(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
@@ -223,7 +230,7 @@ class TestOptions:
         assert result.returncode == 0
         text = " ".join(result.stdout.split())
         assert "requests to run (default: 4)" in text
-        assert "denoising steps per request (default: 8)" in text
+        assert "denoising steps per request (default: a folder's pipeline class's, else 8)" in text
         assert "(default: warning)" in text
         assert "3 failed while running" in text
         assert "130, 143 `run` stopped by SIGINT, SIGTERM" in text

@@ -83,7 +83,9 @@ class TestDecode:
         assert set(root) == {
             "name",
             "components",
+            "source",
             "device",
+            "dtype",
             "attention",
             "parallel",
             "memory",

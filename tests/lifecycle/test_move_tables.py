@@ -17,7 +17,7 @@ from attention import (
     Platform,
     component_attention_scope,
 )
-from components import ResidencyMode
+from components import ResidencyMode, registry
 from lifecycle.config import ComponentSpec, StageSpec, load_spec
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.orchestrator import Orchestrator
@@ -44,7 +44,7 @@ def bare_slot() -> ComponentSlot:
     needed = {n for r in TRANSITIONS for n in (*r.guards, r.postcondition) if n is not None}
     lifecycle = ComponentLifecycle("net", checks={n: (lambda context: ()) for n in needed})
     spec = msgspec.convert({"kind": "tiny_vae"}, ComponentSpec)
-    return ComponentSlot("net", spec, lifecycle)
+    return ComponentSlot("net", spec, lifecycle, registry.get(spec.kind).from_options(spec.options))
 
 
 class TestLayerCache:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle.cli.runner import MoveTally, RunOutputs, run_requests
+from lifecycle.cli.runner import MoveTally, RequestArgs, RunOutputs, run_requests
 from lifecycle.config import load_spec
 from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
@@ -39,10 +39,12 @@ def test_memory_stays_flat_over_2000_requests() -> None:
     outputs = RunOutputs()
     with Orchestrator(spec, observer=tally) as orchestrator:
         orchestrator.load()
-        run_requests(orchestrator, outputs, requests=200, steps=1)  # allocator and caches settle
+        run_requests(
+            orchestrator, outputs, requests=200, args=RequestArgs(steps=1)
+        )  # allocator and caches settle
         gc.collect()
         before = resident_set_bytes()
-        run_requests(orchestrator, outputs, requests=2000, steps=1)
+        run_requests(orchestrator, outputs, requests=2000, args=RequestArgs(steps=1))
         gc.collect()
         grown = resident_set_bytes() - before
     assert len(outputs.request_ms) == 2200

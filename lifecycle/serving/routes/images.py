@@ -21,12 +21,15 @@ from lifecycle.serving.dispatch import (
     run_job,
 )
 from lifecycle.serving.errors import ApiError
+from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
+DEFAULT_STEPS = 4
+"""Denoising steps of a pipeline of kinds' image when the request gives no ``steps``."""
 
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
 
@@ -42,24 +45,14 @@ def images_routes(worker: Worker) -> APIRouter:
         if not worker.shapes.images:
             raise not_served(worker, "images", "examples/tiny_t2i.toml")
         timeout = request_timeout(worker, body.priority, body.timeout)
-        latent_size = _latent_size(worker, body.size, body.n)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        key = BatchKey(
-            endpoint="images",
-            steps=body.steps,
-            guidance_scale=body.guidance_scale,
-            attention_backend=body.attention_backend,
-            latent_size=latent_size,
-            negative=body.negative_prompt is not None,
-        )
-        job = Job(
-            id=request.state.id,
-            key=key,
-            prompts=[body.prompt] * body.n,
-            negative_prompt=body.negative_prompt,
-            tokens=body.n * latent_size[0] * latent_size[1],
-            seed=seed,
-            priority=body.priority,
+        recipe = worker.orchestrator.recipe
+        job = (
+            _kinds_job(worker, body, request.state.id, seed)
+            if recipe is None
+            else folder_image_job(
+                recipe, body, request.state.id, seed, mixes_sizes=worker.shapes.mixes_sizes
+            )
         )
         if body.stream:
             return stream_images(worker, job, timeout, body.partial_images, seed)
@@ -70,6 +63,28 @@ def images_routes(worker: Worker) -> APIRouter:
         return job_response(content, done)
 
     return router
+
+
+def _kinds_job(worker: Worker, body: ImagesBody, request_id: str, seed: int) -> Job:
+    """Return the job of ``body`` for a pipeline of kinds (its sizes follow the latent grid)."""
+    latent_size = _latent_size(worker, body.size, body.n)
+    key = BatchKey(
+        endpoint="images",
+        steps=body.steps or DEFAULT_STEPS,
+        guidance_scale=body.guidance_scale,
+        attention_backend=body.attention_backend,
+        latent_size=latent_size,
+        negative=body.negative_prompt is not None,
+    )
+    return Job(
+        id=request_id,
+        key=key,
+        prompts=[body.prompt] * body.n,
+        negative_prompt=body.negative_prompt,
+        tokens=body.n * latent_size[0] * latent_size[1],
+        seed=seed,
+        priority=body.priority,
+    )
 
 
 def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:

@@ -116,7 +116,7 @@ def t2i_spec(reference_spec: ReferenceSpec) -> Callable[..., PipelineSpec]:
 
 def run_alone(worker: Worker, job: Job) -> torch.Tensor:
     """Run ``job`` by itself through the embedded API, the way a batch of one runs."""
-    batch = merged_batch([job], worker.shapes)
+    batch = merged_batch([job], worker.shapes, worker.orchestrator.recipe)
     override = job.key.attention_backend
     with worker.orchestrator.request(f"alone-{job.id}", attention_backend=override) as request:
         request.run_all(batch)

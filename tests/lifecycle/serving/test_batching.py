@@ -26,15 +26,18 @@ def image_job(index: int, key: BatchKey) -> Job:
     return Job(id=f"j{index}", key=key, prompts=prompts, tokens=16 * len(prompts), seed=index)
 
 
-def occupy(batcher: Batcher) -> Future[Job]:
-    """Start a slow batch, so that the next jobs gather behind it.
+def occupy(batcher: Batcher, slow: Job | None = None) -> Future[Job]:
+    """Start a slow batch (``slow``, or one of the reference pipeline), so that the next jobs
+    gather behind it.
 
     An idle worker would start the first of them at once, alone. Its hundred steps
     outlast the few calls that submit the next jobs; the drain after the test waits
     for it.
     """
-    slow = BatchKey(endpoint="images", steps=100, latent_size=(8, 8))
-    future = batcher.submit(Job(id="slow", key=slow, prompts=["slow"], tokens=64))
+    if slow is None:
+        key = BatchKey(endpoint="images", steps=100, latent_size=(8, 8))
+        slow = Job(id="slow", key=key, prompts=["slow"], tokens=64)
+    future = batcher.submit(slow)
     for _ in range(int(WATCHDOG_S / 0.005)):
         if batcher.depth == 0:
             return future

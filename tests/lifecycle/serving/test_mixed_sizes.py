@@ -21,7 +21,7 @@ from tests.conftest import PipelineFolders
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KEY = BatchKey(endpoint="images", steps=2, guidance_scale=3.5)
-"""What the jobs share: a pipeline that mixes sizes leaves the size out of the key."""
+"""What the jobs share: a DiT that packs sizes leaves the size out of the key."""
 SHAPES = Shapes(embeddings=False, images=True)
 JOBS = [
     Job(id="a", key=KEY, prompts=["a red fox"], tokens=6, seed=1, size=(32, 48)),
@@ -58,7 +58,7 @@ def run(loaded: Loaded, batch: Batch) -> int:
 class TestMixedSizes:
     def test_jobs_of_three_sizes_share_one_batch(self, flux: Loaded) -> None:
         """Three sizes run as one batch, one DiT forward a step; each job equals it alone."""
-        batch = merged_batch(JOBS, SHAPES, flux.recipe.draw_latents)
+        batch = merged_batch(JOBS, SHAPES, flux.recipe)
         assert batch.image_sizes == [(32, 48), (48, 32), (48, 32), (64, 64)]
         assert run(flux, batch) == KEY.steps
         split_outputs(JOBS, batch)
@@ -66,7 +66,7 @@ class TestMixedSizes:
             assert job.output is not None
             assert job.size is not None
             assert job.output.shape == (len(job.prompts), 3, *job.size)
-            alone = merged_batch([job], SHAPES, flux.recipe.draw_latents)
+            alone = merged_batch([job], SHAPES, flux.recipe)
             run(flux, alone)
             assert isinstance(alone.images, torch.Tensor)  # one size: one tensor
             assert (job.output - alone.images).abs().max() <= OUTPUT_TOLERANCE
@@ -74,5 +74,7 @@ class TestMixedSizes:
     def test_a_job_without_a_size_is_named(self, flux: Loaded) -> None:
         """A pipeline that mixes sizes needs each job's size; the error names the job."""
         sizeless = Job(id="z", key=KEY, prompts=["x"], tokens=3)
-        with pytest.raises(ValueError, match="image job 'z' has no size"):
-            merged_batch([sizeless], SHAPES, flux.recipe.draw_latents)
+        with pytest.raises(
+            ValueError, match="image job 'z' has no size: give the job or its key one"
+        ):
+            merged_batch([sizeless], SHAPES, flux.recipe)
