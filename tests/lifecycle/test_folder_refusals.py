@@ -184,40 +184,53 @@ class TestLifecycleRules:
     def test_explicit_backend_on_a_native_component(
         self, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """A native component cannot consume an explicit backend: never silently dropped."""
+        """A native component cannot consume an explicit backend: never silently dropped.
+        The custom DiT takes it."""
         text = '[components.transformer]\nattention_backend = "torch_flash"'
-        assert self.codes(pipeline_folder("flux"), text, cpu) == [
+        native = f'{text}\nloader = "native"'
+        assert self.codes(pipeline_folder("flux"), native, cpu) == [
             ("transformer", "loader.native_explicit_backend")
         ]
+        Orchestrator(self.spec(pipeline_folder("flux"), text), platform=cpu).admit()
 
     @pytest.mark.parametrize("layout", ["tp_size = 2", "sp_degree = 2\nulysses_degree = 2"])
     def test_a_splitting_layout_is_refused(
         self, layout: str, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """Tensor or sequence parallel would split native components: each one is refused."""
+        """Tensor or sequence parallel would split native components: each one is refused;
+        the DiT's custom path splits, so it is not."""
         codes = self.codes(pipeline_folder("sd3"), f"[parallel]\n{layout}", cpu)
         assert {code for _, code in codes} == {"loader.native_parallel_layout"}
-        assert {name for name, _ in codes} == set(load_spec(pipeline_folder("sd3")).components)
+        names = set(load_spec(pipeline_folder("sd3")).components)
+        assert {name for name, _ in codes} == names - {"transformer"}
+        native = f'[components.transformer]\nloader = "native"\n[parallel]\n{layout}'
+        assert {name for name, _ in self.codes(pipeline_folder("sd3"), native, cpu)} == names
 
     @pytest.mark.parametrize("layout", ["dp_size = 2", "cfg_parallel = true"])
     def test_replicated_layouts_are_admitted(
         self, layout: str, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """Data and CFG parallel replicate every component: admitted as they are."""
+        """Data and CFG parallel replicate every component: admitted as they are (the DiT on
+        its custom path, the rest native)."""
         plan = Orchestrator(
             self.spec(pipeline_folder("sd3"), f"[parallel]\n{layout}"), platform=cpu
         ).admit()
-        assert {c.loader for c in plan.components.values()} == {"native"}
+        loaders = {name: component.loader for name, component in plan.components.items()}
+        assert loaders.pop("transformer") == "custom"
+        assert set(loaders.values()) == {"native"}
 
     @pytest.mark.parametrize("family", ["pixart", "flux"])
     def test_bfloat16_equals_diffusers_in_bfloat16(
         self, family: Family, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """``dtype = "bfloat16"`` loads half the bytes and makes diffusers' bfloat16 image."""
+        """``dtype = "bfloat16"`` loads half the bytes and makes diffusers' bfloat16 image
+        (bit for bit through diffusers' DiT; the custom one's bfloat16 tolerance is tested
+        with the kind)."""
         folder = pipeline_folder(family)
         request = Request(size=(32, 48), guidance_scale=3.5)
         batch = batch_of(request)
-        with Orchestrator(self.spec(folder, 'dtype = "bfloat16"'), platform=cpu) as half:
+        text = 'dtype = "bfloat16"\n[components.transformer]\nloader = "native"'
+        with Orchestrator(self.spec(folder, text), platform=cpu) as half:
             plan = half.admit()
             half.load()
             with half.request() as run:
