@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from attention import arm_layers
-from components.batch import Batch
+from components.batch import Batch, StepDone
 from tests.components.folder_runs import Loaded, Request, batch_of, load, run_recipe
 from tests.conftest import PipelineFolders
 
@@ -101,6 +101,40 @@ class TestMixedSizes:
             (want,) = run_batch(custom, alone)
             assert image.shape == want.shape == (3, *size)
             assert (image - want).abs().max().item() <= TOLERANCE
+
+    @pytest.mark.parametrize("family", ["pixart", "flux"])
+    def test_cancelled_rows_leave_their_groups(
+        self, family: str, pipelines: dict[str, tuple[Loaded, Loaded]]
+    ) -> None:
+        """Rows cancelled after step 1 leave: a group that empties stops, one that keeps a
+        row narrows (latents, guided text, scheduler state); what stays equals it alone."""
+        _, custom = pipelines[family]
+        sizes = [(32, 48), (48, 32), (32, 48)]
+        noise = [
+            custom.recipe.draw_latents(torch.Generator().manual_seed(seed), 1, size)[0]
+            for seed, size in enumerate(sizes)
+        ]
+        batch = batch_of(Request(count=3, steps=3))
+        batch.prompts = ["A red fox", "A grey cat", "A lighthouse at dusk"]
+        batch.image_sizes = list(sizes)
+        batch.latents = list(noise)
+        seen: list[tuple[int, ...]] = []
+
+        def cancel(done: StepDone) -> None:
+            seen.append(done.rows)
+            if done.step == 1:
+                batch.cancellation.cancel("r1", [0, 1])
+
+        batch.on_step = cancel
+        with counting(custom) as forwards:
+            (image,) = run_batch(custom, batch)
+        assert forwards == [3]
+        assert seen == [(0, 1, 2), (2,), (2,)]
+        assert batch.image_sizes == [(32, 48)]
+        alone = batch_of(Request(prompt="A lighthouse at dusk", size=(32, 48), steps=3))
+        alone.latents = [noise[2]]
+        (want,) = run_batch(custom, alone)
+        assert (image - want).abs().max().item() <= TOLERANCE
 
     def test_native_runs_a_mixed_batch_group_by_group(
         self, pipelines: dict[str, tuple[Loaded, Loaded]]
