@@ -77,7 +77,7 @@ def previews(spec: Path) -> None:
     Each step makes its preview in the step hook, as a streamed request does, and the
     two are timed apart at the same moment: a shared machine's drift hits both alike.
     """
-    worker = Worker(Orchestrator.from_file(spec), ServingMetrics(lambda: 0, lambda: 0))
+    worker = Worker([Orchestrator.from_file(spec)], ServingMetrics(lambda: 0, lambda: 0))
     worker.start()  # fits the preview map
     mapping, scale = worker.shapes.preview, worker.shapes.image_scale
     marks: list[tuple[float, float]] = []  # (preview seconds, when the hook ended)
@@ -125,7 +125,7 @@ def previews(spec: Path) -> None:
 
 def priorities(spec: Path) -> None:
     """Print the latency of a high-priority job behind a full low-priority queue."""
-    worker = Worker(Orchestrator.from_file(spec), ServingMetrics(lambda: 0, lambda: 0))
+    worker = Worker([Orchestrator.from_file(spec)], ServingMetrics(lambda: 0, lambda: 0))
     worker.start()
     key = BatchKey(endpoint="images", steps=STEPS, latent_size=(8, 8))
     count = iter(range(10**9))

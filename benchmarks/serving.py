@@ -307,7 +307,7 @@ def main() -> None:
 
     # the same batching without HTTP: jobs straight into the worker's queue
     metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-    in_process = Worker(Orchestrator.from_file(EMBED_SPEC), metrics)
+    in_process = Worker([Orchestrator.from_file(EMBED_SPEC)], metrics)
     in_process.start()
     local = Embedded(EMBED_SPEC)
     for clients in (1, 16):

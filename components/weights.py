@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -54,6 +55,24 @@ class DeclaredTensor(NamedTuple):
 
 
 DeclaredTensors: TypeAlias = dict[str, DeclaredTensor]
+
+
+class TensorChecksum(NamedTuple):
+    """What a weights file stores for one tensor: enough to tell two files' contents equal.
+
+    Attributes:
+        name: the tensor's name.
+        dtype: its dtype, under the safetensors format's name.
+        shape: its shape.
+        checksum: the xxh3 checksum of its bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: int
+
+
 _FLOATING = frozenset(d for d in _DTYPE_BITS if d.startswith(("F", "BF")))
 
 
@@ -140,6 +159,32 @@ def load_weights(module: nn.Module, path: Path) -> None:
                     f"the module expects {tuple(own[name].shape)}"
                 )
             own[name].copy_(tensor)
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """Return the xxh3 checksum of a contiguous tensor's bytes."""
+    return xxhash.xxh3_64_intdigest(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def tensor_checksums(path: Path) -> tuple[TensorChecksum, ...]:
+    """Return each tensor of the safetensors file at ``path`` with its checksum, by name.
+
+    Two files with equal answers hold the same weights, whatever their paths, names
+    or header order. Each tensor is read through the file's memory map, one at a time.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not safetensors.
+    """
+    found = []
+    with _open(path) as file:
+        for name in sorted(file.keys()):
+            info = file.get_slice(name)
+            tensor = file.get_tensor(name).contiguous()
+            found.append(
+                TensorChecksum(name, info.get_dtype(), tuple(info.get_shape()), digest(tensor))
+            )
+    return tuple(found)
 
 
 def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:

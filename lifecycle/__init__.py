@@ -26,11 +26,22 @@ from lifecycle.refusals import (
     TransitionFailed,
     TransitionRefused,
 )
-from lifecycle.states import TRANSITIONS, ComponentState, TransitionRule
+from lifecycle.shared_device import SharedDevice
+from lifecycle.states import (
+    PIPELINE_TRANSITIONS,
+    TRANSITIONS,
+    WORKER_TRANSITIONS,
+    ComponentState,
+    PipelineState,
+    TransitionRule,
+    WorkerState,
+)
 
 __all__ = [
+    "PIPELINE_TRANSITIONS",
     "REFUSAL_CODES",
     "TRANSITIONS",
+    "WORKER_TRANSITIONS",
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",
@@ -48,16 +59,19 @@ __all__ = [
     "Orchestrator",
     "PipelineSnapshot",
     "PipelineSpec",
+    "PipelineState",
     "Refusal",
     "RefusalCode",
     "Refused",
     "RequestRefused",
+    "SharedDevice",
     "SitePlan",
     "StageSpec",
     "TransitionContext",
     "TransitionFailed",
     "TransitionRefused",
     "TransitionRule",
+    "WorkerState",
     "configure_logging",
     "decode_spec",
     "load_spec",

@@ -113,7 +113,11 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         max_queue: requests of one priority waiting or running at once; one more of
             that priority is answered 429 (each priority has its own room, so batch
             jobs never lock interactive ones out).
-        drain_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        drain_timeout: seconds SIGTERM waits for in-flight requests before exiting
+            (and a sleep, a swap or a removal waits for the pipeline's).
+        wake_timeout: seconds a request for a sleeping pipeline waits for it to wake
+            before it is answered 503 (with ``Retry-After``).
+        auto_wake: whether a request for a sleeping pipeline wakes it.
         max_request_seconds: the longest a request may take, queued and running; a
             request's own ``timeout`` may be shorter. Past it the request is
             cancelled (DESIGN §15).
@@ -130,6 +134,9 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # the worker over time (DESIGN §13)
+    wake_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    auto_wake: bool = False
     # requests over time (DESIGN §15)
     max_request_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     max_priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
@@ -244,6 +251,27 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         return "float32" if isinstance(self.dtype, UnsetType) else self.dtype
 
 
+class WorkerSettings(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[worker]`` table of a worker file (``lifecycle serve --worker FILE``).
+
+    Attributes:
+        device_budget: the most bytes resident at once for every pipeline the worker
+            serves, together (it replaces each spec's ``memory.device_budget``).
+    """
+
+    device_budget: ByteSize | UnsetType = UNSET
+
+
+class WorkerFile(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A worker file: settings of a worker serving several pipelines (DESIGN §13).
+
+    Attributes:
+        worker: the worker's settings.
+    """
+
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+
+
 def load_spec(path: str | Path) -> PipelineSpec:
     """Read and decode the spec at ``path``; the format follows its extension.
 
@@ -254,11 +282,37 @@ def load_spec(path: str | Path) -> PipelineSpec:
         ConfigError: the file is missing or unreadable, or the spec (or its folder) is bad.
     """
     source = str(path)
-    if Path(path).is_dir():
-        try:
+    try:
+        if Path(path).is_dir():
             return _decoded({SOURCE: source}, Path())
-        except ConfigError as err:
-            raise ConfigError(err.message, err.path, source) from None
+        text, fmt, _ = _read(path, "spec")
+        return decode_spec(text, fmt, Path(path).parent)
+    except ConfigError as err:
+        raise ConfigError(err.message, err.path, source) from None
+
+
+def load_worker_file(path: str | Path) -> WorkerFile:
+    """Read and decode the worker file at ``path``; the format follows its extension.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or a key is bad.
+    """
+    text, fmt, source = _read(path, "worker file")
+    try:
+        raw = _parse(text, fmt)
+        _check_shape(raw)
+        return _convert(raw, WorkerFile, "$")
+    except ConfigError as err:
+        raise ConfigError(err.message, err.path, source) from None
+
+
+def _read(path: str | Path, what: str) -> tuple[str, str, str]:
+    """Return the text of the file at ``path``, its format (extension) and its name.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, too large or not UTF-8.
+    """
+    source = str(path)
     try:
         with Path(path).open("rb") as file:
             data = file.read(MAX_SPEC_BYTES + 1)
@@ -266,13 +320,10 @@ def load_spec(path: str | Path) -> PipelineSpec:
             raise ConfigError(_TOO_LARGE, source=source)
         text = data.decode("utf-8")
     except OSError as err:
-        raise ConfigError(f"cannot read the spec: {err.strerror}", source=source) from None
+        raise ConfigError(f"cannot read the {what}: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
-        raise ConfigError("the spec is not UTF-8 text", source=source) from None
-    try:
-        return decode_spec(text, Path(path).suffix.lstrip(".").lower(), Path(path).parent)
-    except ConfigError as err:
-        raise ConfigError(err.message, err.path, source) from None
+        raise ConfigError(f"the {what} is not UTF-8 text", source=source) from None
+    return text, Path(path).suffix.lstrip(".").lower(), source
 
 
 def decode_spec(text: str, fmt: str = "toml", base: Path | None = None) -> PipelineSpec:

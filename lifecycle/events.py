@@ -10,7 +10,7 @@ no event at all.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -20,6 +20,8 @@ from lifecycle.logs import get_logger
 log = get_logger("lifecycle")
 
 Direction: TypeAlias = Literal["onload", "offload"]
+
+ReloadOutcome: TypeAlias = Literal["unchanged", "swapped", "refused", "restored"]
 
 
 class Move(
@@ -170,8 +172,118 @@ class RequestCancelled(
     step: int
 
 
+class PipelineTransitioned(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="pipeline.transition",
+):
+    """A pipeline went from one state to another (``pipeline.transition``): drain, release.
+
+    Sleep and wake say it with an event of their own (``PipelineSlept``,
+    ``PipelineWoke``), with the same fields.
+
+    Attributes:
+        pipeline: the pipeline.
+        trigger: what moved it.
+        source: the state it left (lower-case value).
+        dest: the state it entered.
+        duration_ms: how long the transition took, its components' moves included.
+    """
+
+    pipeline: str
+    trigger: str
+    source: str
+    dest: str
+    duration_ms: float
+
+
+class PipelineSlept(
+    PipelineTransitioned,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="pipeline.slept",
+):
+    """A pipeline went to sleep: its components left the device (``pipeline.slept``)."""
+
+
+class PipelineWoke(
+    PipelineTransitioned, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.woke"
+):
+    """A pipeline woke: its components are back where ``load`` put them (``pipeline.woke``)."""
+
+
+class PipelineSwapped(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.swapped"
+):
+    """A worker replaced a pipeline by a new one of the same name (``pipeline.swapped``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec the new one was read from.
+        overlapped: whether both were held at once (the budget held both, so the old
+            one served until the new one was loaded); otherwise the old one was drained
+            and released first.
+        kept: the components the new one shares with the old, kept loaded across.
+        duration_ms: how long the swap took.
+    """
+
+    pipeline: str
+    path: str
+    overlapped: bool
+    kept: tuple[str, ...]
+    duration_ms: float
+
+
+class PipelineReloaded(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.reloaded"
+):
+    """A worker re-read a pipeline's spec (``pipeline.reloaded``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec re-read.
+        outcome: ``unchanged`` (nothing touched), ``swapped``, ``refused`` (check refused
+            it: nothing changed) or ``restored`` (the new one failed to load; the old
+            one serves again).
+    """
+
+    pipeline: str
+    path: str
+    outcome: ReloadOutcome
+
+
+class PipelineRestored(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="pipeline.restored"
+):
+    """A swap's new pipeline failed to load; the old one was loaded again and serves
+    (``pipeline.restored``).
+
+    Attributes:
+        pipeline: the pipeline's name.
+        path: the spec of the new pipeline that failed.
+        cause: why it failed.
+    """
+
+    pipeline: str
+    path: str
+    cause: str
+
+
 Event: TypeAlias = (
-    Move | Transitioned | Refused | MemoryWait | RequestBegan | RequestEnded | RequestCancelled
+    Move
+    | Transitioned
+    | Refused
+    | MemoryWait
+    | RequestBegan
+    | RequestEnded
+    | RequestCancelled
+    | PipelineTransitioned
+    | PipelineSwapped
+    | PipelineReloaded
+    | PipelineRestored
 )
 """Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
 under ``type``."""
@@ -182,26 +294,54 @@ the orchestrator's lock held: return quickly (hand slow work to a queue)."""
 
 
 class Observers:
-    """The observers attached to one orchestrator.
+    """The observers attached to one orchestrator, or those of several joined.
 
     The emitting code tests ``attached`` before it builds an event, so that an
     orchestrator nobody observes pays one truth test per event. An observer that
     raises is logged and skipped: it never changes what the orchestrator does.
 
+    A component several pipelines share reports to the observers of all of them:
+    ``Observers.joining(parts)`` follows each part's observers as they are attached
+    and detached, and holds each observer once (a worker's metrics observe every
+    pipeline, and count a shared component's moves once).
+
     Attributes:
         attached: the observers, in the order they were attached.
     """
 
-    __slots__ = ("_changing", "attached")
+    __slots__ = ("_changing", "_followers", "_parts", "attached")
 
     def __init__(self) -> None:
         self.attached: tuple[Observer, ...] = ()
         self._changing = threading.Lock()
+        self._parts: tuple[Observers, ...] = ()
+        self._followers: list[Observers] = []
+
+    @classmethod
+    def joining(cls, parts: Sequence[Observers]) -> Observers:
+        """Return the observers of every one of ``parts``, each once, kept up to date."""
+        joined = cls()
+        joined._parts = tuple(parts)
+        for part in joined._parts:
+            with part._changing:
+                part._followers.append(joined)
+        joined._follow()
+        return joined
+
+    def unjoin(self) -> None:
+        """Stop following the parts (the joined set is replaced)."""
+        for part in self._parts:
+            with part._changing:
+                part._followers.remove(self)
+        self._parts = ()
 
     def attach(self, observer: Observer) -> Callable[[], None]:
         """Attach ``observer``; return the call that detaches it again."""
         with self._changing:  # a new tuple each time: emitting threads iterate without a lock
             self.attached = (*self.attached, observer)
+            followers = list(self._followers)
+        for follower in followers:
+            follower._follow()
         detached = False
 
         def detach() -> None:
@@ -211,8 +351,15 @@ class Observers:
                     detached = True
                     index = self.attached.index(observer)
                     self.attached = self.attached[:index] + self.attached[index + 1 :]
+                followers = list(self._followers)
+            for follower in followers:
+                follower._follow()
 
         return detach
+
+    def _follow(self) -> None:
+        """Take up the parts' observers again, each once."""
+        self.attached = tuple(dict.fromkeys(o for part in self._parts for o in part.attached))
 
     def emit(self, event: Event) -> None:
         """Hand ``event`` to every attached observer."""

@@ -1,4 +1,4 @@
-"""The component lifecycle on one shared ``transitions`` machine.
+"""The guarded lifecycles: components (and pipelines) on shared ``transitions`` machines.
 
 Two extension points of ``transitions`` carry the project's semantics:
 
@@ -20,7 +20,10 @@ A trigger takes one typed value, ``MoveArgs``; what its guards decide for the
 work travels on typed fields of the ``TransitionContext``.
 
 The machine knows no loader and no kernel: guards and work are injected per
-component by whoever owns the component (the orchestrator).
+component by whoever owns the component (the orchestrator). ``GuardedMachine``
+holds what the component machine and the pipeline machine
+(``lifecycle.pipeline_machine``) share; each is built from its own table in
+``lifecycle.states``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, TypeAlias
 
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
@@ -37,11 +40,17 @@ from transitions.core import Condition, Event, Machine, State, Transition
 from lifecycle.events import Observers, Refused, Transitioned
 from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.states import INITIAL_STATE, TRANSITIONS, ComponentState
+from lifecycle.states import (
+    INITIAL_STATE,
+    TRANSITIONS,
+    AnyState,
+    ComponentState,
+    PipelineState,
+    TransitionRule,
+    WorkerState,
+)
 
 log = get_logger("lifecycle")
-
-_DESTS = {rule.trigger: rule.dest for rule in TRANSITIONS}
 
 
 class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,11 +63,17 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             -1 before any stage): the budget measures next uses from there.
         eviction: whether the budget evicts the component to make room for another's
             onload (a component resident by default may go then, never otherwise).
+        pipeline: the pipeline whose request moves it (its timeline measures next
+            uses); None: the pipeline that owns the component.
+        sleeping: its pipeline goes to sleep: it leaves the device even when kept
+            resident, or used by no stage (``wake`` brings it back).
     """
 
     request_id: str | None = None
     position: int = -1
     eviction: bool = False
+    pipeline: str | None = None
+    sleeping: bool = False
 
 
 NO_ARGS = MoveArgs()
@@ -69,7 +84,7 @@ class TransitionContext:
     """What the guards and the work of one transition see.
 
     Attributes:
-        component: the component's name.
+        component: the component's (or pipeline's) name.
         trigger: the trigger being fired.
         source: the state the component is in.
         dest: the state it will be in if the transition completes.
@@ -101,13 +116,14 @@ class TransitionContext:
         self,
         component: str,
         trigger: str,
-        source: ComponentState,
+        source: AnyState,
         args: MoveArgs,
+        dest: AnyState,
     ) -> None:
         self.component = component
         self.trigger = trigger
         self.source = source
-        self.dest = _DESTS[trigger]
+        self.dest = dest
         self.args = args
         request_id = args.request_id if args.request_id is not None else REQUEST_ID.get()
         self.request_id: str | None = None if request_id is ... else request_id
@@ -138,20 +154,29 @@ Work: TypeAlias = Callable[[TransitionContext], None]
 """The side effect of a transition; registers undo steps with ``on_rollback``."""
 
 
-class ComponentLifecycle:
-    """One component's place in the lifecycle; the triggers are typed methods.
+class Guarded:
+    """One model on a guarded machine: its name, guards, work and observers.
 
-    Create it, then ``LifecycleMachine.add_component`` it. Every guard and
-    postcondition the transition table names must be given in ``checks``;
-    ``work`` maps a trigger to its side effect (a trigger without work only
-    changes state).
+    Every guard and postcondition its machine's table (``rules``) names must be given
+    in ``checks``; ``work`` maps a trigger to its side effect (a trigger without work
+    only changes state).
+
+    Args:
+        name: the model's name (a component's, or a pipeline's).
+        checks: each guard and postcondition by name.
+        work: each trigger's side effect.
+        observers: who receives its transitions and refusals; none by default.
 
     Attributes:
-        name: the component's name.
+        name: the model's name.
         state: its current state (set by the machine).
     """
 
-    state: ComponentState
+    rules: ClassVar[Sequence[TransitionRule[Any]]]
+    """The table of the machine its kind of model lives on."""
+    noun: ClassVar[str]
+    """What the model is called in errors (``component``, ``pipeline``)."""
+    state: Any
 
     def __init__(
         self,
@@ -159,20 +184,34 @@ class ComponentLifecycle:
         *,
         checks: Mapping[str, Check],
         work: Mapping[str, Work] | None = None,
+        observers: Observers | None = None,
     ) -> None:
-        needed = {n for r in TRANSITIONS for n in (*r.guards, r.postcondition) if n is not None}
+        needed = {n for r in self.rules for n in (*r.guards, r.postcondition) if n is not None}
         missing = sorted(needed - checks.keys())
         if missing:
             raise ValueError(
-                f"component {name!r} lacks the checks {missing}; every guard and "
+                f"{self.noun} {name!r} lacks the checks {missing}; every guard and "
                 "postcondition of the transition table must be provided"
             )
-        unknown = sorted((work or {}).keys() - {r.trigger for r in TRANSITIONS})
+        unknown = sorted((work or {}).keys() - {r.trigger for r in self.rules})
         if unknown:
-            raise ValueError(f"component {name!r} has work for unknown triggers {unknown}")
+            raise ValueError(f"{self.noun} {name!r} has work for unknown triggers {unknown}")
         self.name = name
         self.checks = dict(checks)
         self.work = dict(work or {})
+        self.observers = Observers() if observers is None else observers
+
+
+class ComponentLifecycle(Guarded):
+    """One component's place in the lifecycle; the triggers are typed methods.
+
+    Create it, then ``LifecycleMachine.add_component`` it (see ``Guarded`` for the
+    arguments).
+    """
+
+    rules = TRANSITIONS
+    noun = "component"
+    state: ComponentState
 
     # The machine binds these; the bodies exist so that type checkers see them.
     def admit(self, args: MoveArgs = NO_ARGS) -> bool:
@@ -293,12 +332,11 @@ class GuardedTransition(Transition):
     def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.postcondition = postcondition
-        # the destination as the model holds it and the guards' names in table order,
-        # resolved once instead of on every move
-        self.dest_state = ComponentState[str(self.dest)]
+        # the guards' names in table order, resolved once instead of on every move
         self.guard_names = tuple(str(condition.func) for condition in self.conditions)
+        self.dest_state: AnyState = ComponentState.RELEASED  # set by the event that adds it
 
-    def apply(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
+    def apply(self, component: Guarded, context: TransitionContext) -> bool:
         """Check every guard; when all pass, run the work, then enter the destination."""
         if not self.passes(component, context):
             return False
@@ -308,7 +346,7 @@ class GuardedTransition(Transition):
         component.state = self.dest_state
         return True
 
-    def passes(self, component: ComponentLifecycle, context: TransitionContext) -> bool:
+    def passes(self, component: Guarded, context: TransitionContext) -> bool:
         """Run every guard (no short-circuit: a refusal gives every reason); tell if all passed."""
         checks = component.checks
         passed = True
@@ -319,7 +357,7 @@ class GuardedTransition(Transition):
                 passed = False
         return passed
 
-    def run_work(self, component: ComponentLifecycle, context: TransitionContext) -> None:
+    def run_work(self, component: Guarded, context: TransitionContext) -> None:
         """Run the work and check the postcondition; roll back and fail if either breaks."""
         try:
             work = component.work.get(context.trigger)
@@ -349,29 +387,31 @@ class RefusingEvent(Event):
         super().__init__(*args, **kwargs)
         # this event's transitions by source state as the model holds it (an Enum
         # member), so that a move finds its candidates without reading the member's name
-        self._from: dict[ComponentState, list[GuardedTransition]] = {}
+        self._from: dict[AnyState, list[GuardedTransition]] = {}
+        self._dest: AnyState = ComponentState.RELEASED  # every row of a trigger shares one
 
     def add_transition(self, transition: Transition) -> None:
         """Add a transition from the table (only ``GuardedTransition``s run here)."""
-        if not isinstance(transition, GuardedTransition):
+        machine = self.machine
+        if not isinstance(transition, GuardedTransition) or not isinstance(machine, GuardedMachine):
             raise TypeError(f"the lifecycle runs GuardedTransition only, not {transition!r}")
         super().add_transition(transition)
-        self._from.setdefault(ComponentState[transition.source], []).append(transition)
+        # the states as the model holds them (Enum members), resolved once
+        transition.dest_state = self._dest = machine.states_enum[str(transition.dest)]
+        self._from.setdefault(machine.states_enum[transition.source], []).append(transition)
 
     def trigger(self, model: object, *args: Any, **kwargs: Any) -> bool:
         """Fire this trigger for ``model``; its one ``MoveArgs`` reaches guards and work."""
         machine, component = self.machine, model
-        if not isinstance(machine, LifecycleMachine) or not isinstance(
-            component, ComponentLifecycle
-        ):
-            raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
+        if not isinstance(machine, GuardedMachine) or not isinstance(component, Guarded):
+            raise TypeError("RefusingEvent runs only on a GuardedMachine with its models")
         # the lifecycle's own calls pass one MoveArgs: tell that at once, without a call
         typed = len(args) == 1 and not kwargs and type(args[0]) is MoveArgs
         move: MoveArgs = args[0] if typed else self._args(args, kwargs)
         with machine.lock:
             source = component.state
-            context = TransitionContext(component.name, self.name, source, move)
-            observers = machine.observers
+            context = TransitionContext(component.name, self.name, source, move, self._dest)
+            observers = component.observers
             # timed only when someone reads the duration: a log line or an observer
             is_reported = context.is_logged or observers.attached != ()
             started = time.perf_counter() if is_reported else 0.0
@@ -385,7 +425,8 @@ class RefusingEvent(Event):
                         component.name,
                         self.name,
                         source,
-                        (ComponentState[s].value for s in self.transitions),
+                        (machine.states_enum[s].value for s in self.transitions),
+                        noun=component.noun,
                     )
                 for transition in candidates:
                     if transition.apply(component, context):
@@ -419,18 +460,8 @@ class RefusingEvent(Event):
                 )
                 raise
             if is_reported:
-                done = Transitioned(
-                    component=component.name,
-                    trigger=self.name,
-                    source=source.value,
-                    dest=context.dest.value,
-                    duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-                    request_id=context.request_id,
-                )
-                if context.is_logged:
-                    log.info("lifecycle.transition", **msgspec.structs.asdict(done))
-                if observers.attached:
-                    observers.emit(done)
+                duration_ms = round((time.perf_counter() - started) * 1e3, 3)
+                machine.report_done(component, context, duration_ms)
             return True
 
     def may(self, model: object, *args: Any, **kwargs: Any) -> bool:
@@ -445,14 +476,14 @@ class RefusingEvent(Event):
             if candidates is None:
                 return False
             context = TransitionContext(
-                component.name, self.name, component.state, self._args(args, kwargs)
+                component.name, self.name, component.state, self._args(args, kwargs), self._dest
             )
             return any(transition.passes(component, context) for transition in candidates)
 
-    def _parties(self, model: object) -> tuple[LifecycleMachine, ComponentLifecycle]:
+    def _parties(self, model: object) -> tuple[GuardedMachine, Guarded]:
         machine = self.machine
-        if not isinstance(machine, LifecycleMachine) or not isinstance(model, ComponentLifecycle):
-            raise TypeError("RefusingEvent runs only on a LifecycleMachine with components")
+        if not isinstance(machine, GuardedMachine) or not isinstance(model, Guarded):
+            raise TypeError("RefusingEvent runs only on a GuardedMachine with its models")
         return machine, model
 
     def _args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MoveArgs:
@@ -485,41 +516,45 @@ def report_refused(refused: Refused, observers: Observers) -> None:
         observers.emit(refused)
 
 
-class LifecycleMachine(Machine):
-    """The one machine every component of an orchestrator shares.
+class GuardedMachine(Machine):
+    """A ``transitions`` machine built from one table of ``lifecycle.states``.
 
-    Built from ``lifecycle.states.TRANSITIONS``; triggers are serialised on
-    ``lock`` (re-entrant, so the work of one transition may fire another,
-    e.g. an onload that evicts).
+    Triggers are serialised on ``lock`` (re-entrant, so the work of one transition
+    may fire another, e.g. an onload that evicts, a sleep that offloads). Subclasses
+    set ``states_enum``, ``rules`` and ``initial_state``, and say how a completed
+    transition is reported (``report_done``).
 
     Args:
-        name: the machine's name (the pipeline's).
-        observers: who receives every transition and refusal; none by default.
+        name: the machine's name.
+        lock: the lock its triggers run under; a fresh one by default (machines whose
+            transitions fire each other's share one).
     """
 
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
+    states_enum: ClassVar[type[ComponentState] | type[PipelineState] | type[WorkerState]]
+    rules: ClassVar[Sequence[TransitionRule[Any]]]
+    initial_state: ClassVar[AnyState]
 
-    def __init__(self, name: str = "lifecycle", observers: Observers | None = None) -> None:
+    def __init__(self, name: str, lock: threading.RLock | None = None) -> None:
         super().__init__(
             model=None,
-            states=ComponentState,
-            initial=INITIAL_STATE,
+            states=self.states_enum,
+            initial=self.initial_state,
             send_event=True,
             auto_transitions=False,
             model_override=True,
             name=name,
         )
-        self.lock = threading.RLock()
-        self.observers = Observers() if observers is None else observers
+        self.lock = threading.RLock() if lock is None else lock
         # transitions keys states by Enum name; reading a member's name costs an Enum lookup
         self._by_key = {
             key: self.states[member.name]
-            for member in ComponentState
+            for member in self.states_enum
             for key in (member, member.name)
         }
-        for rule in TRANSITIONS:
+        for rule in self.rules:
             self.add_transition(
                 rule.trigger,
                 list(rule.sources),
@@ -531,7 +566,7 @@ class LifecycleMachine(Machine):
     _by_key: Mapping[object, State] = {}
 
     def get_state(self, state: Any) -> State:
-        """Return the State object of a ComponentState or its name, in one dictionary lookup."""
+        """Return the State object of a state or its name, in one dictionary lookup."""
         found = self._by_key.get(state)
         return super().get_state(state) if found is None else found
 
@@ -549,10 +584,12 @@ class LifecycleMachine(Machine):
         event = self.events.get(trigger)
         return isinstance(event, RefusingEvent) and event.may(model, *args, **kwargs)
 
-    def add_component(self, component: ComponentLifecycle) -> None:
-        """Attach ``component`` in the initial state; its triggers become live."""
-        with self.lock:
-            self.add_model(component)
+    def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
+        """Log a completed transition and hand it to ``model``'s observers.
+
+        Called only when one of them reads it (``context.is_logged``, or an observer).
+        """
+        raise NotImplementedError
 
     def transitions_of(self, trigger: str) -> list[GuardedTransition]:
         """Return the machine's transitions for ``trigger``, one per source state."""
@@ -560,3 +597,41 @@ class LifecycleMachine(Machine):
         for per_source in self.events[trigger].transitions.values():
             found.extend(t for t in per_source if isinstance(t, GuardedTransition))
         return found
+
+
+class LifecycleMachine(GuardedMachine):
+    """The one machine every component of a ``SharedDevice`` shares.
+
+    Built from ``lifecycle.states.TRANSITIONS``.
+
+    Args:
+        name: the machine's name.
+        lock: the lock its triggers run under; a fresh one by default.
+    """
+
+    states_enum = ComponentState
+    rules = TRANSITIONS
+    initial_state = INITIAL_STATE
+
+    def __init__(self, name: str = "lifecycle", lock: threading.RLock | None = None) -> None:
+        super().__init__(name, lock)
+
+    def add_component(self, component: ComponentLifecycle) -> None:
+        """Attach ``component`` in the initial state; its triggers become live."""
+        with self.lock:
+            self.add_model(component)
+
+    def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
+        """Log ``lifecycle.transition`` and emit ``Transitioned``."""
+        done = Transitioned(
+            component=model.name,
+            trigger=context.trigger,
+            source=context.source.value,
+            dest=context.dest.value,
+            duration_ms=duration_ms,
+            request_id=context.request_id,
+        )
+        if context.is_logged:
+            log.info("lifecycle.transition", **msgspec.structs.asdict(done))
+        if model.observers.attached:
+            model.observers.emit(done)

@@ -3,15 +3,17 @@
 Decisions come from the pure functions of ``lifecycle.admission``; this
 module carries them out on the lifecycle machine, whose guards read those
 decisions back and whose work does the side effects (building modules,
-arming attention, moving weights) with an undo step for each.
+arming attention, moving weights) with an undo step for each. The pipeline
+itself sleeps, wakes, drains and is released on the pipeline machine
+(``lifecycle.pipeline_machine``); several orchestrators on one ``SharedDevice``
+share its budget, its line of waiting requests and their equal components.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -29,21 +31,23 @@ from components.batch import Left
 from components.mesh import ParallelMesh
 from components.recipes import Recipe
 from lifecycle import admission as adm
+from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
 from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
-from lifecycle.events import Observer, Observers, Refused, RequestBegan, RequestEnded
+from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machine import (
     Check,
     ComponentLifecycle,
-    LifecycleMachine,
+    MoveArgs,
     TransitionContext,
     Work,
     report_refused,
 )
 from lifecycle.override import BackendSwitch
+from lifecycle.pipeline_machine import PipelineLifecycle
 from lifecycle.plan import (
     AdmissionPlan,
     ComponentPlan,
@@ -55,15 +59,22 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
+    RefusalCode,
     RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
 from lifecycle.residency import Residency
+from lifecycle.shared_device import SharedDevice
+from lifecycle.sharing import ComponentIdentity, component_identity
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState
+from lifecycle.states import ComponentState, PipelineState
+from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 
 log = get_logger("lifecycle")
+
+_STAYING = (PipelineState.SERVING, PipelineState.SLEEPING, PipelineState.SWAPPING)
+"""The states of a pipeline that still holds its components: not yet on its way out."""
 
 
 class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,6 +89,8 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         prefetching: whether a prefetch has started its onload (CUDA host target).
         footprint: the bytes it takes on the device while resident (0 until loaded).
         resident_bytes: the bytes it holds on the device now.
+        users: the pipelines holding it (their keys on the device): more than one when
+            shared.
     """
 
     name: str
@@ -88,15 +101,24 @@ class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     prefetching: bool = False
     footprint: int = 0
     resident_bytes: int = 0
+    users: tuple[str, ...] = ()
 
 
 class Orchestrator:
-    """Run the lifecycle of every component of one pipeline.
+    """Run the lifecycle of one pipeline and of every component of it.
 
     Args:
         spec: the decoded pipeline spec.
         platform: where it runs; by default the spec's ``device`` decides.
         observer: receives every event (``lifecycle.events``); ``observe`` attaches more.
+        shared: the device it shares with other pipelines (a worker's): one budget,
+            which replaces the spec's ``memory.device_budget``, one line of waiting
+            requests, and equal components held once. By default a device of its own,
+            whose budget is the spec's.
+
+    Attributes:
+        key: the pipeline's key on its device: its name, unless another pipeline of
+            that name is on the device too (``name#2``, during a swap).
     """
 
     def __init__(
@@ -105,6 +127,7 @@ class Orchestrator:
         *,
         platform: Platform | None = None,
         observer: Observer | None = None,
+        shared: SharedDevice | None = None,
     ) -> None:
         self.spec = spec
         self.platform = platform or _platform_for(spec)
@@ -112,21 +135,36 @@ class Orchestrator:
         self._observers = Observers()
         if observer is not None:
             self._observers.attach(observer)
-        self._machine = LifecycleMachine(name=spec.name, observers=self._observers)
+        self._owns_device = shared is None
+        self.shared = _own_device(spec) if shared is None else shared
+        timeline = Timeline(spec.stages)
+        self.key = self.shared.register(spec.name, timeline, self.platform.kind)
+        if shared is not None:
+            _note_replaced_budget(spec, shared)
+        self._machine = self.shared.machine
         self._admission: adm.Admission | None = None
         self._slots: dict[str, ComponentSlot] = {}
-        self._residency = Residency(spec, self._slots, self.device, self._observers)
+        self._residency = Residency(spec, self._slots, self.device, self.shared, self.key, timeline)
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
-        self._stages = StageKeeper(
-            self._slots, self._residency, self._machine.lock, self._observers
-        )
-        self._request_ids = itertools.count(1)
+        self._stages = StageKeeper(self._slots, self._residency, self.shared, self._observers)
         self._switch = BackendSwitch(self._slots, self.platform)
         loaders = adm.component_loaders(spec)
         for name, component in spec.components.items():
-            lifecycle = ComponentLifecycle(name, checks=self._checks(name), work=self._work(name))
+            lifecycle = ComponentLifecycle(
+                name, checks=self._checks(name), work=self._work(name), observers=self._observers
+            )
             self._machine.add_component(lifecycle)
-            self._slots[name] = ComponentSlot(name, component, lifecycle, loaders[name])
+            slot = ComponentSlot(name, component, lifecycle, loaders[name], self.key)
+            self._slots[name] = slot
+            self.shared.add_slot(slot)
+        self._pipeline = PipelineLifecycle(
+            spec.name,
+            checks=self._pipeline_checks(),
+            work=self._pipeline_work(),
+            observers=self._observers,
+        )
+        self.shared.pipelines.add_pipeline(self._pipeline)
+        self.shared.lifecycles[self.key] = self._pipeline
         self.recipe: Recipe | None = (
             None if isinstance(spec.source, UnsetType) else open_folder(spec, loaders).recipe
         )
@@ -141,13 +179,14 @@ class Orchestrator:
         *,
         platform: Platform | None = None,
         observer: Observer | None = None,
+        shared: SharedDevice | None = None,
     ) -> Orchestrator:
         """Decode the spec at ``path`` and build its orchestrator.
 
         Raises:
             ConfigError: the spec is missing or bad.
         """
-        return cls(load_spec(path), platform=platform, observer=observer)
+        return cls(load_spec(path), platform=platform, observer=observer, shared=shared)
 
     # -- the public surface -------------------------------------------------
 
@@ -159,6 +198,12 @@ class Orchestrator:
         raises is logged and skipped; it never changes what the orchestrator does.
         """
         return self._observers.attach(observer)
+
+    def announce(self, event: Event) -> None:
+        """Hand ``event`` to this pipeline's observers: what a worker did with the pipeline
+        (``PipelineSwapped``, ``PipelineReloaded``, ``PipelineRestored``)."""
+        if self._observers.attached:
+            self._observers.emit(event)
 
     def admit(self) -> AdmissionPlan:
         """Admit every component, or none: return the plan.
@@ -178,7 +223,9 @@ class Orchestrator:
                     moved[0], "admit", self._slots[moved[0]].lifecycle.state, ("configured",)
                 )
             loaders = {name: slot.loader for name, slot in self._slots.items()}
-            admission = adm.admit_pipeline(self.spec, self.platform, loaders)
+            admission = adm.admit_pipeline(
+                self.spec, self.platform, loaders, None if self._owns_device else self._budget()
+            )
             self._admission = admission
             for name, slot in self._slots.items():
                 slot.admission = admission.components[name]
@@ -197,8 +244,10 @@ class Orchestrator:
     def load(self) -> None:
         """Load every admitted component and put it in its initial place.
 
-        Resident components end RESIDENT, offloaded ones OFFLOADED. Admits
-        first when that has not happened.
+        Resident components end RESIDENT, offloaded ones OFFLOADED (all of them while
+        the pipeline sleeps; ``wake`` onloads the resident ones). Admits first when that
+        has not happened. On a shared device, a component equal to one another pipeline
+        loaded (``lifecycle.sharing``) is not loaded again: the pipeline uses that one.
 
         Raises:
             AdmissionRefused: admission was needed and refused.
@@ -208,14 +257,56 @@ class Orchestrator:
         with self._machine.lock:
             if self._admission is None or not self._admission.admitted:
                 self.admit()
-            for slot in self._slots.values():
+            for name in list(self._slots):
+                slot = self._slots[name]
                 if slot.lifecycle.state is ComponentState.ADMITTED:
-                    slot.lifecycle.load()
+                    slot = self._load_or_share(name, slot)
                 if slot.lifecycle.state is ComponentState.LOADED:
-                    if slot.spec.residency_mode is ResidencyMode.RESIDENT:
+                    if self.key in self.shared.asleep:
+                        slot.lifecycle.offload(MoveArgs(sleeping=True))
+                    elif slot.spec.residency_mode is ResidencyMode.RESIDENT:
                         slot.lifecycle.onload()
                     else:
                         slot.lifecycle.offload()
+
+    @property
+    def pipeline_state(self) -> PipelineState:
+        """Return where the pipeline stands: serving, sleeping, swapping, draining or
+        released."""
+        return self._pipeline.state
+
+    def sleep(self, timeout: float | None = None) -> None:
+        """Put the pipeline to sleep: every component it does not share with a pipeline
+        that is awake leaves the device (also those kept resident), and stays off until
+        ``wake``.
+
+        Open requests of the pipeline are waited for, up to ``timeout`` seconds
+        (``serving.drain_timeout`` by default), never cut.
+
+        Raises:
+            InvalidTransition: the pipeline is not serving (asleep already, draining).
+            TransitionRefused: requests were still open after ``timeout``; nothing moved.
+            TransitionFailed: an offload failed; what moved was put back.
+        """
+        limit = self.spec.serving.drain_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._machine.lock:
+            if self._pipeline.state is PipelineState.SERVING:
+                while self._open_requests() and (remaining := deadline - time.monotonic()) > 0:
+                    self.shared.requests_ended.wait(remaining)
+            self._pipeline.sleep()
+
+    def wake(self) -> None:
+        """Wake the pipeline: its components go back where ``load`` put them.
+
+        Raises:
+            InvalidTransition: the pipeline does not sleep.
+            TransitionRefused: its resident components cannot fit the budget beside
+                what other pipelines keep resident.
+            TransitionFailed: an onload failed or was refused (other requests hold the
+                device); the pipeline still sleeps, nothing moved.
+        """
+        self._pipeline.wake()
 
     @property
     def parallel(self) -> ParallelMesh | None:
@@ -244,7 +335,7 @@ class Orchestrator:
             ValueError: a request with that id is already open.
             RequestRefused: ``attention_backend`` breaks a rule; nothing was switched.
         """
-        rid = request_id or f"r{next(self._request_ids)}"
+        rid = request_id or f"r{next(self.shared.request_ids)}"
         if attention_backend is not None:
             try:
                 self._switch.prepare(attention_backend)
@@ -254,7 +345,8 @@ class Orchestrator:
         with self._machine.lock:
             if rid in self._stages.open_requests:
                 raise ValueError(f"request {rid!r} is already open; give each request its own id")
-            self._stages.open_requests.add(rid)
+            self._stages.open_requests[rid] = self.key
+            self.shared.asked(self.key)
         request = Request(self._stages, rid, priority, self.recipe)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
@@ -330,7 +422,7 @@ class Orchestrator:
         return self._stages.waiter
 
     def resident_bytes(self) -> int:
-        """Return the bytes the resident components hold on the device now."""
+        """Return the bytes the pipeline's resident components hold on the device now."""
         return sum(
             slot.store.resident_bytes() for slot in self._slots.values() if slot.store is not None
         )
@@ -351,6 +443,7 @@ class Orchestrator:
             prefetching=slot.reserved,
             footprint=slot.footprint,
             resident_bytes=0 if slot.store is None else slot.store.resident_bytes(),
+            users=tuple(sorted(slot.users)),
         )
 
     def module(self, name: str) -> nn.Module:
@@ -383,6 +476,7 @@ class Orchestrator:
                     attention=() if slot.plan is None else slot.plan.attention,
                     dtype=self.spec.dtype_of(name),
                     bytes=None if slot.plan is None else slot.plan.bytes,
+                    users=tuple(sorted(slot.users)),
                 )
                 for name, slot in self._slots.items()
             },
@@ -401,9 +495,12 @@ class Orchestrator:
         )
 
     def close(self) -> None:
-        """Release every component it can and remove the offload folder, then report failures.
+        """Drain the pipeline, release every component it can, remove the offload folder,
+        then report failures.
 
-        Best effort: a failure does not stop the rest.
+        Best effort: a failure does not stop the rest. A component another pipeline
+        still shares stays loaded for it. Once everything is released, the pipeline is
+        RELEASED; closing again is harmless.
 
         Raises:
             ExceptionGroup: one error listing every component that could not be
@@ -411,16 +508,19 @@ class Orchestrator:
         """
         failures: list[Exception] = []
         with self._machine.lock:
-            for slot in self._slots.values():
-                if slot.lifecycle.state is not ComponentState.RELEASED:
-                    try:
-                        slot.lifecycle.release()
-                    except Exception as err:  # reported below, after the others are released
-                        failures.append(err)
+            if self._pipeline.state in _STAYING:
+                self._pipeline.drain()
+            for name, slot in self._slots.items():
+                try:
+                    self._let_go(name, slot)
+                except Exception as err:  # reported below, after the others are released
+                    failures.append(err)
             try:
                 self._residency.close()
             except OSError as err:
                 failures.append(err)
+            if not failures and self._pipeline.state is PipelineState.DRAINING:
+                self._pipeline.release()
         if failures:
             raise ExceptionGroup(
                 f"closing pipeline {self.spec.name!r} left {len(failures)} failure(s): "
@@ -438,6 +538,206 @@ class Orchestrator:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    # -- sharing ---------------------------------------------------------------
+
+    def _load_or_share(self, name: str, slot: ComponentSlot) -> ComponentSlot:
+        """Load ``name``, or use the equal component another pipeline on the device loaded.
+
+        A device of its own has no other pipeline: nothing to compare, no file read.
+        """
+        if self._owns_device:
+            slot.lifecycle.load()
+            return slot
+        try:
+            identity = component_identity(slot, self.spec, self.platform.kind)
+        except (OSError, ValueError):  # an unreadable weights file: its load says why
+            slot.lifecycle.load()
+            return slot
+        found = self.shared.loaded_equal(identity)
+        if found is None or self.key in found.users:
+            slot.lifecycle.load()
+            slot.identity = identity
+            self.shared.offer(identity, slot)
+            return slot
+        self.shared.drop_slot(slot)
+        self._slots[name] = found
+        self.shared.join(found, self.key, name, self._observers)
+        return found
+
+    def _let_go(self, name: str, slot: ComponentSlot) -> None:
+        """Release ``slot`` (the pipeline's ``name``), or leave it to the others using it.
+
+        Raises:
+            TransitionRefused: an open request is using it; the pipeline still holds it.
+        """
+        if slot.lifecycle.state is ComponentState.RELEASED or self.key not in slot.users:
+            return
+        if len(slot.users) > 1:
+            self.shared.leave(slot, self.key)
+            return
+        slot.lifecycle.release()
+
+    def identities(self) -> dict[str, ComponentIdentity]:
+        """Return what makes each admitted component itself (``lifecycle.sharing``), by name.
+
+        Reads each weights file to checksum it. A swap compares the new pipeline's with
+        the old one's to keep what they share loaded.
+
+        Raises:
+            RuntimeError: the pipeline was never admitted.
+            OSError, ValueError: a weights file cannot be read.
+        """
+        return {
+            name: slot.identity or component_identity(slot, self.spec, self.platform.kind)
+            for name, slot in self._slots.items()
+        }
+
+    def begin_swap(self) -> None:
+        """Mark the pipeline SWAPPING: a new pipeline of its name takes over (a worker's
+        swap or reload); it drains next.
+
+        Raises:
+            InvalidTransition: it is neither serving nor sleeping.
+        """
+        self._pipeline.swap()
+
+    def drain(self) -> None:
+        """Mark the pipeline DRAINING: it is on its way out (a worker sends it nothing new).
+
+        Its explicitly resident components no longer count against other pipelines'
+        admission: they leave with it.
+
+        Raises:
+            InvalidTransition: it drains already, or was released.
+        """
+        self._pipeline.drain()
+
+    def release_unshared(self, keep: Collection[ComponentIdentity]) -> None:
+        """Release the components of a draining pipeline, but those whose identity is in
+        ``keep`` (those its successor in a swap will share); ``close`` releases the rest.
+
+        Raises:
+            InvalidTransition: the pipeline is not draining.
+            TransitionRefused: an open request still uses a component; the others were
+                released.
+        """
+        with self._machine.lock:
+            state = self._pipeline.state
+            if state is not PipelineState.DRAINING:
+                raise InvalidTransition(
+                    self.spec.name, "release_unshared", state, ("draining",), noun="pipeline"
+                )
+            for name, slot in self._slots.items():
+                if slot.identity is None or slot.identity not in keep:
+                    self._let_go(name, slot)
+
+    def _budget(self) -> adm.SharedBudget | None:
+        """Return the device's budget as admission weighs it, beside the others' pinned.
+
+        A draining pipeline's components leave with it: they are not counted.
+        """
+        limit = self.shared.budget.limit
+        if limit is None:
+            return None
+        staying = {
+            key for key, pipeline in self.shared.lifecycles.items() if pipeline.state in _STAYING
+        }
+        pinned = {
+            slot.key: slot.footprint or declared_bytes(slot.loader) or 0
+            for slot in self.shared.slots.values()
+            if slot.home != self.key
+            and slot.spec.is_pinned
+            and slot.lifecycle.state is not ComponentState.RELEASED
+            and not staying.isdisjoint(slot.users)
+        }
+        return adm.SharedBudget(limit=limit, key=self.shared.budget.key, pinned=pinned)
+
+    # -- the pipeline's guards and work ------------------------------------------
+
+    def _open_requests(self) -> list[str]:
+        """Return the open requests of this pipeline (call with the lock held)."""
+        return sorted(rid for rid, key in self.shared.open_requests.items() if key == self.key)
+
+    def _own_slots(self) -> list[ComponentSlot]:
+        """Return the pipeline's components, each once (two names may share one)."""
+        return list({id(slot): slot for slot in self._slots.values()}.values())
+
+    def _pipeline_checks(self) -> dict[str, Check]:
+        def requests_ended(context: TransitionContext) -> list[Refusal]:
+            open_now = self._open_requests()
+            if not open_now:
+                return []
+            return [
+                Refusal(
+                    code=RefusalCode.IN_USE,
+                    component=self.spec.name,
+                    message=f"pipeline '{self.spec.name}' has open request(s) "
+                    f"{', '.join(open_now)}",
+                    hint="wait for them to end (a sleep waits serving.drain_timeout), or "
+                    "stop sending requests to this pipeline first",
+                )
+            ]
+
+        return {"requests_ended": requests_ended, "memory_budget": self._wake_fits}
+
+    def _wake_fits(self, context: TransitionContext) -> list[Refusal]:
+        """Refuse a wake whose resident components cannot fit beside what others pin."""
+        limit = self.shared.budget.limit
+        if limit is None:
+            return []
+        waking = [slot for slot in self._own_slots() if self._wakes(slot)]
+        pinned = [
+            slot
+            for slot in self.shared.budget.charged
+            if slot.spec.is_pinned and self.key not in slot.users
+        ]
+        sizes = {slot.label(self.key): slot.footprint for slot in (*waking, *pinned)}
+        uses = tuple(slot.label(self.key) for slot in waking)
+        held = tuple(slot.label(self.key) for slot in pinned)
+        if not uses:
+            return []
+        refusal = adm.stage_fits(
+            "wake()", sizes, uses, held, limit, budget_key=self.shared.budget.key
+        )
+        return [] if refusal is None else [refusal]
+
+    def _wakes(self, slot: ComponentSlot) -> bool:
+        """Tell whether waking onloads ``slot``: kept resident, and off the device now."""
+        return (
+            slot.mode is ResidencyMode.RESIDENT and slot.lifecycle.state is ComponentState.OFFLOADED
+        )
+
+    def _pipeline_work(self) -> dict[str, Work]:
+        return {"sleep": self._sleep, "wake": self._wake, "release": self._unregister}
+
+    def _sleep(self, context: TransitionContext) -> None:
+        """Offload what only sleeping pipelines use; mark the pipeline asleep."""
+        asleep, key = self.shared.asleep, self.key
+        args = MoveArgs(sleeping=True)
+        for slot in self._own_slots():
+            awake_users = [user for user in slot.users if user != key and user not in asleep]
+            if slot.lifecycle.state is ComponentState.RESIDENT and not awake_users:
+                slot.lifecycle.offload(args)
+                context.on_rollback(slot.lifecycle.onload)
+        asleep.add(key)
+        context.on_rollback(lambda: asleep.discard(key))
+
+    def _wake(self, context: TransitionContext) -> None:
+        """Mark the pipeline awake; onload what ``load`` keeps resident."""
+        asleep, key = self.shared.asleep, self.key
+        asleep.discard(key)
+        context.on_rollback(lambda: asleep.add(key))
+        back_off = MoveArgs(sleeping=True)
+        for slot in self._own_slots():
+            if self._wakes(slot):
+                lifecycle = slot.lifecycle
+                lifecycle.onload()
+                context.on_rollback(partial(lifecycle.offload, back_off))
+
+    def _unregister(self, context: TransitionContext) -> None:
+        self.shared.unregister(self.key)
+        self.shared.lifecycles.pop(self.key, None)
 
     # -- guards (pure: they read decisions, touch nothing) -------------------
 
@@ -460,7 +760,8 @@ class Orchestrator:
             "world_launched": lambda context: world_refusals(self.spec),
             "plan_honoured": lambda context: self._loading.plan_honoured(name),
             # the guards of every move: bound once, called with no frame of their own
-            "memory_budget": partial(residency.memory_budget, name),
+            "pipeline_awake": partial(residency.pipeline_awake, name),
+            "memory_budget": partial(residency.budget.memory_budget, self._slots, name),
             "offloadable": partial(residency.offloadable, name),
             "use_declared": partial(residency.use_declared, name),
             "not_in_use": partial(residency.not_in_use, name),
@@ -509,6 +810,25 @@ def _by_component(refusals: Sequence[Refusal]) -> dict[str, list[Refusal]]:
     for refusal in refusals:
         grouped.setdefault(refusal.component, []).append(refusal)
     return grouped
+
+
+def _own_device(spec: PipelineSpec) -> SharedDevice:
+    """Return a device for ``spec`` alone, under its ``memory.device_budget``."""
+    budget = spec.memory.device_budget
+    return SharedDevice(device_budget=None if isinstance(budget, msgspec.UnsetType) else budget)
+
+
+def _note_replaced_budget(spec: PipelineSpec, shared: SharedDevice) -> None:
+    """Say (a warning) that the device's shared budget replaces the spec's own."""
+    own = spec.memory.device_budget
+    if not isinstance(own, msgspec.UnsetType) and own != shared.budget.limit:
+        log.warning(
+            "lifecycle.budget_replaced",
+            pipeline=spec.name,
+            spec_budget=int(own),
+            device_budget=shared.budget.limit,
+            key=shared.budget.key,
+        )
 
 
 def _platform_for(spec: PipelineSpec) -> Platform:

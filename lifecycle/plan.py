@@ -65,6 +65,8 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         bytes: the bytes its weights take once loaded, known before loading (admission
             reads them from the kind or the weights' headers); None before admission or
             when unknown.
+        users: the pipelines (their keys on the device) that hold it: more than one
+            when it is shared (DESIGN §13).
     """
 
     kind: str
@@ -74,6 +76,7 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     attention: tuple[SitePlan, ...]
     dtype: DType = "float32"
     bytes: int | None = None
+    users: tuple[str, ...] = ()
 
 
 class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

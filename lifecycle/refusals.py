@@ -13,7 +13,7 @@ from types import MappingProxyType
 import msgspec
 
 from attention import SelectionCode
-from lifecycle.states import ComponentState
+from lifecycle.states import AnyState, ComponentState
 
 
 class RefusalCode(StrEnum):
@@ -157,6 +157,12 @@ class RefusalCode(StrEnum):
         "a request's attention_backend cannot switch the pipeline's switchable sites: "
         "an unknown or sparse backend, no switchable site, or one that would fall back",
     )
+    PIPELINE_ASLEEP = (
+        "pipeline.asleep",
+        False,
+        "a component of a sleeping pipeline (one it shares with no pipeline that is awake) "
+        "was to be onloaded; wake the pipeline first (or let serving.auto_wake do it)",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,
@@ -224,7 +230,7 @@ class TransitionRefused(Refused):
     Attributes:
         component: the component (for a whole pipeline, the pipeline's name).
         trigger: the trigger that was refused.
-        source: the state the component stayed in.
+        source: the state the component (or the pipeline) stayed in.
         refusals: every reason, not only the first.
     """
 
@@ -232,7 +238,7 @@ class TransitionRefused(Refused):
         self,
         component: str,
         trigger: str,
-        source: ComponentState,
+        source: AnyState,
         refusals: Iterable[Refusal],
         message: str | None = None,
     ) -> None:
@@ -271,10 +277,24 @@ def _reason(refusal: Refusal) -> str:
 
 
 class InvalidTransition(TransitionRefused):
-    """The trigger does not lead anywhere from the component's current state."""
+    """The trigger does not lead anywhere from the current state.
+
+    Args:
+        component: the component, or the pipeline.
+        trigger: the trigger fired.
+        source: the state it is in.
+        valid_from: the states the trigger is valid from.
+        noun: what ``component`` names (``component`` or ``pipeline``).
+    """
 
     def __init__(
-        self, component: str, trigger: str, source: ComponentState, valid_from: Iterable[str]
+        self,
+        component: str,
+        trigger: str,
+        source: AnyState,
+        valid_from: Iterable[str],
+        *,
+        noun: str = "component",
     ) -> None:
         allowed = ", ".join(valid_from)
         super().__init__(
@@ -283,7 +303,7 @@ class InvalidTransition(TransitionRefused):
             source,
             (),
             message=(
-                f"cannot {trigger} component {component!r} from state {source.value!r}; "
+                f"cannot {trigger} {noun} {component!r} from state {source.value!r}; "
                 f"{trigger} is valid from: {allowed}"
             ),
         )
@@ -308,7 +328,7 @@ class TransitionFailed(Exception):
     """
 
     def __init__(
-        self, component: str, trigger: str, source: ComponentState, cause: BaseException
+        self, component: str, trigger: str, source: AnyState, cause: BaseException
     ) -> None:
         self.component = component
         self.trigger = trigger

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -16,9 +15,10 @@ from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs
 from lifecycle.residency import Residency
+from lifecycle.shared_device import SharedDevice
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
-from lifecycle.waiting import MemoryWaiter
+from lifecycle.waiting import WaitTerms
 
 log = get_logger("lifecycle")
 
@@ -36,7 +36,8 @@ class StageKeeper:
     Args:
         slots: the orchestrator's components by name.
         residency: what moves weights (and prefetches the next stage's).
-        lock: the machine's lock, held while counts and states change together.
+        shared: the device: its lock, held while counts and states change together,
+            and its line of requests waiting for memory.
         observers: who hears of every wait for memory.
     """
 
@@ -44,16 +45,18 @@ class StageKeeper:
         self,
         slots: Mapping[str, ComponentSlot],
         residency: Residency,
-        lock: threading.RLock,
+        shared: SharedDevice,
         observers: Observers,
     ) -> None:
         self.slots = slots
         self.residency = residency
         self.timeline = residency.timeline
-        self.lock = lock
+        self.lock = shared.lock
         self.observers = observers
-        self.open_requests: set[str] = set()
-        self.waiter = MemoryWaiter(slots, lock, residency.spec.memory.wait_timeout, observers)
+        self.open_requests = shared.open_requests
+        self.requests_ended = shared.requests_ended
+        self.waiter = shared.waiter
+        self.terms = WaitTerms(residency.spec.memory.wait_timeout, observers, slots)
 
     def enter(
         self, request_id: str, position: int, priority: int, check: Callable[[], object]
@@ -73,7 +76,14 @@ class StageKeeper:
         with self.lock:
             stage = self.timeline.stages[position]
             return self.waiter.acquire(
-                request_id, position, stage, self._use, self.leave, priority=priority, check=check
+                request_id,
+                position,
+                stage,
+                self._use,
+                self.leave,
+                self.terms,
+                priority=priority,
+                check=check,
             )
 
     def cancelled(self, left: Sequence[Left]) -> None:
@@ -125,7 +135,8 @@ class StageKeeper:
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
-            self.open_requests.discard(request_id)
+            self.open_requests.pop(request_id, None)
+            self.requests_ended.notify_all()  # a sleep or a drain may wait for it
             try:
                 self.residency.cancel_prefetch(touched)
                 self._put_back(sorted(touched), request_id)

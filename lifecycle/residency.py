@@ -1,6 +1,7 @@
 """Residency: the guards and the work of onload, offload and release.
 
-Guards decide (and touch nothing): the memory budget plans evictions, the
+Guards decide (and touch nothing): the memory budget (``DeviceBudget``, one per
+device) plans evictions, the pipeline's sleep keeps its components off, the
 offload guards check the mode, the declared use and the in-use counts. The
 work carries the decisions out through the component's weight store and
 arms or disarms its attention, registering an undo for each step.
@@ -14,7 +15,6 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import msgspec
 import torch
 from torch import nn
 
@@ -22,12 +22,12 @@ from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from lifecycle import offload_folder
-from lifecycle.admission.budget import fits, plan_onload
 from lifecycle.config import PipelineSpec
-from lifecycle.events import Direction, Move, Observers
+from lifecycle.events import Direction, Move
 from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.shared_device import SharedDevice
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import ComponentState
 from lifecycle.timeline import Timeline
@@ -38,13 +38,18 @@ __all__ = ["Move", "Residency"]  # Move lives in lifecycle.events; kept importab
 
 
 class Residency:
-    """Move components' weights between the device and their offload target.
+    """Move one pipeline's components' weights between the device and their offload target.
+
+    A component another pipeline shares is moved by the residency of the pipeline that
+    built it (its home), whichever pipeline's request asks.
 
     Args:
         spec: the pipeline spec (memory settings, stages).
         slots: the orchestrator's components by name.
         device: the compute device.
-        observers: who receives every move.
+        shared: the device the pipeline is on: its budget, its sleeping pipelines.
+        key: the pipeline's key on ``shared``.
+        timeline: the pipeline's request timeline.
 
     Attributes:
         prefetches: whether stages prefetch the next stage's components (CUDA only).
@@ -55,58 +60,58 @@ class Residency:
         spec: PipelineSpec,
         slots: Mapping[str, ComponentSlot],
         device: torch.device,
-        observers: Observers,
+        shared: SharedDevice,
+        key: str,
+        timeline: Timeline,
     ) -> None:
         self.spec = spec
         self.slots = slots
         self.device = device
         # only on CUDA does a copy overlap compute, so only there does a stage prefetch
         self.prefetches = device.type == "cuda"
-        self.timeline = Timeline(spec.stages)
-        self.observers = observers
+        self.timeline = timeline
+        self.budget = shared.budget
+        self.key = key
+        self._shared = shared
+        self._asleep = shared.asleep
         self._started = time.perf_counter()
         self._folder: Path | None = None
-        # the budget's running total: the bytes charged for each component on the device
-        # (or reserved there by a prefetch), and their sum
-        self._charged: dict[str, int] = {}
-        self._charged_total = 0
+        self._closed = False
 
     # -- guards ----------------------------------------------------------------
 
-    def memory_budget(self, name: str, context: TransitionContext) -> list[Refusal]:
-        """Refuse an onload that cannot fit; otherwise record whom to evict first.
+    def pipeline_awake(self, name: str, context: TransitionContext) -> list[Refusal]:
+        """Refuse to onload a component while every pipeline using it sleeps.
 
-        A component may be evicted exactly when its own offload guards would let the
-        budget offload it now (``may_offload`` with an eviction), so that an onload is
-        refused up front rather than failing half-way through its evictions.
+        ``wake`` takes its pipeline off the sleeping set before it onloads, so its own
+        onloads pass.
         """
-        budget = self.spec.memory.device_budget
-        if isinstance(budget, msgspec.UnsetType):
+        asleep = self._asleep
+        if not asleep:
             return []
-        needed = self.slots[name].footprint
-        used = self._used_by_others(name)
-        if fits(used, needed, budget):
-            return []  # no need to look at anyone else
-        charged = {other: size for other, size in self._charged.items() if other != name}
-        eviction = MoveArgs(eviction=True, request_id=context.request_id)
-        after = context.args.position
-        evictable = {
-            other: self.timeline.distance_to_next_use(other, after)
-            for other in charged
-            if self.slots[other].lifecycle.may_offload(eviction)
-        }
-        decision = plan_onload(name, needed, budget, charged, used, evictable)
-        if decision.refusal is not None:
-            return [decision.refusal]
-        context.evictions = decision.victims
-        return []
+        slot = self.slots[name]
+        if not all(user in asleep for user in slot.users):
+            return []
+        sleepers = ", ".join(sorted(slot.users))
+        return [
+            Refusal(
+                code=RefusalCode.PIPELINE_ASLEEP,
+                component=name,
+                message=f"component '{name}' belongs to pipeline(s) {sleepers}, which sleep: "
+                "nothing of theirs is onloaded until they wake",
+                hint="wake the pipeline first (Orchestrator.wake(), POST "
+                "/v1/pipelines/{name}/wake), or set serving.auto_wake = true",
+            )
+        ]
 
     def offloadable(self, name: str, context: TransitionContext) -> list[Refusal]:
-        """Refuse to offload a component kept resident, unless the budget evicts it."""
+        """Refuse to offload a component kept resident, unless the budget evicts it or its
+        pipeline goes to sleep (a sharded component stays: its shards cannot move)."""
         slot = self.slots[name]
         if slot.mode is not ResidencyMode.RESIDENT:
             return []
-        if context.args.eviction and slot.may_be_evicted:
+        args = context.args
+        if (args.eviction and slot.may_be_evicted) or (args.sleeping and not slot.is_sharded):
             return []
         return [
             Refusal(
@@ -118,8 +123,9 @@ class Residency:
         ]
 
     def use_declared(self, name: str, context: TransitionContext) -> list[Refusal]:
-        """Refuse to offload a component no stage uses: nothing would bring it back."""
-        if self.timeline.is_used(name):
+        """Refuse to offload a component no stage uses: nothing would bring it back (but
+        the wake of a pipeline that goes to sleep)."""
+        if self.timeline.is_used(name) or context.args.sleeping:
             return []
         return [
             Refusal(
@@ -151,9 +157,11 @@ class Residency:
         """Evict what the budget guard chose, then bring ``name`` onto the device and arm it."""
         if context.evictions:
             eviction = MoveArgs(eviction=True, request_id=context.request_id)
+            slots = self._shared.slots
             for victim in context.evictions:
-                self.slots[victim].lifecycle.offload(eviction)
-                context.on_rollback(self.slots[victim].lifecycle.onload)
+                evicted = slots[victim].lifecycle
+                evicted.offload(eviction)
+                context.on_rollback(evicted.onload)
         slot = self.slots[name]
         started = time.perf_counter()
         if slot.store is None:  # the first move builds the store (refusing a module not loaded)
@@ -164,8 +172,8 @@ class Residency:
         slot.reserved = False
         arm_all(slot.layers)
         context.on_rollback(lambda: self._stow(slot))
-        self._charge(slot)
-        if context.is_logged or self.observers.attached:
+        self.budget.charge(slot)
+        if context.is_logged or slot.lifecycle.observers.attached:
             self._record(slot, "onload", moved, started, context)
 
     def offload(self, name: str, context: TransitionContext) -> None:
@@ -181,9 +189,9 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
-        if self._refund(slot):
-            context.on_rollback(lambda: self._charge(slot))
-        if context.is_logged or self.observers.attached:
+        if self.budget.refund(slot):
+            context.on_rollback(lambda: self.budget.charge(slot))
+        if context.is_logged or slot.lifecycle.observers.attached:
             self._record(slot, "offload", moved, started, context)
 
     def release(self, name: str, context: TransitionContext) -> None:
@@ -191,7 +199,10 @@ class Residency:
         slot = self.slots[name]
         disarm_all(slot.layers)
         slot.forget()
-        self._refund(slot)
+        self.budget.refund(slot)
+        self._shared.drop_slot(slot)
+        if self._closed:
+            self._remove_folder_when_done()
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Start onloading ``names`` early where the copy can overlap compute.
@@ -209,12 +220,12 @@ class Residency:
                 slot.reserved
                 or slot.lifecycle.state is not ComponentState.OFFLOADED
                 or slot.store is None
-                or not self._fits(slot)
+                or not self.budget.fits_now(slot)
             ):
                 continue
             slot.reserved = slot.store.prefetch() > 0
             if slot.reserved:
-                self._charge(slot)
+                self.budget.charge(slot)
 
     def cancel_prefetch(self, names: Iterable[str]) -> None:
         """Give up the prefetches of ``names`` that no onload completed."""
@@ -226,39 +237,14 @@ class Residency:
                 assert slot.store is not None
                 slot.store.offload()  # waits for the copy, then frees it
                 slot.reserved = False
-                self._refund(slot)
-
-    def _charge(self, slot: ComponentSlot) -> None:
-        """Count ``slot``'s footprint in the running total (once, however often called)."""
-        if slot.name not in self._charged:
-            self._charged[slot.name] = slot.footprint
-            self._charged_total += slot.footprint
-
-    def _refund(self, slot: ComponentSlot) -> bool:
-        """Take ``slot`` out of the running total; tell whether it was in it."""
-        charged = self._charged.pop(slot.name, None)
-        if charged is None:
-            return False
-        self._charged_total -= charged
-        return True
-
-    def _used_by_others(self, name: str) -> int:
-        """Return the bytes the running total counts for every component but ``name``."""
-        return self._charged_total - self._charged.get(name, 0)
+                self.budget.refund(slot)
 
     def _stow(self, slot: ComponentSlot) -> None:
         """Undo an onload: disarm and take the weights back off the device."""
         disarm_all(slot.layers)
         if slot.store is not None:
             slot.store.offload()
-        self._refund(slot)
-
-    def _fits(self, slot: ComponentSlot) -> bool:
-        """Tell whether ``slot`` fits the budget beside what it counts now, evicting nobody."""
-        budget = self.spec.memory.device_budget
-        if isinstance(budget, msgspec.UnsetType):
-            return True
-        return fits(self._used_by_others(slot.name), slot.footprint, budget)
+        self.budget.refund(slot)
 
     def footprint(self, slot: ComponentSlot) -> int:
         """Return the most bytes ``slot`` holds on the device, as its store reports it."""
@@ -297,10 +283,38 @@ class Residency:
     def close(self) -> None:
         """Remove this orchestrator's offload folder (its stores removed their files).
 
+        A component it built that another pipeline still shares keeps the folder until
+        that component is released too.
+
         Raises:
             OSError: the folder could not be removed whole; what is left is
                 reclaimed by a later orchestrator once this process is gone.
         """
+        self._closed = True
+        if not self._builds_alive():
+            self._remove_folder()
+
+    def _builds_alive(self) -> bool:
+        """Tell whether a component this residency built is still on the device for others."""
+        on_device = self._shared.slots
+        return any(
+            slot.home == self.key
+            and slot.key in on_device  # a release takes it off first
+            and self.key not in slot.users
+            and slot.users
+            for slot in self.slots.values()
+        )
+
+    def _remove_folder_when_done(self) -> None:
+        """Remove the folder of a closed pipeline once its last shared component is released."""
+        if self._builds_alive():
+            return
+        try:
+            self._remove_folder()
+        except OSError as err:  # reclaimed by a later orchestrator once this process is gone
+            log.warning("residency.folder_left", error=str(err))
+
+    def _remove_folder(self) -> None:
         folder, self._folder = self._folder, None
         if folder is not None:
             with contextlib.suppress(FileNotFoundError):  # already gone is what close wants
@@ -336,8 +350,9 @@ class Residency:
                 seconds=move.seconds,
                 request_id=move.request_id,
             )
-        if self.observers.attached:
-            self.observers.emit(move)
+        observers = slot.lifecycle.observers
+        if observers.attached:
+            observers.emit(move)
 
 
 def _blocks(slot: ComponentSlot) -> nn.ModuleList | None:

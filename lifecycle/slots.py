@@ -1,8 +1,9 @@
-"""The orchestrator's record of one component while it lives."""
+"""The record of one component while it lives, and of the pipelines that use it."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -13,15 +14,29 @@ from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
 from lifecycle.config import ComponentSpec
+from lifecycle.events import Observers
 from lifecycle.machine import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
 
+if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here
+    from lifecycle.sharing import ComponentIdentity
+
 
 class ComponentSlot:
-    """Everything the orchestrator holds for one component.
+    """Everything held for one component, on the device of the pipelines that use it.
+
+    Args:
+        name: the component's name in the pipeline that declares it.
+        spec: what that pipeline's spec says of it.
+        lifecycle: its place on the lifecycle machine.
+        home: the key of that pipeline on its ``SharedDevice``.
 
     Attributes:
-        name: the component's name.
+        name: the component's name in its home pipeline (its events carry it).
+        key: its key on the device, unique among every pipeline's components.
+        home: the pipeline that declared it and built it.
+        users: each pipeline using it (its key) with the name it has there: its home,
+            and every pipeline that shares it (``lifecycle.sharing``).
         spec: what the pipeline spec says of it.
         mode: its residency mode, ``resident`` when none was written.
         lifecycle: its place on the lifecycle machine.
@@ -36,6 +51,8 @@ class ComponentSlot:
         in_use_by: the open requests using it now, with how many of their stages each.
         reserved: whether a prefetch started its onload and holds its footprint
             in the budget until the onload transition completes it.
+        identity: what makes it itself, once loaded on a device pipelines share
+            (``lifecycle.sharing``); None otherwise.
     """
 
     def __init__(
@@ -44,8 +61,12 @@ class ComponentSlot:
         spec: ComponentSpec,
         lifecycle: ComponentLifecycle,
         loader: ComponentLoader,
+        home: str = "",
     ) -> None:
         self.name = name
+        self.home = home
+        self.key = f"{home}/{name}"
+        self.users: dict[str, str] = {home: name}
         self.spec = spec
         self.mode: ResidencyMode = spec.residency_mode  # read on every move: resolved once
         self.lifecycle = lifecycle
@@ -57,6 +78,39 @@ class ComponentSlot:
         self.footprint = 0
         self.in_use_by: Counter[str] = Counter()
         self.reserved = False
+        self._observers: dict[str, Observers] = {home: lifecycle.observers}
+        self._joined: Observers | None = None
+        self.identity: ComponentIdentity | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes of its weights: its store's once it has one, else its footprint."""
+        return self.footprint if self.store is None else self.store.nbytes
+
+    def join_observers(self, pipeline: str, observers: Observers) -> None:
+        """Hand its transitions and moves to ``observers`` too (a pipeline sharing it)."""
+        self._observers[pipeline] = observers
+        self._rejoin()
+
+    def leave_observers(self, pipeline: str) -> None:
+        """Stop handing its events to the observers of ``pipeline`` (no longer a user)."""
+        self._observers.pop(pipeline, None)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """Point the lifecycle at its one user's observers, or at all of its users'."""
+        if self._joined is not None:
+            self._joined.unjoin()
+            self._joined = None
+        users = list(self._observers.values())
+        if len(users) == 1:
+            self.lifecycle.observers = users[0]
+            return
+        self._joined = self.lifecycle.observers = Observers.joining(users)
+
+    def label(self, pipeline: str) -> str:
+        """Return how a message about ``pipeline`` names it: its name there, else its key."""
+        return self.users.get(pipeline) or self.key
 
     @property
     def plan(self) -> ComponentPlan | None:
@@ -84,14 +138,17 @@ class ComponentSlot:
         return self._module
 
     @property
-    def may_be_evicted(self) -> bool:
-        """Tell whether the budget may evict it: offloadable, or resident only by default.
-
-        A component whose weights are sharded stays: evicting DTensor shards to disk or
-        pinned memory is not built (admission refuses asking for it explicitly).
-        """
+    def is_sharded(self) -> bool:
+        """Tell whether its weights are sharded across ranks: such a component never moves
+        (evicting DTensor shards to disk or pinned memory is not built; admission refuses
+        asking for it explicitly)."""
         parallel = self.loader.parallel
-        return not self.spec.is_pinned and not (parallel is not None and parallel.shards_weights)
+        return parallel is not None and parallel.shards_weights
+
+    @property
+    def may_be_evicted(self) -> bool:
+        """Tell whether the budget may evict it: offloadable, or resident only by default."""
+        return not self.spec.is_pinned and not self.is_sharded
 
     def forget(self) -> None:
         """Drop the module and its store (release, or a rolled-back load)."""

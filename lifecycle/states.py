@@ -1,12 +1,14 @@
-"""The component lifecycle: its states and the one transition table.
+"""The lifecycles: the states of a component, of a pipeline and of a serving worker,
+each with its one table.
 
-This table is the single source of truth: the machine is built from it, the
-diagrams are drawn from that machine, and the docs embed the diagrams.
+Each table is the single source of truth of its machine: the machine is built from
+it, the diagrams are drawn from that machine, and the docs embed the diagrams.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Generic, TypeAlias, TypeVar
 
 import msgspec
 
@@ -22,8 +24,48 @@ class ComponentState(StrEnum):
     RELEASED = "released"
 
 
-class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One row of the transition table.
+class PipelineState(StrEnum):
+    """Where a pipeline stands in a worker (DESIGN §13).
+
+    A pipeline is SERVING once loaded; SLEEPING, its components are off the device
+    and stay admitted, loaded where their target allows; SWAPPING, a new pipeline of
+    its name takes over (its requests wait for that one); DRAINING, it takes no new
+    requests and its open ones finish; RELEASED, every component it held alone is
+    released.
+    """
+
+    SERVING = "serving"
+    SLEEPING = "sleeping"
+    SWAPPING = "swapping"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+class WorkerState(StrEnum):
+    """Where a serving worker stands (DESIGN §13); ``/readyz`` follows it.
+
+    STARTING, it loads its pipelines; READY, it serves them; FAILED, one could not be
+    loaded (the process stays up to say why); DRAINING, it takes no new requests,
+    finishes the queued ones and releases every pipeline.
+    """
+
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+State = TypeVar("State", ComponentState, PipelineState, WorkerState)
+"""The states of one machine: a row of its table names only those."""
+
+AnyState: TypeAlias = ComponentState | PipelineState | WorkerState
+"""A state of any machine (a refusal names the one it stayed in)."""
+
+
+class TransitionRule(
+    msgspec.Struct, Generic[State], frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """One row of a transition table.
 
     Attributes:
         trigger: the method name that fires the transition.
@@ -36,15 +78,15 @@ class TransitionRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     trigger: str
-    sources: tuple[ComponentState, ...]
-    dest: ComponentState
+    sources: tuple[State, ...]
+    dest: State
     guards: tuple[str, ...] = ()
     postcondition: str | None = None
 
 
 _S = ComponentState
 
-TRANSITIONS: tuple[TransitionRule, ...] = (
+TRANSITIONS: tuple[TransitionRule[ComponentState], ...] = (
     TransitionRule(
         trigger="admit",
         sources=(_S.CONFIGURED,),
@@ -62,7 +104,7 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
         trigger="onload",
         sources=(_S.LOADED, _S.OFFLOADED),
         dest=_S.RESIDENT,
-        guards=("memory_budget",),
+        guards=("pipeline_awake", "memory_budget"),
     ),
     TransitionRule(
         trigger="offload",
@@ -81,3 +123,53 @@ TRANSITIONS: tuple[TransitionRule, ...] = (
 INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
 GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
+
+_P = PipelineState
+
+PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
+    TransitionRule(
+        trigger="sleep",
+        sources=(_P.SERVING,),
+        dest=_P.SLEEPING,
+        guards=("requests_ended",),
+    ),
+    TransitionRule(
+        trigger="wake",
+        sources=(_P.SLEEPING,),
+        dest=_P.SERVING,
+        guards=("memory_budget",),
+    ),
+    TransitionRule(trigger="swap", sources=(_P.SERVING, _P.SLEEPING), dest=_P.SWAPPING),
+    TransitionRule(
+        trigger="drain", sources=(_P.SERVING, _P.SLEEPING, _P.SWAPPING), dest=_P.DRAINING
+    ),
+    TransitionRule(
+        trigger="release",
+        sources=(_P.DRAINING,),
+        dest=_P.RELEASED,
+        guards=("requests_ended",),
+    ),
+)
+"""The pipeline's table: sleep (once its requests ended) offloads every component it
+does not share with a pipeline that is awake; wake (when its resident components fit
+beside what the other pipelines pin) puts them back where ``load`` placed them, and an
+onload refused on the way fails it, rolled back; swap marks it as being replaced by a
+new pipeline of its name (loaded beside it, or after it drains); drain marks it on its
+way out; release follows once every component it held alone is released (a shared one
+stays with its other users)."""
+
+INITIAL_PIPELINE_STATE = PipelineState.SERVING
+
+_W = WorkerState
+
+WORKER_TRANSITIONS: tuple[TransitionRule[WorkerState], ...] = (
+    TransitionRule(trigger="ready", sources=(_W.STARTING,), dest=_W.READY),
+    TransitionRule(trigger="fail", sources=(_W.STARTING,), dest=_W.FAILED),
+    TransitionRule(trigger="drain", sources=(_W.STARTING, _W.READY, _W.FAILED), dest=_W.DRAINING),
+)
+"""The serving worker's table: ready once every pipeline is loaded and warmed up, or
+failed when one could not be; drain (a signal) from any of those, also while starting
+(the load in progress finishes first, and none starts after). A worker's pipelines
+each follow ``PIPELINE_TRANSITIONS`` meanwhile."""
+
+INITIAL_WORKER_STATE = WorkerState.STARTING

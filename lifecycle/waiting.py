@@ -25,6 +25,10 @@ Hence the head of the queue always progresses, and every waiter becomes the head
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
 ``residency.memory_budget``, naming the requests that hold what it needs. A request
 cancelled while it waits (``Request.cancel()``) leaves the queue at once.
+
+Several pipelines on one device wait in one line: the argument holds across them,
+since a worker's admission checks each pipeline's stages against the shared budget
+beside every other pipeline's pinned components.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from components.batch import Cancelled
@@ -47,26 +52,31 @@ log = get_logger("lifecycle")  # follows a later configure_logging, as the machi
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class WaitTerms:
+    """How one pipeline's requests wait.
+
+    Attributes:
+        timeout: its ``memory.wait_timeout`` in seconds.
+        observers: who receives a ``MemoryWait`` for every wait, however it ends.
+        slots: its components by the names its stages use.
+    """
+
+    timeout: float
+    observers: Observers
+    slots: Mapping[str, ComponentSlot]
+
+
 class MemoryWaiter:
     """Let requests wait, by priority with ageing, for others to release the device.
 
     Args:
-        slots: the orchestrator's components by name.
+        slots: every component on the device, by key.
         lock: the machine's lock; waiting releases it.
-        timeout: ``memory.wait_timeout`` in seconds.
-        observers: who receives a ``MemoryWait`` for every wait, however it ends.
     """
 
-    def __init__(
-        self,
-        slots: Mapping[str, ComponentSlot],
-        lock: threading.RLock,
-        timeout: float,
-        observers: Observers,
-    ) -> None:
+    def __init__(self, slots: Mapping[str, ComponentSlot], lock: threading.RLock) -> None:
         self.slots = slots
-        self.timeout = timeout
-        self.observers = observers
         self._turns = threading.Condition(lock)
         self._queue: PriorityQueue[str] = PriorityQueue()
         self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
@@ -78,6 +88,7 @@ class MemoryWaiter:
         stage: StageSpec,
         attempt: Callable[[str, int], T],
         release: Callable[[str, int], object],
+        terms: WaitTerms,
         *,
         priority: int = 0,
         check: Callable[[], object] = lambda: None,
@@ -87,13 +98,13 @@ class MemoryWaiter:
         Call with the lock held. ``attempt(request_id, position)`` marks in use every
         component of ``stage``, the stage at ``position``, or, when it raises, none;
         ``release(request_id, position)`` lets go of what a successful ``attempt`` holds,
-        should anything after it fail (writing the wait's event). Waiters go in order
-        of ``priority`` with ageing (see the module); ``check`` is asked on every
-        wake-up and raises ``Cancelled`` to stop waiting.
+        should anything after it fail (writing the wait's event). ``terms`` are the
+        pipeline's. Waiters go in order of ``priority`` with ageing (see the module);
+        ``check`` is asked on every wake-up and raises ``Cancelled`` to stop waiting.
 
         Raises:
             TransitionRefused: the budget refused for another reason than other
-                requests' holds, or they still held it after ``timeout``; the
+                requests' holds, or they still held it after ``terms.timeout``; the
                 refusal names them.
             TransitionFailed: an onload failed.
             Cancelled: ``check`` said the request was cancelled while it waited.
@@ -105,7 +116,7 @@ class MemoryWaiter:
                 if not self._should_wait(err, request_id):
                     raise
         started = time.monotonic()
-        deadline = started + self.timeout
+        deadline = started + terms.timeout
         last: TransitionRefused | None = None
         self._queue.push(request_id, priority)
         self._stages[request_id] = stage
@@ -114,7 +125,7 @@ class MemoryWaiter:
                 try:
                     check()
                 except Cancelled:
-                    self._record(request_id, stage, started, "cancelled")
+                    self._record(request_id, stage, started, "cancelled", terms)
                     raise
                 if self._queue.head() is request_id:
                     try:
@@ -126,7 +137,7 @@ class MemoryWaiter:
                     else:
                         self._queue.served()  # every other waiter was passed over: it ages
                         try:
-                            self._record(request_id, stage, started, "acquired")
+                            self._record(request_id, stage, started, "acquired", terms)
                         except BaseException:
                             # an event that cannot be written must not keep the stage
                             release(request_id, position)
@@ -134,8 +145,8 @@ class MemoryWaiter:
                         return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._record(request_id, stage, started, "refused")
-                    raise self._timed_out(last, stage.uses)
+                    self._record(request_id, stage, started, "refused", terms)
+                    raise self._timed_out(last, stage.uses, terms)
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
@@ -172,11 +183,14 @@ class MemoryWaiter:
             self.released()
 
     def users(self) -> dict[str, list[str]]:
-        """Return each request that holds (uses) a component, with what it holds."""
+        """Return each request that holds (uses) a component, with what it holds.
+
+        A component is named as its home pipeline calls it.
+        """
         held: dict[str, list[str]] = {}
-        for name, slot in self.slots.items():
+        for slot in self.slots.values():
             for rid in slot.in_use_by:
-                held.setdefault(rid, []).append(name)
+                held.setdefault(rid, []).append(slot.name)
         return held
 
     def _should_wait(self, err: TransitionRefused, request_id: str) -> bool:
@@ -186,14 +200,16 @@ class MemoryWaiter:
         holds_nothing = request_id not in users
         return RefusalCode.MEMORY_BUDGET in err.codes and bool(others) and holds_nothing
 
-    def _timed_out(self, err: TransitionRefused | None, uses: Sequence[str]) -> TransitionRefused:
+    def _timed_out(
+        self, err: TransitionRefused | None, uses: Sequence[str], terms: WaitTerms
+    ) -> TransitionRefused:
         held = self.users()
         named = "; ".join(f"request {rid} holds {', '.join(names)}" for rid, names in held.items())
         component = uses[0] if err is None else err.component
         refusal = Refusal(
             code=RefusalCode.MEMORY_BUDGET,
             component=component,
-            message=f"waited {self.timeout:g} s for memory for stage components "
+            message=f"waited {terms.timeout:g} s for memory for stage components "
             f"{', '.join(uses)}, but other requests still hold the device "
             f"({named or 'none now'}; {len(self._queue) - 1} other request(s) waiting)"
             + ("" if err is None else f": {err.refusals[0].message}"),
@@ -201,7 +217,7 @@ class MemoryWaiter:
             "memory.device_budget so more stages fit at once, or send fewer concurrent "
             "requests (serving.max_queue)",
         )
-        source = self.slots[component].lifecycle.state
+        source = terms.slots[uses[0]].lifecycle.state if err is None else err.source
         return TransitionRefused(component, "onload", source, [refusal])
 
     def _record(
@@ -210,6 +226,7 @@ class MemoryWaiter:
         stage: StageSpec,
         started: float,
         outcome: Literal["acquired", "refused", "cancelled"],
+        terms: WaitTerms,
     ) -> None:
         """Say that ``request_id`` waited since ``started`` to enter ``stage``, and how it ended."""
         seconds = round(time.monotonic() - started, 6)
@@ -221,7 +238,7 @@ class MemoryWaiter:
             seconds=seconds,
             outcome=outcome,
         )
-        if self.observers.attached:
+        if terms.observers.attached:
             wait = MemoryWait(
                 request_id=request_id,
                 stage=stage.name,
@@ -229,4 +246,4 @@ class MemoryWaiter:
                 seconds=seconds,
                 outcome=outcome,
             )
-            self.observers.emit(wait)
+            terms.observers.emit(wait)

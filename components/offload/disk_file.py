@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from components.offload.base import OffloadError, Slot
 from components.residency import OffloadVerify
+from components.weights import digest
 
 _HEADER_LIMIT = 100 * 2**20
 """safetensors' own bound on the JSON header; anything larger is not such a file."""
@@ -64,11 +64,6 @@ identity: well above a kernel tick (1-10 ms), the granularity of file timestamps
 
 Identity = tuple[int, int, int, int, int]
 """Device, inode, size, mtime and ctime (ns) of a file: any write, chmod or rename changes it."""
-
-
-def digest(tensor: torch.Tensor) -> int:
-    """Return the xxh3 checksum of a contiguous tensor's bytes."""
-    return xxhash.xxh3_64_intdigest(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 @dataclass(frozen=True)

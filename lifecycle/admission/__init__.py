@@ -5,7 +5,7 @@ the ``admit`` guard that reads it back.
 """
 
 from lifecycle.admission.backends import backend_requests
-from lifecycle.admission.budget import BudgetDecision, plan_onload, stage_fits
+from lifecycle.admission.budget import BudgetDecision, SharedBudget, plan_onload, stage_fits
 from lifecycle.admission.pipeline import (
     ATTENTION_PLAN,
     BACKENDS_CONSUMABLE,
@@ -25,6 +25,7 @@ __all__ = [
     "Admission",
     "BudgetDecision",
     "ComponentAdmission",
+    "SharedBudget",
     "admit_pipeline",
     "backend_requests",
     "component_loaders",

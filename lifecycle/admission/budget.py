@@ -1,14 +1,17 @@
 """The memory budget as an admission predicate: pure decisions, no moves.
 
-Onload is guarded: when the resident set would exceed ``memory.device_budget``
-the idle evictable components are evicted, the one whose next use in the
-request timeline is furthest first; when that cannot free enough, onload is
-refused with the numbers.
+Onload is guarded: when the resident set would exceed the device budget (a
+pipeline's ``memory.device_budget``, or a worker's shared by its pipelines) the idle
+evictable components are evicted: first those of the pipeline asked for least
+recently, then, within the pipeline being served, the one whose next use in its
+request timeline is furthest; when that cannot free enough, onload is refused with
+the numbers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import msgspec
 from msgspec import UnsetType
@@ -18,6 +21,21 @@ from components.loader import ComponentLoader
 from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.sizes import format_sizes
+
+
+class SharedBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A device budget several pipelines share (DESIGN §13), as one of them is admitted.
+
+    Attributes:
+        limit: the budget in bytes, for every pipeline together.
+        key: where it was set (``--device-budget``, ``worker.device_budget``).
+        pinned: the components other pipelines keep on the device for good (explicitly
+            resident), by ``pipeline/component``, with their declared bytes.
+    """
+
+    limit: int
+    key: str
+    pinned: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,6 +48,28 @@ class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     victims: tuple[str, ...] = ()
     refusal: Refusal | None = None
+
+
+class EvictionRank(NamedTuple):
+    """Where a component stands in the eviction order (DESIGN §13): lowest goes first.
+
+    Attributes:
+        last_asked: when a request last opened for a pipeline using it (a device-wide
+            count; the most recent of its pipelines').
+        distance: stages from now to its next use in the pipeline being served
+            (infinite when that pipeline has no further use for it).
+    """
+
+    last_asked: int
+    distance: float
+
+
+def eviction_order(evictable: Mapping[str, EvictionRank]) -> list[str]:
+    """Order ``evictable`` for eviction: least recently asked pipeline first, then furthest
+    next use first, then by name (so that the order never depends on the dict's)."""
+    return sorted(
+        evictable, key=lambda name: (evictable[name].last_asked, -evictable[name].distance, name)
+    )
 
 
 def fits(used: int, needed: int, budget: int) -> bool:
@@ -46,25 +86,26 @@ def plan_onload(
     budget: int,
     charged: Mapping[str, int],
     used: int,
-    evictable: Mapping[str, float],
+    evictable: Mapping[str, EvictionRank],
+    budget_key: str = "memory.device_budget",
 ) -> BudgetDecision:
     """Decide whether ``component`` fits, and whom to evict if it does not.
 
     Args:
         component: the component to onload.
         needed: the bytes it will hold on the device.
-        budget: ``memory.device_budget`` in bytes.
+        budget: the device budget in bytes.
         charged: each other component the budget counts now (on the device, or
             reserved by a prefetch), with its bytes.
         used: their total (the budget keeps it as it goes).
-        evictable: each of them that may be evicted now, with the distance to its
-            next use (infinite when it has none).
+        evictable: each of them that may be evicted now, with its rank.
+        budget_key: where the budget was set, for the hint.
     """
     if fits(used, needed, budget):
         return BudgetDecision()
     victims: list[str] = []
     freed = 0
-    for victim in sorted(evictable, key=lambda name: (-evictable[name], name)):
+    for victim in eviction_order(evictable):
         victims.append(victim)
         freed += charged[victim]
         if fits(used - freed, needed, budget):
@@ -81,7 +122,7 @@ def plan_onload(
             message=f"onloading '{component}' needs {needs} on device, {free} free of a {of} "
             f"budget, and evicting every idle offloadable component frees only {frees}"
             + (f" ({', '.join(pinned)} cannot be evicted now)" if pinned else ""),
-            hint=f"raise memory.device_budget to at least {raise_to}, or give "
+            hint=f"raise {budget_key} to at least {raise_to}, or give "
             f"{', '.join(pinned) or 'the other components'} an offload residency",
         )
     )
@@ -93,8 +134,14 @@ def stage_fits(
     uses: tuple[str, ...],
     pinned: tuple[str, ...],
     budget: int,
+    *,
+    pipeline: str | None = None,
+    budget_key: str = "memory.device_budget",
 ) -> Refusal | None:
-    """Check at admission that one stage's components and the pinned ones fit at all."""
+    """Check at admission that one stage's components and the pinned ones fit at all.
+
+    ``pipeline`` is named in the message when the budget is shared with others.
+    """
     together = dict.fromkeys((*pinned, *uses))
     needed = sum(sizes[name] for name in together)
     if fits(0, needed, budget):
@@ -104,21 +151,29 @@ def stage_fits(
     return Refusal(
         code=RefusalCode.MEMORY_BUDGET,
         component=uses[0],
-        message=f"stage '{stage}' needs {total} on device at once ({parts}), more than the "
-        f"{limit} budget",
-        hint=f"raise memory.device_budget to at least {total}, or use "
+        message=f"stage '{stage}'"
+        + ("" if pipeline is None else f" of pipeline '{pipeline}'")
+        + f" needs {total} on device at once ({parts}), more than the {limit} "
+        + ("budget" if pipeline is None else "budget it shares with the worker's other pipelines"),
+        hint=f"raise {budget_key} to at least {total}, or use "
         "layerwise_offload for the largest component of that stage",
     )
 
 
-def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> list[Refusal]:
+def budget_refusals(
+    spec: PipelineSpec,
+    loaders: Mapping[str, ComponentLoader],
+    shared: SharedBudget | None = None,
+) -> list[Refusal]:
     """Refuse a pipeline one of whose stages cannot fit the memory budget at all.
 
-    Sizes are declared by the kinds (or read from weights-file headers); a
-    component of unknown size, and a layerwise one (whose footprint depends on
-    its blocks), is checked when it onloads instead.
+    The budget is the spec's ``memory.device_budget``, or ``shared`` (a worker's, which
+    replaces it), beside the components the worker's other pipelines pin. Sizes are
+    declared by the kinds (or read from weights-file headers); a component of unknown
+    size, and a layerwise one (whose footprint depends on its blocks), is checked when
+    it onloads instead.
     """
-    budget = spec.memory.device_budget
+    budget = spec.memory.device_budget if shared is None else shared.limit
     if isinstance(budget, UnsetType):
         return []
     sizes = {
@@ -130,10 +185,15 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
     pinned = tuple(
         name for name, component in spec.components.items() if name in sizes and component.is_pinned
     )
+    where: dict[str, str] = {}
+    if shared is not None:
+        sizes.update(shared.pinned)
+        pinned += tuple(shared.pinned)
+        where = {"pipeline": spec.name, "budget_key": shared.key}
     found = []
     for stage in spec.stages:
         uses = tuple(name for name in stage.uses if name in sizes)
-        if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget)):
+        if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget, **where)):
             found.append(refusal)
     # load() onloads a resident component even when no stage uses it
     staged = {name for stage in spec.stages for name in stage.uses}
@@ -142,7 +202,7 @@ def budget_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) 
             name in sizes
             and name not in staged
             and component.residency_mode is ResidencyMode.RESIDENT
-            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget))
+            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget, **where))
         ):
             found.append(refusal)
     return found

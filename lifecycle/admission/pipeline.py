@@ -21,7 +21,7 @@ from components import registry as kinds
 from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
-from lifecycle.admission.budget import budget_refusals, declared_bytes
+from lifecycle.admission.budget import SharedBudget, budget_refusals, declared_bytes
 from lifecycle.admission.construction import construct_module
 from lifecycle.admission.dtypes import dtype_refusals
 from lifecycle.admission.folder import open_folder
@@ -102,11 +102,13 @@ def admit_pipeline(
     spec: PipelineSpec,
     platform: Platform,
     loaders: Mapping[str, ComponentLoader] | None = None,
+    shared: SharedBudget | None = None,
 ) -> Admission:
     """Plan every component of ``spec`` on ``platform``, collecting every refusal.
 
     ``loaders`` are the components' loaders when the caller already holds them
-    (the orchestrator does); otherwise they are made from the spec. A pipeline from a
+    (the orchestrator does); otherwise they are made from the spec. ``shared`` is the
+    budget of a worker that serves it beside other pipelines, if any. A pipeline from a
     folder is held to what its folder and recipe say (``lifecycle.admission.folder``).
     """
     if loaders is None:
@@ -137,7 +139,7 @@ def admit_pipeline(
             *split_refusals(spec, loaders, paths),
             *fsdp_refusals(spec, loaders, paths),
             *sharded_offload_refusals(spec, loaders, paths, platform),
-            *budget_refusals(spec, loaders),
+            *budget_refusals(spec, loaders, shared),
             *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
             *dtype_refusals(spec, loaders, platform),

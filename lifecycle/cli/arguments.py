@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
+from lifecycle.sizes import ByteSize
+
 
 def positive(text: str) -> int:
     """Parse a count of at least 1, or tell argparse what is wrong with ``text``."""
@@ -15,6 +17,14 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a count >= 1, got {value}")
     return value
+
+
+def byte_size(text: str) -> int:
+    """Parse a size like ``2GiB`` or a byte count, or tell argparse what is wrong with ``text``."""
+    try:
+        return ByteSize.parse(text if not text.isdigit() else int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def non_negative(text: str) -> int:

@@ -23,13 +23,14 @@ from lifecycle.cli.console import format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.output import print_json
 from lifecycle.cli.run import DEFAULT_STEPS, run_command
-from lifecycle.cli.serve import add_serve_command
-from lifecycle.config import ConfigError, PipelineSpec, load_spec, spec_schema
+from lifecycle.cli.serve import add_budget_options, add_serve_command
+from lifecycle.config import ConfigError, PipelineSpec, load_spec, load_worker_file, spec_schema
 from lifecycle.exits import ExitCode
 from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.shared_device import SharedDevice, worker_budget
 from lifecycle.sizes import format_bytes
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -81,9 +82,17 @@ def _parser() -> argparse.ArgumentParser:
             parents=[logging_options],
         )
 
-    check = command("check", "validate a pipeline spec (admission dry run)")
-    check.add_argument("spec", type=Path, help=SPEC_HELP)
+    check = command("check", "validate pipeline specs (admission dry run)")
+    check.add_argument(
+        "specs",
+        metavar="spec",
+        nargs="+",
+        type=Path,
+        help="a spec file (.toml, .json, .yaml), or a diffusers-format pipeline folder; "
+        "several are checked as one worker serves them, under one device budget",
+    )
     check.add_argument("--json", action="store_true", help="print one JSON object")
+    add_budget_options(check)
     check.set_defaults(handler=_check)
 
     run = command("run", "run requests of a pipeline (the main job)")
@@ -182,25 +191,43 @@ def _version() -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Admit every spec; several (or a worker budget) as one worker serves them."""
     try:
-        spec = load_spec(args.spec)
+        specs = [load_spec(path) for path in args.specs]
+        settings = None if args.worker is None else load_worker_file(args.worker)
     except ConfigError as err:
         if args.json:
             print_json({"error": {"path": err.path, "message": err.message}})
         else:
-            print(f"lifecycle check: {args.spec}: {err}", file=sys.stderr)
+            print(f"lifecycle check: {err.source}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    orchestrator = Orchestrator(spec)
-    with contextlib.suppress(AdmissionRefused):
-        orchestrator.admit()
-    snapshot = orchestrator.snapshot()
+    shared = None
+    if len(specs) > 1 or args.device_budget is not None or settings is not None:
+        limit, key = worker_budget(specs, args.device_budget, settings)
+        shared = SharedDevice(device_budget=limit, budget_key=key)
+    try:
+        orchestrators = [Orchestrator(spec, shared=shared) for spec in specs]
+    except ValueError as err:  # specs on different devices
+        print(f"lifecycle check: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    for orchestrator in orchestrators:
+        with contextlib.suppress(AdmissionRefused):
+            orchestrator.admit()
+    snapshots = [orchestrator.snapshot() for orchestrator in orchestrators]
+    admitted = all(snapshot.admitted for snapshot in snapshots)
     if args.json:
-        print_json(snapshot)
-    elif snapshot.refusals:
-        print(format_refusals("check", spec.name, snapshot.refusals, spec.components))
+        if len(snapshots) == 1:
+            print_json(snapshots[0])
+        else:
+            budget = None if shared is None else shared.budget.limit
+            print_json({"admitted": admitted, "device_budget": budget, "pipelines": snapshots})
     else:
-        print(_summary(spec, snapshot, orchestrator.platform.kind))
-    return ExitCode.OK if snapshot.admitted else ExitCode.REFUSED
+        for spec, snapshot, orchestrator in zip(specs, snapshots, orchestrators, strict=True):
+            if snapshot.refusals:
+                print(format_refusals("check", spec.name, snapshot.refusals, spec.components))
+            else:
+                print(_summary(spec, snapshot, orchestrator.platform.kind))
+    return ExitCode.OK if admitted else ExitCode.REFUSED
 
 
 def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> str:

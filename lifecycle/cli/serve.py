@@ -1,4 +1,5 @@
-"""``lifecycle serve SPEC [--host] [--port] [--threads]``: the HTTP worker's command.
+"""``lifecycle serve SPEC... [--host] [--port] [--threads] [--device-budget] [--worker]``:
+the HTTP worker's command.
 
 The HTTP libraries are the optional ``serve`` extra: they are imported only when
 the command runs, and their absence is bad input (exit 2) naming the extra.
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lifecycle.cli.arguments import positive
+from lifecycle.cli.arguments import byte_size, positive
 from lifecycle.cli.cores import torch_threads
 from lifecycle.exits import ExitCode
 
@@ -21,9 +22,14 @@ SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_clie
 
 def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Register ``serve`` through ``command``, which makes a subcommand's parser from its help."""
-    serve = command("serve", "serve a pipeline over HTTP (OpenAI-compatible, Prometheus metrics)")
+    serve = command("serve", "serve pipelines over HTTP (OpenAI-compatible, Prometheus metrics)")
     serve.add_argument(
-        "spec", type=Path, help="the spec file (.toml, .json, .yaml), or a pipeline folder"
+        "specs",
+        metavar="spec",
+        nargs="+",
+        type=Path,
+        help="a spec file (.toml, .json, .yaml), or a pipeline folder; several share one "
+        "device budget, and a request's model names its pipeline",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -33,7 +39,25 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
         help="torch intra-op threads (default: the physical cores this process may use, "
         "less one for the HTTP event loop)",
     )
+    add_budget_options(serve)
     serve.set_defaults(handler=serve_command)
+
+
+def add_budget_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device-budget`` and ``--worker``: the budget several pipelines share."""
+    parser.add_argument(
+        "--device-budget",
+        type=byte_size,
+        metavar="SIZE",
+        help="the most bytes resident on the device for every pipeline together, like 2GiB "
+        "(default: the worker file's, else the smallest memory.device_budget of the specs)",
+    )
+    parser.add_argument(
+        "--worker",
+        type=Path,
+        metavar="FILE",
+        help="a worker file: [worker] device_budget = SIZE",
+    )
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -49,4 +73,4 @@ def serve_command(args: argparse.Namespace) -> int:
     from lifecycle.serving.server import serve  # needs the serve extra
 
     threads = torch_threads(args.threads, event_loop=True)
-    return serve(args.spec, args.host, args.port, threads)
+    return serve(args.specs, args.host, args.port, threads, args.device_budget, args.worker)

@@ -23,14 +23,16 @@ from lifecycle.serving.routes.embeddings import embeddings_routes
 from lifecycle.serving.routes.events import events_routes
 from lifecycle.serving.routes.health import health_routes
 from lifecycle.serving.routes.images import images_routes
+from lifecycle.serving.routes.pipelines import pipelines_routes
 from lifecycle.serving.routes.requests import requests_routes
 from lifecycle.serving.routes.status import status_routes
 from lifecycle.serving.worker import Worker
 
 
 def create_app(worker: Worker) -> FastAPI:
-    """Build the FastAPI app serving ``worker``'s pipeline."""
-    app = FastAPI(title=f"lifecycle serve: {worker.name}", docs_url=None, redoc_url=None)
+    """Build the FastAPI app serving ``worker``'s pipelines."""
+    title = f"lifecycle serve: {', '.join(worker.names)}"
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
     app.add_middleware(RequestIds, worker=worker)
     add_error_handler(app)
     for routes in (
@@ -40,6 +42,7 @@ def create_app(worker: Worker) -> FastAPI:
         requests_routes,
         status_routes,
         events_routes,
+        pipelines_routes,
     ):
         app.include_router(routes(worker))
     return app

@@ -199,6 +199,14 @@ class Batcher:
         self._tell_change()
         return future
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no job is queued or running; tell whether none is.
+
+        Jobs still come in meanwhile (a sleep stops them at the pipeline's gate first).
+        """
+        with self._changed:
+            return self._wait_done(time.monotonic() + timeout)
+
     def status(self, job_id: str) -> RequestStatus | None:
         """Return where job ``job_id`` stands, or None when no recent job has that id."""
         with self._changed:
@@ -248,15 +256,19 @@ class Batcher:
         with self._changed:
             self._draining = True
             self._changed.notify_all()
-            while self._in_flight and (remaining := deadline - time.monotonic()) > 0:
-                self._changed.wait(remaining)
-            finished = self._in_flight == 0
+            finished = self._wait_done(deadline)
             self._stopped = True
             self._changed.notify_all()
         self._dispatcher.join(timeout=5)
         self._runners.shutdown(wait=finished)
         log.info("serving.drained", finished=finished, left=self._in_flight)
         return finished
+
+    def _wait_done(self, deadline: float) -> bool:
+        """Wait (the lock held) until no job is queued or running, or ``deadline``."""
+        while self._in_flight and (remaining := deadline - time.monotonic()) > 0:
+            self._changed.wait(remaining)
+        return self._in_flight == 0
 
     def _forget(self, entries: list[_Entry], *statuses: RequestStatus) -> None:
         """Count ``entries`` out of flight and keep their final statuses (the lock is held)."""

@@ -55,7 +55,13 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
 
 
-Body = TypeVar("Body", EmbeddingsBody, ImagesBody)
+class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/pipelines``: a spec on the worker's disk to admit and load."""
+
+    path: Annotated[str, Meta(min_length=1)]
+
+
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody, PipelineBody)
 
 EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -14,13 +15,15 @@ from lifecycle.logs import get_logger
 from lifecycle.refusals import RequestRefused, TransitionFailed, TransitionRefused
 from lifecycle.serving.batcher import Draining, DuplicateRequest, QueueFull
 from lifecycle.serving.errors import ApiError
-from lifecycle.serving.jobs import Job, JobCancelled
-from lifecycle.serving.worker import Phase, Worker
+from lifecycle.serving.jobs import Job, JobCancelled, RequestState, RequestStatus
+from lifecycle.serving.served import ServedPipeline
+from lifecycle.serving.worker import Asleep, Phase, UnknownModel, Worker
 
 log = get_logger("lifecycle")
 
 
-def check_ready(worker: Worker, model: str | None) -> None:
+def check_ready(worker: Worker, model: str | None) -> ServedPipeline:
+    """Return the pipeline ``model`` names (None: the only one), once the worker is ready."""
     if worker.phase is not Phase.READY:
         raise ApiError(
             503,
@@ -28,31 +31,34 @@ def check_ready(worker: Worker, model: str | None) -> None:
             kind="service_unavailable",
             code=worker.phase.value,
         )
-    if model is not None and model != worker.name:
-        raise ApiError(
-            404,
-            f"model '{model}' is not served here; this worker serves '{worker.name}'",
-            param="model",
-            code="model_not_found",
-        )
+    try:
+        return worker.resolve(model)
+    except UnknownModel as err:
+        raise unknown_model(err) from None
 
 
-def not_served(worker: Worker, what: str, example: str) -> ApiError:
+def unknown_model(err: UnknownModel) -> ApiError:
+    """Answer a request naming no served pipeline: 404, or 400 when it names none of several."""
+    status = 400 if err.code == "model_required" else 404
+    return ApiError(status, str(err), param="model", code=err.code)
+
+
+def not_served(served: ServedPipeline, what: str, example: str) -> ApiError:
     return ApiError(
         404,
-        f"pipeline '{worker.name}' does not produce {what}; serve a pipeline that does, "
+        f"pipeline '{served.name}' does not produce {what}; serve a pipeline that does, "
         f"such as {example}",
         code="endpoint_not_served",
     )
 
 
-def request_timeout(worker: Worker, priority: int, timeout: float | None) -> float:
+def request_timeout(served: ServedPipeline, priority: int, timeout: float | None) -> float:
     """Check a request's ``priority`` and ``timeout`` against ``[serving]``; return its timeout.
 
     Raises:
         ApiError: 400 naming the field and the key that bounds it.
     """
-    settings = worker.orchestrator.spec.serving
+    settings = served.settings
     if priority > settings.max_priority:
         raise ApiError(
             400,
@@ -70,59 +76,62 @@ def request_timeout(worker: Worker, priority: int, timeout: float | None) -> flo
     return settings.max_request_seconds if timeout is None else timeout
 
 
-def submit_job(worker: Worker, job: Job) -> Future[Job]:
-    """Queue ``job``; map the queue's refusals to HTTP errors."""
+def submit_job(worker: Worker, served: ServedPipeline, job: Job) -> Future[Job]:
+    """Queue ``job`` on ``served``; map the queue's refusals to HTTP errors."""
     try:
-        return worker.submit(job)
-    except QueueFull:
-        raise ApiError(
-            429,
-            f"the queue is full for priority {job.priority} (serving.max_queue = "
-            f"{worker.orchestrator.spec.serving.max_queue} requests of each priority); "
-            "retry later",
-            kind="rate_limit_error",
-            code="queue_full",
-        ) from None
-    except DuplicateRequest:
-        raise ApiError(
-            409,
-            f"a queued or running request already has the id {job.id!r}; send another "
-            "x-request-id, or none and the worker assigns one",
-            param="x-request-id",
-            code="duplicate_request_id",
-        ) from None
-    except Draining:
-        raise ApiError(
-            503,
-            "the worker is draining; send the request to another worker",
-            kind="service_unavailable",
-            code="draining",
-        ) from None
+        return served.submit(job)
+    except (QueueFull, DuplicateRequest, Draining) as err:
+        raise job_error(worker, served, job, err) from None
 
 
-async def run_job(worker: Worker, job: Job, receive: Receive, timeout: float) -> Job:
-    """Queue ``job`` and wait for it; map the worker's errors to HTTP ones.
+async def gate_passed(worker: Worker, served: ServedPipeline, job: Job) -> ServedPipeline:
+    """Wait at ``served``'s gate (see ``Worker.pass_gate``); return the pipeline open now."""
+    try:
+        return await worker.pass_gate(served, time.monotonic() + served.settings.wake_timeout)
+    except (Asleep, UnknownModel, Draining) as err:
+        raise job_error(worker, served, job, err) from None
+
+
+async def run_job(
+    worker: Worker, served: ServedPipeline, job: Job, receive: Receive, timeout: float
+) -> Job:
+    """Queue ``job`` on ``served`` once its gate is open, and wait for it; map the
+    worker's errors to HTTP ones.
 
     The job is cancelled when its client disconnects (``receive`` says so) or after
-    ``timeout`` seconds, and when the handler itself is cancelled (server shutdown).
+    ``timeout`` seconds, and when the handler itself is cancelled (server shutdown),
+    also while it waits at its pipeline's gate.
     """
-    done = asyncio.wrap_future(submit_job(worker, job))
+    done = asyncio.ensure_future(worker.run(served, job))
     gone = asyncio.ensure_future(disconnected(receive))
     try:
         finished, _ = await asyncio.wait(
             (done, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     except asyncio.CancelledError:
-        worker.cancel(job.id, "disconnected")
+        _cancel(worker, job, done, "disconnected")
         raise
     finally:
         gone.cancel()
     if done not in finished:
-        worker.cancel(job.id, "disconnected" if gone in finished else "timeout")
+        reason = "disconnected" if gone in finished else "timeout"
+        if _cancel(worker, job, done, reason) is None:  # it waited at the gate: never queued
+            status = RequestStatus(id=job.id, state=RequestState.CANCELLED, steps=job.key.steps)
+            raise job_error(worker, served, job, JobCancelled(job.id, reason, status))
     try:
         return await done
     except Exception as err:
-        raise job_error(worker, job, err) from None
+        raise job_error(worker, served, job, err) from None
+
+
+def _cancel(
+    worker: Worker, job: Job, done: asyncio.Future[Job], reason: str
+) -> RequestStatus | None:
+    """Cancel ``job``: in its queue (its future then fails), or at its gate (the wait ends)."""
+    found = worker.cancel(job.id, reason)
+    if found is None:
+        done.cancel()
+    return found
 
 
 async def disconnected(receive: Receive) -> None:
@@ -131,8 +140,37 @@ async def disconnected(receive: Receive) -> None:
         pass
 
 
-def job_error(worker: Worker, job: Job, err: Exception) -> Exception:
+def job_error(worker: Worker, served: ServedPipeline, job: Job, err: Exception) -> Exception:
     """Return the HTTP error that answers a job that failed with ``err`` (else ``err``)."""
+    if isinstance(err, QueueFull):
+        return ApiError(
+            429,
+            f"the queue is full for priority {job.priority} (serving.max_queue = "
+            f"{served.settings.max_queue} requests of each priority); retry later",
+            kind="rate_limit_error",
+            code="queue_full",
+        )
+    if isinstance(err, DuplicateRequest):
+        return ApiError(
+            409,
+            f"a queued or running request already has the id {job.id!r}; send another "
+            "x-request-id, or none and the worker assigns one",
+            param="x-request-id",
+            code="duplicate_request_id",
+        )
+    if isinstance(err, Draining):
+        return ApiError(
+            503,
+            "the worker is draining; send the request to another worker",
+            kind="service_unavailable",
+            code="draining",
+        )
+    if isinstance(err, Asleep):
+        return ApiError(
+            503, f"{err}; retry later", kind="service_unavailable", code="pipeline.asleep"
+        )
+    if isinstance(err, UnknownModel):  # removed while the request waited
+        return unknown_model(err)
     if isinstance(err, JobCancelled):
         status, code = CANCELLED_STATUS[err.reason]
         return ApiError(

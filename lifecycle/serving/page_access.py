@@ -24,7 +24,9 @@ API_KEY_ENV = "LIFECYCLE_API_KEY"
 
 def status_access(worker: Worker) -> Callable[[Request], None]:
     """Return the dependency that lets a request read the status page, or answers 401/403."""
-    setting = worker.orchestrator.spec.serving.status_page
+    # one page shows every pipeline: it is private when any of them says so
+    private = any(o.spec.serving.status_page == "private" for o in worker.orchestrators)
+    setting = "private" if private else "open"
     key = os.environ.get(API_KEY_ENV, "")
     expected = f"Bearer {key}".encode()
 

@@ -1,10 +1,12 @@
 """What the status page shows, read off the worker as one typed value.
 
-A ``StatusSnapshot`` is the whole picture at one moment: per pipeline its
-components (state, users, residency, bytes), its budget, the requests waiting for
-memory, the queue and the running batches, and the residency timeline of its last
-moves. The event stream sends one whenever something changed, after the typed
-events that changed it, so the page always ends on what the worker holds now.
+A ``StatusSnapshot`` is the whole worker at one moment: its phase, its device
+budget with the bytes every pipeline holds together and those sharing saves, and
+per pipeline its own state, its components (state, users, the pipelines sharing
+each, residency, bytes), the requests waiting for memory, the queue and the running
+batches, and the residency timeline of its last moves. The event stream sends one
+whenever something changed, after the typed events that changed it, so the page
+always ends on what the worker holds now.
 
 Reads take no lock: each value is read whole (the orchestrator's views, the
 batcher's view under its own lock), so a snapshot taken while a move runs is at
@@ -23,7 +25,7 @@ from lifecycle.events import Move
 from lifecycle.gantt import resident_intervals
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.batcher import Batcher
-from lifecycle.serving.worker import Worker
+from lifecycle.serving.worker import Phase, Worker
 
 
 class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +36,7 @@ class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         kind: the kind that builds it.
         state: its lifecycle state (lower-case value).
         users: the open requests using it now.
+        shared_with: the other pipelines holding it (one component, held once).
         residency: its residency mode.
         target: where its weights go when offloaded; None for a resident component.
         footprint: the bytes it takes on the device while resident.
@@ -44,6 +47,7 @@ class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kind: str
     state: str
     users: tuple[str, ...]
+    shared_with: tuple[str, ...]
     residency: ResidencyMode
     target: str | None
     footprint: int
@@ -125,8 +129,13 @@ class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     Attributes:
         name: the pipeline (the OpenAI ``model``).
         phase: where its worker stands (starting, ready, draining, failed).
-        budget: ``memory.device_budget`` in bytes; None when unlimited.
-        resident_bytes: the bytes its components hold on the device now.
+        state: where the pipeline stands (serving, sleeping, draining, released).
+        gate: ``open``, or why its requests wait before its queue (sleeping, swapping,
+            removed).
+        budget: the worker's device budget in bytes, which every pipeline shares; None
+            when unlimited.
+        resident_bytes: the bytes its components hold on the device now (a shared
+            component counts in each pipeline holding it).
         stages: the stages in timeline order.
         components: its components, in spec order.
         waiting: the requests waiting for memory, first in line first.
@@ -137,6 +146,8 @@ class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     name: str
     phase: str
+    state: str
+    gate: str
     budget: int | None
     resident_bytes: int
     stages: tuple[str, ...]
@@ -150,17 +161,33 @@ class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class StatusSnapshot(
     msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="status.snapshot"
 ):
-    """Every served pipeline at one moment (the stream's ``status.snapshot``).
+    """The worker and every pipeline it serves at one moment (the stream's
+    ``status.snapshot``).
 
     Attributes:
+        phase: where the worker stands (starting, ready, draining, failed).
+        budget: its device budget in bytes, for every pipeline together; None when
+            unlimited.
+        resident_bytes: the bytes every pipeline holds on the device now, a shared
+            component counted once.
+        shared_bytes_saved: the bytes sharing equal components saves against holding
+            each pipeline's own.
         pipelines: each pipeline's status.
     """
 
+    phase: str
+    budget: int | None
+    resident_bytes: int
+    shared_bytes_saved: int
     pipelines: tuple[PipelineStatus, ...]
 
 
 def pipeline_status(
-    orchestrator: Orchestrator, batcher: Batcher | None, phase: str, moves: Sequence[Move]
+    orchestrator: Orchestrator,
+    batcher: Batcher | None,
+    phase: str,
+    gate: str,
+    moves: Sequence[Move],
 ) -> PipelineStatus:
     """Return one pipeline's status now.
 
@@ -168,10 +195,11 @@ def pipeline_status(
         orchestrator: the pipeline.
         batcher: its queue, None before it is ready.
         phase: its worker's phase.
+        gate: ``open``, or why its requests wait at its gate.
         moves: its last moves, oldest first (the timeline's bars).
     """
     spec = orchestrator.spec
-    budget = spec.memory.device_budget
+    shared = orchestrator.shared
     views = [orchestrator.component(name) for name in spec.components]
     components = tuple(
         ComponentStatus(
@@ -179,6 +207,9 @@ def pipeline_status(
             kind=view.spec.kind,
             state=view.state.value,
             users=view.in_use_by,
+            shared_with=tuple(
+                sorted({shared.names.get(k, k) for k in view.users if k != orchestrator.key})
+            ),
             residency=view.spec.residency_mode,
             target=None
             if view.spec.residency_mode is ResidencyMode.RESIDENT
@@ -188,9 +219,10 @@ def pipeline_status(
         )
         for view in views
     )
-    waiting = tuple(
+    waiting = tuple(  # the device's one line holds every pipeline's waiters: its own
         WaitingRequest(request_id=rid, stage=stage.name, components=stage.uses)
         for rid, stage in orchestrator.waiter.waiting()
+        if shared.open_requests.get(rid) == orchestrator.key
     )
     queued: tuple[QueuedRequest, ...] = ()
     running: tuple[RunningBatch, ...] = ()
@@ -229,7 +261,9 @@ def pipeline_status(
     return PipelineStatus(
         name=spec.name,
         phase=phase,
-        budget=None if isinstance(budget, msgspec.UnsetType) else int(budget),
+        state=orchestrator.pipeline_state.value,
+        gate=gate,
+        budget=shared.budget.limit,
         resident_bytes=sum(c.resident_bytes for c in components),
         stages=tuple(stage.name for stage in spec.stages),
         components=components,
@@ -251,8 +285,29 @@ def _stage_held(orchestrator: Orchestrator, held: set[str]) -> str | None:
 
 
 def worker_status(worker: Worker) -> StatusSnapshot:
-    """Return every pipeline the worker serves, now."""
-    orchestrator = worker.orchestrator
-    moves = worker.board.recent_moves(worker.name)
+    """Return the worker and every pipeline it serves (while starting: those it loads), now."""
     phase = worker.phase.value
-    return StatusSnapshot(pipelines=(pipeline_status(orchestrator, worker.batcher, phase, moves),))
+    if worker.phase in (Phase.STARTING, Phase.FAILED):
+        pipelines = tuple(
+            pipeline_status(o, None, phase, "open", worker.board.recent_moves(o.spec.name))
+            for o in worker.orchestrators
+        )
+    else:
+        pipelines = tuple(
+            pipeline_status(
+                served.orchestrator,
+                served.batcher,
+                phase,
+                served.gate.closed_for or "open",
+                worker.board.recent_moves(served.name),
+            )
+            for served in worker.served()
+        )
+    shared = worker.shared
+    return StatusSnapshot(
+        phase=phase,
+        budget=shared.budget.limit,
+        resident_bytes=shared.resident_bytes(),
+        shared_bytes_saved=shared.saved_bytes(),
+        pipelines=pipelines,
+    )

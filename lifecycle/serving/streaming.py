@@ -33,6 +33,7 @@ from lifecycle.serving.dispatch import job_error, submit_job
 from lifecycle.serving.errors import ApiError, server_error_body
 from lifecycle.serving.jobs import Job
 from lifecycle.serving.preview import preview_png
+from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
 
 
@@ -47,9 +48,14 @@ def sse(kind: str, data: dict[str, Any]) -> bytes:
 
 
 def stream_images(
-    worker: Worker, job: Job, timeout: float, partial_images: int, seed: int
+    worker: Worker,
+    served: ServedPipeline,
+    job: Job,
+    timeout: float,
+    partial_images: int,
+    seed: int,
 ) -> StreamingResponse:
-    """Queue ``job`` and answer with its events as they come.
+    """Queue ``job`` on ``served`` and answer with its events as they come.
 
     Raises:
         ApiError: the queue refused the job (before any event was sent).
@@ -58,7 +64,7 @@ def stream_images(
     events: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: the job's future is done
     started = time.monotonic()
     latent_size = job.key.latent_size
-    scale = worker.shapes.image_scale
+    scale = served.shapes.image_scale
     height, width = (
         job.size or job.key.image_size or (latent_size[0] * scale, latent_size[1] * scale)
     )
@@ -69,7 +75,7 @@ def stream_images(
         "background": "opaque",
     }
     previews = preview_steps(job.key.steps, partial_images)
-    mapping = worker.shapes.preview
+    mapping = served.shapes.preview
 
     def stepped(step: int, steps: int, latents: list[torch.Tensor]) -> None:
         """Make this step's events (on the runner thread) and hand them to the stream."""
@@ -91,14 +97,15 @@ def stream_images(
             loop.call_soon_threadsafe(events.put_nowait, sse(data["type"], data))
 
     job.on_step = stepped
-    future = submit_job(worker, job)
+    future = submit_job(worker, served, job)
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-    body = _events(worker, job, future, events, loop.time() + timeout, common, seed)
+    body = _events(worker, served, job, future, events, loop.time() + timeout, common, seed)
     return StreamingResponse(body, media_type="text/event-stream")
 
 
 async def _events(
     worker: Worker,
+    served: ServedPipeline,
     job: Job,
     future: Future[Job],
     events: asyncio.Queue[bytes | None],
@@ -122,7 +129,7 @@ async def _events(
         try:
             done = future.result()
         except Exception as err:
-            error = job_error(worker, job, err)
+            error = job_error(worker, served, job, err)
             body = error.body if isinstance(error, ApiError) else server_error_body(error)
             yield sse("error", {"type": "error", "error": body})
             return

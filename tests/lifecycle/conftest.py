@@ -88,3 +88,62 @@ def vae_pipeline() -> VaePipeline:
         return decode_spec(msgspec.json.encode(raw).decode(), "json")
 
     return make
+
+
+T2iPipeline: TypeAlias = Callable[..., PipelineSpec]
+"""``t2i_pipeline(name, transformer_seed=2, **changes)``: a seeded text-to-image pipeline."""
+
+DIT_BYTES = 170384
+"""The bytes a tiny_dit with its default options takes on the device."""
+
+ENCODER_BYTES = 138240
+"""The bytes a tiny_text_encoder with its default options takes on the device."""
+
+
+@pytest.fixture
+def t2i_pipeline(tmp_path: Path) -> T2iPipeline:
+    """Make a seeded text-to-image pipeline (encoder seed 1, VAE seed 3), host offload.
+
+    The encoder and the VAE are ``component_offload``; the DiT (seed ``transformer_seed``)
+    is resident by default, so a budget may evict it. ``components`` maps a component to
+    a table of keys to override; ``memory`` and ``serving`` update those tables.
+    """
+
+    def make(
+        name: str,
+        transformer_seed: int = 2,
+        *,
+        memory: Mapping[str, Any] | None = None,
+        serving: Mapping[str, Any] | None = None,
+        **components: Mapping[str, Any],
+    ) -> PipelineSpec:
+        raw: dict[str, Any] = {
+            "name": name,
+            "device": "cpu",
+            "memory": {"offload_target": "host", "offload_dir": str(tmp_path / "offload")},
+            "serving": dict(serving or {}),
+            "components": {
+                "text_encoder": {
+                    "kind": "tiny_text_encoder",
+                    "residency": "component_offload",
+                    "options": {"seed": 1},
+                },
+                "transformer": {"kind": "tiny_dit", "options": {"seed": transformer_seed}},
+                "vae": {
+                    "kind": "tiny_vae",
+                    "residency": "component_offload",
+                    "options": {"seed": 3},
+                },
+            },
+            "stages": [
+                {"name": "encode", "uses": ["text_encoder"]},
+                {"name": "denoise", "uses": ["transformer"]},
+                {"name": "decode", "uses": ["vae"]},
+            ],
+        }
+        raw["memory"].update(memory or {})
+        for component, changes in components.items():
+            raw["components"][component].update(changes)
+        return decode_spec(msgspec.json.encode(raw).decode(), "json")
+
+    return make

@@ -312,6 +312,7 @@ kind = "tiny_upsampler"
             "attention": [],
             "dtype": "float32",
             "bytes": 248588,
+            "users": ["unsupported-backend"],
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

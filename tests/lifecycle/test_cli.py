@@ -78,6 +78,7 @@ class TestCheck:
             ],
             "dtype": "float32",
             "bytes": 248588,
+            "users": ["tiny-t2i"],
         }
         assert report["stages"] == {
             "encode": ["text_encoder"],
@@ -177,6 +178,72 @@ class TestCheck:
             ["residency.undeclared_use"]
         ]
         assert result.stdout.count("residency.undeclared_use") == 1
+
+
+def pinned_twins(tmp_path: Path) -> tuple[Path, Path]:
+    """Write two reference pipelines, 'a' and 'b', each keeping its DiT resident."""
+    text = EXAMPLE.read_text().replace(
+        'kind = "tiny_dit"', 'kind = "tiny_dit"\nresidency = "resident"'
+    )
+    a = write(tmp_path, "a.toml", text.replace('name = "tiny-t2i"', 'name = "a"'))
+    b = write(tmp_path, "b.toml", text.replace('name = "tiny-t2i"', 'name = "b"'))
+    return a, b
+
+
+class TestCheckSeveral:
+    def test_each_pipeline_is_checked_beside_the_others(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """Under a worker budget two pinned DiTs and a stage cannot fit: each pipeline is
+        refused with residency.memory_budget naming it; a larger budget admits both."""
+        a, b = pinned_twins(tmp_path)
+        small = lifecycle("check", a, b, "--device-budget", "500KiB")
+        large = lifecycle("check", a, b, "--device-budget", "1MiB")
+        assert small.returncode == 1
+        assert "lifecycle check: pipeline 'a' refused" in small.stdout
+        assert "stage 'decode' of pipeline 'b' needs" in small.stdout
+        assert "fix: raise --device-budget to at least" in small.stdout
+        assert large.returncode == 0, large.stdout
+        assert large.stdout.count("admitted (3 components") == 2
+
+    def test_a_worker_file_sets_the_budget(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """``--worker FILE`` gives the budget; --json prints every pipeline's snapshot."""
+        a, b = pinned_twins(tmp_path)
+        worker = write(tmp_path, "worker.toml", '[worker]\ndevice_budget = "500KiB"\n')
+        result = lifecycle("check", "--json", a, b, "--worker", worker)
+        report = json.loads(result.stdout)
+        assert result.returncode == 1
+        assert (report["admitted"], report["device_budget"]) == (False, 500 * 1024)
+        assert [p["pipeline"] for p in report["pipelines"]] == ["a", "b"]
+        assert {r["code"] for p in report["pipelines"] for r in p["refusals"]} == {
+            "residency.memory_budget"
+        }
+
+    def test_a_bad_worker_file_is_bad_input(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """An unknown key in the worker file is exit 2, one line naming the key."""
+        a, b = pinned_twins(tmp_path)
+        worker = write(tmp_path, "worker.toml", '[worker]\ndevice_budjet = "1MiB"\n')
+        result = lifecycle("check", a, b, "--worker", worker)
+        assert result.returncode == ExitCode.BAD_INPUT
+        assert result.stderr == (
+            f"lifecycle check: {worker}: Object contains unknown field `device_budjet` "
+            "- at `$.worker`\n"
+        )
+
+    def test_serve_refuses_two_specs_of_one_name(
+        self, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """Two specs naming one pipeline cannot be told apart by model: exit 2, nothing runs."""
+        pytest.importorskip("uvicorn")
+        result = lifecycle("serve", EXAMPLE, EXAMPLE)
+        assert result.returncode == ExitCode.BAD_INPUT
+        assert "two specs name the pipeline 'tiny-t2i'" in result.stderr
+
+    def test_a_budget_that_is_no_size_is_bad_input(self, lifecycle: Lifecycle) -> None:
+        """``--device-budget`` takes a size; anything else is exit 2 saying what it takes."""
+        result = lifecycle("check", EXAMPLE, "--device-budget", "lots")
+        assert result.returncode == ExitCode.BAD_INPUT
+        assert 'Expected a size like "2GiB"' in result.stderr
 
 
 class TestOptions:
@@ -422,12 +489,14 @@ class TestDiagramCommand:
     def test_format_svg_writes_the_pictures_only(
         self, lifecycle: Lifecycle, tmp_path: Path
     ) -> None:
-        """``--format svg --spec`` writes the lifecycle and the plan as SVG, nothing else."""
+        """``--format svg --spec`` writes the lifecycles and the plan as SVG, nothing else."""
         result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
         assert result.returncode == 0
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "component_lifecycle.svg",
+            "pipeline_lifecycle.svg",
             "tiny-t2i_plan.svg",
+            "worker_lifecycle.svg",
         ]
 
     def test_a_plan_in_another_format_is_bad_input(

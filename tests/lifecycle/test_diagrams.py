@@ -11,8 +11,15 @@ from lifecycle import diagrams
 from lifecycle.config import load_spec
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pipeline_machine import PipelineMachine
 from lifecycle.refusals import RefusalCode
-from lifecycle.states import TRANSITIONS, ComponentState
+from lifecycle.states import (
+    PIPELINE_TRANSITIONS,
+    TRANSITIONS,
+    WORKER_TRANSITIONS,
+    ComponentState,
+)
+from lifecycle.worker_machine import WorkerMachine
 from tests.lifecycle.test_machine import passing_checks
 
 
@@ -58,6 +65,37 @@ class TestDiagrams:
                 for guard in rule.guards:
                     assert guard in edges[0]
 
+    def test_every_pipeline_row_is_drawn_with_its_guards(self) -> None:
+        """The pipeline diagram draws each (source, trigger) of its own table once, with
+        its guards, from its initial state."""
+        text = diagrams.mermaid(PipelineMachine("pipelines"))
+        assert "    [*] --> serving" in text.splitlines()
+        for rule in PIPELINE_TRANSITIONS:
+            for source in rule.sources:
+                edges = [
+                    line
+                    for line in text.splitlines()
+                    if line.strip().startswith(
+                        f"{source.value} --> {rule.dest.value} : {rule.trigger}"
+                    )
+                ]
+                assert len(edges) == 1
+                for guard in rule.guards:
+                    assert guard in edges[0]
+
+    def test_the_worker_diagram_is_its_table(self) -> None:
+        """The worker's own diagram draws each (source, trigger) of WORKER_TRANSITIONS once,
+        from starting; draining ends it."""
+        text = diagrams.mermaid(WorkerMachine("worker")).splitlines()
+        assert "    [*] --> starting" in text
+        assert "    draining --> [*]" in text
+        drawn = [line.strip() for line in text if " : " in line]
+        assert drawn == [
+            f"{source.value} --> {rule.dest.value} : {rule.trigger}"
+            for rule in WORKER_TRANSITIONS
+            for source in rule.sources
+        ]
+
     def test_models_do_not_leak_into_the_drawing(self) -> None:
         """A machine with components in odd states draws the same diagram as a bare one."""
         machine = LifecycleMachine()
@@ -76,6 +114,12 @@ class TestDiagrams:
             "component_lifecycle.mmd",
             "component_lifecycle.dot",
             "component_lifecycle.svg",
+            "pipeline_lifecycle.mmd",
+            "pipeline_lifecycle.dot",
+            "pipeline_lifecycle.svg",
+            "worker_lifecycle.mmd",
+            "worker_lifecycle.dot",
+            "worker_lifecycle.svg",
             "refusal_codes.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []

@@ -33,10 +33,10 @@ def embeddings_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/embeddings", openapi_extra=documented(EmbeddingsBody))
     async def embeddings(request: Request) -> Response:
         body = decode_body(EMBEDDINGS_BODY, await request.body())
-        check_ready(worker, body.model)
-        if not worker.shapes.embeddings:
-            raise not_served(worker, "sentence embeddings", "examples/minilm_embed.toml")
-        timeout = request_timeout(worker, body.priority, body.timeout)
+        served = check_ready(worker, body.model)
+        if not served.shapes.embeddings:
+            raise not_served(served, "sentence embeddings", "examples/minilm_embed.toml")
+        timeout = request_timeout(served, body.priority, body.timeout)
         prompts = [body.input] if isinstance(body.input, str) else body.input
         job = Job(
             id=request.state.id,
@@ -45,12 +45,12 @@ def embeddings_routes(worker: Worker) -> APIRouter:
             tokens=estimate_tokens(prompts),
             priority=body.priority,
         )
-        done = await run_job(worker, job, request.receive, timeout)
+        done = await run_job(worker, served, job, request.receive, timeout)
         assert done.output is not None
         rows = _encoded_rows(done.output, body.encoding_format)
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
         usage = {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}
-        content = {"object": "list", "data": data, "model": worker.name, "usage": usage}
+        content = {"object": "list", "data": data, "model": served.name, "usage": usage}
         return job_response(content, done)
 
     return router

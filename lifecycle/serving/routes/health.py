@@ -8,7 +8,8 @@ import msgspec
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from lifecycle.serving.worker import Phase, Worker
+from lifecycle.serving.dispatch import unknown_model
+from lifecycle.serving.worker import Phase, UnknownModel, Worker
 
 
 def health_routes(worker: Worker) -> APIRouter:
@@ -33,12 +34,19 @@ def health_routes(worker: Worker) -> APIRouter:
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": worker.name, "object": "model", "created": 0, "owned_by": "lifecycle"}],
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "lifecycle"}
+                for name in worker.names
+            ],
         }
 
     @router.get("/v1/pipeline")
-    async def pipeline() -> Response:
-        snapshot = msgspec.json.encode(worker.orchestrator.snapshot())
+    async def pipeline(model: str | None = None) -> Response:
+        try:
+            served = worker.resolve(model)
+        except UnknownModel as err:
+            raise unknown_model(err) from None
+        snapshot = msgspec.json.encode(served.orchestrator.snapshot())
         return Response(snapshot, media_type="application/json")
 
     return router

@@ -15,6 +15,7 @@ from lifecycle.png import encode_png
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import (
     check_ready,
+    gate_passed,
     job_response,
     not_served,
     request_timeout,
@@ -23,6 +24,7 @@ from lifecycle.serving.dispatch import (
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
@@ -41,22 +43,23 @@ def images_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/images/generations", openapi_extra=documented(ImagesBody))
     async def images(request: Request) -> Response:
         body = decode_body(IMAGES_BODY, await request.body())
-        check_ready(worker, body.model)
-        if not worker.shapes.images:
-            raise not_served(worker, "images", "examples/tiny_t2i.toml")
-        timeout = request_timeout(worker, body.priority, body.timeout)
+        served = check_ready(worker, body.model)
+        if not served.shapes.images:
+            raise not_served(served, "images", "examples/tiny_t2i.toml")
+        timeout = request_timeout(served, body.priority, body.timeout)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        recipe = worker.orchestrator.recipe
+        recipe = served.orchestrator.recipe
         job = (
-            _kinds_job(worker, body, request.state.id, seed)
+            _kinds_job(served, body, request.state.id, seed)
             if recipe is None
             else folder_image_job(
-                recipe, body, request.state.id, seed, mixes_sizes=worker.shapes.mixes_sizes
+                recipe, body, request.state.id, seed, mixes_sizes=served.shapes.mixes_sizes
             )
         )
         if body.stream:
-            return stream_images(worker, job, timeout, body.partial_images, seed)
-        done = await run_job(worker, job, request.receive, timeout)
+            served = await gate_passed(worker, served, job)
+            return stream_images(worker, served, job, timeout, body.partial_images, seed)
+        done = await run_job(worker, served, job, request.receive, timeout)
         assert done.output is not None
         data = [{"b64_json": base64.b64encode(encode_png(image)).decode()} for image in done.output]
         content = {"created": int(time.time()), "data": data, "seed": seed}
@@ -65,9 +68,9 @@ def images_routes(worker: Worker) -> APIRouter:
     return router
 
 
-def _kinds_job(worker: Worker, body: ImagesBody, request_id: str, seed: int) -> Job:
+def _kinds_job(served: ServedPipeline, body: ImagesBody, request_id: str, seed: int) -> Job:
     """Return the job of ``body`` for a pipeline of kinds (its sizes follow the latent grid)."""
-    latent_size = _latent_size(worker, body.size, body.n)
+    latent_size = _latent_size(served, body.size, body.n)
     key = BatchKey(
         endpoint="images",
         steps=body.steps or DEFAULT_STEPS,
@@ -87,10 +90,10 @@ def _kinds_job(worker: Worker, body: ImagesBody, request_id: str, seed: int) -> 
     )
 
 
-def _latent_size(worker: Worker, size: str | None, n: int) -> tuple[int, int]:
+def _latent_size(served: ServedPipeline, size: str | None, n: int) -> tuple[int, int]:
     """Return the latent grid of ``size`` ("WxH"), checked against the pipeline's range."""
-    scale = worker.shapes.image_scale
-    settings = worker.orchestrator.spec.serving
+    scale = served.shapes.image_scale
+    settings = served.settings
     if size is None:
         return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
     width, _, height = size.partition("x")

@@ -46,12 +46,32 @@ function pipeline(name) {
 
 // -- a snapshot: everything redrawn ---------------------------------------------------
 
+// the worker: every pipeline it serves shares its phase and its device budget
+function renderWorker(snapshot) {
+  const limit = snapshot.budget === null ? "no device budget" : `of a ${bytes(snapshot.budget)} budget`;
+  const count = snapshot.pipelines.length;
+  const saved = snapshot.shared_bytes_saved ? `; sharing saves ${bytes(snapshot.shared_bytes_saved)}` : "";
+  const worker = document.getElementById("worker");
+  worker.dataset.phase = snapshot.phase;
+  worker.dataset.resident = snapshot.resident_bytes;
+  worker.textContent = `${snapshot.phase}: ${count} pipeline${count === 1 ? "" : "s"}, ` +
+    `${bytes(snapshot.resident_bytes)} on the device ${limit}${saved}`;
+  const names = new Set(snapshot.pipelines.map((p) => p.name));
+  for (const [name, view] of shown) {  // a pipeline removed from the worker leaves the page
+    if (!names.has(name)) { view.root.remove(); shown.delete(name); }
+  }
+  snapshot.pipelines.forEach(renderStatus);
+}
+
 function renderStatus(status) {
   const view = pipeline(status.name);
   view.status = status;
   const phase = view.root.querySelector(".phase");
   phase.textContent = status.phase;
   phase.dataset.phase = status.phase;
+  const state = view.root.querySelector(".pipeline-state");
+  state.dataset.state = status.state;
+  state.textContent = status.gate === "open" ? status.state : `${status.state}, requests wait: ${status.gate}`;
   renderComponents(view);
   renderBudget(view);
   renderQueue(view);
@@ -64,6 +84,7 @@ function renderComponents(view) {
       el("td", {}, c.name),
       el("td", { class: "state" }, el("span", { "data-state": c.state }, c.state)),
       el("td", { class: "users" }, c.users.join(", ") || "—"),
+      el("td", { class: "shared" }, c.shared_with.join(", ") || "—"),
       el("td", {}, c.residency),
       el("td", {}, c.target || "—"),
       el("td", { class: "bytes num", "data-resident": c.resident_bytes, "data-footprint": c.footprint },
@@ -96,7 +117,8 @@ function renderBudget(view) {
     title: `${c.name}: ${bytes(c.resident_bytes)}`,
     style: { width: `${(100 * c.resident_bytes / scale).toFixed(2)}%`, background: swatch(i) },
   })));
-  const limit = status.budget === null ? "no device budget" : `of a ${bytes(status.budget)} budget`;
+  const shared = shown.size > 1 ? " shared by every pipeline" : "";
+  const limit = status.budget === null ? "no device budget" : `of a ${bytes(status.budget)} budget${shared}`;
   view.root.querySelector(".figures").textContent = `${bytes(used)} on the device ${limit}`;
   view.root.querySelector(".shares").replaceChildren(...status.components.map((c, i) =>
     el("li", { style: { "--swatch": swatch(i) } },
@@ -206,7 +228,7 @@ function connect() {
   source.onerror = () => say("lost", "connection lost: reconnecting");
   source.onmessage = (message) => {
     const data = JSON.parse(message.data);
-    if (data.type === "status.snapshot") data.pipelines.forEach(renderStatus);
+    if (data.type === "status.snapshot") renderWorker(data);
     else if (data.type === "stream.overflowed") say("lost", "fell behind: reconnecting");
     else onEvent(data.pipeline, data.event);
   };

@@ -28,11 +28,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(spec: Path, *options: str) -> Iterator[tuple[Program, str]]:
-    """Run ``lifecycle serve spec --threads 1 *options`` on a free loopback port until it is
-    ready; yield the program and its base URL; kill it after."""
+def serving(
+    spec: Path, *options: str, more: tuple[Path, ...] = ()
+) -> Iterator[tuple[Program, str]]:
+    """Run ``lifecycle serve spec *more --threads 1 *options`` on a free loopback port until
+    it is ready; yield the program and its base URL; kill it after."""
     port = free_port()
-    command = ("serve", str(spec), "--port", str(port), "--threads", "1", *options)
+    specs = (str(spec), *map(str, more))
+    command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
     with start_python("lifecycle", *command, cwd=spec.parent, module=True) as program:
         url = f"http://127.0.0.1:{port}"
         for _ in range(int(WATCHDOG_S / 0.1)):

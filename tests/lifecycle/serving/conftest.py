@@ -6,6 +6,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import httpx
@@ -20,6 +21,7 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
+from lifecycle.shared_device import SharedDevice, worker_budget
 from tests.lifecycle.conftest import ReferenceSpec
 
 pytest.importorskip("fastapi")
@@ -56,25 +58,42 @@ class Served:
 
 ServeSpec: TypeAlias = Callable[[PipelineSpec], Served]
 
+ServeSpecs: TypeAlias = Callable[..., Served]
+"""``serve_specs(specs, device_budget=None, paths=None)``: one worker serving them all."""
+
 
 @pytest.fixture
-def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
-    """Serve specs on loopback in this process; every server is drained after the test."""
+def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
+    """Serve workers on loopback in this process; every server is drained after the test.
+
+    A worker serves every spec given, on one device under ``device_budget``; ``paths``
+    name the files they were read from (for reload). The moves recorded are the first
+    pipeline's.
+    """
     running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
 
-    def serve(spec: PipelineSpec) -> Served:
+    def serve(
+        specs: list[PipelineSpec],
+        device_budget: int | None = None,
+        paths: dict[str, Path] | None = None,
+    ) -> Served:
         holder: list[Served] = []
 
         def observe_moves(event: Event) -> None:
             if isinstance(event, Move):
                 served = holder[0]
                 served.moves.append(event)
-                served.resident_at_moves.append(served.worker.orchestrator.resident_bytes())
+                served.resident_at_moves.append(orchestrators[0].resident_bytes())
 
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-        orchestrator = Orchestrator(spec, platform=cpu, observer=metrics.observe)
-        orchestrator.observe(observe_moves)  # a second observer beside the metrics
-        worker = Worker(orchestrator, metrics)
+        limit, key = worker_budget(specs, device_budget, None)  # as `lifecycle serve` does
+        device = SharedDevice(device_budget=limit, budget_key=key)
+        orchestrators = [
+            Orchestrator(spec, platform=cpu, observer=metrics.observe, shared=device)
+            for spec in specs
+        ]
+        orchestrators[0].observe(observe_moves)  # a second observer beside the metrics
+        worker = Worker(orchestrators, metrics, paths)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         host, port = sock.getsockname()
@@ -99,6 +118,12 @@ def serve_spec(cpu: Platform) -> Iterator[ServeSpec]:
         served.worker.drain()
         server.should_exit = True
         thread.join(timeout=WATCHDOG_S)
+
+
+@pytest.fixture
+def serve_spec(serve_specs: ServeSpecs) -> ServeSpec:
+    """Serve one spec on loopback in this process (a worker of its own device)."""
+    return lambda spec: serve_specs([spec])
 
 
 @pytest.fixture

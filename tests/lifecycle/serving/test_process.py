@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
 from tests.lifecycle.serving.test_metrics import counted
-from tests.processes import start_python
+from tests.processes import Program, start_python
 
 pytestmark = pytest.mark.long
 
@@ -40,6 +41,76 @@ def disk_spec(root: Path, offload: Path) -> Path:
     spec = offload.parent / "t2i.toml"
     spec.write_text(text + f"\n[serving]\ndrain_timeout = {WATCHDOG_S}\n")
     return spec
+
+
+def t2i_text(root: Path, name: str, transformer_seed: int, vae_backend: str = "") -> str:
+    """Return the reference spec as ``name``, with that DiT seed and a VAE backend if any."""
+    text = (root / "examples" / "tiny_t2i.toml").read_text()
+    text = text.replace('name = "tiny-t2i"', f'name = "{name}"')
+    text = text.replace(
+        "packed_sequences = true", f"packed_sequences = true\nseed = {transformer_seed}"
+    )
+    if vae_backend:
+        text = text.replace(
+            'kind = "tiny_vae"', f'kind = "tiny_vae"\nattention_backend = "{vae_backend}"'
+        )
+    return text
+
+
+def reloads(log: str) -> list[tuple[str, str]]:
+    """Return each ``pipeline.reloaded`` event the worker logged: (pipeline, outcome)."""
+    events = [json.loads(line) for line in log.splitlines() if '"pipeline.reloaded"' in line]
+    return [(event["pipeline"], event["outcome"]) for event in events]
+
+
+class TestReloadOnSighup:
+    def test_a_refused_spec_changes_nothing_then_a_changed_one_swaps(
+        self, root: Path, tmp_path: Path
+    ) -> None:
+        """SIGHUP re-reads every spec: one that check refuses leaves its pipeline serving as
+        before; a valid changed one is swapped in; an unchanged one is left alone."""
+        a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+        a.write_text(t2i_text(root, "a", 2))
+        b.write_text(t2i_text(root, "b", 5))
+        body = {"prompt": "a red fox", "seed": 7, "steps": 2}
+
+        def images(client: httpx.Client) -> list[str]:
+            answers = [
+                client.post("/v1/images/generations", json={**body, "model": m}) for m in "ab"
+            ]
+            return [answer.json()["data"][0]["b64_json"] for answer in answers]
+
+        def hang_up(program: Program, count: int) -> None:
+            program.send_signal(signal.SIGHUP)
+            for _ in range(int(WATCHDOG_S / 0.01)):
+                if len(reloads(program.stderr())) >= count:
+                    return
+                threading.Event().wait(0.01)
+            raise AssertionError(f"no reload logged: {program.stderr()[-2000:]}")
+
+        with (
+            serving(a, "--log-level", "info", more=(b,)) as (program, url),
+            httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
+        ):
+            before = images(client)
+            a.write_text(t2i_text(root, "a", 2, vae_backend="flash_attn"))
+            hang_up(program, 2)
+            refused = images(client)
+            a.write_text(t2i_text(root, "a", 9))
+            hang_up(program, 4)
+            swapped = images(client)
+            states = {p["name"]: p["state"] for p in client.get("/v1/pipelines").json()["data"]}
+            log = program.stderr()
+        assert reloads(log) == [
+            ("a", "refused"),
+            ("b", "unchanged"),
+            ("a", "swapped"),
+            ("b", "unchanged"),
+        ]
+        assert refused == before
+        assert swapped[0] != before[0]
+        assert swapped[1] == before[1]
+        assert states == {"a": "serving", "b": "serving"}
 
 
 class TestShutdown:

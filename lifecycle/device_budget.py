@@ -1,0 +1,129 @@
+"""The device budget: what each component holds on the device, and whom an onload evicts.
+
+One budget per ``SharedDevice``, whatever the number of pipelines on it: the running
+total is kept as components move (a move adds or takes one entry), and the order of
+eviction is decided by the pure ``lifecycle.admission.budget.plan_onload``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lifecycle.admission.budget import EvictionRank, fits, plan_onload
+from lifecycle.machine import MoveArgs, TransitionContext
+from lifecycle.refusals import Refusal
+from lifecycle.slots import ComponentSlot
+from lifecycle.timeline import Timeline
+
+
+class DeviceBudget:
+    """The bytes charged on one device, and the ``memory_budget`` guard of every onload.
+
+    Args:
+        limit: the most bytes resident at once; None: no limit.
+        key: where the limit was set (``memory.device_budget``, ``--device-budget``),
+            for the hints.
+        open_requests: the pipeline (its key) of each open request, by request id.
+        timelines: each pipeline's request timeline, by its key.
+        last_asked: when each pipeline (by key) last opened a request (a device-wide count).
+
+    Attributes:
+        charged: each component on the device (or reserved there by a prefetch), with
+            its bytes.
+        total: their sum.
+    """
+
+    def __init__(
+        self,
+        limit: int | None,
+        key: str,
+        open_requests: Mapping[str, str],
+        timelines: Mapping[str, Timeline],
+        last_asked: Mapping[str, int],
+    ) -> None:
+        self.limit = None if limit is None else int(limit)  # a plain int: it is encoded
+        self.key = key
+        self.charged: dict[ComponentSlot, int] = {}
+        self.total = 0
+        self._open_requests = open_requests
+        self._timelines = timelines
+        self._last_asked = last_asked
+
+    def memory_budget(
+        self, slots: Mapping[str, ComponentSlot], name: str, context: TransitionContext
+    ) -> list[Refusal]:
+        """Refuse an onload of ``slots[name]`` that cannot fit; else record whom to evict first.
+
+        A component may be evicted exactly when its own offload guards would let the
+        budget offload it now (``may_offload`` with an eviction), so that an onload is
+        refused up front rather than failing half-way through its evictions.
+        """
+        limit = self.limit
+        if limit is None:
+            return []
+        slot = slots[name]
+        needed = slot.footprint
+        used = self.total - self.charged.get(slot, 0)
+        if fits(used, needed, limit):
+            return []  # no need to look at anyone else
+        return self._plan_evictions(slot, needed, used, limit, context)
+
+    def _plan_evictions(
+        self,
+        slot: ComponentSlot,
+        needed: int,
+        used: int,
+        limit: int,
+        context: TransitionContext,
+    ) -> list[Refusal]:
+        """Rank every other charged component, let the pure plan choose, and keep its choice.
+
+        Components are named as the pipeline being served (the request's, else the
+        component's own) calls them; those it does not use by their device key.
+        """
+        rid = context.request_id
+        served = (self._open_requests.get(rid) if rid is not None else None) or slot.home
+        timeline = self._timelines[served]
+        after = context.args.position
+        eviction = MoveArgs(eviction=True, request_id=rid)
+        others = {other.label(served): other for other in self.charged if other is not slot}
+        evictable = {
+            label: EvictionRank(
+                last_asked=max(self._last_asked.get(user, 0) for user in other.users),
+                distance=timeline.distance_to_next_use(other.users[served], after)
+                if served in other.users
+                else math.inf,
+            )
+            for label, other in others.items()
+            if other.lifecycle.may_offload(eviction)
+        }
+        charged = {label: self.charged[other] for label, other in others.items()}
+        decision = plan_onload(
+            slot.label(served), needed, limit, charged, used, evictable, self.key
+        )
+        if decision.refusal is not None:
+            return [decision.refusal]
+        context.evictions = tuple(others[label].key for label in decision.victims)
+        return []
+
+    def charge(self, slot: ComponentSlot) -> None:
+        """Count ``slot``'s footprint in the running total (once, however often called)."""
+        if slot not in self.charged:
+            self.charged[slot] = slot.footprint
+            self.total += slot.footprint
+
+    def refund(self, slot: ComponentSlot) -> bool:
+        """Take ``slot`` out of the running total; tell whether it was in it."""
+        charged = self.charged.pop(slot, None)
+        if charged is None:
+            return False
+        self.total -= charged
+        return True
+
+    def fits_now(self, slot: ComponentSlot) -> bool:
+        """Tell whether ``slot`` fits beside what is charged now, evicting nobody."""
+        limit = self.limit
+        if limit is None:
+            return True
+        return fits(self.total - self.charged.get(slot, 0), slot.footprint, limit)

@@ -1,0 +1,138 @@
+"""The pipeline lifecycle (DESIGN §13): serving, sleeping, swapping, draining, released.
+
+Built from ``lifecycle.states.PIPELINE_TRANSITIONS`` on the same guarded machine as the
+components (every guard checked, refusals with reasons, atomic work), and on the lock
+of the components' machine, so that a sleep's offloads and a request's onloads never
+interleave. Guards and work are injected by the orchestrator that owns the pipeline.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lifecycle.events import PipelineSlept, PipelineTransitioned, PipelineWoke
+from lifecycle.logs import get_logger
+from lifecycle.machine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.states import INITIAL_PIPELINE_STATE, PIPELINE_TRANSITIONS, PipelineState
+
+log = get_logger("lifecycle")
+
+_EVENTS: dict[str, type[PipelineTransitioned]] = {
+    "sleep": PipelineSlept,
+    "wake": PipelineWoke,
+}
+"""The event of a trigger that has one of its own; others are ``PipelineTransitioned``."""
+
+
+class PipelineLifecycle(Guarded):
+    """One pipeline's place in its lifecycle; the triggers are typed methods.
+
+    Create it, then ``PipelineMachine.add_pipeline`` it (see ``Guarded`` for the
+    arguments).
+    """
+
+    rules = PIPELINE_TRANSITIONS
+    noun = "pipeline"
+    state: PipelineState
+
+    # The machine binds these; the bodies exist so that type checkers see them.
+    def sleep(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Serving -> sleeping."""
+        raise NotImplementedError
+
+    def wake(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Sleeping -> serving."""
+        raise NotImplementedError
+
+    def swap(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Serving or sleeping -> swapping."""
+        raise NotImplementedError
+
+    def drain(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Serving, sleeping or swapping -> draining."""
+        raise NotImplementedError
+
+    def release(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Draining -> released."""
+        raise NotImplementedError
+
+    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Fire the trigger named ``trigger_name``."""
+        raise NotImplementedError
+
+    def may_sleep(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``sleep`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_wake(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``wake`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_swap(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``swap`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``drain`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``release`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether the trigger named ``trigger_name`` would pass now."""
+        raise NotImplementedError
+
+    def is_SERVING(self) -> bool:  # noqa: N802  (transitions names them after the state)
+        """Return whether the pipeline is SERVING."""
+        raise NotImplementedError
+
+    def is_SLEEPING(self) -> bool:  # noqa: N802
+        """Return whether the pipeline is SLEEPING."""
+        raise NotImplementedError
+
+    def is_SWAPPING(self) -> bool:  # noqa: N802
+        """Return whether the pipeline is SWAPPING."""
+        raise NotImplementedError
+
+    def is_DRAINING(self) -> bool:  # noqa: N802
+        """Return whether the pipeline is DRAINING."""
+        raise NotImplementedError
+
+    def is_RELEASED(self) -> bool:  # noqa: N802
+        """Return whether the pipeline is RELEASED."""
+        raise NotImplementedError
+
+
+class PipelineMachine(GuardedMachine):
+    """The machine the pipelines of a ``SharedDevice`` share, on its components' lock.
+
+    Args:
+        name: the machine's name.
+        lock: the lock its triggers run under (the components' machine's).
+    """
+
+    states_enum = PipelineState
+    rules = PIPELINE_TRANSITIONS
+    initial_state = INITIAL_PIPELINE_STATE
+
+    def add_pipeline(self, pipeline: PipelineLifecycle) -> None:
+        """Attach ``pipeline`` in the initial state; its triggers become live."""
+        with self.lock:
+            self.add_model(pipeline)
+
+    def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
+        """Log the pipeline's event (``pipeline.slept``, ...) and emit it."""
+        kind = _EVENTS.get(context.trigger, PipelineTransitioned)
+        done = kind(
+            pipeline=model.name,
+            trigger=context.trigger,
+            source=context.source.value,
+            dest=context.dest.value,
+            duration_ms=duration_ms,
+        )
+        if context.is_logged:
+            log.info(str(kind.__struct_config__.tag), **msgspec.structs.asdict(done))
+        if model.observers.attached:
+            model.observers.emit(done)
