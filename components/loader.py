@@ -269,6 +269,12 @@ class ComponentLoader:
             seed_weights(module, self.options.seed_value)
         module.eval()
         module.requires_grad_(False)
+        self.split(module, path)
+        return module
+
+    def split(self, module: nn.Module, path: LoaderPath) -> None:
+        """Split a built module as ``parallel`` says (the custom path only): sequence and
+        tensor parallel through ``parallelize``, then FSDP2."""
         parallel = self.parallel
         if path == "custom" and parallel is not None:
             # every rank made the same whole weights; the splits keep this rank's part
@@ -279,7 +285,6 @@ class ComponentLoader:
                 # FSDP keeps a root module gathered after forward, for a backward that
                 # inference never runs: shard it again so a rank holds 1/n between uses
                 module.register_forward_hook(_reshard)
-        return module
 
 
 def _reshard(module: nn.Module, args: object, output: object) -> None:

@@ -251,10 +251,12 @@ class FolderLoader(ComponentLoader):
         return self._spare
 
     def build(self, path: LoaderPath) -> nn.Module:
-        """Build the module through ``path`` with the folder's weights, in eval mode, no grad."""
+        """Build the module through ``path`` with the folder's weights, in eval mode, no grad,
+        split as ``parallel`` says."""
         module = self.build_native() if path == "native" else self.build_custom()
         module.eval()
         module.requires_grad_(False)
+        self.split(module, path)
         return module
 
     def empty(self) -> nn.Module:
