@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks._environment import announce
 from lifecycle.logs import configure_logging
 
-TOOLS = ("make_pipeline",)
+TOOLS = ("make_pipeline", "make_adapter")
 """Modules here that are command-line tools, not benchmarks: the suite never runs them."""
 
 

@@ -68,14 +68,20 @@ def load_diffusers(folder: Path) -> Any:
     return pipeline
 
 
-def request_ours(orchestrator: Orchestrator, guidance: float) -> torch.Tensor:
-    """Run one request through the orchestrator; return the image in [0, 1]."""
+def request_ours(
+    orchestrator: Orchestrator, guidance: float, adapters: dict[str, float] | None = None
+) -> torch.Tensor:
+    """Run one request through the orchestrator; return the image in [0, 1].
+
+    ``adapters`` are the adapters it names with their scales (``Batch.adapters``).
+    """
     batch = Batch(
         generator=torch.Generator("cpu").manual_seed(0),
         steps=STEPS,
         prompts=[PROMPT],
         guidance_scale=guidance,
         image_size=SIZE,
+        adapters=None if adapters is None else [adapters],
     )
     with orchestrator.request() as request:
         request.run_all(batch)

@@ -167,6 +167,8 @@ class Batch:
         on_step: called after every denoising step (progress, previews).
         cancellation: where rows are cancelled from other threads.
         left: every cancellation taken so far, in order (the orchestrator reports each).
+        adapters: each row's adapters (LoRA, DESIGN §14) by name with the scale it runs
+            them at; None, or a row naming none, runs the base weights.
 
     A denoising loop calls ``stepped`` after each step: it reports the step and drops
     the rows cancelled meanwhile, so a cancelled row costs at most one more step and
@@ -198,6 +200,7 @@ class Batch:
     on_step: StepHook | None = None
     cancellation: Cancellation = field(default_factory=Cancellation)
     left: list[Left] = field(default_factory=list)
+    adapters: list[dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -252,6 +255,7 @@ class Batch:
             "latents",
             "negative_prompts",
             "negative_context",
+            "adapters",
             "image_sizes",
             "sentence_embeddings",
             "images",  # a list of tensors when the batch mixes sizes

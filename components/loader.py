@@ -105,6 +105,12 @@ class ComponentLoader:
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
     """The dtypes this kind builds its floating weights in (``dtype`` must be one)."""
+    adapter_rows: ClassVar[bool] = False
+    """Whether rows naming different unmerged adapters may share one forward of the native
+    path: every linear layer's input keeps the batch's rows in order on its leading
+    dimension (once, or repeated for guidance), or the kind says where they lie
+    (``components.adapters.rows``). Otherwise, and on a custom path that packs the rows
+    into one sequence (the folder DiTs), such rows run in separate batches."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options

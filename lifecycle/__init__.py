@@ -1,7 +1,9 @@
 """A typed state-machine orchestrator for the components of a serving pipeline."""
 
 from components.batch import Cancelled
+from lifecycle.adapters import AdapterView
 from lifecycle.config import (
+    AdapterSpec,
     AttentionConfig,
     ComponentSpec,
     ConfigError,
@@ -28,9 +30,11 @@ from lifecycle.refusals import (
 )
 from lifecycle.shared_device import SharedDevice
 from lifecycle.states import (
+    ADAPTER_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     TRANSITIONS,
     WORKER_TRANSITIONS,
+    AdapterState,
     ComponentState,
     PipelineState,
     TransitionRule,
@@ -38,10 +42,14 @@ from lifecycle.states import (
 )
 
 __all__ = [
+    "ADAPTER_TRANSITIONS",
     "PIPELINE_TRANSITIONS",
     "REFUSAL_CODES",
     "TRANSITIONS",
     "WORKER_TRANSITIONS",
+    "AdapterSpec",
+    "AdapterState",
+    "AdapterView",
     "AdmissionPlan",
     "AdmissionRefused",
     "AttentionConfig",

@@ -30,6 +30,7 @@ from lifecycle.sizes import SIZE_PATTERN, ByteSize
 from lifecycle.sources import SOURCE, SourceError, resolve_source
 
 Loader = Literal["custom", "native"]
+AdapterMode = Literal["merged", "unmerged"]
 Device = Literal["cpu", "cuda", "auto"]
 StatusPage = Literal["open", "private"]
 ALL_ROLES = "all"
@@ -213,6 +214,26 @@ class StageSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
     uses: Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
 
 
+class AdapterSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One adapter (a LoRA of one component, DESIGN §14).
+
+    Attributes:
+        path: its safetensors file, in diffusers' (PEFT's) LoRA key layout; a relative
+            path is read from the working directory.
+        component: the component it changes; when absent, the prefix every key of the
+            file shares (``transformer.`` in diffusers' pipeline layout).
+        scale: the scale a request runs it at when it names it without one.
+        mode: ``merged`` (a switch merges it into the weights, keeping the base for an
+            exact unmerge) or ``unmerged`` (each row of a batch adds its own low-rank
+            delta in the forward; the weights never change).
+    """
+
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+    component: str | UnsetType = UNSET
+    scale: float = 1.0
+    mode: AdapterMode = "merged"
+
+
 class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A whole pipeline: its components, their settings and its stages.
 
@@ -230,6 +251,7 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
         components: the components by name (at least one, unless from a folder that
             refuses every one).
         stages: the stages of a request, in timeline order.
+        adapters: the adapters (LoRA) by name.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -242,6 +264,7 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
     stages: tuple[StageSpec, ...] = ()
+    adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
 
     def dtype_of(self, name: str) -> DType:
         """Return the dtype of component ``name``: its own, else the pipeline's, else float32."""
@@ -543,6 +566,7 @@ def _check(spec: PipelineSpec) -> None:
     _check_components(spec)
     _check_names(spec.components, sorted(spec.parallel.fsdp), "$.parallel.fsdp")
     _check_stages(spec)
+    _check_adapters(spec)
 
 
 def _check_backend(name: str, path: str) -> None:
@@ -628,6 +652,23 @@ def _check_stages(spec: PipelineSpec) -> None:
                     f"Expected each component once per stage, got {use!r} twice",
                     f"{at}.uses[{position}]",
                 )
+
+
+def _check_adapters(spec: PipelineSpec) -> None:
+    for name, adapter in spec.adapters.items():
+        at = f"$.adapters.{name}"
+        if not _NAME.match(name) or name in spec.components:
+            raise ConfigError(
+                "Expected an adapter name of letters, digits, '_' or '-' that starts with a "
+                f"letter or '_' and names no component, got {name!r}",
+                at,
+            )
+        component = adapter.component
+        if not isinstance(component, UnsetType) and component not in spec.components:
+            raise ConfigError(
+                f"Expected a declared component ({', '.join(spec.components)}), got {component!r}",
+                f"{at}.component",
+            )
 
 
 def _check_names(components: Mapping[str, ComponentSpec], names: Sequence[str], at: str) -> None:

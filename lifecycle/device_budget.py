@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from lifecycle.admission.budget import EvictionRank, fits, plan_onload
 from lifecycle.machine import MoveArgs, TransitionContext
-from lifecycle.refusals import Refusal
+from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.timeline import Timeline
 
@@ -46,6 +46,9 @@ class DeviceBudget:
         self.key = key
         self.charged: dict[ComponentSlot, int] = {}
         self.total = 0
+        # what adapters hold on the device (their matrices, the bases merges keep) by
+        # key: counted in the total, never evicted
+        self._held: dict[str, int] = {}
         self._open_requests = open_requests
         self._timelines = timelines
         self._last_asked = last_asked
@@ -127,3 +130,28 @@ class DeviceBudget:
         if limit is None:
             return True
         return fits(self.total - self.charged.get(slot, 0), slot.footprint, limit)
+
+    def hold_refusals(self, key: str, nbytes: int) -> list[Refusal]:
+        """Refuse holding ``nbytes`` under ``key`` (instead of what it holds) past the limit."""
+        limit = self.limit
+        if limit is None:
+            return []
+        used = self.total - self._held.get(key, 0)
+        if fits(used, nbytes, limit):
+            return []
+        return [
+            Refusal(
+                code=RefusalCode.MEMORY_BUDGET,
+                component=key,
+                message=f"{key} needs {nbytes} bytes on the device, but {used} of the "
+                f"budget's {limit} are taken",
+                hint=f"raise {self.key}, or use fewer or lower-rank adapters at once",
+            )
+        ]
+
+    def hold(self, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` held on the device under ``key`` (replacing what it held)."""
+        self.total += nbytes - self._held.get(key, 0)
+        self._held[key] = nbytes
+        if not nbytes:
+            del self._held[key]

@@ -272,6 +272,52 @@ class PipelineRestored(
     cause: str
 
 
+class AdapterTransitioned(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="adapter.transition",
+):
+    """An adapter went from one state to another (``adapter.transition``, DESIGN §14).
+
+    Attributes:
+        adapter: the adapter.
+        component: the component whose weights it changes.
+        trigger: what moved it (``activate`` merges or attaches it).
+        source: the state it left (lower-case value).
+        dest: the state it entered.
+        duration_ms: how long the transition took, guards and work together.
+        request_id: the request it happened for, or None.
+    """
+
+    adapter: str
+    component: str
+    trigger: str
+    source: str
+    dest: str
+    duration_ms: float
+    request_id: str | None
+
+
+class AdapterSwitched(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="adapter.switched"
+):
+    """A component's merged adapters changed for a request (``adapter.switched``).
+
+    Attributes:
+        component: the component whose weights changed.
+        merged: each adapter merged into it now with its scale, by name (empty: the base).
+        seconds: how long the switch took (unmerging what was merged, then merging).
+        request_id: the request that needed it.
+    """
+
+    component: str
+    merged: dict[str, float]
+    seconds: float
+    request_id: str | None
+
+
 Event: TypeAlias = (
     Move
     | Transitioned
@@ -284,6 +330,8 @@ Event: TypeAlias = (
     | PipelineSwapped
     | PipelineReloaded
     | PipelineRestored
+    | AdapterTransitioned
+    | AdapterSwitched
 )
 """Everything an observer receives; ``msgspec.json.encode`` writes the log event's name
 under ``type``."""

@@ -21,8 +21,9 @@ work travels on typed fields of the ``TransitionContext``.
 
 The machine knows no loader and no kernel: guards and work are injected per
 component by whoever owns the component (the orchestrator). ``GuardedMachine``
-holds what the component machine and the pipeline machine
-(``lifecycle.pipeline_machine``) share; each is built from its own table in
+holds what the component machine, the pipeline machine
+(``lifecycle.pipeline_machine``) and the adapter machine (``lifecycle.adapter_machine``)
+share; each is built from its own table in
 ``lifecycle.states``.
 """
 
@@ -43,6 +44,7 @@ from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, Tra
 from lifecycle.states import (
     INITIAL_STATE,
     TRANSITIONS,
+    AdapterState,
     AnyState,
     ComponentState,
     PipelineState,
@@ -67,6 +69,8 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             uses); None: the pipeline that owns the component.
         sleeping: its pipeline goes to sleep: it leaves the device even when kept
             resident, or used by no stage (``wake`` brings it back).
+        scale: the scale an adapter is merged at by ``activate`` (None: its own
+            ``scale``); an unmerged adapter takes each request's scale instead.
     """
 
     request_id: str | None = None
@@ -74,6 +78,7 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     eviction: bool = False
     pipeline: str | None = None
     sleeping: bool = False
+    scale: float | None = None
 
 
 NO_ARGS = MoveArgs()
@@ -533,7 +538,9 @@ class GuardedMachine(Machine):
     state_cls = LifecycleState
     transition_cls = GuardedTransition
     event_cls = RefusingEvent
-    states_enum: ClassVar[type[ComponentState] | type[PipelineState] | type[WorkerState]]
+    states_enum: ClassVar[
+        type[ComponentState] | type[PipelineState] | type[WorkerState] | type[AdapterState]
+    ]
     rules: ClassVar[Sequence[TransitionRule[Any]]]
     initial_state: ClassVar[AnyState]
 

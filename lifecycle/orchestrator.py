@@ -31,9 +31,11 @@ from components.batch import Left
 from components.mesh import ParallelMesh
 from components.recipes import Recipe
 from lifecycle import admission as adm
+from lifecycle.adapters import AdapterKeeper, AdapterView
+from lifecycle.admission.adapters import admit_adapter
 from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
-from lifecycle.config import ComponentSpec, PipelineSpec, load_spec
+from lifecycle.config import AdapterSpec, ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
 from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
@@ -67,7 +69,7 @@ from lifecycle.residency import Residency
 from lifecycle.shared_device import SharedDevice
 from lifecycle.sharing import ComponentIdentity, component_identity
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState, PipelineState
+from lifecycle.states import AdapterState, ComponentState, PipelineState
 from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 
@@ -146,7 +148,17 @@ class Orchestrator:
         self._slots: dict[str, ComponentSlot] = {}
         self._residency = Residency(spec, self._slots, self.device, self.shared, self.key, timeline)
         self._loading = Loading(spec, self._slots, self.platform, self._residency)
-        self._stages = StageKeeper(self._slots, self._residency, self.shared, self._observers)
+        self._adapters = AdapterKeeper(
+            self._slots,
+            self._residency,
+            self.device,
+            self._machine.lock,
+            self._observers,
+            spec.memory.wait_timeout,
+        )
+        self._stages = StageKeeper(
+            self._slots, self._residency, self.shared, self._observers, self._adapters
+        )
         self._switch = BackendSwitch(self._slots, self.platform)
         loaders = adm.component_loaders(spec)
         for name, component in spec.components.items():
@@ -171,6 +183,8 @@ class Orchestrator:
         """How a request runs the stages of a pipeline from a folder (its pipeline class's
         recipe, on the components' loaders); None for a pipeline of kinds, whose stages
         each kind runs itself, and for a folder admission refuses."""
+        for name, adapter in spec.adapters.items():
+            self._adapters.add(name, adapter)
 
     @classmethod
     def from_file(
@@ -235,6 +249,8 @@ class Orchestrator:
                 raise AdmissionRefused(self.spec.name, refusals)
             for slot in self._slots.values():
                 slot.lifecycle.admit()
+            for name, adapter in admission.adapters.items():
+                self._adapters.admit(name, adapter)
             return AdmissionPlan(
                 pipeline=self.spec.name,
                 platform=self.platform.kind,
@@ -268,6 +284,9 @@ class Orchestrator:
                         slot.lifecycle.onload()
                     else:
                         slot.lifecycle.offload()
+            for name, adapter in self._adapters.adapters.items():
+                if adapter.lifecycle.state is AdapterState.ADMITTED:
+                    self._adapters.load(name)
 
     @property
     def pipeline_state(self) -> PipelineState:
@@ -381,6 +400,52 @@ class Orchestrator:
         finally:
             REQUEST_BACKEND.reset(backend)
             REQUEST_ID.reset(token)
+
+    def adapters(self) -> list[AdapterView]:
+        """Return a view of every adapter, by name (DESIGN §14)."""
+        with self._machine.lock:
+            return self._adapters.views()
+
+    @property
+    def adapter_switches(self) -> int:
+        """Return how often a request switched the adapters merged into a component."""
+        return self._adapters.switches
+
+    def add_adapter(self, name: str, adapter: AdapterSpec) -> AdapterView:
+        """Admit and load adapter ``name`` into the loaded pipeline; return its view.
+
+        Raises:
+            ValueError: ``name`` is taken (an adapter or a component has it).
+            LookupError: the pipeline is not loaded.
+            TransitionRefused: admission refused it (``adapter.*`` codes); nothing stays.
+            TransitionFailed: its matrices could not be read; nothing stays.
+        """
+        with self._machine.lock:
+            admission = self._admission
+            if admission is None or any(s.module is None for s in self._slots.values()):
+                raise LookupError(f"pipeline {self.spec.name!r} is not loaded; load() it first")
+            if name in self._adapters.adapters or name in self._slots:
+                raise ValueError(f"adapter name {name!r} is taken; choose another")
+            paths = {c: a.plan.loader for c, a in admission.components.items()}
+            builders = {c: slot.loaded_module for c, slot in self._slots.items()}
+            admitted = admit_adapter(name, adapter, self.spec, paths, builders)
+            self._adapters.add(name, adapter)
+            try:
+                self._adapters.admit(name, admitted)
+                self._adapters.load(name)
+            except BaseException:
+                self._adapters.remove(name)
+                raise
+            return next(view for view in self._adapters.views() if view.name == name)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unmerge or detach adapter ``name`` (after the requests using its component), release it.
+
+        Raises:
+            KeyError: no adapter has that name.
+            TransitionRefused: requests used its component past ``memory.wait_timeout``.
+        """
+        self._adapters.remove(name)
 
     def onload(self, name: str) -> None:
         """Make component ``name`` RESIDENT (its attention layers run).
@@ -508,6 +573,11 @@ class Orchestrator:
         """
         failures: list[Exception] = []
         with self._machine.lock:
+            for name in list(self._adapters.adapters):
+                try:
+                    self._adapters.remove(name)
+                except Exception as err:  # reported below, after the others are released
+                    failures.append(err)
             if self._pipeline.state in _STAYING:
                 self._pipeline.drain()
             for name, slot in self._slots.items():

@@ -163,6 +163,33 @@ class RefusalCode(StrEnum):
         "a component of a sleeping pipeline (one it shares with no pipeline that is awake) "
         "was to be onloaded; wake the pipeline first (or let serving.auto_wake do it)",
     )
+    ADAPTER_TARGET_MISMATCH = (
+        "adapter.target_mismatch",
+        True,
+        "an adapter's file does not fit its component: a key names no linear layer of it, "
+        "a matrix's shape does not fit the layer, or the A and B matrices of a layer "
+        "disagree on the rank",
+    )
+    ADAPTER_OFFLOADED_COMPONENT = (
+        "adapter.offloaded_component",
+        True,
+        "a merged adapter names a component that leaves the device (component or layerwise "
+        "offload, or eviction under a budget when not explicitly resident): its weights "
+        "would come back from the offload copy, which holds the base",
+    )
+    ADAPTER_SHARDED_COMPONENT = (
+        "adapter.sharded_component",
+        True,
+        "an adapter names a component the layout shards (tensor parallel or FSDP): its "
+        "file holds whole matrices, not this rank's shards",
+    )
+    ADAPTER_NATIVE_UNSUPPORTED = (
+        "adapter.native_unsupported",
+        True,
+        "an adapter targets a layer that the component's native path does not build as a "
+        "linear layer (it fuses it, as nn.MultiheadAttention fuses q, k and v), so no LoRA "
+        "can apply there",
+    )
     INVALID_LAYOUT = (
         "parallel.invalid_layout",
         True,
@@ -228,9 +255,10 @@ class TransitionRefused(Refused):
     """A guard said no: the transition did not start, the state is unchanged.
 
     Attributes:
-        component: the component (for a whole pipeline, the pipeline's name).
+        component: the component (for a whole pipeline, the pipeline's name; for an
+            adapter, the adapter's).
         trigger: the trigger that was refused.
-        source: the state the component (or the pipeline) stayed in.
+        source: the state the component (or the pipeline, or the adapter) stayed in.
         refusals: every reason, not only the first.
     """
 
@@ -280,11 +308,11 @@ class InvalidTransition(TransitionRefused):
     """The trigger does not lead anywhere from the current state.
 
     Args:
-        component: the component, or the pipeline.
+        component: the component, the pipeline or the adapter.
         trigger: the trigger fired.
         source: the state it is in.
         valid_from: the states the trigger is valid from.
-        noun: what ``component`` names (``component`` or ``pipeline``).
+        noun: what ``component`` names (``component``, ``pipeline`` or ``adapter``).
     """
 
     def __init__(

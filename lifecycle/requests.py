@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from components import ResidencyMode
+from components.adapters import batch_rows
 from components.batch import Batch, Cancelled, Left
 from components.recipes import Recipe
+from lifecycle.adapters import AdapterKeeper, Rows
 from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
 from lifecycle.machine import MoveArgs
@@ -39,6 +41,8 @@ class StageKeeper:
         shared: the device: its lock, held while counts and states change together,
             and its line of requests waiting for memory.
         observers: who hears of every wait for memory.
+        adapters: the pipeline's adapters: a stage's components get the merged adapters
+            its rows name before they are used.
     """
 
     def __init__(
@@ -47,8 +51,12 @@ class StageKeeper:
         residency: Residency,
         shared: SharedDevice,
         observers: Observers,
+        adapters: AdapterKeeper,
     ) -> None:
         self.slots = slots
+        self.adapters = adapters
+        # each open request's rows of adapters for the stage it enters (see Request.run)
+        self.rows: dict[str, Rows | None] = {}
         self.residency = residency
         self.timeline = residency.timeline
         self.lock = shared.lock
@@ -100,6 +108,8 @@ class StageKeeper:
         """
         uses = self.timeline.stages[position].uses
         slots = self.slots
+        if self.adapters.adapters:
+            self.adapters.settle(uses, self.rows.get(request_id), request_id)
         for name in uses:
             in_use_by = slots[name].in_use_by
             in_use_by[request_id] = in_use_by.get(request_id, 0) + 1
@@ -131,12 +141,14 @@ class StageKeeper:
                 self._put_back(self.timeline.last_uses(position), request_id)
             finally:
                 self.waiter.released()  # what the request used is free, put back or not
+                self.adapters.released()
 
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
             self.open_requests.pop(request_id, None)
             self.requests_ended.notify_all()  # a sleep or a drain may wait for it
+            self.rows.pop(request_id, None)
             try:
                 self.residency.cancel_prefetch(touched)
                 self._put_back(sorted(touched), request_id)
@@ -248,15 +260,20 @@ class Request:
         try:
             if self._cancelled:
                 batch.cancellation.cancel(self.id)
+            keeper = self._keeper
+            if batch.adapters is not None or keeper.adapters.adapters:
+                keeper.adapters.check_rows(batch.adapters or ())
+                keeper.rows[self.id] = batch.adapters
             with self._inference:
                 position, modules = self._enter(stage, batch.drop_cancelled)
                 try:
-                    if self._recipe is not None:
-                        self._recipe.run(stage, modules, batch)
-                    else:
-                        slots = self._keeper.slots
-                        for name, module in modules.items():
-                            slots[name].loader.run(module, batch)
+                    slots = keeper.slots
+                    with batch_rows(batch):
+                        if self._recipe is not None:
+                            self._recipe.run(stage, modules, batch)
+                        else:
+                            for name, module in modules.items():
+                                slots[name].loader.run(module, batch)
                 finally:
                     self._keeper.leave(self.id, position)
                 batch.drop_cancelled()  # what was cancelled during the stage leaves now

@@ -1,5 +1,5 @@
-"""The lifecycles: the states of a component, of a pipeline and of a serving worker,
-each with its one table.
+"""The lifecycles: the states of a component, of a pipeline, of a serving worker and of
+an adapter, each with its one table.
 
 Each table is the single source of truth of its machine: the machine is built from
 it, the diagrams are drawn from that machine, and the docs embed the diagrams.
@@ -55,10 +55,25 @@ class WorkerState(StrEnum):
     DRAINING = "draining"
 
 
-State = TypeVar("State", ComponentState, PipelineState, WorkerState)
+class AdapterState(StrEnum):
+    """Where an adapter (a LoRA of one component, DESIGN §14) stands in its lifecycle.
+
+    ADMITTED: its file's header fits the component; LOADED: its low-rank matrices are
+    on the component's device; ACTIVE: merged into the component's weights (``merged``
+    mode) or attached to its linear layers (``unmerged``); RELEASED: dropped.
+    """
+
+    CONFIGURED = "configured"
+    ADMITTED = "admitted"
+    LOADED = "loaded"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+State = TypeVar("State", ComponentState, PipelineState, WorkerState, AdapterState)
 """The states of one machine: a row of its table names only those."""
 
-AnyState: TypeAlias = ComponentState | PipelineState | WorkerState
+AnyState: TypeAlias = ComponentState | PipelineState | WorkerState | AdapterState
 """A state of any machine (a refusal names the one it stayed in)."""
 
 
@@ -173,3 +188,45 @@ failed when one could not be; drain (a signal) from any of those, also while sta
 each follow ``PIPELINE_TRANSITIONS`` meanwhile."""
 
 INITIAL_WORKER_STATE = WorkerState.STARTING
+_A = AdapterState
+
+ADAPTER_TRANSITIONS: tuple[TransitionRule[AdapterState], ...] = (
+    TransitionRule(
+        trigger="admit",
+        sources=(_A.CONFIGURED,),
+        dest=_A.ADMITTED,
+        guards=("targets_fit", "component_kept", "component_whole"),
+    ),
+    TransitionRule(
+        trigger="load",
+        sources=(_A.ADMITTED,),
+        dest=_A.LOADED,
+        guards=("memory_budget",),
+    ),
+    TransitionRule(
+        trigger="activate",
+        sources=(_A.LOADED,),
+        dest=_A.ACTIVE,
+        guards=("component_idle", "memory_budget"),
+    ),
+    TransitionRule(
+        trigger="deactivate",
+        sources=(_A.ACTIVE,),
+        dest=_A.LOADED,
+        guards=("component_idle",),
+    ),
+    TransitionRule(
+        trigger="release",
+        sources=(_A.CONFIGURED, _A.ADMITTED, _A.LOADED),
+        dest=_A.RELEASED,
+    ),
+)
+"""The adapter's table: admit reads its file's header (every target a linear layer of
+the component with the shapes it has, ranks that agree; a merge only into a component
+that stays on the device, and never into one the layout shards); load reads its
+matrices onto the device within the budget; activate merges it (keeping the base
+weights, counted in the budget) or attaches it, and deactivate restores the base bit
+for bit or detaches it: both only while no request uses the component (a request that
+needs the change waits, as onloads wait); release drops it, never while active."""
+
+INITIAL_ADAPTER_STATE = AdapterState.CONFIGURED

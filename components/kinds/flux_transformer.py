@@ -26,6 +26,7 @@ class FluxTransformerLoader(DitLoader):
     kind: ClassVar[str] = "flux_transformer"
     classes = ("FluxTransformer2DModel",)
     block_stack = ("transformer_blocks", "single_transformer_blocks")
+    adapter_rows = True  # diffusers keeps the batch's rows first in every layer
 
     def block_count(self) -> int:
         """Return the blocks of both stacks (``num_layers + num_single_layers``)."""

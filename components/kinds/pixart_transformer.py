@@ -27,6 +27,7 @@ class PixArtTransformerLoader(DitLoader):
     kind: ClassVar[str] = "pixart_transformer"
     classes = ("PixArtTransformer2DModel",)
     block_stack = "transformer_blocks"
+    adapter_rows = True  # diffusers keeps the batch's rows first in every layer
 
     def block_count(self) -> int:
         """Return the DiT's blocks (``num_layers``)."""

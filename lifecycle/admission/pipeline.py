@@ -20,6 +20,7 @@ from attention import registry as backends
 from components import registry as kinds
 from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
+from lifecycle.admission.adapters import AdapterAdmission, admit_adapters
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import SharedBudget, budget_refusals, declared_bytes
 from lifecycle.admission.construction import construct_module
@@ -81,11 +82,13 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         pipeline: the pipeline's name.
         components: each component's admission.
         pipeline_refusals: refusals that belong to no single component (the layout).
+        adapters: each adapter's admission (DESIGN §14).
     """
 
     pipeline: str
     components: dict[str, ComponentAdmission]
     pipeline_refusals: tuple[Refusal, ...] = ()
+    adapters: dict[str, AdapterAdmission] = msgspec.field(default_factory=dict)
 
     @property
     def admitted(self) -> bool:
@@ -93,9 +96,10 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return not self.refusals()
 
     def refusals(self) -> tuple[Refusal, ...]:
-        """Return every refusal: the pipeline's first, then each component's."""
+        """Return every refusal: the pipeline's first, then each component's, each adapter's."""
         per_component = (r for c in self.components.values() for r in c.all_refusals())
-        return (*self.pipeline_refusals, *per_component)
+        per_adapter = (r for a in self.adapters.values() for r in a.refusals)
+        return (*self.pipeline_refusals, *per_component, *per_adapter)
 
 
 def admit_pipeline(
@@ -130,6 +134,18 @@ def admit_pipeline(
         for name, component in spec.components.items()
     }
     paths = {name: admitted.plan.loader for name, admitted in components.items()}
+    builders = {
+        name: partial(
+            construct_module,
+            path,
+            components[name].requests,
+            components[name].planned,
+            platform,
+            partial(loaders[name].construct, path),
+        )
+        for name, path in paths.items()
+        if path is not None
+    }
     return Admission(
         pipeline=spec.name,
         components=components,
@@ -150,6 +166,7 @@ def admit_pipeline(
             ),
             *unused_option_refusals(spec, components),
         ),
+        adapters=admit_adapters(spec, paths, builders),
     )
 
 

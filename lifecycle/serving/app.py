@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from lifecycle.serving.errors import add_error_handler
 from lifecycle.serving.middleware import RequestIds
+from lifecycle.serving.routes.adapters import adapters_routes
 from lifecycle.serving.routes.embeddings import embeddings_routes
 from lifecycle.serving.routes.events import events_routes
 from lifecycle.serving.routes.health import health_routes
@@ -43,6 +44,7 @@ def create_app(worker: Worker) -> FastAPI:
         status_routes,
         events_routes,
         pipelines_routes,
+        adapters_routes,
     ):
         app.include_router(routes(worker))
     return app

@@ -53,6 +53,8 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     timeout: Timeout | None = None
     stream: bool = False
     partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
+    lora: dict[str, float | None] | None = None
+    """The adapters to run, by name, each at a scale (null: the adapter's own ``scale``)."""
 
 
 class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,7 +63,19 @@ class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     path: Annotated[str, Meta(min_length=1)]
 
 
-Body = TypeVar("Body", EmbeddingsBody, ImagesBody, PipelineBody)
+class AdapterBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/adapters``: an ``[adapters.NAME]`` table with its name, and
+    the pipeline (``model``; None: the only one served)."""
+
+    name: str
+    model: str | None = None
+    path: str
+    component: str | None = None
+    scale: float = 1.0
+    mode: Literal["merged", "unmerged"] = "merged"
+
+
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody, PipelineBody, AdapterBody)
 
 EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)

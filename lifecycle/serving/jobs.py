@@ -51,6 +51,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             whose batches keep to one size; None where each job carries its ``size``.
         alone: the job's own id where it must run alone (its scheduler draws noise for a
             whole batch as it steps); None where it may share.
+        adapters: the adapters it runs with their scales, by name (DESIGN §14): jobs
+            with the same set batch together.
     """
 
     endpoint: Endpoint
@@ -61,6 +63,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     negative: bool = False
     image_size: tuple[int, int] | None = None
     alone: str | None = None
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -228,6 +231,7 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         latents=latents,
         image_size=key.image_size,
         image_sizes=image_sizes,
+        adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
     )
 
 

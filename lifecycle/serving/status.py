@@ -8,9 +8,11 @@ batches, and the residency timeline of its last moves. The event stream sends on
 whenever something changed, after the typed events that changed it, so the page
 always ends on what the worker holds now.
 
-Reads take no lock: each value is read whole (the orchestrator's views, the
-batcher's view under its own lock), so a snapshot taken while a move runs is at
-worst a moment old, and the next one follows that move's event.
+A pipeline's components are read together under the device's lock, which every
+move holds, so their bytes never add up to more than the budget allows (read one by
+one, an eviction and the onload it made room for could both show). The batcher's
+view is read under its own lock; a snapshot is at worst a moment old, and the next
+one follows the next event.
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ def pipeline_status(
     """
     spec = orchestrator.spec
     shared = orchestrator.shared
-    views = [orchestrator.component(name) for name in spec.components]
+    with shared.lock:  # one moment for all: an eviction and its onload are one trigger
+        views = [orchestrator.component(name) for name in spec.components]
     components = tuple(
         ComponentStatus(
             name=view.name,

@@ -104,7 +104,7 @@ def targeted_edit(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         if target == "setting":
             key = draw(st.sampled_from(sorted(SETTINGS)))
             component[key] = draw(SETTINGS[key])
-        elif component.get("kind") in OPTIONS:
+        elif isinstance(component.get("kind"), str) and component["kind"] in OPTIONS:
             options = component.setdefault("options", {})
             if isinstance(options, dict):
                 options[draw(st.sampled_from(OPTIONS[component["kind"]]))] = draw(

@@ -493,6 +493,7 @@ class TestDiagramCommand:
         result = lifecycle("diagram", "--format", "svg", "--spec", EXAMPLE, "--out", tmp_path)
         assert result.returncode == 0
         assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "adapter_lifecycle.svg",
             "component_lifecycle.svg",
             "pipeline_lifecycle.svg",
             "tiny-t2i_plan.svg",

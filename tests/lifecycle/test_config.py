@@ -90,6 +90,7 @@ class TestDecode:
             "parallel",
             "memory",
             "serving",
+            "adapters",
             "stages",
         }
         residency = schema["$defs"]["ResidencyMode"]["enum"]

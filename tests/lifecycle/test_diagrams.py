@@ -8,12 +8,14 @@ from pathlib import Path
 
 from attention import Platform
 from lifecycle import diagrams
+from lifecycle.adapter_machine import AdapterMachine
 from lifecycle.config import load_spec
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pipeline_machine import PipelineMachine
 from lifecycle.refusals import RefusalCode
 from lifecycle.states import (
+    ADAPTER_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     TRANSITIONS,
     WORKER_TRANSITIONS,
@@ -107,6 +109,13 @@ class TestDiagrams:
         assert diagrams.dot(machine) == diagrams.dot()
         assert diagrams.svg(machine) == diagrams.svg()
 
+    def test_adapter_diagram_is_its_table(self) -> None:
+        """The adapter drawing has one edge per row and source of ADAPTER_TRANSITIONS."""
+        text = diagrams.mermaid(AdapterMachine("adapters"))
+        edges = [line for line in text.splitlines() if " : " in line]
+        assert len(edges) == sum(len(rule.sources) for rule in ADAPTER_TRANSITIONS)
+        assert "    loaded --> active : activate [component_idle & memory_budget]" in edges
+
     def test_write_then_check(self, tmp_path: Path) -> None:
         """Written diagrams check clean; an edited one is reported stale."""
         written = diagrams.write_diagrams(tmp_path)
@@ -120,6 +129,9 @@ class TestDiagrams:
             "worker_lifecycle.mmd",
             "worker_lifecycle.dot",
             "worker_lifecycle.svg",
+            "adapter_lifecycle.mmd",
+            "adapter_lifecycle.dot",
+            "adapter_lifecycle.svg",
             "refusal_codes.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []

@@ -24,6 +24,7 @@ from lifecycle.serving.dispatch import (
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.routes.adapters import adapter_set
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
@@ -56,6 +57,8 @@ def images_routes(worker: Worker) -> APIRouter:
                 recipe, body, request.state.id, seed, mixes_sizes=served.shapes.mixes_sizes
             )
         )
+        if body.lora:
+            job.key = msgspec.structs.replace(job.key, adapters=adapter_set(served, body.lora))
         if body.stream:
             served = await gate_passed(worker, served, job)
             return stream_images(worker, served, job, timeout, body.partial_images, seed)

@@ -1,0 +1,158 @@
+"""The adapter lifecycle (DESIGN §14): configured, admitted, loaded, active, released.
+
+Built from ``lifecycle.states.ADAPTER_TRANSITIONS`` on the same guarded machine as the
+components (every guard checked, refusals with reasons, atomic work), and on the lock
+of the components' machine, so that an adapter never changes a component's weights
+while a transition of that component (or a request's hold on it) is half done. Guards
+and work are injected by the orchestrator's ``lifecycle.adapters.AdapterKeeper``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lifecycle.events import AdapterTransitioned, Observers
+from lifecycle.logs import get_logger
+from lifecycle.machine import (
+    NO_ARGS,
+    Check,
+    Guarded,
+    GuardedMachine,
+    MoveArgs,
+    TransitionContext,
+    Work,
+)
+from lifecycle.states import ADAPTER_TRANSITIONS, INITIAL_ADAPTER_STATE, AdapterState
+
+log = get_logger("lifecycle")
+
+
+class AdapterLifecycle(Guarded):
+    """One adapter's place in its lifecycle; the triggers are typed methods.
+
+    Create it, then ``AdapterMachine.add_adapter`` it (see ``Guarded`` for the
+    arguments).
+
+    Args:
+        component: the component whose weights it changes.
+    """
+
+    rules = ADAPTER_TRANSITIONS
+    noun = "adapter"
+    state: AdapterState
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        component: str,
+        checks: dict[str, Check],
+        work: dict[str, Work] | None = None,
+        observers: Observers | None = None,
+    ) -> None:
+        super().__init__(name, checks=checks, work=work, observers=observers)
+        self.component = component
+
+    # The machine binds these; the bodies exist so that type checkers see them.
+    def admit(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Configured -> admitted."""
+        raise NotImplementedError
+
+    def load(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Admitted -> loaded."""
+        raise NotImplementedError
+
+    def activate(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Loaded -> active."""
+        raise NotImplementedError
+
+    def deactivate(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Active -> loaded."""
+        raise NotImplementedError
+
+    def release(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Configured, admitted or loaded -> released."""
+        raise NotImplementedError
+
+    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Fire the trigger named ``trigger_name``."""
+        raise NotImplementedError
+
+    def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``admit`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_load(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``load`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_activate(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``activate`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_deactivate(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``deactivate`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether ``release`` would pass its guards now."""
+        raise NotImplementedError
+
+    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether the trigger named ``trigger_name`` would pass now."""
+        raise NotImplementedError
+
+    def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)
+        """Return whether the adapter is CONFIGURED."""
+        raise NotImplementedError
+
+    def is_ADMITTED(self) -> bool:  # noqa: N802
+        """Return whether the adapter is ADMITTED."""
+        raise NotImplementedError
+
+    def is_LOADED(self) -> bool:  # noqa: N802
+        """Return whether the adapter is LOADED."""
+        raise NotImplementedError
+
+    def is_ACTIVE(self) -> bool:  # noqa: N802
+        """Return whether the adapter is ACTIVE."""
+        raise NotImplementedError
+
+    def is_RELEASED(self) -> bool:  # noqa: N802
+        """Return whether the adapter is RELEASED."""
+        raise NotImplementedError
+
+
+class AdapterMachine(GuardedMachine):
+    """The machine every adapter of an orchestrator shares, on its components' lock.
+
+    Args:
+        name: the machine's name.
+        lock: the lock its triggers run under (the components' machine's).
+    """
+
+    states_enum = AdapterState
+    rules = ADAPTER_TRANSITIONS
+    initial_state = INITIAL_ADAPTER_STATE
+
+    def add_adapter(self, adapter: AdapterLifecycle) -> None:
+        """Attach ``adapter`` in the initial state; its triggers become live."""
+        with self.lock:
+            self.add_model(adapter)
+
+    def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
+        """Log ``adapter.transition`` and emit ``AdapterTransitioned``."""
+        assert isinstance(model, AdapterLifecycle)
+        done = AdapterTransitioned(
+            adapter=model.name,
+            component=model.component,
+            trigger=context.trigger,
+            source=context.source.value,
+            dest=context.dest.value,
+            duration_ms=duration_ms,
+            request_id=context.request_id,
+        )
+        if context.is_logged:
+            log.info("adapter.transition", **msgspec.structs.asdict(done))
+        if model.observers.attached:
+            model.observers.emit(done)

@@ -1,0 +1,116 @@
+"""``/v1/adapters``: list the pipeline's adapters (LoRA), add and remove them at run time.
+
+``GET`` answers ``{"data": [{"pipeline", "name", "component", "state", "mode",
+"scale", "merged_scale"}], "switches"}`` over every pipeline served. ``POST`` (an
+``[adapters.NAME]`` table with its ``name``, and ``model``: the pipeline, needed when
+several are served) admits and loads one; ``DELETE /v1/adapters/{name}[?model=]``
+unmerges or detaches it once no request uses its component, and releases it. Both
+change what requests may name: they are admin routes (``require_admin``, as the
+pipeline routes). A refused adapter is a 409 with the refusals; nothing stays of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from lifecycle.config import AdapterSpec
+from lifecycle.refusals import TransitionRefused
+from lifecycle.serving.bodies import AdapterBody, decode_body, documented
+from lifecycle.serving.dispatch import check_ready
+from lifecycle.serving.errors import ApiError
+from lifecycle.serving.routes.pipelines import require_admin
+from lifecycle.serving.served import ServedPipeline
+from lifecycle.serving.worker import Worker
+
+ADAPTER_BODY = msgspec.json.Decoder(AdapterBody)
+
+
+def adapters_routes(worker: Worker) -> APIRouter:
+    """Return the adapter endpoints."""
+    router = APIRouter()
+    admin = [Depends(require_admin)]
+
+    @router.get("/v1/adapters")
+    async def listed() -> Response:
+        data = [
+            {"pipeline": served.name, **msgspec.to_builtins(view)}
+            for served in worker.served()
+            for view in served.orchestrator.adapters()
+        ]
+        switches = sum(served.orchestrator.adapter_switches for served in worker.served())
+        body = {"data": data, "switches": switches}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    @router.post(
+        "/v1/adapters",
+        dependencies=admin,
+        openapi_extra=documented(AdapterBody),
+    )
+    async def add(request: Request) -> Response:
+        body = decode_body(ADAPTER_BODY, await request.body())
+        orchestrator = check_ready(worker, body.model).orchestrator
+        spec = AdapterSpec(
+            path=body.path,
+            component=msgspec.UNSET if body.component is None else body.component,
+            scale=body.scale,
+            mode=body.mode,
+        )
+        try:
+            view = await run_in_threadpool(orchestrator.add_adapter, body.name, spec)
+        except TransitionRefused as err:
+            raise _refused(err) from None
+        except (ValueError, LookupError) as err:
+            raise ApiError(409, str(err), param="name", code="adapter_not_added") from None
+        return Response(msgspec.json.encode(view), media_type="application/json")
+
+    @router.delete("/v1/adapters/{name}", dependencies=admin)
+    async def remove(name: str, model: str | None = None) -> Response:
+        orchestrator = check_ready(worker, model).orchestrator
+        try:
+            await run_in_threadpool(orchestrator.remove_adapter, name)
+        except KeyError as err:
+            raise ApiError(404, err.args[0], param="name", code="adapter_not_found") from None
+        except TransitionRefused as err:
+            raise _refused(err) from None
+        return Response(msgspec.json.encode({"name": name, "removed": True}))
+
+    return router
+
+
+def adapter_set(
+    served: ServedPipeline, lora: Mapping[str, float | None] | None
+) -> tuple[tuple[str, float], ...]:
+    """Return a request's ``lora`` as a batch key's adapter set (400 naming the known ones)."""
+    if not lora:
+        return ()
+    views = {view.name: view for view in served.orchestrator.adapters()}
+    usable = sorted(
+        name for name, view in views.items() if view.state.value in ("loaded", "active")
+    )
+    for name in lora:
+        if name not in usable:
+            raise ApiError(
+                400,
+                f"unknown adapter {name!r} in lora; known adapters: {', '.join(usable) or 'none'}",
+                param="lora",
+                code="unknown_adapter",
+            )
+    return tuple(
+        sorted(
+            (name, views[name].scale if scale is None else scale) for name, scale in lora.items()
+        )
+    )
+
+
+def _refused(err: TransitionRefused) -> ApiError:
+    return ApiError(
+        409,
+        str(err),
+        code=err.refusals[0].code.value if err.refusals else "refused",
+        extra={"refusals": msgspec.to_builtins(err.refusals)},
+    )
