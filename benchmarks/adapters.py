@@ -123,7 +123,7 @@ def clients(root: Path) -> None:
         raw["components"]["transformer"]["residency"] = "resident"
         spec = decode_spec(msgspec.json.encode(raw).decode(), "json")
         metrics = ServingMetrics(queue_depth=lambda: 0, resident_bytes=lambda: 0)
-        worker = Worker(Orchestrator(spec), metrics)
+        worker = Worker([Orchestrator(spec)], metrics)
         worker.start()
         one, four, switched = [], [], []
         for _ in range(ROUNDS):

@@ -101,6 +101,8 @@ class AdapterKeeper:
         lock: the components' machine lock (adapters move under it too).
         observers: who hears of every adapter transition and switch.
         wait_timeout: how long a switch waits for other requests to leave its component.
+        pipeline: the pipeline's key on its device: a merge never changes a component
+            another pipeline shares with it.
     """
 
     def __init__(
@@ -111,8 +113,10 @@ class AdapterKeeper:
         lock: threading.RLock,
         observers: Observers,
         wait_timeout: float,
+        pipeline: str,
     ) -> None:
         self.slots = slots
+        self.pipeline = pipeline
         self.residency = residency
         self.device = device
         self.lock = lock
@@ -379,7 +383,19 @@ class AdapterKeeper:
         slot = self.adapters[name]
         if slot.spec.mode == "unmerged":
             return []  # attaching never changes weights: a running request is unaffected
-        users = [rid for rid in self.slots[slot.component].in_use_by if rid != context.request_id]
+        component = self.slots[slot.component]
+        shared_with = sorted(key for key in component.users if key != self.pipeline)
+        if shared_with:
+            return [
+                Refusal(
+                    code=RefusalCode.IN_USE,
+                    component=name,
+                    message=f"merged adapter '{name}' would change the weights of "
+                    f"'{slot.component}', which pipelines {', '.join(shared_with)} share",
+                    hint=f'set adapters.{name}.mode = "unmerged" (the weights never change)',
+                )
+            ]
+        users = [rid for rid in component.in_use_by if rid != context.request_id]
         if not users:
             return []
         return [

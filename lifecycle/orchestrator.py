@@ -155,6 +155,7 @@ class Orchestrator:
             self._machine.lock,
             self._observers,
             spec.memory.wait_timeout,
+            self.key,
         )
         self._stages = StageKeeper(
             self._slots, self._residency, self.shared, self._observers, self._adapters

@@ -20,6 +20,7 @@ from lifecycle.config import AdapterSpec, ConfigError, decode_spec
 from lifecycle.events import AdapterSwitched, AdapterTransitioned
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
+from lifecycle.shared_device import SharedDevice
 from lifecycle.states import AdapterState
 from lifecycle.testing import EventRecorder
 from tests.conftest import Lifecycle
@@ -217,6 +218,29 @@ class TestMergeAndUnmerge:
         assert orch.adapter_switches == 2
         moves = [(e.adapter, e.trigger) for e in recorder.of(AdapterTransitioned)]
         assert moves == [("mlp", "activate"), ("mlp", "deactivate"), ("out", "activate")]
+
+    def test_no_merge_into_a_component_another_pipeline_shares(
+        self, lora: Path, cpu: Platform
+    ) -> None:
+        """Two pipelines holding one DiT: a merge for one is refused; unmerged still serves."""
+        tables = (
+            f'[adapters.a]\npath = "{lora}"\n[adapters.u]\npath = "{lora}"\nmode = "unmerged"\n'
+        )
+        device = SharedDevice()
+        first = Orchestrator(spec_with(tables), platform=cpu, shared=device)
+        other = msgspec.structs.replace(spec_with(""), name="other")
+        second = Orchestrator(other, platform=cpu, shared=device)
+        first.load()
+        second.load()
+        base = generate(second, None)
+        with pytest.raises(TransitionRefused) as caught:
+            generate(first, [{"a": 1.0}] * 2)
+        assert caught.value.codes == ("residency.in_use",)
+        assert "share" in caught.value.refusals[0].message
+        generate(first, [{"u": 1.0}] * 2)
+        assert torch.equal(generate(second, None), base)
+        first.close()
+        second.close()
 
     def test_refused_switch_leaves_the_weights(self, lora: Path, cpu: Platform) -> None:
         """Removing a merged adapter while a request uses its component is refused; no move."""
