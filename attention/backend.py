@@ -4,9 +4,10 @@ Tensor layout, for every implementation:
 
 - dense: q ``(B, Hq, Sq, D)``, k and v ``(B, Hk, Sk, D)``, out ``(B, Hq, Sq, D)``, the
   layout of ``torch.nn.functional.scaled_dot_product_attention``; ``Hq`` is a multiple of
-  ``Hk`` (grouped-query attention when ``Hk < Hq``); ``is_causal`` masks key ``j > i``
-  for query ``i`` (top-left aligned, as SDPA does); a mask is boolean (True takes part)
-  or additive, broadcastable to ``(B, Hq, Sq, Sk)``;
+  ``Hk`` (grouped-query attention when ``Hk < Hq``); causal attention (``forward_causal``,
+  ``is_causal``) masks key ``j > i`` for query ``i`` (top-left aligned, as SDPA does); a
+  mask is boolean (True takes part) or additive (0 / -inf), a bias any float added to the
+  scores, both broadcastable to ``(B, Hq, Sq, Sk)``;
 - packed varlen: q ``(Tq, Hq, D)``, k and v ``(Tk, Hk, D)``, sequence ``i`` spans rows
   ``cu_seqlens[i]:cu_seqlens[i + 1]``; out ``(Tq, Hq, D)``;
 - softmax LSE: ``(B, Hq, Sq)``, float32 or wider, the natural log of each row's sum of
@@ -34,9 +35,14 @@ class NoOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class AttentionImpl:
     """Run one attention kernel; subclasses override the optional methods they implement.
 
-    A capability is granted by overriding its method and nothing else: ``forward_masked``
-    (attention masks), ``forward_varlen`` (packed sequences), ``forward_with_lse`` (the
+    A capability is granted by overriding its method and nothing else: ``forward_causal``
+    (causal attention), ``forward_masked`` (attention masks), ``forward_biased`` (an
+    additive float bias), ``forward_varlen`` (packed sequences), ``forward_with_lse`` (the
     softmax log-sum-exp). The base versions raise ``NotImplementedError``.
+
+    ``forward_varlen`` and ``forward_with_lse`` take ``is_causal`` as their kernels do; a
+    layer passes True only on a site that declared ``causal``, which only backends that
+    override ``forward_causal`` serve.
 
     Args:
         options: the backend's validated options, an instance of its ``options_type``.
@@ -51,11 +57,21 @@ class AttentionImpl:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v without a mask; ``scale`` None means ``1 / sqrt(D)``."""
         raise NotImplementedError
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend causally (query ``i`` sees keys ``j <= i``) with the kernel's causal mode."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement causal attention")
 
     def forward_masked(
         self,
@@ -64,11 +80,24 @@ class AttentionImpl:
         v: torch.Tensor,
         attn_mask: torch.Tensor,
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v under a boolean or additive mask."""
         raise NotImplementedError(f"{type(self).__name__} does not implement attention masks")
+
+    def forward_biased(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend q to k and v with a float ``bias`` added to the scaled scores."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement an additive attention bias"
+        )
 
     def forward_varlen(
         self,
@@ -137,12 +166,24 @@ class AttentionBackend:
         return _overrides(cls.impl_cls, "forward_masked")
 
     @classmethod
+    def supports_bias(cls) -> bool:
+        """Tell whether the implementation overrides ``forward_biased``."""
+        return _overrides(cls.impl_cls, "forward_biased")
+
+    @classmethod
+    def supports_causal(cls) -> bool:
+        """Tell whether the implementation overrides ``forward_causal``."""
+        return _overrides(cls.impl_cls, "forward_causal")
+
+    @classmethod
     def unsupported_requirements(cls, requirements: AttentionRequirements) -> tuple[str, ...]:
         """Name, in words, every requirement this backend's implementation cannot meet."""
         missing = AttentionRequirements(
             packed_varlen=requirements.packed_varlen and not cls.supports_varlen(),
             softmax_lse=requirements.softmax_lse and not cls.supports_lse(),
             attention_mask=requirements.attention_mask and not cls.supports_mask(),
+            additive_bias=requirements.additive_bias and not cls.supports_bias(),
+            causal=requirements.causal and not cls.supports_causal(),
         )
         return missing.words()
 

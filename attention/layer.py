@@ -104,22 +104,39 @@ class Attention(nn.Module):
         v: torch.Tensor,  # (B, Hk, Sk, D)
         *,
         attn_mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
         """Attend q to k and v; returns ``(B, Hq, Sq, D)``.
 
+        At most one of ``attn_mask``, ``bias`` (a float added to the scores) and
+        ``is_causal`` applies to a call: fold a padding mask into the bias.
+
         Raises:
             NotResidentError: the layer is disarmed.
-            ValueError: a mask was passed but ``attention_mask`` was not declared.
+            ValueError: a mask, bias or causal call whose requirement was not declared, or
+                more than one of them.
         """
         if not self._armed:  # the one check on the hot path
             raise NotResidentError(self.component, self.site)
         impl = self._impl if self._switch is None else self._request_impl()
-        if attn_mask is None:
-            return impl.forward(q, k, v, is_causal=is_causal, scale=self.scale)
-        if not self.requirements.attention_mask:
-            raise self._undeclared("attention_mask", "an attn_mask")
-        return impl.forward_masked(q, k, v, attn_mask, is_causal=is_causal, scale=self.scale)
+        if attn_mask is None and bias is None and not is_causal:
+            return impl.forward(q, k, v, scale=self.scale)
+        if (attn_mask is not None) + (bias is not None) + is_causal > 1:
+            raise ValueError(
+                f"layer '{self.site}' of component '{self.component}' was called with more "
+                "than one of attn_mask, bias and is_causal; fold them into one bias"
+            )
+        if attn_mask is not None:
+            if not self.requirements.attention_mask:
+                raise self._undeclared("attention_mask", "an attn_mask")
+            return impl.forward_masked(q, k, v, attn_mask, scale=self.scale)
+        if bias is not None:
+            if not self.requirements.additive_bias:
+                raise self._undeclared("additive_bias", "a bias")
+            return impl.forward_biased(q, k, v, bias, scale=self.scale)
+        self._check_causal(is_causal)
+        return impl.forward_causal(q, k, v, scale=self.scale)
 
     def forward_varlen(
         self,
@@ -137,12 +154,14 @@ class Attention(nn.Module):
 
         Raises:
             NotResidentError: the layer is disarmed.
-            ValueError: ``packed_varlen`` was not declared, or the boundaries are invalid.
+            ValueError: ``packed_varlen`` (or, for a causal call, ``causal``) was not
+                declared, or the boundaries are invalid.
         """
         if not self._armed:
             raise NotResidentError(self.component, self.site)
         if not self.requirements.packed_varlen:
             raise self._undeclared("packed_varlen", "packed sequences")
+        self._check_causal(is_causal)
         impl = self._impl if self._switch is None else self._request_impl()
         return impl.forward_varlen(
             q,
@@ -168,12 +187,14 @@ class Attention(nn.Module):
 
         Raises:
             NotResidentError: the layer is disarmed.
-            ValueError: neither ``softmax_lse`` was declared nor does ring attention apply.
+            ValueError: neither ``softmax_lse`` was declared nor does ring attention apply,
+                or a causal call did not declare ``causal``.
         """
         if not self._armed:
             raise NotResidentError(self.component, self.site)
         if not self._lse_allowed:
             raise self._undeclared("softmax_lse", "a request for the softmax LSE")
+        self._check_causal(is_causal)
         impl = self._impl if self._switch is None else self._request_impl()
         return impl.forward_with_lse(q, k, v, is_causal=is_causal, scale=self.scale)
 
@@ -227,6 +248,10 @@ class Attention(nn.Module):
             f"site={self.site!r}, role={self.role.value}, backend={self.backend_name!r}, "
             f"armed={self._armed}"
         )
+
+    def _check_causal(self, is_causal: bool) -> None:
+        if is_causal and not self.requirements.causal:
+            raise self._undeclared("causal", "is_causal=True")
 
     def _undeclared(self, flag: str, what: str) -> ValueError:
         return ValueError(

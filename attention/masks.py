@@ -21,14 +21,6 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def with_causal(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
-    """Fold the top-left causal mask into a boolean or additive mask."""
-    causal = causal_mask(sq, sk, mask.device)
-    if mask.dtype == torch.bool:
-        return mask & causal
-    return mask.masked_fill(~causal, float("-inf"))
-
-
 def as_4d(mask: torch.Tensor) -> torch.Tensor:
     """View a mask of fewer dims as 4-D with leading singletons; CPU fused kernels want 2-D/4-D."""
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))

@@ -89,7 +89,8 @@ class PerSegmentVarlen(AttentionImpl):
         is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
-        """Run ``forward`` once per packed sequence, writing into one packed output."""
-        forward = partial(self.forward, is_causal=is_causal, scale=scale)
+        """Run ``forward`` (``forward_causal`` when causal) once per packed sequence, writing
+        into one packed output."""
+        forward = partial(self.forward_causal if is_causal else self.forward, scale=scale)
         bounds = segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         return attend_segments(forward, q, k, v, bounds)

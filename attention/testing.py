@@ -39,6 +39,21 @@ def automatic(name: str) -> BackendChoice:
     return BackendChoice(name=name, provenance=Provenance.AUTOMATIC)
 
 
+def run_dense(
+    kernel: AttentionImpl,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Call ``kernel``'s causal entry when ``causal``, else its plain ``forward``."""
+    if causal:
+        return kernel.forward_causal(q, k, v, scale=scale)
+    return kernel.forward(q, k, v, scale=scale)
+
+
 class SdpaImpl(AttentionImpl):
     """A minimal out-of-tree kernel: ``forward`` through SDPA and no other capability.
 
@@ -52,12 +67,11 @@ class SdpaImpl(AttentionImpl):
         k: torch.Tensor,  # (B, Hk, Sk, D)
         v: torch.Tensor,  # (B, Hk, Sk, D)
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend with SDPA."""
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, scale=scale
+            q, k, v, scale=scale
         )  # (B, Hq, Sq, D)
 
 

@@ -9,7 +9,9 @@ variants of the benchmarks, each timed on the device with synchronisation:
 - prefetch: a layerwise forward streaming blocks from pinned host memory with prefetch
   0, 1 and 2, against the same model resident;
 - ``flash_attn`` and CUDA ``torch_flash``: an ``Attention`` layer against a direct
-  ``scaled_dot_product_attention`` call, fp16, B=1, H=8, D=64, S in 1024 and 4096.
+  ``scaled_dot_product_attention`` call, fp16, B=1, H=8, D=64, S in 1024 and 4096;
+- encoders: the ``archs`` comparisons of our T5, CLIP and VAE against the libraries'
+  classes, on CUDA in bfloat16 (``benchmarks._archs_encoders``).
 
 Every figure, every test count and every error goes to one JSON file: ``$OUT/gpu-check.json``
 when ``OUT`` is set, else ``.lifecycle/gpu-check.json``. A variant that fails records its
@@ -49,6 +51,7 @@ from attention import (
     registry,
 )
 from attention.testing import explicit
+from benchmarks._archs_encoders import ENCODERS
 from components.offload import HostStore, LayerwiseStore
 
 # B batch, H heads, S seq, D head dim
@@ -208,12 +211,30 @@ def attention_layer(backend: str) -> Figures:
     return figures
 
 
+def encoders() -> Figures:
+    """Each ``archs`` encoder pair on CUDA in bfloat16: both times, their ratio, the error."""
+    figures: Figures = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for key, build in ENCODERS.items():
+            pair = build(Path(scratch) / key, torch.device("cuda"), torch.bfloat16)
+            with torch.inference_mode():
+                ours_s, theirs_s = cuda_time(pair.ours), cuda_time(pair.theirs)
+                figures[key] = {
+                    "ours_s": ours_s,
+                    "theirs_s": theirs_s,
+                    "ours_vs_theirs": ours_s / theirs_s,
+                    "max_rel_error": pair.error(),
+                }
+    return figures
+
+
 VARIANTS: dict[str, Callable[[], Figures]] = {
     "pinned_host_copies": pinned_copies,
     "copy_stream_overlap": copy_stream_overlap,
     "layerwise_prefetch": layerwise_prefetch,
     "flash_attn": lambda: attention_layer("flash_attn"),
     "torch_flash_cuda": lambda: attention_layer("torch_flash"),
+    "encoders": encoders,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -74,12 +75,24 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         return tuple(problems)
 
-    def check_heads(self, heads: int) -> str | None:
-        """Return why ``heads`` attention heads cannot be split by this layout, if so."""
-        split = self.tp_size * self.ulysses_degree
+    def check_heads(self, heads: int, *, tensor: bool, sequence: bool) -> str | None:
+        """Return why ``heads`` attention heads cannot be split by this layout, if so.
+
+        ``tensor`` and ``sequence`` say which splits the component's kind implements: tp
+        divides the heads of the first, Ulysses those of the second.
+        """
+        degrees = {
+            name: degree
+            for name, degree, applies in (
+                ("tp_size", self.tp_size, tensor),
+                ("ulysses_degree", self.ulysses_degree, sequence),
+            )
+            if applies
+        }
+        split = math.prod(degrees.values())
         if heads % split:
             return (
-                f"{heads} heads are not divisible by tp_size x ulysses_degree = "
-                f"{self.tp_size} x {self.ulysses_degree} = {split}"
+                f"{heads} heads are not divisible by {' x '.join(degrees)} = "
+                f"{' x '.join(map(str, degrees.values()))} = {split}"
             )
         return None

@@ -106,11 +106,10 @@ class ComponentLoader:
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
     """The dtypes this kind builds its floating weights in (``dtype`` must be one)."""
     adapter_rows: ClassVar[bool] = False
-    """Whether rows naming different unmerged adapters may share one forward of the native
-    path: every linear layer's input keeps the batch's rows in order on its leading
-    dimension (once, or repeated for guidance), or the kind says where they lie
-    (``components.adapters.rows``). Otherwise, and on a custom path that packs the rows
-    into one sequence (the folder DiTs), such rows run in separate batches."""
+    """Whether rows naming different unmerged adapters may share one forward: every linear
+    layer's input keeps the batch's rows in order on its leading dimension (once, or
+    repeated for guidance), or the kind says where they lie (``components.adapters.rows``).
+    Otherwise such rows run in separate batches."""
 
     def __init__(self, options: KindOptions) -> None:
         self.options = options
@@ -279,8 +278,9 @@ class ComponentLoader:
         return module
 
     def split(self, module: nn.Module, path: LoaderPath) -> None:
-        """Split a built module as ``parallel`` says (the custom path only): sequence and
-        tensor parallel through ``parallelize``, then FSDP2."""
+        """Keep this rank's part of a custom path's module under the layout (``parallel``):
+        sequence and tensor splits through ``parallelize``, then FSDP2. A native path and
+        a replicated component stay whole."""
         parallel = self.parallel
         if path == "custom" and parallel is not None:
             # every rank made the same whole weights; the splits keep this rank's part

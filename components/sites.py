@@ -53,8 +53,11 @@ class AttentionSite(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             default=self.default,
         )
 
-    def build_layer(self) -> Attention:
+    def build_layer(self, scale: float | None = None) -> Attention:
         """Construct one attention layer of this site, exactly as declared.
+
+        ``scale`` is the layer's softmax scale (None: ``1 / sqrt(D)``; T5 uses 1): how
+        the kernel is called, not what admission plans.
 
         Every custom-path layer is built here, so the declaration admission plans from
         and the layer that runs cannot diverge. Build it inside the component's
@@ -69,4 +72,5 @@ class AttentionSite(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             requirements=self.requirements,
             supported=self.supported,
             default=self.default,
+            scale=scale,
         )

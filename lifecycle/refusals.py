@@ -36,8 +36,8 @@ class RefusalCode(StrEnum):
     CAPABILITY_MISSING = (
         SelectionCode.CAPABILITY_MISSING.value,
         True,
-        "an attention site requires a capability (packed varlen, softmax LSE, masks) "
-        "that the backend it may use does not implement",
+        "an attention site requires a capability (packed varlen, softmax LSE, masks, an "
+        "additive bias, causal attention) that the backend it may use does not implement",
     )
     UNSUPPORTED_BACKEND = (
         SelectionCode.UNSUPPORTED_BACKEND.value,

@@ -2,7 +2,8 @@
 
 It is never a dependency: the package is imported on first use, and the backend reports
 itself unavailable (with the import error) wherever it does not import or there is no
-CUDA device. The kernels take fp16/bf16 tensors and grouped-query K/V natively. Their
+CUDA device. The kernels take fp16/bf16 tensors and grouped-query K/V natively, and no
+float bias (so no ``forward_biased``). Their
 causal mask is aligned bottom-right where SDPA aligns it top-left, so causal attention
 with fewer queries than keys (or the reverse) is refused rather than answered differently.
 """
@@ -51,23 +52,25 @@ class FlashAttnImpl(AttentionImpl):
 
     def forward(
         self,
-        q: torch.Tensor,  # (B, Hq, Sq, D)
-        k: torch.Tensor,  # (B, Hk, Sk, D)
-        v: torch.Tensor,  # (B, Hk, Sk, D)
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v with the flash-attn kernel."""
-        _check_causal_alignment(is_causal, q.shape[-2] == k.shape[-2])
-        out: torch.Tensor = _module().flash_attn_func(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            softmax_scale=scale,
-            causal=is_causal,
-        )  # (B, Sq, Hq, D)
-        return out.transpose(1, 2)
+        return _dense(q, k, v, is_causal=False, scale=scale)
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend causally with the kernel's causal mode (equal lengths only)."""
+        return _dense(q, k, v, is_causal=True, scale=scale)
 
     def forward_with_lse(
         self,
@@ -117,6 +120,25 @@ class FlashAttnImpl(AttentionImpl):
             causal=is_causal,
         )  # (Tq, Hq, D)
         return out
+
+
+def _dense(
+    q: torch.Tensor,  # (B, Hq, Sq, D)
+    k: torch.Tensor,  # (B, Hk, Sk, D)
+    v: torch.Tensor,  # (B, Hk, Sk, D)
+    *,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    _check_causal_alignment(is_causal, q.shape[-2] == k.shape[-2])
+    out: torch.Tensor = _module().flash_attn_func(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        softmax_scale=scale,
+        causal=is_causal,
+    )  # (B, Sq, Hq, D)
+    return out.transpose(1, 2)
 
 
 class FlashAttnBackend(AttentionBackend):

@@ -57,11 +57,21 @@ class ReferenceImpl(PerSegmentVarlen):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v."""
-        return _attend(q, k, v, None, is_causal=is_causal, scale=scale)[0]
+        return _attend(q, k, v, None, is_causal=False, scale=scale)[0]
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend causally; the reference masks its materialised scores."""
+        return _attend(q, k, v, None, is_causal=True, scale=scale)[0]
 
     def forward_masked(
         self,
@@ -70,11 +80,22 @@ class ReferenceImpl(PerSegmentVarlen):
         v: torch.Tensor,
         attn_mask: torch.Tensor,
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v under a boolean or additive mask."""
-        return _attend(q, k, v, attn_mask, is_causal=is_causal, scale=scale)[0]
+        return _attend(q, k, v, attn_mask, is_causal=False, scale=scale)[0]
+
+    def forward_biased(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend q to k and v with ``bias`` added to the scores (an additive mask is one)."""
+        return _attend(q, k, v, bias, is_causal=False, scale=scale)[0]
 
     def forward_with_lse(
         self,

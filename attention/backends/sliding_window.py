@@ -42,6 +42,28 @@ class SlidingWindowImpl(AttentionImpl):
 
     def forward(
         self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend each query to the keys within ``window`` positions of it on either side."""
+        return self._attend(q, k, v, is_causal=False, scale=scale)
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend each query to itself and the ``window`` keys before it."""
+        return self._attend(q, k, v, is_causal=True, scale=scale)
+
+    def _attend(
+        self,
         q: torch.Tensor,  # (B, Hq, S, D)
         k: torch.Tensor,  # (B, Hk, S, D)
         v: torch.Tensor,  # (B, Hk, S, D)
@@ -49,7 +71,7 @@ class SlidingWindowImpl(AttentionImpl):
         is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
-        """Attend each query to the keys within ``window`` positions of it.
+        """Attend within the window, blockwise.
 
         Raises:
             ValueError: k does not have as many positions as q (a window is a self-attention

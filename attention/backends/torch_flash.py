@@ -4,7 +4,9 @@ On CPU it is ``aten._scaled_dot_product_flash_attention_for_cpu`` (takes grouped
 K/V and additive masks); on CUDA ``aten._scaled_dot_product_efficient_attention`` (any
 float dtype, returns the LSE). Both are private ops: they are probed, not assumed by
 torch version. No varlen kernel exists on CPU, so packed sequences run as a loop over
-segments of the fused kernel, which spends no compute on padding.
+segments of the fused kernel, which spends no compute on padding. It takes no learned
+bias: the flash kernel has no bias input (a float bias would take SDPA off the flash
+path), so a site that adds one (T5) is refused rather than served by another kernel.
 """
 
 from __future__ import annotations
@@ -49,11 +51,21 @@ class TorchFlashImpl(PerSegmentVarlen):
         k: torch.Tensor,  # (B, Hk, Sk, D)
         v: torch.Tensor,  # (B, Hk, Sk, D)
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v with the fused kernel, dropping the LSE."""
-        return self.forward_with_lse(q, k, v, is_causal=is_causal, scale=scale)[0]
+        return self.forward_with_lse(q, k, v, is_causal=False, scale=scale)[0]
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend causally with the fused kernel's causal mode, dropping the LSE."""
+        return self.forward_with_lse(q, k, v, is_causal=True, scale=scale)[0]
 
     def forward_with_lse(
         self,
@@ -79,7 +91,6 @@ class TorchFlashImpl(PerSegmentVarlen):
         v: torch.Tensor,
         attn_mask: torch.Tensor,  # bool or additive, broadcastable to (B, Hq, Sq, Sk)
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend under a mask; the kernel takes additive 4-D masks, so masks are converted.
@@ -88,12 +99,12 @@ class TorchFlashImpl(PerSegmentVarlen):
         """
         if q.is_cuda:
             # SDPA picks the efficient kernel and aligns the bias the way that kernel needs.
-            return sdpa_masked(q, k, v, attn_mask, is_causal=is_causal, scale=scale)
+            return sdpa_masked(q, k, v, attn_mask, scale=scale)
         if _CPU_FLASH is None:
             raise RuntimeError(_missing(_CPU_OP))
         bias = as_4d(additive_mask(attn_mask, q.dtype))
         result: tuple[torch.Tensor, torch.Tensor] = _CPU_FLASH(
-            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
         )
         return result[0]
 

@@ -1,8 +1,9 @@
-"""``torch_sdpa``: PyTorch's scaled_dot_product_attention, with masks, without LSE or varlen.
+"""``torch_sdpa``: PyTorch's scaled_dot_product_attention, with masks, a bias and causality.
 
 It overrides neither ``forward_varlen`` nor ``forward_with_lse``: SDPA exposes no
 log-sum-exp and no packed-sequence entry point, and a loop around it would be a
-capability granted by a shortcut rather than by the kernel.
+capability granted by a shortcut rather than by the kernel. Its float ``attn_mask`` is
+added to the scores as it is, which is what an additive bias needs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from attention.backend import AttentionBackend, AttentionImpl
-from attention.masks import as_4d, with_causal
+from attention.masks import as_4d
 
 # B batch, H heads, S seq, D head dim
 
@@ -25,13 +26,25 @@ class TorchSdpaImpl(AttentionImpl):
         k: torch.Tensor,  # (B, Hk, Sk, D)
         v: torch.Tensor,  # (B, Hk, Sk, D)
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v with SDPA."""
         return scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
+            q, k, v, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
         )  # (B, Hq, Sq, D)
+
+    def forward_causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend causally with SDPA's own causal mode."""
+        return scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
+        )
 
     def forward_masked(
         self,
@@ -40,11 +53,22 @@ class TorchSdpaImpl(AttentionImpl):
         v: torch.Tensor,
         attn_mask: torch.Tensor,  # bool or additive, broadcastable to (B, Hq, Sq, Sk)
         *,
-        is_causal: bool,
         scale: float | None,
     ) -> torch.Tensor:
         """Attend q to k and v with SDPA under a boolean or additive mask."""
-        return sdpa_masked(q, k, v, attn_mask, is_causal=is_causal, scale=scale)
+        return sdpa_masked(q, k, v, attn_mask, scale=scale)
+
+    def forward_biased(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor,  # float, broadcastable to (B, Hq, Sq, Sk)
+        *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attend with ``bias`` added to the scores: SDPA adds a float mask as it is."""
+        return sdpa_masked(q, k, v, bias.to(q.dtype), scale=scale)
 
 
 def sdpa_masked(
@@ -53,13 +77,9 @@ def sdpa_masked(
     v: torch.Tensor,
     attn_mask: torch.Tensor,
     *,
-    is_causal: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    """Call SDPA with a mask in the form every one of its kernels accepts."""
-    if is_causal:
-        # Some SDPA kernels refuse a mask together with is_causal: fold it in.
-        attn_mask = with_causal(attn_mask, q.shape[-2], k.shape[-2])
+    """Call SDPA with a mask in the form every one of its kernels accepts (2-D or 4-D)."""
     return scaled_dot_product_attention(
         q, k, v, attn_mask=as_4d(attn_mask), scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
     )

@@ -81,7 +81,9 @@ class LocalKernel:
         if isinstance(self.attend, Attention):
             out: torch.Tensor = self.attend(q, k, v, is_causal=is_causal)
             return out
-        return self.attend.forward(q, k, v, is_causal=is_causal, scale=self.scale)
+        if is_causal:
+            return self.attend.forward_causal(q, k, v, scale=self.scale)
+        return self.attend.forward(q, k, v, scale=self.scale)
 
     def forward_varlen(
         self,

@@ -120,20 +120,21 @@ class FolderLoader(ComponentLoader):
         return str(self.config.get("_class_name", ""))
 
     def unavailable_reason(self, path: LoaderPath) -> str | None:
-        """Say why ``path`` cannot build this component here (library, files, class)."""
-        if path == "custom":
-            return super().unavailable_reason(path)
-        reason = missing(self.library) or self._file_problem()
-        if reason is None and self.class_name not in self.classes:
-            reason = f"kind '{self.kind}' loads {', '.join(self.classes)}, not '{self.class_name}'"
-        return reason
+        """Say why ``path`` cannot build this component here (the path, its library, files,
+        class)."""
+        reason = super().unavailable_reason(path)
+        if reason is None and path == "native":
+            reason = missing(self.library)
+        return reason or self._folder_problem()
 
-    def _file_problem(self) -> str | None:
+    def _folder_problem(self) -> str | None:
         try:
             self.config  # noqa: B018  (read to find a missing or broken file early)
             weight_files(self.folder)
         except (OSError, ValueError) as err:
             return str(err)
+        if self.class_name not in self.classes:
+            return f"kind '{self.kind}' loads {', '.join(self.classes)}, not '{self.class_name}'"
         return None
 
     @cached_property
@@ -149,8 +150,24 @@ class FolderLoader(ComponentLoader):
 
     @cached_property
     def layout(self) -> Layout | None:
-        """What the class expects and the module name of each stored tensor; None without
-        the library (both come from building the class on ``meta``).
+        """What the kind declares: the tensors its module expects and the module name of each
+        stored tensor (see ``declared_layout``); None when that cannot be known here.
+
+        Raises:
+            OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
+                library does and this version does not.
+        """
+        return self.declared_layout()
+
+    def declared_layout(self) -> Layout | None:
+        """Return the library class's layout (``library_layout``); a kind with a custom path
+        declares its own module's instead."""
+        return self.library_layout
+
+    @cached_property
+    def library_layout(self) -> Layout | None:
+        """What the library class expects and the module name of each stored tensor; None
+        without the library (both come from building the class on ``meta``).
 
         Raises:
             OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
@@ -252,7 +269,7 @@ class FolderLoader(ComponentLoader):
 
     def build(self, path: LoaderPath) -> nn.Module:
         """Build the module through ``path`` with the folder's weights, in eval mode, no grad,
-        split as ``parallel`` says."""
+        split as the layout asks (the custom path only)."""
         module = self.build_native() if path == "native" else self.build_custom()
         module.eval()
         module.requires_grad_(False)
@@ -292,7 +309,7 @@ class FolderLoader(ComponentLoader):
         reason = self.unavailable_reason("native")
         if reason is not None:
             raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
-        layout = self.layout
+        layout = self.library_layout
         assert layout is not None  # the library is installed: unavailable_reason said so
         module, self._spare = self.construct("native"), None
         stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}

@@ -57,7 +57,7 @@ class TextEncoderLoader(FolderLoader):
     def unavailable_reason(self, path: LoaderPath) -> str | None:
         """Say why ``path`` cannot build this component here; a missing tokenizer counts."""
         reason = super().unavailable_reason(path)
-        if reason is None and path == "native" and self.options.tokenizer is not None:
+        if reason is None and self.options.tokenizer is not None:
             folder = Path(self.options.tokenizer)
             if not folder.is_dir():
                 return f"its tokenizer folder '{folder}' does not exist"

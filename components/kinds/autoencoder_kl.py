@@ -2,24 +2,55 @@
 
 It has no block stack, so it cannot be offloaded layer by layer (``residency =
 "layerwise_offload"`` is refused; component offload works). The whole model is
-loaded, encoder included, as diffusers loads it: its file holds both halves.
+loaded, encoder included, as diffusers loads it: its file holds both halves. The custom
+path is our ``AutoencoderKl``, whose mid blocks attend over the latent grid (site
+``mid``, a self-attention).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from functools import cached_property
+from typing import Any, ClassVar
 
+import torch
+from torch import nn
+
+from attention import AttentionRole
 from components.batch import RGB, Port
-from components.folders.loader import FolderLoader
+from components.folders.custom import CustomFolderLoader
+from components.models.autoencoder_kl import AutoencoderKl, VaeShape, unsupported
+from components.sites import AttentionSite
+
+# B images, L latent channels, h w latent grid, H W image size
 
 
-class AutoencoderKlLoader(FolderLoader):
+class AutoencoderKlLoader(CustomFolderLoader):
     """Load ``AutoencoderKL``; an auxiliary component, so global fallback is allowed."""
 
     kind: ClassVar[str] = "autoencoder_kl"
     library = "diffusers"
     classes = ("AutoencoderKL",)
     allows_global_fallback = True
+    fully_shardable = True
+
+    @cached_property
+    def shape(self) -> VaeShape:
+        """The VAE's sizes, from ``config.json``."""
+        return VaeShape.of(self.config)
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare ``mid``: the single-head self-attention of both mid blocks (if any)."""
+        if not self.shape.attention:
+            return ()
+        return (AttentionSite(name="mid", role=AttentionRole.SELF, heads=1),)
+
+    def custom_problem(self) -> str | None:
+        """Say which block type or activation of the config our module lacks, if any."""
+        return unsupported(self.config)
+
+    def assemble(self, sites: tuple[AttentionSite, ...] | None) -> AutoencoderKl:
+        """Construct our VAE (its ``mid`` layers when ``sites`` are given)."""
+        return AutoencoderKl(self.shape, sites[0] if sites else None)
 
     @property
     def scale_factor(self) -> int:
@@ -33,3 +64,12 @@ class AutoencoderKlLoader(FolderLoader):
     def writes(self) -> tuple[Port, ...]:
         """Write RGB images."""
         return (Port(field="images", width=RGB),)
+
+    def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Decode latents ``(B, L, h, w)`` (unscaled) into images ``(B, 3, H, W)`` in [-1, 1]."""
+        if isinstance(module, AutoencoderKl):
+            decoded: torch.Tensor = module(latents)  # through forward, where FSDP gathers
+            return decoded
+        native: Any = module
+        images: torch.Tensor = native.decode(latents, return_dict=False)[0]
+        return images

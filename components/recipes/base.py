@@ -406,9 +406,7 @@ class Recipe(ABC):
         latents = latents.to(device_of(module), self.vae.dtype) / config["scaling_factor"]
         if shifted:
             latents = latents + config["shift_factor"]
-        decoder: Any = module
-        images: torch.Tensor = decoder.decode(latents, return_dict=False)[0]
-        return images
+        return self.vae.decode(module, latents)
 
     @abstractmethod
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:

@@ -88,7 +88,7 @@ class FluxRecipe(Recipe):
                 has no unconditional pass to use them).
         """
         distinct, rows = unique_texts(self.check(batch))
-        pooled = self.clip.encode(modules["text_encoder"], distinct).pooled  # (B', P)
+        pooled = self.clip.pooled(modules["text_encoder"], distinct)  # (B', P)
         hidden = self.t5.encode(modules["text_encoder_2"], distinct, self.max_tokens, masked=False)
         batch.pooled = pooled[rows]
         batch.context = [hidden.hidden[row] for row in rows]  # (L, E) each

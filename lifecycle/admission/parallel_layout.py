@@ -193,8 +193,8 @@ def layout_refusals(spec: PipelineSpec) -> list[Refusal]:
 def head_refusals(
     name: str, spec: PipelineSpec, loader: ComponentLoader, declared: tuple[AttentionSite, ...]
 ) -> list[Refusal]:
-    if not loader.sequence_parallel:
-        return []  # its custom path replicates the component on every rank
+    """Refuse sites whose heads the splits the kind implements cannot divide (a kind that
+    splits nothing is replicated on every rank)."""
     return [
         Refusal(
             code=RefusalCode.INVALID_LAYOUT,
@@ -203,5 +203,10 @@ def head_refusals(
             hint="pick tp_size and ulysses_degree whose product divides the head count",
         )
         for site in declared
-        if (problem := spec.parallel.check_heads(site.heads)) is not None
+        if (
+            problem := spec.parallel.check_heads(
+                site.heads, tensor=loader.tensor_parallel, sequence=loader.sequence_parallel
+            )
+        )
+        is not None
     ]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from attention import (
     Attention,
+    AttentionRequirements,
     AttentionRole,
     ComponentRequests,
     Platform,
@@ -31,7 +32,7 @@ from attention.distributed import (
     ring_attention,
     ulysses_attention,
 )
-from attention.testing import RandomInputs, explicit, rel_err
+from attention.testing import RandomInputs, explicit, rel_err, run_dense
 
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
@@ -61,13 +62,15 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     trace: str | None = None
 
 
-def layer(backend: str, *, ring: bool = False) -> Attention:
+def layer(backend: str, *, ring: bool = False, causal: bool = False) -> Attention:
     """Build an armed self-attention layer of component 'transformer' running ``backend``."""
     with component_attention_scope(
         ComponentRequests(component="transformer", component_backend=explicit(backend), ring=ring),
         platform=Platform("cpu"),
     ):
-        built = Attention("self", AttentionRole.SELF)
+        built = Attention(
+            "self", AttentionRole.SELF, requirements=AttentionRequirements(causal=causal)
+        )
     built.arm()
     return built
 
@@ -84,7 +87,7 @@ def against_reference(
     parts = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(parts, out.contiguous())
     full = torch.cat(parts, dim=-2)  # (B, Hq, S, D)
-    ref = REFERENCE.forward(q, k, v, is_causal=kwargs.get("is_causal", False), scale=None)
+    ref = run_dense(REFERENCE, q, k, v, causal=kwargs.get("is_causal", False))
     return rel_err(full, ref)
 
 
@@ -93,7 +96,7 @@ CASES: dict[str, Callable[[], float]] = {
     "ulysses_gqa": lambda: against_reference(ulysses_attention, layer("torch_sdpa"), GQA),
     "ulysses_mqa": lambda: against_reference(ulysses_attention, layer("torch_flash"), MQA),
     "ulysses_causal": lambda: against_reference(
-        ulysses_attention, layer("torch_sdpa"), MHA, is_causal=True
+        ulysses_attention, layer("torch_sdpa", causal=True), MHA, is_causal=True
     ),
     "ulysses_heads": lambda: against_reference(
         ulysses_attention, layer("torch_sdpa"), (1, 3, 3, 8, 8)
@@ -104,7 +107,7 @@ CASES: dict[str, Callable[[], float]] = {
     "ring_reference": lambda: against_reference(ring_attention, REFERENCE, MHA),
     "ring_gqa": lambda: against_reference(ring_attention, layer("torch_flash", ring=True), GQA),
     "ring_causal": lambda: against_reference(
-        ring_attention, layer("torch_flash", ring=True), MHA, is_causal=True
+        ring_attention, layer("torch_flash", ring=True, causal=True), MHA, is_causal=True
     ),
     "kv_gather": lambda: against_reference(kv_gather_attention, layer("torch_sdpa"), MHA),
     "kv_gather_gqa": lambda: against_reference(

@@ -71,9 +71,9 @@ class TestAttention:
         self, cpu: Platform, inputs: RandomInputs
     ) -> None:
         """Armed, forward equals the kernel; disarmed again, it refuses once more."""
-        layer = built("torch_sdpa", cpu, AttentionRequirements())
+        layer = built("torch_sdpa", cpu, AttentionRequirements(causal=True))
         q, k, v = inputs.qkv(2, 4, 2, 6, 9, 8, dtype=torch.float64)
-        direct = registry.get("torch_sdpa").make_impl().forward(q, k, v, is_causal=True, scale=None)
+        direct = registry.get("torch_sdpa").make_impl().forward_causal(q, k, v, scale=None)
         assert torch.equal(layer(q, k, v, is_causal=True), direct)
         layer.disarm()
         with pytest.raises(NotResidentError):
@@ -146,6 +146,36 @@ class TestAttention:
             layer.forward_varlen(q[0], k[0], v[0], cu, cu, 4, 4)
         with pytest.raises(ValueError, match=r"AttentionRequirements\(softmax_lse=True\)"):
             layer.forward_with_lse(q, k, v)
+        with pytest.raises(ValueError, match=r"AttentionRequirements\(additive_bias=True\)"):
+            layer(q, k, v, bias=torch.zeros(4, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"AttentionRequirements\(causal=True\)"):
+            layer(q, k, v, is_causal=True)
+
+    def test_causal_packed_and_lse_calls_need_causal_declared(
+        self, cpu: Platform, inputs: RandomInputs
+    ) -> None:
+        """The causal flag of the packed and LSE entries is refused on a site not declaring it."""
+        layer = built("reference", cpu, ALL)
+        q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float64)
+        cu = torch.tensor([0, 4])
+        with pytest.raises(ValueError, match=r"AttentionRequirements\(causal=True\)"):
+            layer.forward_varlen(q[0], k[0], v[0], cu, cu, 4, 4, is_causal=True)
+        with pytest.raises(ValueError, match=r"AttentionRequirements\(causal=True\)"):
+            layer.forward_with_lse(q, k, v, is_causal=True)
+
+    def test_mask_bias_and_causal_are_one_at_a_time(
+        self, cpu: Platform, inputs: RandomInputs
+    ) -> None:
+        """Two of attn_mask, bias and is_causal in one call raise: one is folded into the bias."""
+        everything = AttentionRequirements(attention_mask=True, additive_bias=True, causal=True)
+        layer = built("reference", cpu, everything)
+        q, k, v = inputs.qkv(1, 2, 2, 4, 4, 8, dtype=torch.float64)
+        bias = inputs.tensor(4, 4)
+        with pytest.raises(ValueError, match="more than one of attn_mask, bias and is_causal"):
+            layer(q, k, v, bias=bias, is_causal=True)
+        ref = registry.get("reference").make_impl()
+        assert torch.equal(layer(q, k, v, bias=bias), ref.forward_biased(q, k, v, bias, scale=None))
+        assert torch.equal(layer(q, k, v, is_causal=True), ref.forward_causal(q, k, v, scale=None))
 
     def test_ring_layer_may_ask_for_the_lse(self, cpu: Platform, inputs: RandomInputs) -> None:
         """Under ring attention a self layer may call forward_with_lse undeclared."""

@@ -320,7 +320,7 @@ class TestComponentAttentionScope:
         q, k, v = inputs.qkv(1, 2, 2, 20, 20, 8, dtype=torch.float64)
         near = (torch.arange(20)[:, None] - torch.arange(20)[None, :]).abs() <= 3
         ref = registry.get("reference").make_impl()
-        expected = ref.forward_masked(q, k, v, near, is_causal=False, scale=None)
+        expected = ref.forward_masked(q, k, v, near, scale=None)
         assert rel_err(layer(q, k, v), expected) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
     def test_ring_applies_to_self_attention_only(self, cpu: Platform) -> None:

@@ -100,7 +100,7 @@ class TestRegistry:
                 from attention import AttentionBackend, AttentionImpl
 
                 class ExtImpl(AttentionImpl):
-                    def forward(self, q, k, v, *, is_causal, scale):
+                    def forward(self, q, k, v, *, scale):
                         return q
 
                 class ExtBackend(AttentionBackend):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from attention import (
     AttentionBackend,
+    AttentionImpl,
     AttentionRequirements,
     NoOptions,
     register_backend,
@@ -20,7 +23,18 @@ from attention.testing import SdpaImpl
 
 # B batch, H heads, S seq, D head dim
 
-EVERYTHING = AttentionRequirements(packed_varlen=True, softmax_lse=True, attention_mask=True)
+EVERYTHING = AttentionRequirements(
+    packed_varlen=True, softmax_lse=True, attention_mask=True, additive_bias=True, causal=True
+)
+# Each capability's question on the backend, and the kernel entry that grants it, in the
+# order of the README's columns.
+ENTRIES = {
+    "supports_varlen": "forward_varlen",
+    "supports_lse": "forward_with_lse",
+    "supports_mask": "forward_masked",
+    "supports_bias": "forward_biased",
+    "supports_causal": "forward_causal",
+}
 
 
 class LseOnlyImpl(SdpaImpl):
@@ -35,7 +49,7 @@ class LseOnlyImpl(SdpaImpl):
         is_causal: bool,
         scale: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attend with explicit math and return the LSE."""
+        """Attend with explicit math and return the LSE (never causal: it has no such mode)."""
         s = (q @ k.transpose(-2, -1)) * (scale or q.shape[-1] ** -0.5)  # (B, H, Sq, Sk)
         lse = torch.logsumexp(s, dim=-1)
         return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
@@ -60,24 +74,51 @@ class TestCapabilities:
     """A backend supports exactly what its implementation overrides."""
 
     @pytest.mark.parametrize(
-        ("name", "varlen", "lse", "mask", "sparse"),
+        ("name", "varlen", "lse", "mask", "bias", "causal", "sparse"),
         [
-            ("torch_sdpa", False, False, True, False),
-            ("torch_flash", True, True, True, False),
-            ("reference", True, True, True, False),
-            ("sliding_window", False, False, False, True),
-            ("flash_attn", True, True, False, False),
+            ("torch_sdpa", False, False, True, True, True, False),
+            ("torch_flash", True, True, True, False, True, False),
+            ("reference", True, True, True, True, True, False),
+            ("sliding_window", False, False, False, False, True, True),
+            ("flash_attn", True, True, False, False, True, False),
         ],
     )
     def test_builtin_capabilities_match_the_design_table(
-        self, name: str, varlen: bool, lse: bool, mask: bool, sparse: bool
+        self, name: str, varlen: bool, lse: bool, mask: bool, bias: bool, causal: bool, sparse: bool
     ) -> None:
-        """The derived capabilities of each built-in are those of DESIGN §4.1."""
+        """The derived capabilities of each built-in are those of DESIGN §4.1 and §12."""
         backend = registry.get(name)
         assert backend.supports_varlen() is varlen
         assert backend.supports_lse() is lse
         assert backend.supports_mask() is mask
+        assert backend.supports_bias() is bias
+        assert backend.supports_causal() is causal
         assert backend.is_sparse is sparse
+
+    @pytest.mark.parametrize("name", registry.names())
+    @pytest.mark.parametrize("question", list(ENTRIES))
+    def test_every_capability_is_the_override_of_its_entry(self, name: str, question: str) -> None:
+        """Each backend claims a capability exactly when its kernel overrides that entry."""
+        backend = registry.get(name)
+        entry = ENTRIES[question]
+        overrides = getattr(backend.impl_cls, entry) is not getattr(AttentionImpl, entry)
+        assert getattr(backend, question)() is overrides
+
+    def test_readme_table_is_derived_from_the_registry(self, root: Path) -> None:
+        """The README's backend table says what each registered backend's kernel overrides."""
+        text = (root / "README.md").read_text()
+        rows = dict(re.findall(r"^\| `(\w+)` \| ((?:(?:yes|no) \| ){5}(?:yes|no)) \|$", text, re.M))
+        expected = {
+            name: " | ".join(
+                "yes" if yes else "no"
+                for yes in (
+                    *(getattr(registry.get(name), q)() for q in ENTRIES),
+                    registry.get(name).is_sparse,
+                )
+            )
+            for name in registry.names()
+        }
+        assert rows == expected
 
     def test_unsupported_requirements_are_named_in_words(self) -> None:
         """Each missing capability is listed in words a message can quote."""
@@ -89,6 +130,10 @@ class TestCapabilities:
             "packed varlen attention",
             "softmax LSE",
             "attention masks",
+            "an additive attention bias",
+        )
+        assert registry.get("torch_flash").unsupported_requirements(EVERYTHING) == (
+            "an additive attention bias",
         )
         assert registry.get("reference").unsupported_requirements(EVERYTHING) == ()
 
@@ -104,6 +149,8 @@ class TestCapabilities:
         assert backend.unsupported_requirements(EVERYTHING) == (
             "packed varlen attention",
             "attention masks",
+            "an additive attention bias",
+            "causal attention",
         )
 
     def test_capability_follows_a_subclass_override(self) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from attention import AttentionImpl, Platform, registry
 from attention.backends import SlidingWindowOptions
-from attention.testing import TOLERANCE, RandomInputs, count_attention_flops, rel_err
+from attention.testing import TOLERANCE, RandomInputs, count_attention_flops, rel_err, run_dense
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
@@ -20,6 +20,8 @@ DENSE = [
 MASKED = [n for n in DENSE if registry.get(n).supports_mask()]
 VARLEN = [n for n in DENSE if registry.get(n).supports_varlen()]
 LSE = [n for n in DENSE if registry.get(n).supports_lse()]
+BIASED = [n for n in DENSE if registry.get(n).supports_bias()]
+CAUSAL = [n for n in DENSE if registry.get(n).supports_causal()]
 
 # (B, Hq, Hk, Sq, Sk, D): one token, equal heads, grouped-query, cross lengths, long-ish.
 Shape = tuple[int, int, int, int, int, int]
@@ -60,16 +62,18 @@ def window_mask(s: int, window: int, *, causal: bool) -> torch.Tensor:
 class TestAgainstReference:
     """Dense backends agree with the plain-math reference computed in float64."""
 
-    @pytest.mark.parametrize("name", DENSE)
+    @pytest.mark.parametrize(
+        ("name", "causal"), [(n, False) for n in DENSE] + [(n, True) for n in CAUSAL]
+    )
     @pytest.mark.parametrize("shape", SHAPES, ids=str)
-    @pytest.mark.parametrize("causal", [False, True])
     def test_forward_float64(
         self, name: str, shape: Shape, causal: bool, inputs: RandomInputs
     ) -> None:
-        """Forward matches the reference within the float64 bound, GQA and cross lengths too."""
+        """Forward (and the causal entry, where a backend has it) matches the reference within
+        the float64 bound, GQA and cross lengths too."""
         q, k, v = inputs.qkv(*shape, dtype=torch.float64)
-        out = impl(name).forward(q, k, v, is_causal=causal, scale=None)
-        ref = REFERENCE.forward(q, k, v, is_causal=causal, scale=None)
+        out = run_dense(impl(name), q, k, v, causal=causal)
+        ref = run_dense(REFERENCE, q, k, v, causal=causal)
         assert out.shape == q.shape
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
@@ -80,8 +84,8 @@ class TestAgainstReference:
     ) -> None:
         """Low-precision forward stays within the stated bound of the float64 reference."""
         q, k, v = inputs.qkv(2, 8, 2, 40, 40, 32, dtype=dtype)
-        out = impl(name).forward(q, k, v, is_causal=False, scale=None)
-        ref = REFERENCE.forward(q.double(), k.double(), v.double(), is_causal=False, scale=None)
+        out = impl(name).forward(q, k, v, scale=None)
+        ref = REFERENCE.forward(q.double(), k.double(), v.double(), scale=None)
         assert out.dtype == dtype
         assert rel_err(out, ref) < TOLERANCE[dtype], f"seed {inputs.seed}"
 
@@ -89,20 +93,19 @@ class TestAgainstReference:
     def test_custom_scale(self, name: str, inputs: RandomInputs) -> None:
         """An explicit softmax scale is honoured, not replaced by 1/sqrt(D)."""
         q, k, v = inputs.qkv(1, 2, 2, 9, 9, 16, dtype=torch.float64)
-        out = impl(name).forward(q, k, v, is_causal=False, scale=0.7)
-        ref = REFERENCE.forward(q, k, v, is_causal=False, scale=0.7)
+        out = impl(name).forward(q, k, v, scale=0.7)
+        ref = REFERENCE.forward(q, k, v, scale=0.7)
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
     @pytest.mark.parametrize("name", MASKED)
     @pytest.mark.parametrize("kind", ["bool", "additive"])
-    @pytest.mark.parametrize("causal", [False, True])
-    def test_masked(self, name: str, kind: str, causal: bool, inputs: RandomInputs) -> None:
+    def test_masked(self, name: str, kind: str, inputs: RandomInputs) -> None:
         """Boolean and additive masks (broadcast over heads) match the reference."""
         q, k, v = inputs.qkv(2, 4, 2, 12, 12, 16, dtype=torch.float64)
         keep = inputs.keep_mask(2, 1, 12, 12)
         mask = keep if kind == "bool" else inputs.tensor(2, 1, 12, 12).masked_fill(~keep, -math.inf)
-        out = impl(name).forward_masked(q, k, v, mask, is_causal=causal, scale=None)
-        ref = REFERENCE.forward_masked(q, k, v, mask, is_causal=causal, scale=None)
+        out = impl(name).forward_masked(q, k, v, mask, scale=None)
+        ref = REFERENCE.forward_masked(q, k, v, mask, scale=None)
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
     @pytest.mark.parametrize("name", MASKED)
@@ -111,9 +114,38 @@ class TestAgainstReference:
         """A mask of any shape broadcastable to (B, Hq, Sq, Sk) is accepted."""
         q, k, v = inputs.qkv(2, 4, 2, 6, 9, 8, dtype=torch.float64)
         keep = inputs.keep_mask(*shape)
-        out = impl(name).forward_masked(q, k, v, keep, is_causal=False, scale=None)
-        ref = REFERENCE.forward_masked(q, k, v, keep, is_causal=False, scale=None)
+        out = impl(name).forward_masked(q, k, v, keep, scale=None)
+        ref = REFERENCE.forward_masked(q, k, v, keep, scale=None)
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
+
+    @pytest.mark.parametrize("name", BIASED)
+    @pytest.mark.parametrize("shape", [(9, 9), (1, 4, 12, 12), (2, 4, 12, 12)], ids=str)
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+    def test_biased(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, inputs: RandomInputs
+    ) -> None:
+        """A float bias of any broadcastable shape is added to the scores as the reference does."""
+        q, k, v = inputs.qkv(2, 4, 2, 9 if len(shape) == 2 else 12, shape[-1], 16, dtype=dtype)
+        bias = 3 * inputs.tensor(*shape, dtype=dtype)  # large enough to change the softmax
+        out = impl(name).forward_biased(q, k, v, bias, scale=1.0)
+        ref = REFERENCE.forward_biased(q.double(), k.double(), v.double(), bias.double(), scale=1.0)
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < TOLERANCE[dtype], f"seed {inputs.seed}"
+        unbiased = REFERENCE.forward(q.double(), k.double(), v.double(), scale=1.0)
+        assert rel_err(unbiased, ref) > 1e-2  # the bias mattered
+
+    @pytest.mark.parametrize("name", BIASED)
+    def test_bias_with_padding_folded_in(self, name: str, inputs: RandomInputs) -> None:
+        """A padding mask folded into the bias as -inf hides those keys, as T5 needs."""
+        q, k, v = inputs.qkv(2, 4, 4, 10, 10, 8, dtype=torch.float64)
+        keep = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+        keep[1, ..., 6:] = False
+        bias = inputs.tensor(1, 4, 10, 10).masked_fill(~keep, -math.inf)  # (2, 4, 10, 10)
+        out = impl(name).forward_biased(q, k, v, bias, scale=None)
+        short = REFERENCE.forward_biased(
+            q[1:], k[1:, :, :6], v[1:, :, :6], bias[1:, :, :, :6], scale=None
+        )
+        assert rel_err(out[1:], short) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
     @pytest.mark.parametrize("name", LSE)
     @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -126,11 +158,13 @@ class TestAgainstReference:
         expected = torch.logsumexp(scores(q, k), dim=-1)
         assert lse.shape == q.shape[:-1]
         assert rel_err(lse, expected) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
-        ref = REFERENCE.forward(q, k, v, is_causal=False, scale=None)
+        ref = REFERENCE.forward(q, k, v, scale=None)
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
-    @pytest.mark.parametrize("name", VARLEN)
-    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize(
+        ("name", "causal"),
+        [(n, False) for n in VARLEN] + [(n, True) for n in VARLEN if n in CAUSAL],
+    )
     def test_varlen_equals_per_sequence(
         self, name: str, causal: bool, inputs: RandomInputs
     ) -> None:
@@ -150,7 +184,7 @@ class TestAgainstReference:
             qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, Hq, S_i, D)
             ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).unsqueeze(0)
             vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).unsqueeze(0)
-            ref = REFERENCE.forward(qs, ks, vs, is_causal=causal, scale=None)[0].transpose(0, 1)
+            ref = run_dense(REFERENCE, qs, ks, vs, causal=causal)[0].transpose(0, 1)
             got = out[cu_q[i] : cu_q[i + 1]]
             assert rel_err(got, ref) < TOLERANCE[torch.float64], f"seq {i}, seed {inputs.seed}"
 
@@ -181,8 +215,8 @@ class TestTorchFlash:
         q, k, v = inputs.qkv(1, 2, 2, 4, 6, 8, dtype=torch.float64)
         keep = torch.ones(4, 6, dtype=torch.bool)
         keep[2] = False
-        out = impl("torch_flash").forward_masked(q, k, v, keep, is_causal=False, scale=None)
-        ref = REFERENCE.forward_masked(q, k, v, keep, is_causal=False, scale=None)
+        out = impl("torch_flash").forward_masked(q, k, v, keep, scale=None)
+        ref = REFERENCE.forward_masked(q, k, v, keep, scale=None)
         assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
@@ -242,7 +276,7 @@ class TestReference:
         q, k, v = inputs.qkv(1, 1, 1, 3, 4, 8, dtype=torch.float64)
         keep = torch.ones(3, 4, dtype=torch.bool)
         keep[1] = False
-        out = REFERENCE.forward_masked(q, k, v, keep, is_causal=False, scale=None)
+        out = REFERENCE.forward_masked(q, k, v, keep, scale=None)
         assert torch.equal(out[0, 0, 1], torch.zeros(8, dtype=torch.float64))
         assert not out.isnan().any()
 
@@ -277,10 +311,8 @@ class TestSlidingWindow:
         """It equals the reference under the window mask, GQA and causal included."""
         q, k, v = inputs.qkv(2, 4, hk, s, s, 16, dtype=torch.float64)
         kernel = registry.get("sliding_window").make_impl(SlidingWindowOptions(window=window))
-        out = kernel.forward(q, k, v, is_causal=causal, scale=None)
-        ref = REFERENCE.forward_masked(
-            q, k, v, window_mask(s, window, causal=causal), is_causal=False, scale=None
-        )
+        out = run_dense(kernel, q, k, v, causal=causal)
+        ref = REFERENCE.forward_masked(q, k, v, window_mask(s, window, causal=causal), scale=None)
         assert rel_err(out, ref) < TOLERANCE[torch.float64], f"seed {inputs.seed}"
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -288,14 +320,9 @@ class TestSlidingWindow:
         """Low-precision results stay within the stated bound of the float64 reference."""
         q, k, v = inputs.qkv(1, 4, 2, 300, 300, 32, dtype=dtype)
         kernel = registry.get("sliding_window").make_impl(SlidingWindowOptions(window=20))
-        out = kernel.forward(q, k, v, is_causal=True, scale=None)
+        out = kernel.forward_causal(q, k, v, scale=None)
         ref = REFERENCE.forward_masked(
-            q.double(),
-            k.double(),
-            v.double(),
-            window_mask(300, 20, causal=True),
-            is_causal=False,
-            scale=None,
+            q.double(), k.double(), v.double(), window_mask(300, 20, causal=True), scale=None
         )
         assert out.dtype == dtype
         assert rel_err(out, ref) < TOLERANCE[dtype], f"seed {inputs.seed}"
@@ -304,11 +331,8 @@ class TestSlidingWindow:
         """A window at least S - 1 wide is exactly dense attention."""
         q, k, v = inputs.qkv(1, 2, 2, 16, 16, 8, dtype=torch.float64)
         kernel = registry.get("sliding_window").make_impl(SlidingWindowOptions(window=15))
-        ref = REFERENCE.forward(q, k, v, is_causal=False, scale=None)
-        assert (
-            rel_err(kernel.forward(q, k, v, is_causal=False, scale=None), ref)
-            < TOLERANCE[torch.float64]
-        )
+        ref = REFERENCE.forward(q, k, v, scale=None)
+        assert rel_err(kernel.forward(q, k, v, scale=None), ref) < TOLERANCE[torch.float64]
 
     def test_flops_grow_linearly_in_s(self, inputs: RandomInputs) -> None:
         """At a fixed window, doubling S doubles the kernel FLOPs (S·W, not S²)."""
@@ -317,7 +341,7 @@ class TestSlidingWindow:
         for s in (2048, 4096, 8192):
             q = inputs.tensor(1, 2, s, 16, dtype=torch.float32)
             with count_attention_flops() as counter:
-                kernel.forward(q, q, q, is_causal=False, scale=None)
+                kernel.forward(q, q, q, scale=None)
             flops.append(counter.get_total_flops())
         assert flops[1] == 2 * flops[0]
         assert flops[2] == 2 * flops[1]
@@ -328,18 +352,18 @@ class TestSlidingWindow:
         s, window = 2**19, 4
         q = inputs.tensor(1, 1, s, 8, dtype=torch.float32)
         kernel = registry.get("sliding_window").make_impl(SlidingWindowOptions(window=window))
-        out = kernel.forward(q, q, q, is_causal=False, scale=None)
+        out = kernel.forward(q, q, q, scale=None)
         for i in (0, 1, s // 2 + 3, s - 1):
             lo, hi = max(0, i - window), min(s, i + window + 1)
             local = q[:, :, lo:hi]
-            ref = REFERENCE.forward(q[:, :, i : i + 1], local, local, is_causal=False, scale=None)
+            ref = REFERENCE.forward(q[:, :, i : i + 1], local, local, scale=None)
             assert rel_err(out[:, :, i : i + 1], ref) < TOLERANCE[torch.float32], f"row {i}"
 
     def test_refuses_unequal_lengths(self, inputs: RandomInputs) -> None:
         """A window is a self-attention notion: different query and key lengths raise."""
         q, k, v = inputs.qkv(1, 1, 1, 4, 6, 8, dtype=torch.float32)
         with pytest.raises(ValueError, match="needs as many keys as queries"):
-            registry.get("sliding_window").make_impl().forward(q, k, v, is_causal=False, scale=None)
+            registry.get("sliding_window").make_impl().forward(q, k, v, scale=None)
 
 
 class TestFlashAttn:

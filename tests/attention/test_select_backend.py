@@ -330,6 +330,50 @@ class TestSelectBackend:
         )
         assert err.hint.startswith("pick a known backend (torch_sdpa, torch_flash, reference")
 
+    def test_explicit_flash_for_a_bias_is_refused_by_capability(self, cpu: Platform) -> None:
+        """An explicit torch_flash for a site adding a bias (T5) is capability_missing."""
+        error = fails(
+            layer(
+                requirements=AttentionRequirements(additive_bias=True),
+                component_override=explicit("torch_flash"),
+            ),
+            cpu,
+        )
+        assert error.code == "attention.capability_missing"
+        assert "does not implement an additive attention bias" in str(error)
+        assert "bias (torch_sdpa, reference) for component" in str(error)
+
+    def test_automatic_flash_for_a_bias_falls_back(self, cpu: Platform) -> None:
+        """An automatic torch_flash for a biased site falls back to a backend with the entry."""
+        chosen = select_backend(
+            layer(
+                requirements=AttentionRequirements(additive_bias=True),
+                component_override=automatic("torch_flash"),
+            ),
+            cpu,
+        )
+        assert chosen.backend == "torch_sdpa"
+        assert chosen.reason == "platform default fallback"
+        assert chosen.rejected == {
+            "torch_flash": ("does not implement an additive attention bias",)
+        }
+
+    def test_causal_needs_the_causal_entry(self, cpu: Platform) -> None:
+        """A backend whose kernel has no causal entry cannot serve a causal site."""
+        register_backend(VarlenBackend)
+        try:
+            error = fails(
+                layer(
+                    requirements=AttentionRequirements(causal=True),
+                    component_override=explicit("test_varlen"),
+                ),
+                cpu,
+            )
+        finally:
+            registry.unregister_backend(VarlenBackend.name)
+        assert error.code == "attention.capability_missing"
+        assert "backend 'test_varlen' does not implement causal attention" in str(error)
+
     def test_ring_makes_default_selection_require_lse(self, cpu: Platform) -> None:
         """Under ring attention a default selection moves to a backend with softmax LSE."""
         got = select_backend(layer(ring=True), cpu)

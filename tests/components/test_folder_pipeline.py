@@ -15,7 +15,7 @@ from components.folders.index import PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
-from components.weights import stored_bytes
+from components.weights import read_header, stored_bytes
 from tests.conftest import PipelineFolders
 from tests.processes import run_python
 
@@ -236,26 +236,42 @@ sys.meta_path.insert(0, Blocker())
 
 from pathlib import Path
 
+import torch
+
+from attention import ComponentRequests, arm_layers, component_attention_scope
 from components import registry
 from components.folders.pipeline import FolderPipeline
 
 folder = Path(sys.argv[1])
 pipeline = FolderPipeline.read(folder)
 print(sorted(plan.kind for plan in pipeline.components.values()))
-loader = registry.get("autoencoder_kl").from_options(pipeline.components["vae"].options)
-print(loader.unavailable_reason("native"))
-print(loader.tensors(), loader.declared_bytes())
+loaders = {
+    name: registry.get(plan.kind).from_options(plan.options)
+    for name, plan in pipeline.components.items()
+    if name in ("vae", "text_encoder")
+}
+vae = loaders["vae"]
+print(vae.unavailable_reason("native"))
+print(vae.unavailable_reason("custom"), len(vae.tensors()), vae.declared_bytes())
+built = {}
+for name, loader in loaders.items():
+    with component_attention_scope(ComponentRequests(component=name)):
+        built[name] = loader.build("custom")
+    arm_layers(built[name])
+print(tuple(vae.decode(built["vae"], torch.zeros(1, 4, 4, 4)).shape))
+print(tuple(built["text_encoder"](torch.tensor([[5, 6, 1]])).shape))
 assert "diffusers" not in sys.modules and "transformers" not in sys.modules
 """
 
 
 class TestOptionalLibraries:
-    """Without diffusers and transformers, folders are read and sized; the load says why not."""
+    """Without diffusers and transformers, folders are read and sized, and custom paths run."""
 
     def test_read_and_sized_without_the_libraries(
         self, pipeline_folder: PipelineFolders, root: Path
     ) -> None:
-        """Kinds come from the index; bytes from the headers; the native path names the extra."""
+        """Kinds from the index, bytes from headers, custom paths built and run; native names
+        the extra."""
         folder = pipeline_folder("pixart")
         result = run_python(WITHOUT_LIBRARIES, folder, cwd=root)
         assert result.returncode == 0, result.stderr
@@ -263,7 +279,9 @@ class TestOptionalLibraries:
         assert result.stdout.splitlines() == [
             "['autoencoder_kl', 'pixart_transformer', 't5_encoder']",
             "the diffusers package is not installed (pip install 'pipeline-lifecycle[diffusers]')",
-            f"None {stored_bytes(weights)}",
+            f"None {len(read_header(weights))} {stored_bytes(weights)}",
+            "(1, 3, 32, 32)",
+            "(1, 3, 64)",
         ]
 
 
@@ -289,7 +307,7 @@ loader = registry.get("t5_encoder").from_options({"path": sys.argv[1]})
 loader.declared_bytes()  # reads headers, imports transformers, builds on meta once
 Path("/proc/self/clear_refs").write_text("5")  # the peak starts afresh here
 before = peak()
-module = loader.build("native")
+module = loader.build(sys.argv[2])
 touched = sum(float(p.sum()) for p in module.parameters())  # every page of every weight
 print(peak() - before, loader.declared_bytes())
 """
@@ -300,7 +318,10 @@ RSS_SLACK = 48 * 2**20
 class TestOneCopy:
     """A load holds one copy of the weights: the mapped file's pages."""
 
-    def test_peak_memory_stays_within_the_weights(self, tmp_path: Path, root: Path) -> None:
+    @pytest.mark.parametrize("path", ["native", "custom"])
+    def test_peak_memory_stays_within_the_weights(
+        self, tmp_path: Path, root: Path, path: str
+    ) -> None:
         """Peak RSS grows by the weights' size and a small constant, never twice the weights."""
         from transformers import T5Config, T5EncoderModel
 
@@ -308,7 +329,7 @@ class TestOneCopy:
             d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
         )
         T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
-        result = run_python(LOAD_PEAK, tmp_path / "t5", cwd=root)
+        result = run_python(LOAD_PEAK, tmp_path / "t5", path, cwd=root)
         assert result.returncode == 0, result.stderr
         grown, weights = map(int, result.stdout.split())
         assert weights > 100 * 2**20  # large enough that a second copy could not hide

@@ -165,6 +165,11 @@ class TestLifecycleRules:
         """Return the spec over ``folder`` with ``text`` (TOML) added."""
         return decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{text}\n')
 
+    def native(self, folder: Path) -> str:
+        """Return TOML that loads every component of ``folder`` through its native path."""
+        names = load_spec(folder).components
+        return "".join(f'[components.{name}]\nloader = "native"\n' for name in names)
+
     def codes(self, folder: Path, text: str, cpu: Platform) -> list[tuple[str, str]]:
         """Return (component, code) of each refusal admission gives the spec."""
         with pytest.raises(AdmissionRefused) as err:
@@ -197,39 +202,37 @@ class TestLifecycleRules:
     def test_a_splitting_layout_is_refused(
         self, layout: str, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """Tensor or sequence parallel would split native components: each one is refused;
-        the DiT's custom path splits, so it is not."""
-        codes = self.codes(pipeline_folder("sd3"), f"[parallel]\n{layout}", cpu)
+        """Tensor or sequence parallel would split native components: each one is refused."""
+        folder = pipeline_folder("sd3")
+        codes = self.codes(folder, f"{self.native(folder)}[parallel]\n{layout}", cpu)
         assert {code for _, code in codes} == {"loader.native_parallel_layout"}
-        names = set(load_spec(pipeline_folder("sd3")).components)
-        assert {name for name, _ in codes} == names - {"transformer"}
-        native = f'[components.transformer]\nloader = "native"\n[parallel]\n{layout}'
-        assert {name for name, _ in self.codes(pipeline_folder("sd3"), native, cpu)} == names
+        assert {name for name, _ in codes} == set(load_spec(folder).components)
 
     @pytest.mark.parametrize("layout", ["dp_size = 2", "cfg_parallel = true"])
     def test_replicated_layouts_are_admitted(
         self, layout: str, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """Data and CFG parallel replicate every component: admitted as they are (the DiT on
-        its custom path, the rest native)."""
-        plan = Orchestrator(
-            self.spec(pipeline_folder("sd3"), f"[parallel]\n{layout}"), platform=cpu
-        ).admit()
-        loaders = {name: component.loader for name, component in plan.components.items()}
-        assert loaders.pop("transformer") == "custom"
-        assert set(loaders.values()) == {"native"}
+        """Data and CFG parallel replicate every component: admitted as they are, natively too."""
+        folder = pipeline_folder("sd3")
+        layout = f"[parallel]\n{layout}"
+        alone = Orchestrator(self.spec(folder, ""), platform=cpu).admit().components
+        plan = Orchestrator(self.spec(folder, layout), platform=cpu).admit()
+        native = Orchestrator(self.spec(folder, self.native(folder) + layout), platform=cpu)
+        assert {n: c.loader for n, c in plan.components.items()} == {
+            n: c.loader for n, c in alone.items()
+        }
+        assert {c.loader for c in native.admit().components.values()} == {"native"}
 
     @pytest.mark.parametrize("family", ["pixart", "flux"])
     def test_bfloat16_equals_diffusers_in_bfloat16(
         self, family: Family, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """``dtype = "bfloat16"`` loads half the bytes and makes diffusers' bfloat16 image
-        (bit for bit through diffusers' DiT; the custom one's bfloat16 tolerance is tested
-        with the kind)."""
+        """``dtype = "bfloat16"`` loads half the bytes and, loaded natively, makes diffusers'
+        bfloat16 image (our encoders' bfloat16 tolerance: tests/components/test_custom_paths)."""
         folder = pipeline_folder(family)
         request = Request(size=(32, 48), guidance_scale=3.5)
         batch = batch_of(request)
-        text = 'dtype = "bfloat16"\n[components.transformer]\nloader = "native"'
+        text = f'dtype = "bfloat16"\n{self.native(folder)}'
         with Orchestrator(self.spec(folder, text), platform=cpu) as half:
             plan = half.admit()
             half.load()

@@ -21,10 +21,10 @@ from tests.lifecycle.folder_specs import (
     MODES,
     REQUESTS,
     Mode,
+    assert_same_pixels,
     mode_spec,
     pixels,
     run_arguments,
-    same_pixels,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -238,14 +238,14 @@ class TestEqualToDiffusers:
         tmp_path: Path,
         cpu: Platform,
     ) -> None:
-        """``lifecycle run`` writes the PNG of diffusers' image, pixel for pixel up to a level
-        (each class, each mode: the Python API above runs every pair)."""
+        """``lifecycle run`` writes the PNG of diffusers' image, pixel for pixel (each class,
+        each mode: the Python API above runs every pair)."""
         spec = mode_spec(pipeline_folder(family), mode, tmp_path, cpu)
         out = tmp_path / "out"
         arguments = run_arguments(REQUESTS[family])
         result = lifecycle("run", spec, *arguments, "--requests", "1", "--out", out)
         assert result.returncode == 0, result.stderr
-        assert same_pixels(
+        assert_same_pixels(
             decode_png((out / "r1-0.png").read_bytes()), pixels(diffusers_images[family])[0]
         )
 
@@ -262,7 +262,7 @@ class TestEqualToDiffusers:
         folder = pipeline_folder("flux")
         result = lifecycle("run", folder, *arguments, "--requests", "2", "--out", tmp_path)
         assert result.returncode == 0, result.stderr
-        assert same_pixels(
+        assert_same_pixels(
             decode_png((tmp_path / "r2-0.png").read_bytes()), pixels(diffusers_images["flux"])[0]
         )
         assert not torch.equal(

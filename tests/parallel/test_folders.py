@@ -8,7 +8,7 @@ import pytest
 
 from tests.components.folder_runs import Request, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
-from tests.lifecycle.folder_specs import pixels, run_arguments, same_pixels
+from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments
 
 pytestmark = pytest.mark.long
 
@@ -36,6 +36,6 @@ def test_replicated_layouts_make_diffusers_images(
     written = sorted(path.name for path in out.iterdir())
     # data parallel: rank 0 runs requests 1 (and 3, ...); CFG parallel: every request
     assert written == (["r1-0.png"] if layout.startswith("dp") else ["r1-0.png", "r2-0.png"])
-    assert same_pixels(
+    assert_same_pixels(
         decode_png((out / "r1-0.png").read_bytes()), pixels(run_diffusers(folder, REQUEST))[0]
     )

@@ -17,7 +17,7 @@ from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
-from tests.lifecycle.folder_specs import pixels, run_arguments, same_pixels
+from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
 from tests.lifecycle.serving.test_batching import occupy
 
@@ -91,7 +91,7 @@ class TestImages:
         theirs = pixels(run_diffusers(folder, request))
         assert len(images) == 2
         for ours, expected in zip(images, theirs, strict=True):
-            assert same_pixels(ours, expected)
+            assert_same_pixels(ours, expected)
 
     def test_what_the_class_cannot_honour_is_a_400(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
