@@ -85,7 +85,7 @@ def request_ours(
     )
     with orchestrator.request() as request:
         request.run_all(batch)
-    assert batch.images is not None
+    assert isinstance(batch.images, torch.Tensor)  # one size: one tensor
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 

@@ -148,9 +148,13 @@ class Batch:
         negative_context: the unconditional branch's text embeddings, one ``(L_i, E)``
             tensor per prompt (embedded negative prompts); None means the empty prompt,
             one zero embedding.
-        images: images ``(B, 3, H, W)`` in [-1, 1].
+        images: images ``(B, 3, H, W)`` in [-1, 1]; one ``(3, H_i, W_i)`` tensor per image
+            when the batch mixes sizes (``image_sizes``).
         image_size: the images' (height, width) in pixels, for a pipeline from a folder;
             None takes the pipeline's default (a kind's images follow ``latent_size``).
+        image_sizes: each image's own (height, width) in pixels, for a folder pipeline
+            whose requests of different sizes share the batch; None: all take
+            ``image_size``.
         context_mask: which tokens of ``context`` are real, ``(B, L)``, where the
             denoiser masks padding (PixArt); None when it attends to every token.
         negative_context_mask: the same for ``negative_context``.
@@ -182,11 +186,12 @@ class Batch:
     context: list[torch.Tensor] | None = None
     sentence_embeddings: torch.Tensor | None = None
     latents: list[torch.Tensor] | None = None
-    images: torch.Tensor | None = field(default=None)
+    images: torch.Tensor | list[torch.Tensor] | None = field(default=None)
     guidance_scale: float | None = None
     negative_prompts: list[str] | None = None
     negative_context: list[torch.Tensor] | None = None
     image_size: tuple[int, int] | None = None
+    image_sizes: list[tuple[int, int]] | None = None
     context_mask: torch.Tensor | None = None
     negative_context_mask: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
@@ -255,21 +260,19 @@ class Batch:
             "negative_context",
             "truncated",
             "adapters",
-        ):
-            values = getattr(self, name)
-            if values is not None:
-                setattr(self, name, [values[i] for i in keep])
-        for name in (
+            "image_sizes",
             "sentence_embeddings",
-            "images",
+            "images",  # a list of tensors when the batch mixes sizes
             "context_mask",
             "negative_context_mask",
             "pooled",
             "negative_pooled",
         ):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, tensor[keep])
+            values = getattr(self, name)
+            if isinstance(values, list):
+                setattr(self, name, [values[i] for i in keep])
+            elif values is not None:
+                setattr(self, name, values[keep])
         self.rows = [self.rows[i] for i in keep]
         self.size = len(keep)
 

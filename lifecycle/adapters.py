@@ -234,7 +234,10 @@ class AdapterKeeper:
         for component in {self.adapters[name].component for name in named}:
             for mode in ("merged", "unmerged"):
                 sets = {tuple(sorted(self._of(row, component, mode).items())) for row in rows}
-                mixed_ok = mode == "unmerged" and self.slots[component].loader.adapter_rows
+                held = self.slots[component]
+                # the custom DiTs pack every row into one sequence: only native keeps rows
+                native = held.plan is not None and held.plan.loader == "native"
+                mixed_ok = mode == "unmerged" and held.loader.adapter_rows and native
                 if len(sets) > 1 and not mixed_ok:
                     raise ValueError(
                         f"the rows of one batch name different {mode} adapters of component "

@@ -4,6 +4,8 @@ Two stacks run in turn, double-stream ``transformer_blocks`` (text and image tok
 apart, attending jointly) then single-stream ``single_transformer_blocks``; layerwise
 offload streams the first then the second. The DiT reads latents packed two by two
 (``in_channels`` is four times the VAE's latent channels) and CLIP's pooled vector.
+The custom path (the default) is ``components.kinds.dit.flux``; ``loader = "native"``
+builds diffusers' class.
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ from __future__ import annotations
 from typing import ClassVar
 
 from components.batch import Port
-from components.folders.loader import FolderLoader
+from components.kinds.dit.flux import FluxTransformer
+from components.kinds.dit.loader import DitLoader
 
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents are packed into one."""
 
 
-class FluxTransformerLoader(FolderLoader):
+class FluxTransformerLoader(DitLoader):
     """Load ``FluxTransformer2DModel``: the denoiser, strict about global backends."""
 
     kind: ClassVar[str] = "flux_transformer"
-    library = "diffusers"
     classes = ("FluxTransformer2DModel",)
     block_stack = ("transformer_blocks", "single_transformer_blocks")
     adapter_rows = True  # diffusers keeps the batch's rows first in every layer
@@ -29,6 +31,10 @@ class FluxTransformerLoader(FolderLoader):
     def block_count(self) -> int:
         """Return the blocks of both stacks (``num_layers + num_single_layers``)."""
         return int(self.config["num_layers"]) + int(self.config["num_single_layers"])
+
+    def custom_module(self) -> FluxTransformer:
+        """Build the project's Flux DiT on the ``self`` site."""
+        return FluxTransformer(self.config, self.self_site())
 
     def reads(self) -> tuple[Port, ...]:
         """Read T5's context, CLIP's pooled vector, and unpacked latents."""

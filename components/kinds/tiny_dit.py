@@ -10,7 +10,6 @@ requests run one at a time, dense, without a mask.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Annotated, ClassVar, NamedTuple
 
@@ -31,6 +30,7 @@ from attention.distributed import packed_sequence_attention
 from attention.distributed.traffic import record
 from components.batch import Batch, Port, device_of
 from components.kinds import tensors
+from components.kinds.packing import Packing, gather_rows
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
@@ -85,49 +85,6 @@ class DitInputs(NamedTuple):
     latents: list[torch.Tensor]  # B x (N_i, C)
     timesteps: torch.Tensor  # (B,) float
     context: list[torch.Tensor]  # B x (L_i, context_dim)
-
-
-class Packing(NamedTuple):
-    """Where each request's tokens lie in the packed ``(T, E)`` rows this rank holds.
-
-    Unsharded, the rows are the whole sequence. Under sequence parallel the sequence is
-    padded to a multiple of the shard count with a segment of its own, and a rank holds
-    one contiguous shard: ``counts`` are then the rows of each request on this rank
-    (possibly 0: requests straddle shard boundaries), ``padding`` the padding rows
-    after them, and ``bounds`` the boundaries of every segment of the whole sequence.
-    """
-
-    counts: list[int]  # rows of request i here
-    token_requests: torch.Tensor  # (T,) int64: the request of each row (padding: 0)
-    cu_seqlens: torch.Tensor  # (B + 1,) int32 boundaries (unsharded)
-    max_seqlen: int
-    padding: int = 0
-    bounds: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, counts: list[int], device: torch.device) -> Packing:
-        """Describe requests of ``counts`` tokens packed back to back."""
-        repeats = torch.tensor(counts, dtype=torch.int64, device=device)
-        cu_seqlens = pad(repeats.cumsum(0), (1, 0)).to(torch.int32)
-        requests = torch.arange(len(counts), device=device).repeat_interleave(repeats)
-        return cls(counts, requests, cu_seqlens, max(counts))
-
-    @classmethod
-    def shard(cls, counts: list[int], shards: int, rank: int, device: torch.device) -> Packing:
-        """Describe shard ``rank`` of ``shards`` of the padded packed sequence."""
-        whole = cls.of(counts, device)
-        total = sum(counts)
-        padded = -(-total // shards) * shards
-        ends = whole.cu_seqlens.tolist()
-        bounds = (*ends, padded) if padded > total else tuple(ends)
-        lo, hi = rank * padded // shards, (rank + 1) * padded // shards
-        here = [max(0, min(b, hi) - max(a, lo)) for a, b in itertools.pairwise(ends)]
-        requests = pad(whole.token_requests, (0, padded - total))[lo:hi]  # (T/P,)
-        return cls(here, requests, whole.cu_seqlens, whole.max_seqlen, hi - lo - sum(here), bounds)
-
-    def rows(self, values: torch.Tensor) -> torch.Tensor:
-        """Spread per-request ``values`` ``(B, ...)`` over this rank's rows: ``(T, ...)``."""
-        return values[self.token_requests]
 
 
 def sinusoid(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -392,7 +349,7 @@ class TinyDit(nn.Module):
         shift, scale = packing.rows(self.final_modulation(silu(cond))).chunk(2, dim=-1)  # (T, E)
         out = self.proj_out(modulate(self.final_norm(x), shift, scale))  # (T, C)
         if sequence is not None:
-            out = _gather_rows(out, sequence.sp)[: sum(counts)]  # (sum N_i, C) on every rank
+            out = gather_rows(out, sequence.sp)[: sum(counts)]  # (sum N_i, C) on every rank
         return list(torch.split(out, counts))
 
     def parallelize(self, parallel: ComponentParallel) -> None:
@@ -422,15 +379,6 @@ class TinyDit(nn.Module):
                 plan |= {f"{name}.{p}_proj": ColwiseParallel() for p in "qkv"}
                 plan[f"{name}.out_proj"] = RowwiseParallel()
             parallelize_module(block, parallel.tensor, plan)
-
-
-def _gather_rows(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather every rank's ``(T/P, C)`` rows of the group in rank order: ``(T, C)``."""
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(rows) for _ in range(world)]
-    record("output_gather", rows, world - 1)
-    dist.all_gather(parts, rows.contiguous(), group=group)
-    return torch.cat(parts)
 
 
 class TinyDitLoader(ComponentLoader):

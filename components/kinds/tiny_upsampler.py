@@ -92,11 +92,16 @@ class TinyUpsamplerLoader(ComponentLoader):
         return (Port(field="images", width=RGB),)
 
     def run(self, module: nn.Module, batch: Batch) -> None:
-        """Upsample the request's images (seeded ones if none) by two."""
+        """Upsample the request's images (seeded ones if none) by two; each alone when their
+        sizes differ."""
         images = batch.images
+        device = device_of(module)
+        if isinstance(images, list):
+            batch.images = [module(image[None].to(device))[0] for image in images]
+            return
         if images is None:
             images = torch.rand(batch.size, 3, 16, 16, generator=batch.generator) * 2 - 1
-        batch.images = module(images.to(device_of(module)))
+        batch.images = module(images.to(device))
 
     def build_custom(self) -> TinyUpsampler:
         """Build the convolutional upsampler."""

@@ -16,7 +16,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
+from components.kinds.dit.base import PackedTransformer
 from components.libraries import library_class
 from components.loader import ComponentLoader
 
@@ -43,6 +44,70 @@ class Stage(NamedTuple):
 
     name: str
     uses: tuple[str, ...]
+
+
+class SizeGroup(NamedTuple):
+    """The images of a batch that ask for one size.
+
+    Attributes:
+        requested: the size asked for (height, width) in pixels.
+        size: the size the latents are made at (a bin of ``requested``, where the
+            pipeline bins).
+        rows: the images' indices in the batch.
+    """
+
+    requested: tuple[int, int]
+    size: tuple[int, int]
+    rows: tuple[int, ...]
+
+
+class ModelInputs(Protocol):
+    """One group's arguments to a DiT, as diffusers' class takes them (a NamedTuple)."""
+
+    def _asdict(self) -> dict[str, Any]: ...
+
+
+class Denoising(ABC):
+    """One size group on its way through its own scheduler.
+
+    Args:
+        group: the images it denoises.
+
+    Attributes:
+        rows: its images' positions among the batch's rows (they shift as cancelled rows
+            leave the batch).
+        timesteps: the scheduler's timesteps (every group of a batch takes as many).
+    """
+
+    timesteps: torch.Tensor
+
+    def __init__(self, group: SizeGroup) -> None:
+        self.rows = list(group.rows)
+
+    @abstractmethod
+    def inputs(self, step: int) -> ModelInputs:
+        """Return the DiT's arguments at ``step``."""
+
+    @abstractmethod
+    def advance(self, step: int, prediction: torch.Tensor) -> None:
+        """Step the scheduler with the DiT's ``prediction`` at ``step``."""
+
+    @abstractmethod
+    def result(self) -> list[torch.Tensor]:
+        """Return each image's latents ``(N, C)``, row-major over its grid."""
+
+    @abstractmethod
+    def narrow(self, keep: list[int]) -> None:
+        """Keep only its images at positions ``keep`` (of ``rows``): latents, text and the
+        scheduler's per-image state (``narrow_scheduler``), so they step on as alone."""
+
+
+def predict(module: nn.Module, inputs: Sequence[ModelInputs]) -> list[torch.Tensor]:
+    """Run the DiT on every group: the project's in one packed forward, diffusers' per group."""
+    if isinstance(module, PackedTransformer):
+        predictions: list[torch.Tensor] = module(inputs)
+        return predictions
+    return [module(**group._asdict(), return_dict=False)[0] for group in inputs]
 
 
 class RecipeError(ValueError):
@@ -182,7 +247,7 @@ class Recipe(ABC):
                 f"{self.pipeline_class} guides by its distilled guidance embedding and has no "
                 "unconditional pass: a negative prompt would be ignored; drop it"
             )
-        self.image_size(batch)
+        self.size_groups(batch)
         return batch.prompts
 
     def guidance_scale(self, batch: Batch) -> float:
@@ -203,24 +268,57 @@ class Recipe(ABC):
         """Return the size the batch asks for, else the default."""
         return batch.image_size or self.default_size()
 
+    def requested_sizes(self, batch: Batch) -> list[tuple[int, int]]:
+        """Return the size each image asks for: its own, else the batch's, else the default."""
+        if batch.image_sizes is not None:
+            if len(batch.image_sizes) != batch.size:
+                raise ValueError(
+                    f"the batch carries {len(batch.image_sizes)} image sizes for {batch.size} "
+                    "images; give one size per image"
+                )
+            return list(batch.image_sizes)
+        return [self.requested_size(batch)] * batch.size
+
     def binned(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the size the latents are made at for ``size`` asked (the same by default)."""
         return size
 
     def image_size(self, batch: Batch) -> tuple[int, int]:
-        """Return the (height, width) in pixels the batch's latents are made at.
+        """Return the (height, width) in pixels the latents of a batch of one size are made at.
 
         Raises:
-            ValueError: the size is off the grid this pipeline can make (the message
-                names the multiple it must be).
+            ValueError: the size is off the grid (``grid_size``).
         """
-        height, width = self.binned(self.requested_size(batch))
+        return self.grid_size(self.requested_size(batch))
+
+    def grid_size(self, requested: tuple[int, int]) -> tuple[int, int]:
+        """Return the size the latents of an image asking for ``requested`` are made at.
+
+        Raises:
+            ValueError: it is off the grid this pipeline can make (the message names the
+                multiple it must be).
+        """
+        height, width = self.binned(requested)
         if height % self.multiple or width % self.multiple:
             raise ValueError(
                 f"{self.pipeline_class} cannot make {height}x{width} images: height and "
                 f"width must be multiples of {self.multiple}"
             )
         return height, width
+
+    def size_groups(self, batch: Batch) -> list[SizeGroup]:
+        """Return the batch's images grouped by the size they ask for, in first-seen order.
+
+        Raises:
+            ValueError: a size is off the grid (``grid_size``).
+        """
+        rows: dict[tuple[int, int], list[int]] = {}
+        for row, requested in enumerate(self.requested_sizes(batch)):
+            rows.setdefault(requested, []).append(row)
+        return [
+            SizeGroup(requested, self.grid_size(requested), tuple(members))
+            for requested, members in rows.items()
+        ]
 
     def latent_size(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the latent grid (h, w) of an image of ``size`` pixels."""
@@ -230,28 +328,81 @@ class Recipe(ABC):
     def draw_latents(
         self, generator: torch.Generator, count: int, size: tuple[int, int]
     ) -> list[torch.Tensor]:
-        """Draw the noise of ``count`` images of ``size`` (pixels) as diffusers draws it.
+        """Draw the noise of ``count`` images asking for ``size`` (pixels) as diffusers draws it.
 
-        One ``torch.randn`` of every image's latents together, in the dtype of
-        ``noise_dtype_of``; returns one ``(N, C)`` tensor per image, row-major over the grid.
+        One ``torch.randn`` of every image's latents together, at the size's bin (where
+        the pipeline bins), in the dtype of ``noise_dtype_of``; returns one ``(N, C)``
+        tensor per image, row-major over the grid.
         """
         dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
-        h, w = self.latent_size(size)
+        h, w = self.latent_size(self.binned(size))
         noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
         return latent_rows(noise)
 
-    def noise(self, batch: Batch, size: tuple[int, int]) -> torch.Tensor:
-        """Return the batch's starting latents ``(B, C, h, w)``, drawn if it brings none."""
-        latents = batch.latents or self.draw_latents(batch.generator, batch.size, size)
-        return latent_grid(latents, *self.latent_size(size))
+    def noise(self, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Return a group's starting latents ``(B_g, C, h, w)``, drawn if the batch brings none.
 
-    def decode_latents(self, module: nn.Module, batch: Batch, *, shifted: bool) -> torch.Tensor:
-        """Decode the batch's latents, unscaled (and shifted) as the VAE's config says.
+        Drawn noise is one ``torch.randn`` per group, groups in order: a batch of one size
+        draws as diffusers does.
+        """
+        if batch.latents is None:
+            latents = self.draw_latents(batch.generator, len(group.rows), group.requested)
+        else:
+            latents = [batch.latents[row] for row in group.rows]
+        return latent_grid(latents, *self.latent_size(group.size))
 
-        Returns images ``(B, 3, H, W)`` in [-1, 1].
+    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Denoise the batch's latents (drawn from its generator if it has none).
+
+        Each size group steps its own scheduler; every step predicts for all groups at
+        once: in one packed forward on the custom path, group after group on diffusers'.
+        Each step is reported, and rows cancelled meanwhile leave (``step_done``).
+
+        Raises:
+            ValueError: an earlier stage's output is missing, or a size is off the grid.
+            Cancelled: every row was cancelled.
+        """
+        module = modules["transformer"]
+        device = device_of(module)
+        runs = [self.start(batch, group, device) for group in self.size_groups(batch)]
+        for step in range(len(runs[0].timesteps)):
+            predictions = predict(module, [run.inputs(step) for run in runs])
+            for run, prediction in zip(runs, predictions, strict=True):
+                run.advance(step, prediction)
+            runs = step_done(batch, runs)
+        batch.latents = in_rows(runs, batch.size)
+
+    @abstractmethod
+    def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> Denoising:
+        """Set up the denoising of one size group: its noise, text and scheduler."""
+
+    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
+        """Decode the batch's latents into images in [-1, 1]: ``(B, 3, H, W)``, or one
+        ``(3, H, W)`` per image when the batch mixes sizes."""
+        groups = self.size_groups(batch)
+        decoded = [self.decode_group(modules["vae"], batch, group) for group in groups]
+        if len(groups) == 1:
+            batch.images = decoded[0]
+            return
+        images: dict[int, torch.Tensor] = {}
+        for group, each in zip(groups, decoded, strict=True):
+            images |= dict(zip(group.rows, each, strict=True))
+        batch.images = [images[row] for row in range(batch.size)]
+
+    @abstractmethod
+    def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Decode one size group's latents into images ``(B_g, 3, H, W)`` in [-1, 1]."""
+
+    def decode_latents(
+        self, module: nn.Module, batch: Batch, group: SizeGroup, *, shifted: bool
+    ) -> torch.Tensor:
+        """Decode a group's latents, unscaled (and shifted) as the VAE's config says.
+
+        Returns images ``(B_g, 3, H, W)`` in [-1, 1].
         """
         config = self.vae.config
-        latents = latent_grid(batch.latents or [], *self.latent_size(self.image_size(batch)))
+        given = [] if batch.latents is None else [batch.latents[row] for row in group.rows]
+        latents = latent_grid(given, *self.latent_size(group.size))
         latents = latents.to(device_of(module), self.vae.dtype) / config["scaling_factor"]
         if shifted:
             latents = latents + config["shift_factor"]
@@ -260,14 +411,6 @@ class Recipe(ABC):
     @abstractmethod
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the batch's prompts (and negative prompts where guidance needs them)."""
-
-    @abstractmethod
-    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Denoise the batch's latents (drawn from its generator if it has none)."""
-
-    @abstractmethod
-    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Decode the batch's latents into images ``(B, 3, H, W)`` in [-1, 1]."""
 
     def interface_problems(self) -> list[Problem]:
         """Say where the components' widths do not fit together (from configs alone)."""
@@ -351,26 +494,36 @@ def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
     return options
 
 
-def step_done(
-    batch: Batch, scheduler: Any, latents: torch.Tensor, grid: torch.Tensor
-) -> list[int] | None:
+def in_rows(runs: Sequence[Denoising], count: int) -> list[torch.Tensor]:
+    """Return the latents ``(N, C)`` of the batch's ``count`` rows, from every group's run."""
+    latents: dict[int, torch.Tensor] = {}
+    for run in runs:
+        latents |= dict(zip(run.rows, run.result(), strict=True))
+    return [latents[row] for row in range(count)]
+
+
+def step_done(batch: Batch, runs: list[Denoising]) -> list[Denoising]:
     """Report one denoising step of ``batch`` and take out the rows cancelled meanwhile.
 
-    ``latents`` is what the loop steps, one row per image first (Flux's packed tokens);
-    ``grid`` the same latents ``(B, C, h, w)``, reported as each image's ``(N, C)``. A
-    cancelled row leaves ``batch`` (``Batch.stepped``) and every per-image tensor the
-    scheduler keeps between steps, so the rows that stay step on as they would alone.
-
-    Returns the positions of the rows that stay (index ``latents`` with them and rebuild
-    the per-row inputs from ``batch``), or None when every row stays.
+    A cancelled row leaves ``batch`` (``Batch.stepped``) and its group's run (latents,
+    text and the scheduler's per-image state), so the rows that stay step on as they
+    would alone; a group left with no row stops. Returns the runs that go on.
 
     Raises:
         Cancelled: no row is left.
     """
-    kept = batch.stepped(latent_rows(grid))
-    if kept is not None:
-        narrow_scheduler(scheduler, latents.shape, kept)
-    return kept
+    kept = batch.stepped(in_rows(runs, batch.size))
+    if kept is None:
+        return runs
+    position = {row: index for index, row in enumerate(kept)}
+    going = []
+    for run in runs:
+        keep = [i for i, row in enumerate(run.rows) if row in position]
+        if keep:
+            run.narrow(keep)
+            run.rows = [position[run.rows[i]] for i in keep]
+            going.append(run)
+    return going
 
 
 def narrow_scheduler(scheduler: Any, shape: torch.Size, keep: list[int]) -> None:

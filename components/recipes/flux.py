@@ -18,19 +18,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.batch import Batch, device_of
+from components.batch import Batch
 from components.folders.problems import Problem
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
+from components.kinds.dit.flux import FluxInputs
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.recipes.base import (
     DECODE,
     DENOISE,
     ENCODE,
+    Denoising,
     Recipe,
+    SizeGroup,
     Stage,
     latent_rows,
     mismatch,
-    step_done,
+    narrow_scheduler,
     unique_texts,
     width,
 )
@@ -93,57 +96,9 @@ class FluxRecipe(Recipe):
         cut = self.t5.truncated(distinct, self.max_tokens)
         batch.mark_truncated([cut[row] for row in rows])
 
-    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Step the flow-matching scheduler with the DiT on packed latents."""
-        module = modules["transformer"]
-        device = device_of(module)
-        context, pooled, guidance = self._conditions(batch, device)
-        size = self.image_size(batch)
-        h, w = self.latent_size(size)
-        latents = pack(self.noise(batch, size)).to(device)  # (B, N, 4C)
-        text_ids = torch.zeros(context.shape[1], 3, device=device, dtype=self.clip.dtype)
-        image_ids = positions(h // 2, w // 2).to(device, latents.dtype)
-        scheduler = self.new_scheduler()
-        self.set_timesteps(scheduler, batch.steps, latents.shape[1], device)
-        scheduler.set_begin_index(0)
-        for t in scheduler.timesteps:
-            timestep = t.expand(latents.shape[0]).to(latents.dtype)
-            prediction = module(
-                hidden_states=latents,
-                timestep=timestep / 1000,
-                guidance=guidance,
-                pooled_projections=pooled,
-                encoder_hidden_states=context,
-                txt_ids=text_ids,
-                img_ids=image_ids,
-                joint_attention_kwargs={},
-                return_dict=False,
-            )[0]
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            kept = step_done(batch, scheduler, latents, unpack(latents, h, w))
-            if kept is not None:
-                latents = latents[kept]
-                context, pooled, guidance = self._conditions(batch, device)
-        batch.latents = latent_rows(unpack(latents, h, w))  # (h * w, C) each
-
-    def _conditions(
-        self, batch: Batch, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Return the batch's rows' T5 states ``(B, L, E)``, pooled CLIP vectors and distilled
-        guidance scales (None where the DiT embeds no guidance).
-
-        Raises:
-            ValueError: the encode stage has not run.
-        """
-        if batch.context is None or batch.pooled is None:
-            raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        context = torch.stack(batch.context).to(device)
-        guidance = None
-        if self.transformer.config.get("guidance_embeds"):
-            scale = self.guidance_scale(batch)
-            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
-            guidance = guidance.expand(context.shape[0])
-        return context, batch.pooled.to(device), guidance
+    def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> FluxDenoising:
+        """Set up one size group: its packed noise, its text, positions and scheduler."""
+        return FluxDenoising(self, batch, group, device)
 
     def set_timesteps(self, scheduler: Any, steps: int, tokens: int, device: torch.device) -> None:
         """Set Flux's sigmas (1 down to 1/steps), shifted by the image's token count."""
@@ -155,9 +110,9 @@ class FluxRecipe(Recipe):
         else:
             scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
 
-    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Unscale and shift the latents as the VAE's config says, and decode them."""
-        batch.images = self.decode_latents(modules["vae"], batch, shifted=True)
+    def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Unscale and shift a group's latents as the VAE's config says, and decode them."""
+        return self.decode_latents(module, batch, group, shifted=True)
 
     def text_problems(self) -> list[Problem]:
         """Check T5's width and CLIP's pooled width against the DiT."""
@@ -178,6 +133,77 @@ class FluxRecipe(Recipe):
                 width(self.clip, "pooled", written=True),
             ),
         ]
+
+
+class FluxDenoising(Denoising):
+    """One size group of a Flux request: packed latents, distilled guidance, shifted sigmas.
+
+    Args:
+        recipe: the pipeline's recipe.
+        batch: the batch, with the encode stage's text.
+        group: the images of one size.
+        device: where the DiT runs.
+
+    Raises:
+        ValueError: the encode stage has not run.
+    """
+
+    def __init__(
+        self, recipe: FluxRecipe, batch: Batch, group: SizeGroup, device: torch.device
+    ) -> None:
+        if batch.context is None or batch.pooled is None:
+            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        super().__init__(group)
+        rows = self.rows
+        self.h, self.w = recipe.latent_size(group.size)
+        self.latents = pack(recipe.noise(batch, group)).to(device)  # (B_g, N, 4C)
+        self.context = torch.stack([batch.context[row] for row in rows]).to(device)  # (B_g, L, E)
+        self.pooled = batch.pooled[rows].to(device)
+        count, tokens = self.latents.shape[:2]
+        self.text_ids = torch.zeros(
+            self.context.shape[1], 3, device=device, dtype=recipe.clip.dtype
+        )
+        self.image_ids = positions(self.h // 2, self.w // 2).to(device, self.latents.dtype)
+        scheduler = recipe.new_scheduler()
+        recipe.set_timesteps(scheduler, batch.steps, tokens, device)
+        scheduler.set_begin_index(0)
+        self.scheduler = scheduler
+        self.timesteps = scheduler.timesteps
+        self.guidance = None
+        if recipe.transformer.config.get("guidance_embeds"):
+            scale = recipe.guidance_scale(batch)
+            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
+            self.guidance = guidance.expand(count)
+
+    def inputs(self, step: int) -> FluxInputs:
+        """Return the DiT's arguments at ``step``."""
+        timestep = self.timesteps[step].expand(self.latents.shape[0]).to(self.latents.dtype)
+        return FluxInputs(
+            hidden_states=self.latents,
+            timestep=timestep / 1000,
+            guidance=self.guidance,
+            pooled_projections=self.pooled,
+            encoder_hidden_states=self.context,
+            txt_ids=self.text_ids,
+            img_ids=self.image_ids,
+        )
+
+    def advance(self, step: int, prediction: torch.Tensor) -> None:
+        """Step the flow-matching scheduler."""
+        t = self.timesteps[step]
+        self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
+
+    def result(self) -> list[torch.Tensor]:
+        """Return each image's unpacked latents ``(h * w, C)``."""
+        return latent_rows(unpack(self.latents, self.h, self.w))
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their packed latents, text, guidance, scheduler state."""
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.pooled = self.context[keep], self.pooled[keep]
+        if self.guidance is not None:
+            self.guidance = self.guidance[keep]
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

@@ -20,19 +20,22 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from components.batch import Batch, device_of
+from components.batch import Batch
 from components.folders.problems import Problem
+from components.kinds.dit.pixart import PixArtInputs
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.libraries import is_importable
 from components.recipes.base import (
     DECODE,
     DENOISE,
     ENCODE,
+    Denoising,
     Recipe,
+    SizeGroup,
     Stage,
     latent_rows,
     mismatch,
-    step_done,
+    narrow_scheduler,
     step_options,
     unique_texts,
     width,
@@ -131,61 +134,9 @@ class PixArtAlphaRecipe(Recipe):
         truncated = [cut[row] for row in rows]
         return [encoded.hidden[row] for row in rows], encoded.mask[rows], truncated
 
-    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Run the scheduler's steps with the DiT, guided when the scale is above 1."""
-        module = modules["transformer"]
-        device = device_of(module)
-        height, width = self.image_size(batch)
-        scale = self.guidance_scale(batch)
-        guided = scale > 1
-        context, mask, conditions = self._conditions(batch, device, guided, (height, width))
-        scheduler = self.new_scheduler()
-        scheduler.set_timesteps(batch.steps, device=device)
-        if self.starts_at_first_step and hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        noise = self.noise(batch, (height, width)).to(device)
-        latents = noise * scheduler.init_noise_sigma  # (B, C, h, w)
-        options = step_options(scheduler, batch.generator)
-        original = self.one_step_keeps_original and batch.steps == 1
-        for t in scheduler.timesteps:
-            model_input = torch.cat([latents] * 2) if guided else latents
-            model_input = scheduler.scale_model_input(model_input, t)
-            timestep = t[None].to(device).expand(model_input.shape[0])
-            prediction = module(
-                model_input,
-                encoder_hidden_states=context,
-                encoder_attention_mask=mask,
-                timestep=timestep,
-                added_cond_kwargs=conditions,
-                return_dict=False,
-            )[0]
-            if guided:
-                uncond, cond = prediction.chunk(2)
-                prediction = uncond + scale * (cond - uncond)
-            if self.learned_sigma:
-                prediction = prediction.chunk(2, dim=1)[0]
-            out = scheduler.step(prediction, t, latents, **options, return_dict=False)
-            # (where a one-step run finds no predicted original, diffusers' alpha pipeline
-            # fails; this keeps the previous sample)
-            latents = out[1] if original and len(out) > 1 else out[0]
-            kept = step_done(batch, scheduler, latents, latents)
-            if kept is not None:
-                latents = latents[kept]
-                context, mask, conditions = self._conditions(batch, device, guided, (height, width))
-        batch.latents = latent_rows(latents)
-
-    def _conditions(
-        self, batch: Batch, device: torch.device, guided: bool, size: tuple[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
-        """Return the DiT's text states ``(B', L, E)``, masks and micro-conditions of the
-        batch's rows: negative rows first when ``guided`` (B' = 2B), as diffusers orders them."""
-        context, mask = _joined(batch.context, batch.context_mask, device)
-        if guided:
-            negative, negative_mask = _joined(
-                batch.negative_context, batch.negative_context_mask, device
-            )
-            context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
-        return context, mask, self.micro_conditions(int(context.shape[0]), *size)
+    def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> PixArtDenoising:
+        """Set up one size group: its noise, its text (and negatives) and its scheduler."""
+        return PixArtDenoising(self, batch, group, device)
 
     def micro_conditions(
         self, count: int, height: int, width: int
@@ -199,15 +150,16 @@ class PixArtAlphaRecipe(Recipe):
             "aspect_ratio": torch.tensor([float(height / width)], dtype=dtype).repeat(count, 1),
         }
 
-    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Decode the latents, and resize and crop binned images back to the size asked."""
-        images = self.decode_latents(modules["vae"], batch, shifted=False)
-        if self.bins() is not None:
-            from diffusers.image_processor import PixArtImageProcessor
+    def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Decode a group's latents, and resize and crop binned images back to the size asked."""
+        images = self.decode_latents(module, batch, group, shifted=False)
+        if self.bins() is None:
+            return images
+        from diffusers.image_processor import PixArtImageProcessor
 
-            height, width = self.requested_size(batch)
-            images = PixArtImageProcessor.resize_and_crop_tensor(images, width, height)
-        batch.images = images
+        height, width = group.requested
+        resized: torch.Tensor = PixArtImageProcessor.resize_and_crop_tensor(images, width, height)
+        return resized
 
     def text_problems(self) -> list[Problem]:
         """Check T5's width against the DiT's caption width."""
@@ -218,6 +170,88 @@ class PixArtAlphaRecipe(Recipe):
             ["text_encoder"],
             width(self.text_encoder, "context", written=True),
         )
+
+
+class PixArtDenoising(Denoising):
+    """One size group of a PixArt request: guided when the scale is above 1.
+
+    Args:
+        recipe: the pipeline's recipe.
+        batch: the batch, with the encode stage's text.
+        group: the images of one size.
+        device: where the DiT runs.
+    """
+
+    def __init__(
+        self, recipe: PixArtAlphaRecipe, batch: Batch, group: SizeGroup, device: torch.device
+    ) -> None:
+        super().__init__(group)
+        rows = self.rows
+        self.scale = recipe.guidance_scale(batch)
+        self.guided = self.scale > 1
+        context, mask = _joined(batch.context, batch.context_mask, rows, device)
+        if self.guided:
+            negative, negative_mask = _joined(
+                batch.negative_context, batch.negative_context_mask, rows, device
+            )
+            context, mask = torch.cat([negative, context]), torch.cat([negative_mask, mask])
+        self.context, self.mask = context, mask
+        scheduler = recipe.new_scheduler()
+        scheduler.set_timesteps(batch.steps, device=device)
+        if recipe.starts_at_first_step and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        self.scheduler = scheduler
+        self.timesteps = scheduler.timesteps
+        self.latents = recipe.noise(batch, group).to(device) * scheduler.init_noise_sigma
+        height, width = group.size
+        self.conditions = recipe.micro_conditions(
+            len(rows) * (2 if self.guided else 1), height, width
+        )
+        self.options = step_options(scheduler, batch.generator)
+        self.original = recipe.one_step_keeps_original and batch.steps == 1
+        self.learned_sigma = recipe.learned_sigma
+        self.device = device
+
+    def inputs(self, step: int) -> PixArtInputs:
+        """Return the DiT's arguments: the latents (twice when guided), text, mask, timestep."""
+        t = self.timesteps[step]
+        model_input = torch.cat([self.latents] * 2) if self.guided else self.latents
+        model_input = self.scheduler.scale_model_input(model_input, t)
+        return PixArtInputs(
+            hidden_states=model_input,
+            encoder_hidden_states=self.context,
+            encoder_attention_mask=self.mask,
+            timestep=t[None].to(self.device).expand(model_input.shape[0]),
+            added_cond_kwargs=self.conditions,
+        )
+
+    def advance(self, step: int, prediction: torch.Tensor) -> None:
+        """Guide, drop a learned variance, and step the scheduler."""
+        if self.guided:
+            uncond, cond = prediction.chunk(2)
+            prediction = uncond + self.scale * (cond - uncond)
+        if self.learned_sigma:
+            prediction = prediction.chunk(2, dim=1)[0]
+        t = self.timesteps[step]
+        out = self.scheduler.step(prediction, t, self.latents, **self.options, return_dict=False)
+        # (where a one-step run finds no predicted original, diffusers' alpha pipeline
+        # fails; this keeps the previous sample)
+        self.latents = out[1] if self.original and len(out) > 1 else out[0]
+
+    def result(self) -> list[torch.Tensor]:
+        """Return each image's latents ``(N, C)``."""
+        return latent_rows(self.latents)
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their latents, text and masks (negatives too),
+        conditions and scheduler state."""
+        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.mask = self.context[both], self.mask[both]
+        self.conditions = {
+            name: None if value is None else value[both] for name, value in self.conditions.items()
+        }
 
 
 class PixArtSigmaRecipe(PixArtAlphaRecipe):
@@ -253,9 +287,12 @@ def clean_captions(pipeline_class: str, texts: list[str]) -> list[str]:
 
 
 def _joined(
-    context: list[torch.Tensor] | None, mask: torch.Tensor | None, device: torch.device
+    context: list[torch.Tensor] | None,
+    mask: torch.Tensor | None,
+    rows: list[int],
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack per-image states into ``(B, L, E)`` with their masks ``(B, L)``, on ``device``."""
+    """Stack ``rows``' states into ``(B_g, L, E)`` with their masks ``(B_g, L)``, on ``device``."""
     if context is None or mask is None:
         raise ValueError("the denoise stage needs the encode stage's text states: run it first")
-    return torch.stack(context).to(device), mask.to(device)
+    return torch.stack([context[row] for row in rows]).to(device), mask[rows].to(device)

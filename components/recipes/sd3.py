@@ -17,19 +17,22 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from components.batch import Batch, device_of
+from components.batch import Batch
 from components.folders.problems import Problem
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
+from components.kinds.dit.sd3 import Sd3Inputs
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.recipes.base import (
     DECODE,
     DENOISE,
     ENCODE,
+    Denoising,
     Recipe,
+    SizeGroup,
     Stage,
     latent_rows,
     mismatch,
-    step_done,
+    narrow_scheduler,
     unique_texts,
     width,
 )
@@ -102,64 +105,13 @@ class Sd3Recipe(Recipe):
         ]
         return [states[row] for row in rows], pooled[rows], [cut[row] for row in rows]
 
-    def denoise(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Step the flow-matching scheduler with the MMDiT, guided when the scale is above 1."""
-        module = modules["transformer"]
-        device = device_of(module)
-        scale = self.guidance_scale(batch)
-        guided = scale > 1
-        context, pooled = self._text(batch, device, guided)
-        size = self.image_size(batch)
-        h, w = self.latent_size(size)
-        latents = self.noise(batch, size).to(device)  # (B, C, h, w)
-        scheduler = self.new_scheduler()
-        options = {}
-        if scheduler.config.get("use_dynamic_shifting"):
-            tokens = (h // self.patch) * (w // self.patch)
-            options["mu"] = flow_shift(scheduler.config, tokens, SD3_MAX_SHIFT)
-        scheduler.set_timesteps(batch.steps, device=device, **options)
-        for t in scheduler.timesteps:
-            model_input = torch.cat([latents] * 2) if guided else latents
-            prediction = module(
-                hidden_states=model_input,
-                timestep=t.expand(model_input.shape[0]),
-                encoder_hidden_states=context,
-                pooled_projections=pooled,
-                joint_attention_kwargs=None,
-                return_dict=False,
-            )[0]
-            if guided:
-                uncond, cond = prediction.chunk(2)
-                prediction = uncond + scale * (cond - uncond)
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            kept = step_done(batch, scheduler, latents, latents)
-            if kept is not None:
-                latents = latents[kept]
-                context, pooled = self._text(batch, device, guided)
-        batch.latents = latent_rows(latents)
+    def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> Sd3Denoising:
+        """Set up one size group: its noise, its text (and negatives) and its scheduler."""
+        return Sd3Denoising(self, batch, group, device)
 
-    def _text(
-        self, batch: Batch, device: torch.device, guided: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the joined text states ``(B', L, E)`` and pooled vectors of the batch's rows,
-        negative rows first when ``guided`` (B' = 2B), as diffusers orders them.
-
-        Raises:
-            ValueError: the encode stage has not run.
-        """
-        if batch.context is None or batch.pooled is None:
-            raise ValueError("the denoise stage needs the encode stage's text: run it first")
-        context, pooled = torch.stack(batch.context), batch.pooled
-        if guided:
-            if batch.negative_context is None or batch.negative_pooled is None:
-                raise ValueError("guidance needs the negative prompts' text: run encode first")
-            context = torch.cat([torch.stack(batch.negative_context), context])
-            pooled = torch.cat([batch.negative_pooled, pooled])
-        return context.to(device), pooled.to(device)
-
-    def decode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
-        """Unscale and shift the latents as the VAE's config says, and decode them."""
-        batch.images = self.decode_latents(modules["vae"], batch, shifted=True)
+    def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
+        """Unscale and shift a group's latents as the VAE's config says, and decode them."""
+        return self.decode_latents(module, batch, group, shifted=True)
 
     def text_problems(self) -> list[Problem]:
         """Check the joined text and pooled widths against the DiT."""
@@ -193,3 +145,76 @@ class Sd3Recipe(Recipe):
                 )
             )
         return found
+
+
+class Sd3Denoising(Denoising):
+    """One size group of an SD3 request: guided when the scale is above 1.
+
+    Args:
+        recipe: the pipeline's recipe.
+        batch: the batch, with the encode stage's text.
+        group: the images of one size.
+        device: where the DiT runs.
+
+    Raises:
+        ValueError: the encode stage has not run.
+    """
+
+    def __init__(
+        self, recipe: Sd3Recipe, batch: Batch, group: SizeGroup, device: torch.device
+    ) -> None:
+        if batch.context is None or batch.pooled is None:
+            raise ValueError("the denoise stage needs the encode stage's text: run it first")
+        super().__init__(group)
+        rows = self.rows
+        self.scale = recipe.guidance_scale(batch)
+        self.guided = self.scale > 1
+        context = torch.stack([batch.context[row] for row in rows])
+        pooled = batch.pooled[rows]
+        if self.guided:
+            if batch.negative_context is None or batch.negative_pooled is None:
+                raise ValueError("guidance needs the negative prompts' text: run encode first")
+            context = torch.cat(
+                [torch.stack([batch.negative_context[row] for row in rows]), context]
+            )
+            pooled = torch.cat([batch.negative_pooled[rows], pooled])
+        self.context, self.pooled = context.to(device), pooled.to(device)
+        h, w = recipe.latent_size(group.size)
+        self.latents = recipe.noise(batch, group).to(device)  # (B_g, C, h, w)
+        scheduler = recipe.new_scheduler()
+        options = {}
+        if scheduler.config.get("use_dynamic_shifting"):
+            tokens = (h // recipe.patch) * (w // recipe.patch)
+            options["mu"] = flow_shift(scheduler.config, tokens, SD3_MAX_SHIFT)
+        scheduler.set_timesteps(batch.steps, device=device, **options)
+        self.scheduler = scheduler
+        self.timesteps = scheduler.timesteps
+
+    def inputs(self, step: int) -> Sd3Inputs:
+        """Return the DiT's arguments: the latents (twice when guided), text, timestep."""
+        model_input = torch.cat([self.latents] * 2) if self.guided else self.latents
+        return Sd3Inputs(
+            hidden_states=model_input,
+            timestep=self.timesteps[step].expand(model_input.shape[0]),
+            encoder_hidden_states=self.context,
+            pooled_projections=self.pooled,
+        )
+
+    def advance(self, step: int, prediction: torch.Tensor) -> None:
+        """Guide and step the scheduler."""
+        if self.guided:
+            uncond, cond = prediction.chunk(2)
+            prediction = uncond + self.scale * (cond - uncond)
+        t = self.timesteps[step]
+        self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
+
+    def result(self) -> list[torch.Tensor]:
+        """Return each image's latents ``(N, C)``."""
+        return latent_rows(self.latents)
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep the images at ``keep``: their latents, text (negatives too), scheduler state."""
+        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        narrow_scheduler(self.scheduler, self.latents.shape, keep)
+        self.latents = self.latents[keep]
+        self.context, self.pooled = self.context[both], self.pooled[both]

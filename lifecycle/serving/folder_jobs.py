@@ -3,8 +3,9 @@
 
 The pipeline class's recipe says what it can honour (its sizes' multiple, whether a
 negative prompt acts) before the job is queued, and its defaults stand where the body
-names none. Jobs of the same size, steps, guidance and negative-prompt use batch
-together; each draws its latents from its own seed (``jobs.merged_batch``).
+names none. Jobs of the same size (of any size, where the DiT packs sizes), steps,
+guidance and negative-prompt use batch together; each draws its latents from its own
+seed at its own size (``jobs.merged_batch``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
 
 
-def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: int) -> Job:
+def folder_image_job(
+    recipe: Recipe, body: ImagesBody, request_id: str, seed: int, *, mixes_sizes: bool
+) -> Job:
     """Return the job of ``body`` for a pipeline from a folder run by ``recipe``.
+
+    Where its DiT packs images of different sizes into one forward (``mixes_sizes``) the
+    job carries its size and shares batches with jobs of other sizes; else the size is
+    part of its batch key.
 
     Raises:
         ApiError: 400 when ``size`` is not ``WIDTHxHEIGHT``, the pipeline class cannot
@@ -59,7 +66,7 @@ def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: in
         guidance_scale=recipe.guidance_scale(batch),
         attention_backend=body.attention_backend,
         negative=body.negative_prompt is not None,
-        image_size=(height, width),
+        image_size=None if mixes_sizes else (height, width),
         alone=request_id if recipe.scheduler_draws else None,
     )
     return Job(
@@ -70,6 +77,7 @@ def folder_image_job(recipe: Recipe, body: ImagesBody, request_id: str, seed: in
         tokens=body.n * latent_h * latent_w,
         seed=seed,
         priority=body.priority,
+        size=(height, width),
     )
 
 

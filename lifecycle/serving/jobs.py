@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from components.batch import Batch
+from components.kinds.dit.base import PackedTransformer
 from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview
@@ -46,7 +47,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
         negative: its images are guided away from a negative prompt (a job without one
             guides away from the empty prompt: the two never share a batch).
-        image_size: the images' (height, width) in pixels, for a pipeline from a folder.
+        image_size: the images' (height, width) in pixels, for a pipeline from a folder
+            whose batches keep to one size; None where each job carries its ``size``.
         alone: the job's own id where it must run alone (its scheduler draws noise for a
             whole batch as it steps); None where it may share.
         adapters: the adapters it runs with their scales, by name (DESIGN §14): jobs
@@ -75,6 +77,8 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         preview: the linear map from a latent token to its RGB colour, ``C + 1`` rows
             (one per channel, then the bias) of 3, fitted at warm-up
             (``lifecycle.serving.preview``); empty without images.
+        mixes_sizes: its DiT packs images of different sizes into one forward (a
+            folder's transformer on its custom path): jobs of any size share a batch.
     """
 
     embeddings: bool
@@ -82,6 +86,7 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     latent_channels: int = 0
     image_scale: int = 0
     preview: PreviewMap = ()
+    mixes_sizes: bool = False
 
 
 @dataclass
@@ -109,6 +114,8 @@ class Job:
         truncated: the indices of its prompts a text encoder cut, once run.
         non_finite: whether its output, or the latents its images were decoded from,
             holds NaN or infinity (never answered as a result), once run.
+        size: its images' (height, width) in pixels, for a pipeline from a folder whose
+            batches mix sizes (its DiT packs them); None where the key says.
     """
 
     id: str
@@ -127,6 +134,7 @@ class Job:
     started_turn: int = 0
     truncated: list[int] = field(default_factory=list)
     non_finite: bool = False
+    size: tuple[int, int] | None = None
 
 
 class RequestState(StrEnum):
@@ -189,20 +197,24 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
 
     A pipeline from a folder (``recipe``) draws each job's latents as diffusers draws
     them for ``generator=torch.Generator("cpu").manual_seed(seed)`` and
-    ``num_images_per_prompt=n``.
+    ``num_images_per_prompt=n``, at the job's own ``size`` (else the key's
+    ``image_size``); the batch carries every image's size (``Batch.image_sizes``), so
+    jobs of different sizes may share it.
     """
     key = jobs[0].key
     prompts = [text for job in jobs for text in job.prompts]
     latents = None
+    image_sizes = None
     generator = torch.Generator().manual_seed(jobs[0].seed)  # unused unless drawn from
-    if recipe is not None and key.image_size is not None:
-        size = recipe.binned(key.image_size)
-        latents = []
+    if recipe is not None and key.endpoint == "images":
+        latents, image_sizes = [], []
         for job in jobs:
+            size = _size(job)
             # a job alone keeps drawing from its generator (a scheduler that draws as it
             # steps runs its jobs alone: ``BatchKey.alone``)
             generator = torch.Generator().manual_seed(job.seed)
             latents += recipe.draw_latents(generator, len(job.prompts), size)
+            image_sizes += [size] * len(job.prompts)
     elif key.endpoint == "images":
         h, w = key.latent_size
         latents = []
@@ -223,8 +235,16 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         prompts=prompts,
         latents=latents,
         image_size=key.image_size,
+        image_sizes=image_sizes,
         adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
     )
+
+
+def _size(job: Job) -> tuple[int, int]:
+    size = job.size or job.key.image_size
+    if size is None:
+        raise ValueError(f"image job '{job.id}' has no size: give the job or its key one")
+    return size
 
 
 def job_rows(jobs: Sequence[Job]) -> list[range]:
@@ -257,7 +277,8 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
         if rows.start not in position:
             continue  # cancelled: its rows left the batch
         here = slice(position[rows.start], position[rows.start] + len(rows))
-        job.output = produced[here].detach().cpu()
+        mine = produced[here]  # one job's images share a size, so a list of them stacks
+        job.output = (torch.stack(mine) if isinstance(mine, list) else mine).detach().cpu()
         job.prompt_tokens = sum(int(c.shape[0]) for c in context[here])
         job.truncated = [i for i, cut in enumerate(truncated[here]) if cut]
         job.non_finite = not bool(job.output.isfinite().all()) or any(
@@ -277,7 +298,7 @@ def warm_up(orchestrator: Orchestrator, requests: int) -> Shapes:
     choices, caches). A pipeline from a folder warms up on its smallest image (its
     sizes' multiple a side), unfitted.
     """
-    shapes = _shapes_of(_warm_request(orchestrator, 1), orchestrator.recipe)
+    shapes = _shapes_of(_warm_request(orchestrator, 1), orchestrator)
     for number in range(2, requests + 1):
         _warm_request(orchestrator, number)
     return shapes
@@ -297,18 +318,20 @@ def _warm_request(orchestrator: Orchestrator, number: int) -> Batch:
     return batch
 
 
-def _shapes_of(batch: Batch, recipe: Recipe | None) -> Shapes:
-    """Return what the pipeline produces, as warm-up ``batch`` (or the recipe) shows."""
+def _shapes_of(batch: Batch, orchestrator: Orchestrator) -> Shapes:
+    """Return what the pipeline produces, as warm-up ``batch`` (or its recipe) shows."""
+    recipe = orchestrator.recipe
     if recipe is not None:
         return Shapes(
             embeddings=False,
             images=True,
             latent_channels=recipe.channels,
             image_scale=recipe.vae.scale_factor,
+            mixes_sizes=isinstance(orchestrator.module("transformer"), PackedTransformer),
         )
     latents = batch.latents or []
     images = batch.images
-    scale = 0 if images is None else int(images.shape[-1]) // batch.latent_size[1]
+    scale = 0 if images is None else int(images[0].shape[-1]) // batch.latent_size[1]
     preview: PreviewMap = ()
     if images is not None and latents:
         preview = fit_preview(latents[0], images[0], batch.latent_size, scale)

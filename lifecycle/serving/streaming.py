@@ -65,7 +65,9 @@ def stream_images(
     started = time.monotonic()
     latent_size = job.key.latent_size
     scale = served.shapes.image_scale
-    height, width = job.key.image_size or (latent_size[0] * scale, latent_size[1] * scale)
+    height, width = (
+        job.size or job.key.image_size or (latent_size[0] * scale, latent_size[1] * scale)
+    )
     common = {
         "size": f"{width}x{height}",
         "output_format": "png",

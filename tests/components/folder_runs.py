@@ -100,7 +100,7 @@ def run_batch(
             else:
                 with around(stage.name, modules):
                     loaded.recipe.run(stage.name, modules, batch)
-    assert batch.images is not None
+    assert isinstance(batch.images, torch.Tensor)  # one size: one tensor
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 

@@ -45,6 +45,18 @@ class TestDropCancelled:
         assert batch.images[:, 0, 0, 0].tolist() == [0.0, 3.0]
         assert batch.left == [Left("job-b", (1, 2), "denoise", 2)]
 
+    def test_mixed_sizes_leave_with_their_rows(self) -> None:
+        """A batch of mixed sizes drops a cancelled row's size and its image from the lists."""
+        batch = batch_of(3)
+        batch.image_sizes = [(16, 16), (16, 32), (32, 16)]
+        batch.images = [
+            torch.full((3, *size), float(i)) for i, size in enumerate(batch.image_sizes)
+        ]
+        batch.cancellation.cancel("job-b", [1])
+        assert batch.drop_cancelled() == [0, 2]
+        assert batch.image_sizes == [(16, 16), (32, 16)]
+        assert [float(image[0, 0, 0]) for image in batch.images] == [0.0, 2.0]
+
     def test_later_cancellations_name_original_rows(self) -> None:
         """After rows left, a cancellation still names rows as the batch first had them."""
         batch = batch_of(4)

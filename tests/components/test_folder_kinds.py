@@ -182,7 +182,7 @@ class TestWeightFiles:
 
 
 class TestPaths:
-    """The native path says why it cannot build; there is no custom path yet."""
+    """The native path says why it cannot build."""
 
     def test_a_class_of_another_kind_is_named(self, pipeline_folder: PipelineFolders) -> None:
         """A class the kind does not load is refused, naming the classes it does."""
@@ -195,14 +195,6 @@ class TestPaths:
         )
         with pytest.raises(PathUnavailable, match="loads T5EncoderModel"):
             loader.build("native")
-
-    def test_no_custom_path(self, pipeline_folder: PipelineFolders) -> None:
-        """Until our own implementations exist, every folder kind has only the native path."""
-        loader = loader_of(pipeline_folder("flux"), "transformer")
-        assert (
-            loader.unavailable_reason("custom")
-            == "kind 'flux_transformer' has no custom loading path"
-        )
 
     def test_weights_option_is_refused(self) -> None:
         """A folder component's weights are its folder's files; ``weights`` is bad input."""

@@ -189,11 +189,14 @@ class TestLifecycleRules:
     def test_explicit_backend_on_a_native_component(
         self, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """A native component cannot consume an explicit backend: never silently dropped."""
+        """A native component cannot consume an explicit backend: never silently dropped.
+        The custom DiT takes it."""
         text = '[components.transformer]\nattention_backend = "torch_flash"'
-        assert self.codes(pipeline_folder("flux"), text, cpu) == [
+        native = f'{text}\nloader = "native"'
+        assert self.codes(pipeline_folder("flux"), native, cpu) == [
             ("transformer", "loader.native_explicit_backend")
         ]
+        Orchestrator(self.spec(pipeline_folder("flux"), text), platform=cpu).admit()
 
     @pytest.mark.parametrize("layout", ["tp_size = 2", "sp_degree = 2\nulysses_degree = 2"])
     def test_a_splitting_layout_is_refused(
@@ -209,16 +212,21 @@ class TestLifecycleRules:
     def test_replicated_layouts_are_admitted(
         self, layout: str, pipeline_folder: PipelineFolders, cpu: Platform
     ) -> None:
-        """Data and CFG parallel replicate every component: admitted as they are, natively too."""
+        """Data and CFG parallel replicate every component: admitted natively; on the custom
+        paths data parallel is, CFG parallel is not (no folder kind splits guidance branches:
+        the recipes run both in one forward, so nothing would honour it)."""
         folder = pipeline_folder("sd3")
         layout = f"[parallel]\n{layout}"
+        native = Orchestrator(self.spec(folder, self.native(folder) + layout), platform=cpu)
+        assert {c.loader for c in native.admit().components.values()} == {"native"}
+        if "cfg" in layout:
+            assert self.codes(folder, layout, cpu) == [("sd3", "parallel.invalid_layout")]
+            return
         alone = Orchestrator(self.spec(folder, ""), platform=cpu).admit().components
         plan = Orchestrator(self.spec(folder, layout), platform=cpu).admit()
-        native = Orchestrator(self.spec(folder, self.native(folder) + layout), platform=cpu)
         assert {n: c.loader for n, c in plan.components.items()} == {
             n: c.loader for n, c in alone.items()
         }
-        assert {c.loader for c in native.admit().components.values()} == {"native"}
 
     @pytest.mark.parametrize("family", ["pixart", "flux"])
     def test_bfloat16_equals_diffusers_in_bfloat16(

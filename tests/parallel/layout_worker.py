@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -60,6 +61,10 @@ class Ran(NamedTuple):
     outputs: Outputs
     held_bytes: int
     moved: dict[str, list[int]]
+
+
+CaseRunner = Callable[[Any], Ran]
+"""Runs one case on this rank (a ``Case``, or another family's case type)."""
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -160,8 +165,16 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> Ran:
     return Ran(run_component(module, component.kind, component.options), module_bytes(module), {})
 
 
-def run_cases(rank: int, world: int, init_file: str, cases: dict[str, Case], out_dir: str) -> None:
-    """Run every case as rank ``rank`` of ``world``; write outputs, traffic and failures."""
+def run_cases(
+    rank: int,
+    world: int,
+    init_file: str,
+    cases: Mapping[str, Any],
+    out_dir: str,
+    runner: CaseRunner = run_case,
+) -> None:
+    """Run every case with ``runner`` as rank ``rank`` of ``world``; write outputs, traffic
+    and failures."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = Path(out_dir)
     dist.init_process_group(
@@ -175,7 +188,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: dict[str, Case], out
         for name, case in cases.items():
             try:
                 with count_traffic() as traffic:
-                    ran = run_case(case)
+                    ran = runner(case)
             except Exception:  # reported to the parent, which asserts on it
                 (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
                 raise

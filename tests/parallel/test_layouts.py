@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
-from tests.parallel.layout_worker import Case, Outputs, Sent, run_alone, run_cases
+from tests.parallel.layout_worker import (
+    Case,
+    CaseRunner,
+    Outputs,
+    Sent,
+    run_alone,
+    run_case,
+    run_cases,
+)
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.long
@@ -98,9 +108,14 @@ SENT = {
 }
 
 
-def spawn(world: int, cases: dict[str, Case], out_dir: Path) -> None:
-    """Run ``cases`` on ``world`` spawned ranks; fail with every rank's error if one fails."""
-    exits = run_ranks(run_cases, world, out_dir, cases, str(out_dir), deadline_s=DEADLINE_S[world])
+def spawn(
+    world: int, cases: Mapping[str, Any], out_dir: Path, runner: CaseRunner = run_case
+) -> None:
+    """Run ``cases`` with ``runner`` on ``world`` ranks; fail with every rank's error if one
+    fails."""
+    exits = run_ranks(
+        run_cases, world, out_dir, cases, str(out_dir), runner, deadline_s=DEADLINE_S[world]
+    )
     errors = "\n".join(path.read_text() for path in sorted(out_dir.glob("*.error")))
     assert exits == [0] * world, f"rank exit codes {exits}\n{errors}"
 

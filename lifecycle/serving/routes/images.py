@@ -60,9 +60,12 @@ def images_routes(worker: Worker) -> APIRouter:
         if recipe is None:
             job = _kinds_job(served, body, size, request.state.id, seed)
         else:
-            job = folder_image_job(recipe, body, request.state.id, seed)
-            assert job.key.image_size is not None  # a folder's job names its size, or the default
-            height, width = job.key.image_size
+            job = folder_image_job(
+                recipe, body, request.state.id, seed, mixes_sizes=served.shapes.mixes_sizes
+            )
+            asked = job.size or job.key.image_size
+            assert asked is not None  # a folder's job names its size, or the default
+            height, width = asked
             image_pixels(body.n, ImageSize(width=width, height=height), settings)
         if body.lora:
             job.key = msgspec.structs.replace(job.key, adapters=adapter_set(served, body.lora))

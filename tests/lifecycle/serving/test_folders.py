@@ -139,18 +139,19 @@ class TestImages:
     ) -> None:
         """No steps, guidance or size: the pipeline class's own, as diffusers' call has them."""
         recipe = recipe_of(pipeline_folder("sd3"))
-        job = folder_image_job(recipe, ImagesBody(prompt="a fox"), "r1", seed=0)
+        job = folder_image_job(recipe, ImagesBody(prompt="a fox"), "r1", 0, mixes_sizes=False)
         assert (job.key.steps, job.key.guidance_scale) == (28, 7.0)
-        assert job.key.image_size == recipe.default_size()
+        assert job.key.image_size == job.size == recipe.default_size()
 
 
 class TestBatches:
-    """Requests of the same size batch together; each image equals its request alone."""
+    """Requests batch by size, or across sizes where the DiT packs them; each equals alone."""
 
     def test_same_size_requests_share_a_batch(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, cpu: Platform
     ) -> None:
-        """Three of one size run as one batch, one of another size apart; all as if alone."""
+        """Keyed by size (a DiT that cannot pack sizes), three of one size run as one batch,
+        one of another size apart; all as if alone."""
         # the three start once queued (max_batch); the other waits out its window alone
         served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=500, max_batch=3))
         batcher = served.worker.batcher
@@ -163,13 +164,52 @@ class TestBatches:
                 [("a red fox", "32x32"), ("a cat", "32x32"), ("a dog", "48x32"), ("a fox", "32x32")]
             )
         ]
-        jobs = [folder_image_job(recipe, body, f"j{i}", i) for i, body in enumerate(bodies)]
+        jobs = [
+            folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=False)
+            for i, body in enumerate(bodies)
+        ]
         slow = ImagesBody(prompt="slow", size="64x64", steps=40)
-        blocker = occupy(batcher, folder_image_job(recipe, slow, "slow", 0))
+        blocker = occupy(batcher, folder_image_job(recipe, slow, "slow", 0, mixes_sizes=False))
         done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
         assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
         assert [job.batch_size for job in done] == [3, 3, 1, 3]
         for index, job in enumerate(done):
-            alone = folder_image_job(recipe, bodies[index], f"alone{index}", index)
+            alone = folder_image_job(
+                recipe, bodies[index], f"alone{index}", index, mixes_sizes=False
+            )
             assert job.output is not None
+            assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE
+
+    def test_sizes_share_a_batch_on_the_custom_dit(
+        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, cpu: Platform
+    ) -> None:
+        """Flux's custom DiT packs sizes: jobs of three sizes run as one batch, each image as
+        its request alone."""
+        served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=500, max_batch=3))
+        batcher = served.worker.batcher
+        recipe = served.worker.orchestrator.recipe
+        assert batcher is not None
+        assert recipe is not None
+        mixes = served.worker.shapes.mixes_sizes
+        assert mixes  # the folder's transformer is on its custom path
+        bodies = [
+            ImagesBody(prompt=f"a fox {seed}", size=size, steps=2, seed=seed, n=1 + seed % 2)
+            for seed, size in enumerate(["32x32", "48x32", "32x64"])
+        ]
+        jobs = [
+            folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=mixes)
+            for i, body in enumerate(bodies)
+        ]
+        slow = ImagesBody(prompt="slow", size="64x64", steps=40)
+        blocker = occupy(batcher, folder_image_job(recipe, slow, "slow", 0, mixes_sizes=mixes))
+        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
+        assert [job.batch_size for job in done] == [3, 3, 3]
+        for index, job in enumerate(done):
+            height, width = job.size or (0, 0)
+            assert job.output is not None
+            assert job.output.shape == (1 + index % 2, 3, height, width)
+            alone = folder_image_job(
+                recipe, bodies[index], f"alone{index}", index, mixes_sizes=mixes
+            )
             assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE

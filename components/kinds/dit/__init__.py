@@ -1,0 +1,1 @@
+"""The project's own DiTs for diffusers-format folders (PixArt, Flux, SD3), requests packed."""

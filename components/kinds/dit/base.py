@@ -1,0 +1,74 @@
+"""What the project's DiTs share: many requests of any size in one forward, and their splits.
+
+A ``PackedTransformer`` takes groups of requests, each group as diffusers' class takes a
+batch (one image size, dense tensors), and returns one prediction per group. Inside,
+every request of every group is packed into one sequence (``JointLayout``): requests of
+different sizes and prompt lengths share the forward, and each output equals the
+request run alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from components.kinds.dit.attention import DitAttention
+from components.mesh import ComponentParallel, SequenceGroups
+
+TensorPlan = dict[str, ParallelStyle]
+"""How tensor parallel splits one block: submodule path -> DTensor style."""
+
+
+class PackedTransformer(nn.Module):
+    """A DiT that runs groups of requests packed into one sequence.
+
+    Subclasses implement ``forward(groups)`` and ``tensor_plans``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence: SequenceGroups | None = None
+
+    def forward(self, groups: Sequence[Any]) -> list[torch.Tensor]:
+        """Predict for every group of requests: one tensor per group, as diffusers returns it."""
+        raise NotImplementedError
+
+    def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
+        """Yield each block with how tensor parallel splits it over ``shards`` ranks."""
+        raise NotImplementedError
+
+    def parallelize(self, parallel: ComponentParallel) -> None:
+        """Split this DiT over the ranks of ``parallel`` (sequence and tensor parallel).
+
+        Sequence parallel shards the packed joint rows: each attention reaches the other
+        shards through ``attention.distributed``, everything else runs on local rows.
+        Tensor parallel shards each block's attention by heads and its MLPs by hidden
+        units with DTensor (``tensor_plans``); modulation and embeddings stay whole.
+        """
+        self.sequence = parallel.sequence
+        for module in self.modules():
+            if isinstance(module, DitAttention):
+                module.sequence = parallel.sequence
+        if parallel.tensor is None:
+            return
+        for block, plan in self.tensor_plans(parallel.tensor.size()):
+            parallelize_module(block, parallel.tensor, plan)
+
+
+def regroup(
+    outputs: torch.Tensor, counts: Sequence[int], sizes: Sequence[int]
+) -> list[torch.Tensor]:
+    """Split packed rows ``(sum N_i, C)`` per request and stack each group: ``(B_g, N_g, C)``.
+
+    ``counts`` are the rows of each request; ``sizes`` the requests of each group.
+    """
+    rows = list(torch.split(outputs, list(counts)))
+    stacked = []
+    for size in sizes:
+        stacked.append(torch.stack(rows[:size]))
+        rows = rows[size:]
+    return stacked

@@ -1,0 +1,292 @@
+"""The project's Flux DiT: diffusers' ``FluxTransformer2DModel`` on ``attention.Attention``.
+
+Double-stream blocks keep text and image rows apart (each with its own weights) and
+attend them jointly; single-stream blocks run the joint rows through one set of
+weights. Joint attention is the ``self`` site over each request's text + image
+tokens, with rotary embeddings applied to q and k before the kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from components.kinds.dit.attention import DitAttention
+from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
+from components.kinds.dit.layers import (
+    FeedForward,
+    Modulation,
+    TextProjection,
+    TimestepEmbedding,
+    gelu_,
+    timestep_features,
+)
+from components.kinds.dit.layout import JointLayout, add_gated, modulate
+from components.sites import AttentionSite
+
+# B requests, E width, H heads, D head dim, T joint rows, N_i / L_i image / text tokens
+
+EPS = 1e-6
+ROPE_THETA = 10_000
+FLOAT16_MAX = 65504.0
+
+
+class FluxInputs(NamedTuple):
+    """One group of same-sized requests, as ``FluxTransformer2DModel.forward`` takes them."""
+
+    hidden_states: torch.Tensor  # (B, N, C_in): latents packed 2 x 2
+    encoder_hidden_states: torch.Tensor  # (B, L, joint_attention_dim)
+    pooled_projections: torch.Tensor  # (B, P)
+    timestep: torch.Tensor  # (B,) in [0, 1]
+    img_ids: torch.Tensor  # (N, 3)
+    txt_ids: torch.Tensor  # (L, 3)
+    guidance: torch.Tensor | None = None  # (B,), for a guidance-distilled DiT
+
+
+def rotary(ids: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
+    """Return the rotation of every token ``(S, D/2)`` (complex) from its ids ``(S, len(axes))``.
+
+    As diffusers' ``FluxPosEmbed``: per axis, frequencies in float64, angles of the
+    float32 positions, rounded to float32 once.
+    """
+    positions = ids.float()
+    parts = []
+    for axis, width in enumerate(axes):
+        exponent = torch.arange(0, width, 2, dtype=torch.float64, device=ids.device) / width
+        angles = torch.outer(positions[:, axis], 1.0 / (ROPE_THETA**exponent))  # (S, width/2)
+        parts.append(torch.polar(torch.ones_like(angles), angles).to(torch.complex64))
+    return torch.cat(parts, dim=-1)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair of channels of ``x`` ``(T, H, D)`` by its token's ``rotation`` ``(T, D/2)``.
+
+    Computed in float32 and returned in ``x``'s dtype, as diffusers does. A float32 ``x``
+    (which the caller owns) is rotated in place; another dtype through one float32 copy.
+    """
+    work = x if x.dtype == torch.float32 else x.float()
+    torch.view_as_complex(work.view(*x.shape[:-1], -1, 2)).mul_(rotation[:, None, :])
+    return work if work is x else work.to(x.dtype)
+
+
+class FluxTimeTextEmbedding(nn.Module):
+    """The conditioning of every block: timestep (+ guidance) + pooled text, ``(B, E)``."""
+
+    def __init__(self, dim: int, pooled: int, *, guidance: bool) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(256, dim)
+        self.guidance_embedder = TimestepEmbedding(256, dim) if guidance else None
+        self.text_embedder = TextProjection(pooled, dim, tanh_gelu=False)
+
+    def forward(
+        self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor
+    ) -> torch.Tensor:
+        """Embed ``(B,)`` timesteps (and guidance scales) and ``(B, P)`` pooled vectors."""
+        condition = self.timestep_embedder(timestep_features(timestep).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            if guidance is None:
+                raise ValueError(
+                    "this Flux DiT is guidance-distilled (guidance_embeds): pass guidance"
+                )
+            condition = condition + self.guidance_embedder(
+                timestep_features(guidance).to(pooled.dtype)
+            )
+        out: torch.Tensor = condition + self.text_embedder(pooled)
+        return out
+
+
+class FluxDoubleBlock(nn.Module):
+    """A double-stream block: text and image rows apart, attending jointly."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, site: AttentionSite) -> None:
+        super().__init__()
+        self.norm1 = Modulation(dim, 6)
+        self.norm1_context = Modulation(dim, 6)
+        self.attn = DitAttention(
+            dim, heads, head_dim, site, context=True, context_out=True, qk_norm=True, eps=EPS
+        )
+        self.ff = FeedForward(dim)
+        self.ff_context = FeedForward(dim)
+
+    def forward(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        condition: torch.Tensor,
+        rotation: torch.Tensor,
+        layout: JointLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update text rows ``(n_t, E)`` and image rows ``(n_i, E)`` given ``(B, E)``."""
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(condition)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            condition
+        )
+        image_rows, text_rows = layout.image.rows, layout.text.rows
+        qi, ki, vi = self.attn.project(modulate(image, image_rows, shift, scale, EPS))
+        qt, kt, vt = self.attn.project_context(modulate(text, text_rows, c_shift, c_scale, EPS))
+        q = rotate(layout.join(qt, qi), rotation)  # (T, H, D)
+        k = rotate(layout.join(kt, ki), rotation)
+        o = self.attn.attend(q, k, layout.join(vt, vi), layout)  # (T, H * D)
+        text_o, image_o = layout.split(o)
+        add_gated(image, self.attn.output(image_o), image_rows, gate)
+        h = modulate(image, image_rows, shift_mlp, scale_mlp, EPS)
+        add_gated(image, self.ff(h), image_rows, gate_mlp)
+        assert self.attn.to_add_out is not None  # built with context_out
+        add_gated(text, self.attn.to_add_out(text_o), text_rows, c_gate)
+        h = modulate(text, text_rows, c_shift_mlp, c_scale_mlp, EPS)
+        add_gated(text, self.ff_context(h), text_rows, c_gate_mlp)
+        if text.dtype == torch.float16:
+            text = text.clip(-FLOAT16_MAX, FLOAT16_MAX)
+        return text, image
+
+    def tensor_plan(self) -> TensorPlan:
+        """Split heads (q, k, v column-wise, outputs row-wise) and the MLPs' hidden units."""
+        plan: TensorPlan = {f"attn.{name}": ColwiseParallel() for name in PROJECTIONS}
+        plan |= {"attn.to_out.0": RowwiseParallel(), "attn.to_add_out": RowwiseParallel()}
+        for ff in ("ff", "ff_context"):
+            plan |= {f"{ff}.net.0.proj": ColwiseParallel(), f"{ff}.net.2": RowwiseParallel()}
+        return plan
+
+
+PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+
+class FluxSingleBlock(nn.Module):
+    """A single-stream block: the joint rows through one MLP and one attention, in parallel."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, site: AttentionSite) -> None:
+        super().__init__()
+        hidden = 4 * dim
+        self.norm = Modulation(dim, 3)
+        self.proj_mlp = nn.Linear(dim, hidden)
+        self.proj_out = nn.Linear(dim + hidden, dim)
+        self.attn = DitAttention(dim, heads, head_dim, site, out=False, qk_norm=True, eps=EPS)
+
+    def forward(
+        self, x: torch.Tensor, condition: torch.Tensor, rotation: torch.Tensor, layout: JointLayout
+    ) -> torch.Tensor:
+        """Update joint rows ``(T, E)`` given ``(B, E)``."""
+        shift, scale, gate = self.norm(condition)
+        rows = layout.joint_rows
+        h = modulate(x, rows, shift, scale, EPS)
+        mlp = gelu_(self.proj_mlp(h))  # (T, 4E)
+        q, k, v = self.attn.project(h)
+        o = self.attn.attend(rotate(q, rotation), rotate(k, rotation), v, layout)  # (T, E)
+        add_gated(x, self.proj_out(torch.cat([o, mlp], dim=-1)), rows, gate)
+        if x.dtype == torch.float16:
+            x = x.clip(-FLOAT16_MAX, FLOAT16_MAX)
+        return x
+
+    def tensor_plan(self, shards: int) -> TensorPlan:
+        """Split heads and MLP units; ``proj_out`` reads both halves of each rank's share.
+
+        Its input on a rank is that rank's attention heads then its MLP units, so its
+        columns are reordered to match (a rank's attention columns, then its MLP
+        columns, rank after rank) before they are split row-wise.
+        """
+        dim = self.proj_out.weight.shape[0]
+        hidden = self.proj_mlp.weight.shape[0]
+        order = torch.cat(
+            [
+                torch.cat([part(dim, 0, rank, shards), part(hidden, dim, rank, shards)])
+                for rank in range(shards)
+            ]
+        )
+        self.proj_out.weight = nn.Parameter(self.proj_out.weight[:, order], requires_grad=False)
+        plan: TensorPlan = {f"attn.{name}": ColwiseParallel() for name in PROJECTIONS[:3]}
+        return plan | {"proj_mlp": ColwiseParallel(), "proj_out": RowwiseParallel()}
+
+
+def part(width: int, offset: int, rank: int, shards: int) -> torch.Tensor:
+    """Return the indices of rank ``rank``'s share of ``width`` columns starting at ``offset``."""
+    size = width // shards
+    return torch.arange(offset + rank * size, offset + (rank + 1) * size)
+
+
+class FluxTransformer(PackedTransformer):
+    """Flux's DiT: the names, shapes and arithmetic of diffusers' class, requests packed.
+
+    Args:
+        config: the folder's ``config.json`` of ``FluxTransformer2DModel``.
+        site: the declared ``self`` site (joint attention).
+    """
+
+    def __init__(self, config: Mapping[str, Any], site: AttentionSite) -> None:
+        super().__init__()
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config["attention_head_dim"])
+        dim = heads * head_dim
+        patch = int(config.get("patch_size", 1))
+        out_channels = int(config.get("out_channels") or config["in_channels"])
+        self.axes = tuple(int(a) for a in config["axes_dims_rope"])
+        self.time_text_embed = FluxTimeTextEmbedding(
+            dim, int(config["pooled_projection_dim"]), guidance=bool(config["guidance_embeds"])
+        )
+        self.context_embedder = nn.Linear(int(config["joint_attention_dim"]), dim)
+        self.x_embedder = nn.Linear(int(config["in_channels"]), dim)
+        self.transformer_blocks = nn.ModuleList(
+            FluxDoubleBlock(dim, heads, head_dim, site) for _ in range(int(config["num_layers"]))
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            FluxSingleBlock(dim, heads, head_dim, site)
+            for _ in range(int(config["num_single_layers"]))
+        )
+        self.norm_out = Modulation(dim, 2)
+        self.proj_out = nn.Linear(dim, patch * patch * out_channels)
+
+    def forward(self, groups: Sequence[FluxInputs]) -> list[torch.Tensor]:
+        """Predict ``(B_g, N_g, C)`` for every group, all requests in one packed pass."""
+        images = [x for group in groups for x in group.hidden_states]  # (N_i, C_in) each
+        texts = [c for group in groups for c in group.encoder_hidden_states]  # (L_i, E_j)
+        device = images[0].device
+        layout = JointLayout(
+            [t.shape[0] for t in texts], [x.shape[0] for x in images], device, self.sequence
+        )
+        image = self.x_embedder(layout.image.take(torch.cat(images)))  # (n_i, E)
+        text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+        condition = self.time_text_embed(
+            torch.cat([g.timestep for g in groups]).to(image.dtype) * 1000,
+            _guidance(groups, image.dtype),
+            torch.cat([g.pooled_projections for g in groups]),
+        )  # (B, E)
+        rotation = layout.local(
+            torch.cat(
+                [
+                    rotary(torch.cat([g.txt_ids, g.img_ids]), self.axes)
+                    .expand(len(g.timestep), -1, -1)
+                    .flatten(0, 1)
+                    for g in groups
+                ]
+            )
+        )  # (T, D/2)
+        for double in self.transformer_blocks:
+            text, image = double(text, image, condition, rotation, layout)
+        x = layout.join(text, image)
+        for single in self.single_transformer_blocks:
+            x = single(x, condition, rotation, layout)
+        image = layout.split(x)[1]
+        scale, shift = self.norm_out(condition)
+        out = self.proj_out(modulate(image, layout.image.rows, shift, scale, EPS))
+        counts = [x.shape[0] for x in images]
+        return regroup(layout.gather_image(out), counts, [len(g.timestep) for g in groups])
+
+    def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
+        """Yield both stacks' blocks with their splits over ``shards`` ranks."""
+        for double in self.transformer_blocks:
+            assert isinstance(double, FluxDoubleBlock)
+            yield double, double.tensor_plan()
+        for single in self.single_transformer_blocks:
+            assert isinstance(single, FluxSingleBlock)
+            yield single, single.tensor_plan(shards)
+
+
+def _guidance(groups: Sequence[FluxInputs], dtype: torch.dtype) -> torch.Tensor | None:
+    """Return every request's guidance scale times 1000 ``(B,)``, or None when no group has one."""
+    scales = [g.guidance for g in groups]
+    if any(s is None for s in scales):
+        return None
+    return torch.cat([s for s in scales if s is not None]).to(dtype) * 1000

@@ -1,0 +1,133 @@
+"""``DitLoader``: the kinds of a folder's DiT, with the project's own path as the default.
+
+The custom path builds the project's module (``PackedTransformer``) with its parameters
+on ``meta`` and hands it the folder's mapped tensors under the very names diffusers
+uses: no conversion, no second copy. It needs neither diffusers nor its classes; the
+native path (``loader = "native"``) still builds diffusers' own class.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from torch import nn
+
+from attention import AttentionRequirements, AttentionRole
+from components.folders.files import weight_files
+from components.folders.loader import FolderLoader, FolderOptions, Layout
+from components.folders.meta import assign_weights, build_empty, expected_tensors
+from components.kinds.dit.base import PackedTransformer
+from components.libraries import missing
+from components.loader import LoaderPath, PathUnavailable
+from components.mesh import ComponentParallel
+from components.sites import NO_REQUIREMENTS, AttentionSite
+
+
+class DitOptions(FolderOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a folder's DiT.
+
+    Attributes:
+        packed_sequences: the custom path attends every request of a forward in one
+            packed varlen call (needs a packed-varlen backend); false attends one request
+            at a time, densely, on any backend.
+    """
+
+    packed_sequences: bool = True
+
+
+class DitLoader(FolderLoader):
+    """Load a folder's DiT: the denoiser, strict about global backends, splittable.
+
+    Subclasses set ``kind``, ``classes`` and ``block_stack``, and implement
+    ``custom_module`` (and ``custom_problem`` for configs the custom path does not
+    build).
+    """
+
+    library = "diffusers"
+    options_type = DitOptions
+    sequence_parallel = True
+    tensor_parallel = True
+    fully_shardable = True
+    switchable_backends = True  # the denoiser: requests may name its backend (DESIGN §4.6)
+
+    def __init__(self, options: DitOptions) -> None:
+        super().__init__(options)
+        self.options: DitOptions = options
+
+    @property
+    def heads(self) -> int:
+        """Return the attention heads of every block."""
+        return int(self.config["num_attention_heads"])
+
+    def self_site(self) -> AttentionSite:
+        """Return the ``self`` site: each request's tokens together (joint text + image)."""
+        packed = AttentionRequirements(packed_varlen=True)
+        return AttentionSite(
+            name="self",
+            role=AttentionRole.SELF,
+            heads=self.heads,
+            requirements=packed if self.options.packed_sequences else NO_REQUIREMENTS,
+        )
+
+    def sites(self) -> tuple[AttentionSite, ...]:
+        """Declare the ``self`` site (subclasses add more)."""
+        return (self.self_site(),)
+
+    def custom_module(self) -> PackedTransformer:
+        """Build the project's module from ``config`` (its sites' layers in the current scope)."""
+        raise NotImplementedError
+
+    def custom_problem(self) -> str | None:
+        """Say which part of ``config`` the custom path does not build, or None."""
+        return None
+
+    def unavailable_reason(self, path: LoaderPath) -> str | None:
+        """Say why ``path`` cannot build this component here (files, config, library)."""
+        if path == "native":
+            return super().unavailable_reason(path)
+        try:
+            self.config  # noqa: B018  (read to find a missing or broken file early)
+            weight_files(self.folder)
+        except (OSError, ValueError) as err:
+            return str(err)
+        return self.custom_problem()
+
+    @cached_property
+    def layout(self) -> Layout | None:
+        """What the module expects: from diffusers' class where installed, else from ours.
+
+        Both hold the same names and shapes (a test holds them to it); without diffusers
+        the stored names must be today's, since no library renames them.
+        """
+        if missing(self.library) is None:
+            return super().layout
+        module = build_empty(self.custom_module)
+        return Layout(expected_tensors(module), {name: name for name in self.stored})
+
+    def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
+        """Shard the packed joint rows (sp) and the heads and MLP units (tp) of the DiT."""
+        assert isinstance(module, PackedTransformer)  # the custom path builds one
+        module.parallelize(parallel)
+
+    def build_custom(self) -> nn.Module:
+        """Build the project's module on ``meta`` and give it the folder's mapped weights.
+
+        Raises:
+            PathUnavailable: a file is missing or the config asks for what it does not build.
+            ValueError: the files' tensors do not match its names (every one named).
+        """
+        reason = self.unavailable_reason("custom")
+        if reason is not None:
+            raise PathUnavailable(f"the custom path of '{self.kind}' cannot run here: {reason}")
+        module = build_empty(self.custom_module)
+        expected = expected_tensors(module).tensors
+        extra = sorted(set(self.stored) - set(expected))
+        if extra:
+            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            raise ValueError(
+                f"the folder's weights hold tensors the {self.kind} module does not: {shown}; "
+                "its config does not describe its weights"
+            )
+        stored = {name: (self.stored[name][1], name) for name in expected if name in self.stored}
+        assign_weights(module, stored, self.dtype)
+        return module

@@ -1,0 +1,113 @@
+"""Run the real DiTs (folder kinds, custom path) under a layout, on one rank of a gloo group.
+
+A case is a pipeline folder's transformer and a ``[parallel]`` table. Layouts the
+lifecycle loads (sequence parallel) go through ``Orchestrator.load()``; tensor parallel
+and FSDP, whose ``DTensor`` weights the offload stores cannot hold yet, build the same
+loader, mesh and split outside it (as ``layout_worker`` does for the tiny DiT). Every
+case runs the same seeded mixed-size groups (``tests.components.dit_inputs``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
+from components import ParallelLayout, registry
+from components.accounting import module_bytes
+from components.kinds.dit.loader import DitLoader
+from components.mesh import ParallelMesh
+from lifecycle import Orchestrator
+from lifecycle.config import decode_spec
+from tests.components.dit_inputs import KINDS, mixed_groups
+from tests.parallel.layout_worker import Outputs, Ran
+
+SPEC = """
+name = "dit"
+device = "cpu"
+[components.transformer]
+kind = "{kind}"
+options = {{ path = "{path}", packed_sequences = {packed} }}
+[parallel]
+timeout_s = 30
+{layout}
+"""
+
+
+class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One DiT under one layout.
+
+    Attributes:
+        family: ``pixart``, ``flux`` or ``sd3`` (the folder's pipeline family).
+        folder: the pipeline folder.
+        layout: the lines of the ``[parallel]`` table.
+        direct: build through the loader outside the lifecycle (DTensor weights).
+        packed: the DiT's ``packed_sequences`` option.
+    """
+
+    family: str
+    folder: str
+    layout: str = ""
+    direct: bool = False
+    packed: bool = True
+
+    def spec(self, *, split: bool = True) -> str:
+        """Return the one-DiT spec (without its layout unless ``split``)."""
+        return SPEC.format(
+            kind=KINDS[self.family],
+            path=f"{self.folder}/transformer",
+            packed=str(self.packed).lower(),
+            layout=self.layout if split else "",
+        )
+
+
+def run_dit_case(case: DitCase) -> Ran:
+    """Run ``case`` on this rank: each group's output, and the weight bytes held here."""
+    ran, _ = _run(case, split=True)
+    return ran
+
+
+def run_dit_alone(case: DitCase) -> tuple[Ran, int]:
+    """Run ``case``'s DiT in this one process, unsplit; also return its blocks' bytes."""
+    return _run(case, split=False)
+
+
+def _run(case: DitCase, *, split: bool) -> tuple[Ran, int]:
+    spec = decode_spec(case.spec(split=split))
+    options = spec.components["transformer"].options
+    loader = registry.get(KINDS[case.family]).from_options(options)
+    assert isinstance(loader, DitLoader)
+    groups = mixed_groups(case.family, loader.config)
+    if split and case.direct:
+        return _measured(loader, _built_outside(loader, spec.parallel), groups)
+    with Orchestrator(spec) as orchestrator:
+        orchestrator.load()
+        return _measured(loader, orchestrator.module("transformer"), groups)
+
+
+def _measured(loader: DitLoader, module: torch.nn.Module, groups: list[object]) -> tuple[Ran, int]:
+    blocks = loader.blocks(module) or []
+    ran = Ran(_outputs(module, groups), module_bytes(module), {})
+    return ran, sum(module_bytes(block) for block in blocks)
+
+
+def _built_outside(loader: DitLoader, layout: ParallelLayout) -> torch.nn.Module:
+    mesh = ParallelMesh(layout, "cpu")
+    loader.parallel = mesh.for_component(
+        "transformer",
+        sequence_parallel=loader.sequence_parallel,
+        tensor_parallel=loader.tensor_parallel,
+    )
+    requests = ComponentRequests(
+        component="transformer", ring=layout.ring_degree > 1 and loader.sequence_parallel
+    )
+    with component_attention_scope(requests, platform=Platform("cpu")):
+        module = loader.build("custom")
+    arm_layers(module)
+    return module
+
+
+def _outputs(module: torch.nn.Module, groups: list[object]) -> Outputs:
+    with torch.inference_mode():
+        outputs: Outputs = module(groups)
+    return outputs

@@ -1,0 +1,200 @@
+"""The real DiTs on their custom path split as the layouts say, equal to one process.
+
+PixArt and Flux run every layout; SD3, whose joint attention and sharding are Flux's
+(``JointLayout``), adds the two that exercise its own code: Ulysses over its blocks
+(the last reads a text shard without updating it) and its tensor-parallel plan. One
+spawn of two gloo processes and one of four each run every case of their size; the
+parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
+requests of three sizes and prompt lengths, packed so that shard boundaries cut
+requests apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from attention import Platform
+from lifecycle.admission import admit_pipeline
+from lifecycle.config import decode_spec
+from tests.components.dit_inputs import KINDS, MIXED
+from tests.conftest import PipelineFolders
+from tests.parallel.dit_worker import DitCase, run_dit_alone, run_dit_case
+from tests.parallel.layout_worker import Sent
+from tests.parallel.test_layouts import spawn
+
+pytestmark = pytest.mark.long
+
+# Float32, max|split - alone| / max|alone| per group, as for the tiny DiT's layouts.
+TOLERANCE = 1e-5
+FAMILIES = ("pixart", "flux")
+SD3_TWO = ("ulysses", "tensor_parallel")
+"""The two-rank layouts SD3 runs too."""
+TWO = {
+    "ulysses": ("sp_degree = 2\nulysses_degree = 2", False),
+    "ring": ("sp_degree = 2\nring_degree = 2", False),
+    "kv_gather": ("sp_degree = 2\nkv_gather_degree = 2", False),
+    "tensor_parallel": ("tp_size = 2", True),
+    "fsdp": ('sp_degree = 2\nulysses_degree = 2\nfsdp = ["transformer"]', True),
+}
+FOUR = {
+    "ulysses_x_ring": ("sp_degree = 4\nulysses_degree = 2\nring_degree = 2", False),
+    "tp_x_ulysses": ("tp_size = 2\nsp_degree = 2\nulysses_degree = 2", True),
+}
+SENT = {
+    "ulysses": {"all_to_all", "output_gather"},
+    "ring": {"ring", "output_gather"},
+    "kv_gather": {"all_gather", "output_gather"},
+    "tensor_parallel": set(),  # DTensor's all-reduce, not attention traffic
+    "fsdp": {"all_to_all", "output_gather"},
+    "ulysses_x_ring": {"all_to_all", "ring", "output_gather"},
+    "tp_x_ulysses": {"all_to_all", "output_gather"},
+}
+SHARDS_WEIGHTS = ("tensor_parallel", "fsdp", "tp_x_ulysses")
+
+
+WIDE = ("tp_x_ulysses",)
+"""Layouts that split the heads four ways: they run a copy of the DiT with four heads."""
+
+
+def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dict[str, DitCase]:
+    """Return every (family, layout) case, named ``family-layout`` (SD3: ``SD3_TWO``)."""
+    pairs = [*itertools.product(FAMILIES, layouts), *(("sd3", n) for n in SD3_TWO if n in layouts)]
+    return {
+        f"{family}-{name}": DitCase(
+            family=family,
+            folder=str(folders[f"{family}-wide" if name in WIDE else family]),
+            layout=layouts[name][0],
+            direct=layouts[name][1],
+        )
+        for family, name in pairs
+    }
+
+
+def with_heads(folder: Path, into: Path, heads: int) -> Path:
+    """Write a seeded copy of ``folder``'s DiT with ``heads`` heads of the same width each."""
+    import diffusers
+
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    changes = {"num_attention_heads": heads}
+    if "cross_attention_dim" in config:  # PixArt attends its text at the model's width
+        changes["cross_attention_dim"] = heads * config["attention_head_dim"]
+    torch.manual_seed(0)
+    model = getattr(diffusers, config["_class_name"]).from_config(config | changes)
+    model.save_pretrained(str(into / "transformer"))
+    return into
+
+
+@pytest.fixture(scope="module")
+def folders(
+    pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The tiny folders (and four-head copies), written before any rank starts."""
+    found = {family: pipeline_folder(family) for family in (*FAMILIES, "sd3")}
+    for family in FAMILIES:
+        found[f"{family}-wide"] = with_heads(found[family], tmp_path_factory.mktemp(family), 4)
+    return found
+
+
+@pytest.fixture(scope="module")
+def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every two-rank case's outputs, from one spawn of two gloo processes."""
+    out_dir = tmp_path_factory.mktemp("dit_two")
+    spawn(2, cases(TWO, folders), out_dir, run_dit_case)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every four-rank case's outputs, from one spawn of four gloo processes."""
+    out_dir = tmp_path_factory.mktemp("dit_four")
+    spawn(4, cases(FOUR, folders), out_dir, run_dit_case)
+    return out_dir
+
+
+def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
+    """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
+    split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
+    (alone, alone_bytes, _), block_bytes = run_dit_alone(case)
+    assert len(split) == len(alone)
+    for got, want in zip(split, alone, strict=True):
+        assert got.shape == want.shape
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error < TOLERANCE, f"{name}: relative error {error}"
+    layout = name.partition("-")[2]
+    for rank in range(world):
+        did = msgspec.json.decode((out_dir / f"{name}.rank{rank}.json").read_bytes(), type=Sent)
+        assert set(did.sent) == SENT[layout], f"{name} rank {rank} sent {did.sent}"
+        assert all(count > 0 for count in did.sent.values())
+        if layout in SHARDS_WEIGHTS:
+            # TP halves the blocks' projections, FSDP every weight: at least a quarter of
+            # the blocks' bytes leave each rank (SD3's stored position table stays whole)
+            held = did.held_bytes
+            assert held < alone_bytes - block_bytes / 4, f"{name} rank {rank} holds {did}"
+
+
+class TestTwoRanks:
+    """Ulysses, ring, K/V gather, tensor parallel and FSDP on two processes."""
+
+    @pytest.mark.parametrize(
+        "name", [*(f"{f}-{n}" for f in FAMILIES for n in TWO), *(f"sd3-{n}" for n in SD3_TWO)]
+    )
+    def test_layout_equals_one_process(
+        self, two: Path, folders: dict[str, Path], name: str
+    ) -> None:
+        """The split DiT's output equals the one-process output within 1e-5."""
+        assert_equal_to_alone(two, name, cases(TWO, folders)[name], 2)
+
+
+class TestFourRanks:
+    """Ulysses x ring and tensor parallel x Ulysses on four processes."""
+
+    @pytest.mark.parametrize("name", [f"{f}-{n}" for f in FAMILIES for n in FOUR])
+    def test_layout_equals_one_process(
+        self, four: Path, folders: dict[str, Path], name: str
+    ) -> None:
+        """The split DiT's output equals the one-process output within 1e-5."""
+        assert_equal_to_alone(four, name, cases(FOUR, folders)[name], 4)
+
+
+def test_shards_cut_requests_apart() -> None:
+    """The inputs make shard boundaries (2 and 4 shards) fall inside requests of every family."""
+    for family, text_of in (
+        ("pixart", lambda r: 0),
+        ("flux", lambda r: r.text),
+        ("sd3", lambda r: r.text),
+    ):
+        patch = 2
+        counts = [text_of(r) + (r.grid[0] // patch) * (r.grid[1] // patch) for r in MIXED]
+        ends = list(itertools.accumulate(counts))
+        for shards in (2, 4):
+            size = -(-ends[-1] // shards)
+            cuts = {size * i for i in range(1, shards)}
+            assert not cuts & {0, *ends}, (family, shards)
+
+
+def test_kinds_are_the_folder_dits() -> None:
+    """Every layout runs on the two families the issue names; SD3 on two of them."""
+    assert [KINDS[f] for f in FAMILIES] == ["pixart_transformer", "flux_transformer"]
+    assert set(SD3_TWO) <= set(TWO)
+
+
+class TestNativeRefused:
+    """A layout that splits the DiT refuses diffusers' class, which cannot honour it."""
+
+    @pytest.mark.parametrize("family", FAMILIES)
+    def test_native_under_a_split_is_refused(self, family: str, folders: dict[str, Path]) -> None:
+        """loader = "native" under Ulysses is loader.native_parallel_layout; custom is admitted."""
+        case = DitCase(
+            family=family, folder=str(folders[family]), layout="sp_degree = 2\nulysses_degree = 2"
+        )
+        native = case.spec().replace("[parallel]", 'loader = "native"\n[parallel]')
+        (refusal,) = admit_pipeline(decode_spec(native), Platform("cpu")).refusals()
+        assert (refusal.code, refusal.component) == ("loader.native_parallel_layout", "transformer")
+        assert "(sp_degree = 2, ulysses_degree = 2)" in refusal.message
+        assert admit_pipeline(decode_spec(case.spec()), Platform("cpu")).refusals() == ()
