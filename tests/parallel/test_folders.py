@@ -13,19 +13,23 @@ from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_argumen
 pytestmark = pytest.mark.long
 
 REQUEST = Request(negative_prompt="blurry", size=(32, 32), steps=2, seed=5)
+NATIVE = "".join(
+    f'\n[components.{name}]\nloader = "native"' for name in ("text_encoder", "transformer", "vae")
+)
 
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "layout",
     # two processes that import diffusers take most of a minute here: CFG, which runs the
-    # same replicated path, is left to `make test-slow`
-    ["dp_size = 2", pytest.param("cfg_parallel = true", marks=pytest.mark.slow)],
+    # same replicated path, is left to `make test-slow`. Only diffusers' classes take CFG
+    # parallel (no custom kind splits the guidance branches), so that case asks for them.
+    ["dp_size = 2", pytest.param("cfg_parallel = true" + NATIVE, marks=pytest.mark.slow)],
 )
 def test_replicated_layouts_make_diffusers_images(
     layout: str, pipeline_folder: PipelineFolders, tmp_path: Path, lifecycle_fd: Lifecycle
 ) -> None:
-    """``--nproc 2`` runs the native components replicated; rank 0 writes diffusers' image."""
+    """``--nproc 2`` runs the components replicated; rank 0 writes diffusers' image."""
     folder = pipeline_folder("pixart-sigma")
     spec = tmp_path / "spec.toml"
     spec.write_text(f'source = "{folder}"\ndevice = "cpu"\n[parallel]\n{layout}\n')
