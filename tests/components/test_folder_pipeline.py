@@ -311,8 +311,11 @@ module = loader.build(sys.argv[2])
 touched = sum(float(p.sum()) for p in module.parameters())  # every page of every weight
 print(peak() - before, loader.declared_bytes())
 """
-RSS_SLACK = 48 * 2**20
-"""What a load may take besides its weights (the meta build, Python objects, allocator)."""
+RSS_SLACK = 64 * 2**20
+"""What a load may take besides its weights (the meta build, Python objects, allocator).
+
+Measured with transformers 5.24: its own load of this T5 takes 48-57 MiB besides the
+weights, ours 2-4 MiB. A second copy (121 MiB) still cannot hide under it."""
 
 
 class TestOneCopy:
