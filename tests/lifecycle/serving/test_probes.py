@@ -19,6 +19,8 @@ from tests.lifecycle.serving.command import free_port, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
 from tests.lifecycle.serving.test_process import accepted_jobs
 
+pytestmark = pytest.mark.long  # serve processes: scheduled first on the xdist workers
+
 MiB = 2**20
 GROWTH_BOUND = 8 * MiB
 """The most a refused request may raise the worker's peak resident memory (measured: 0.4
