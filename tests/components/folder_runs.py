@@ -14,6 +14,33 @@ from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline
 from components.recipes import Recipe
 
+KINDS = {
+    "pixart": {
+        "text_encoder": "t5_encoder",
+        "transformer": "pixart_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "pixart-sigma": {
+        "text_encoder": "t5_encoder",
+        "transformer": "pixart_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "flux": {
+        "text_encoder": "clip_text_encoder",
+        "text_encoder_2": "t5_encoder",
+        "transformer": "flux_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "sd3": {
+        "text_encoder": "clip_text_encoder",
+        "text_encoder_2": "clip_text_encoder",
+        "text_encoder_3": "t5_encoder",
+        "transformer": "sd3_transformer",
+        "vae": "autoencoder_kl",
+    },
+}
+"""The kind of each component a folder of each family names in its index."""
+
 PROMPT = "A red fox leaps over the snow at dawn"
 
 

@@ -16,34 +16,9 @@ from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
 from components.weights import read_header, stored_bytes
+from tests.components.folder_runs import KINDS
 from tests.conftest import PipelineFolders
 from tests.processes import run_python
-
-KINDS = {
-    "pixart": {
-        "text_encoder": "t5_encoder",
-        "transformer": "pixart_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "pixart-sigma": {
-        "text_encoder": "t5_encoder",
-        "transformer": "pixart_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "flux": {
-        "text_encoder": "clip_text_encoder",
-        "text_encoder_2": "t5_encoder",
-        "transformer": "flux_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "sd3": {
-        "text_encoder": "clip_text_encoder",
-        "text_encoder_2": "clip_text_encoder",
-        "text_encoder_3": "t5_encoder",
-        "transformer": "sd3_transformer",
-        "vae": "autoencoder_kl",
-    },
-}
 
 
 def edited(folder: Path, into: Path, **entries: object) -> Path:

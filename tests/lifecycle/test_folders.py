@@ -15,7 +15,7 @@ from benchmarks.make_pipeline import Family
 from lifecycle.config import ConfigError, decode_spec, load_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
-from tests.components.folder_runs import batch_of, run_diffusers
+from tests.components.folder_runs import KINDS, batch_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import (
     MODES,
@@ -31,32 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-5
 """Largest absolute pixel difference (images in [0, 1], float32, CPU) the issue allows."""
-
-KINDS = {
-    "pixart": {
-        "text_encoder": "t5_encoder",
-        "transformer": "pixart_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "pixart-sigma": {
-        "text_encoder": "t5_encoder",
-        "transformer": "pixart_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "flux": {
-        "text_encoder": "clip_text_encoder",
-        "text_encoder_2": "t5_encoder",
-        "transformer": "flux_transformer",
-        "vae": "autoencoder_kl",
-    },
-    "sd3": {
-        "text_encoder": "clip_text_encoder",
-        "text_encoder_2": "clip_text_encoder",
-        "text_encoder_3": "t5_encoder",
-        "transformer": "sd3_transformer",
-        "vae": "autoencoder_kl",
-    },
-}
 
 
 @pytest.fixture(scope="module")
