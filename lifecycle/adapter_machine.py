@@ -74,10 +74,6 @@ class AdapterLifecycle(Guarded):
         """Configured, admitted or loaded -> released."""
         raise NotImplementedError
 
-    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Fire the trigger named ``trigger_name``."""
-        raise NotImplementedError
-
     def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``admit`` would pass its guards now."""
         raise NotImplementedError
@@ -96,10 +92,6 @@ class AdapterLifecycle(Guarded):
 
     def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
     def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)

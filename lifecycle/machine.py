@@ -206,6 +206,16 @@ class Guarded:
         self.work = dict(work or {})
         self.observers = Observers() if observers is None else observers
 
+    # The machine binds these to every model (its own triggers too, declared by each
+    # kind of model); the bodies exist so that type checkers see them.
+    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Fire the trigger named ``trigger_name``."""
+        raise NotImplementedError
+
+    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
+        """Return whether the trigger named ``trigger_name`` would pass now."""
+        raise NotImplementedError
+
 
 class ComponentLifecycle(Guarded):
     """One component's place in the lifecycle; the triggers are typed methods.
@@ -239,10 +249,6 @@ class ComponentLifecycle(Guarded):
         """Any state but released -> released."""
         raise NotImplementedError
 
-    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Fire the trigger named ``trigger_name``."""
-        raise NotImplementedError
-
     def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``admit`` would pass its guards now."""
         raise NotImplementedError
@@ -261,10 +267,6 @@ class ComponentLifecycle(Guarded):
 
     def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
     # transitions also binds one state test per state; declaring them keeps it from

@@ -56,10 +56,6 @@ class PipelineLifecycle(Guarded):
         """Draining -> released."""
         raise NotImplementedError
 
-    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Fire the trigger named ``trigger_name``."""
-        raise NotImplementedError
-
     def may_sleep(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``sleep`` would pass its guards now."""
         raise NotImplementedError
@@ -78,10 +74,6 @@ class PipelineLifecycle(Guarded):
 
     def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
     def is_SERVING(self) -> bool:  # noqa: N802  (transitions names them after the state)

@@ -38,10 +38,6 @@ class WorkerLifecycle(Guarded):
         """Starting, ready or failed -> draining."""
         raise NotImplementedError
 
-    def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Fire the trigger named ``trigger_name``."""
-        raise NotImplementedError
-
     def may_ready(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``ready`` would pass now."""
         raise NotImplementedError
@@ -52,10 +48,6 @@ class WorkerLifecycle(Guarded):
 
     def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether ``drain`` would pass now."""
-        raise NotImplementedError
-
-    def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether the trigger named ``trigger_name`` would pass now."""
         raise NotImplementedError
 
     def is_STARTING(self) -> bool:  # noqa: N802  (transitions names them after the state)
