@@ -7,14 +7,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import httpx
 import msgspec
 import pytest
 import torch
 
-from attention import Platform
+from attention import Platform, register_backend
+from attention.backends.torch_flash import TorchFlashBackend, TorchFlashImpl
+from attention.registry import unregister_backend
 from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
@@ -208,6 +210,53 @@ def shared_t2i(
         return served[key]
 
     return serve
+
+
+class Gate:
+    """Where requests on the ``gated`` backend wait: ``reached`` is set once one calls
+    its kernel, and they go on once the test sets ``opened``."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+
+
+GATE = Gate()
+
+
+class GatedImpl(TorchFlashImpl):
+    """torch_flash's kernel, which first waits at ``GATE``."""
+
+    def forward_with_lse(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Say the gate is reached, wait until it opens, then attend as torch_flash does.
+
+        Every unmasked call passes here: plain, causal, and each packed sequence.
+        """
+        GATE.reached.set()
+        GATE.opened.wait(WATCHDOG_S)
+        return super().forward_with_lse(*args, **kwargs)
+
+
+class GatedBackend(TorchFlashBackend):
+    """An out-of-tree backend whose requests stay in flight until the test opens ``GATE``.
+
+    A request held so takes no CPU, however long a loaded machine takes to send the
+    next ones; a slow request instead (many steps) could end before they arrive.
+    """
+
+    name: ClassVar[str] = "gated"  # type: ignore[misc]
+    impl_cls = GatedImpl
+
+
+@pytest.fixture
+def gated() -> Iterator[Gate]:
+    """Register the ``gated`` backend, its gate closed; open it and remove it after."""
+    GATE.reached.clear()
+    GATE.opened.clear()
+    register_backend(GatedBackend)
+    yield GATE
+    GATE.opened.set()  # a failed test leaves no request waiting
+    unregister_backend(GatedBackend.name)
 
 
 def run_alone(worker: Worker, job: Job) -> torch.Tensor:

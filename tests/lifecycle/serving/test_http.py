@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import struct
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from attention import register_backend
-from attention.backends.torch_flash import TorchFlashBackend, TorchFlashImpl
-from attention.registry import unregister_backend
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
@@ -23,6 +19,7 @@ from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.conftest import decode_png
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
+    Gate,
     Served,
     Servers,
     ServeSpec,
@@ -121,39 +118,9 @@ class TestOverrideOverHttp:
         assert calls == {b: 2 * layers * len(per_backend[b]) for b in per_backend}
 
 
-GATE = threading.Event()
-"""Opened by the test that holds a request in the ``gated`` backend's kernel."""
-
-
-class GatedImpl(TorchFlashImpl):
-    """torch_flash's packed kernel, which first waits for ``GATE``."""
-
-    def forward_varlen(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Wait until the test opens the gate, then run torch_flash's packed kernel."""
-        GATE.wait(WATCHDOG_S)
-        return super().forward_varlen(*args, **kwargs)
-
-
-class GatedBackend(TorchFlashBackend):
-    """An out-of-tree backend whose requests stay in flight until the test opens ``GATE``."""
-
-    name: ClassVar[str] = "gated"  # type: ignore[misc]
-    impl_cls = GatedImpl
-
-
-@pytest.fixture
-def gated() -> Iterator[threading.Event]:
-    """Register the ``gated`` backend, its gate closed; open it and remove it after."""
-    GATE.clear()
-    register_backend(GatedBackend)
-    yield GATE
-    GATE.set()  # a failed test leaves no request waiting
-    unregister_backend(GatedBackend.name)
-
-
 class TestQueue:
     def test_full_queue_is_429(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, gated: threading.Event
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, gated: Gate
     ) -> None:
         """With serving.max_queue jobs in flight, the next request is answered 429."""
         served = serve_spec(t2i_spec(max_queue=1))
@@ -161,12 +128,10 @@ class TestQueue:
         assert batcher is not None
         with served.client() as client, ThreadPoolExecutor(1) as pool:
             held = pool.submit(generate, client, attention_backend="gated", steps=1)
-            for _ in range(int(WATCHDOG_S / 0.005)):
-                if batcher.in_flight == 1:
-                    break
-                threading.Event().wait(0.005)
+            assert gated.reached.wait(WATCHDOG_S)
+            assert batcher.in_flight == 1
             response = generate(client, steps=1)
-            gated.set()
+            gated.opened.set()
             assert held.result(timeout=WATCHDOG_S).status_code == 200
         assert response.status_code == 429
         assert response.json()["error"]["code"] == "queue_full"
