@@ -26,7 +26,7 @@ DIFFUSERS_MODELS = (
 """What ranks that load a pipeline folder's classes import: about 3 CPU-s a process."""
 
 LAUNCHER_SLACK_S = 60.0
-"""How much longer than the ranks' deadline the launcher may take to stop them and report."""
+"""How much longer than its deadline the launcher may take to start, stop the ranks, report."""
 
 
 def run_ranks(
@@ -44,9 +44,9 @@ def run_ranks(
     every rank imports is imported once. Each rank computes on one thread, as torchrun's
     workers do (``OMP_NUM_THREADS=1``). The ranks meet through a file under ``folder``
     (no TCP port that another test could take first). A rank that fails leaves its peers
-    blocked in a collective, so the first failure, or the deadline, stops every rank
-    still running. Returns each rank's exit code (None: it was still running at the
-    deadline).
+    blocked in a collective, so the first failure, or the deadline (``deadline_s`` after
+    the launcher starts, its imports included), stops every rank still running. Returns
+    each rank's exit code (None: it was still running at the deadline).
     """
     exits_file = folder / "exits.json"
     launcher = fork_server().Process(
@@ -83,7 +83,9 @@ def _launch(
     """Fork the ranks from this process, wait for them, and write their exit codes.
 
     Forking is safe here: nothing has started a thread or run a torch operation yet.
+    The deadline counts from here, imports included.
     """
+    deadline = time.monotonic() + deadline_s
     for name in preload:
         importlib.import_module(name)
     context = multiprocessing.get_context("fork")
@@ -93,7 +95,6 @@ def _launch(
     ]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + deadline_s
     try:
         running = list(processes)
         while running and time.monotonic() < deadline:
