@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +10,13 @@ import msgspec
 import pytest
 import torch
 
+from components.layout import ParallelLayout
+from lifecycle.config import decode_spec
 from tests.parallel.layout_worker import (
     Case,
     CaseRunner,
     Outputs,
+    Ran,
     Sent,
     run_alone,
     run_case,
@@ -147,12 +150,32 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
-def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int) -> None:
+Alone = Callable[[Case], Ran]
+"""Runs a case in this one process (see the ``alone`` fixture)."""
+
+
+@pytest.fixture(scope="module")
+def alone() -> Alone:
+    """Run a case in this one process, once per spec without its layout: most layouts of the
+    tiny DiT compare with the same outputs."""
+    ran: dict[bytes, Ran] = {}
+
+    def run(case: Case) -> Ran:
+        spec = msgspec.structs.replace(decode_spec(case.spec), parallel=ParallelLayout())
+        key = msgspec.json.encode([spec, case.component, case.guidance, case.requests])
+        if key not in ran:
+            ran[key] = run_alone(case)
+        return ran[key]
+
+    return run
+
+
+def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int, alone: Alone) -> None:
     """Assert rank 0's outputs of ``name`` equal one process's, and what each rank sent."""
     split: Outputs = torch.load(out_dir / f"{name}.pt")
-    alone, alone_bytes, _ = run_alone(case)
-    assert len(split) == len(alone)
-    for got, want in zip(split, alone, strict=True):
+    alone_outputs, alone_bytes, _ = alone(case)
+    assert len(split) == len(alone_outputs)
+    for got, want in zip(split, alone_outputs, strict=True):
         assert got.shape == want.shape
         error = ((got - want).abs().max() / want.abs().max()).item()
         assert error < TOLERANCE, f"{name}: relative error {error}"
@@ -171,23 +194,25 @@ class TestTwoRanks:
     """Layouts of two processes against one process on the same seed and weights."""
 
     @pytest.mark.parametrize("name", list(TWO))
-    def test_layout_equals_one_process(self, two: Path, name: str) -> None:
+    def test_layout_equals_one_process(self, two: Path, name: str, alone: Alone) -> None:
         """The layout's output equals the one-process output within the float32 tolerance."""
-        assert_equal_to_alone(two, name, TWO[name], 2)
+        assert_equal_to_alone(two, name, TWO[name], 2, alone)
 
-    def test_lifecycle_moves_this_ranks_shards(self, two: Path) -> None:
+    def test_lifecycle_moves_this_ranks_shards(self, two: Path, alone: Alone) -> None:
         """TP over the DiT and FSDP over the VAE load, run and move this rank's shards only."""
-        alone = run_alone(TWO["lifecycle_tp_fsdp"]).moved
-        assert all(alone.values())
+        moved_alone = alone(TWO["lifecycle_tp_fsdp"]).moved
+        assert all(moved_alone.values())
         for rank in range(2):
             path = two / f"lifecycle_tp_fsdp.rank{rank}.json"
             moved = msgspec.json.decode(path.read_bytes(), type=Sent).moved
             # as many moves as in one process: the DiT stays resident, the others offload
-            assert {c: len(m) for c, m in moved.items()} == {c: len(m) for c, m in alone.items()}
-            assert moved["text_encoder"] == alone["text_encoder"]  # replicated
-            for shard, whole in zip(moved["vae"], alone["vae"], strict=True):
+            assert {c: len(m) for c, m in moved.items()} == {
+                c: len(m) for c, m in moved_alone.items()
+            }
+            assert moved["text_encoder"] == moved_alone["text_encoder"]  # replicated
+            for shard, whole in zip(moved["vae"], moved_alone["vae"], strict=True):
                 assert 0.45 * whole < shard < 0.55 * whole  # FSDP: half of every weight
-            (shard,), (whole,) = moved["transformer"], alone["transformer"]
+            (shard,), (whole,) = moved["transformer"], moved_alone["transformer"]
             assert shard < 0.75 * whole  # TP: half of the attention and MLP weights
 
 
@@ -195,6 +220,6 @@ class TestFourRanks:
     """Layouts of four processes (two split dims) against one process."""
 
     @pytest.mark.parametrize("name", list(FOUR))
-    def test_layout_equals_one_process(self, four: Path, name: str) -> None:
+    def test_layout_equals_one_process(self, four: Path, name: str, alone: Alone) -> None:
         """The layout's output equals the one-process output within the float32 tolerance."""
-        assert_equal_to_alone(four, name, FOUR[name], 4)
+        assert_equal_to_alone(four, name, FOUR[name], 4, alone)
