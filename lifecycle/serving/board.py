@@ -7,6 +7,11 @@ subscribed client, in the order the orchestrator emitted them. It keeps the last
 the recent timeline and refusals: a new client gets them first, atomically with its
 subscription, so that it misses no event and sees none twice.
 
+Every event carries its ``seq``, its place in that order. A pipeline's snapshot
+(``serving.status``) carries the ``seq`` of the last event it already shows: the
+snapshot is read on the event loop, after events that may still wait in a client's
+buffer, and those are at or below it (``StatusBoard.seq``).
+
 Each client has a bounded buffer (``CLIENT_BUFFER`` messages), filled on the
 orchestrator's threads and emptied by the client's stream on the event loop. A client
 that falls that far behind (a stalled connection) overflows: its buffer is dropped,
@@ -40,10 +45,12 @@ class StreamEvent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """One orchestrator event as the stream carries it.
 
     Attributes:
+        seq: its place in the order the board published every event in, from 1.
         pipeline: the pipeline whose orchestrator emitted it.
         event: the typed event; it encodes with its log event's name under ``type``.
     """
 
+    seq: int
     pipeline: str
     event: Event
 
@@ -159,9 +166,10 @@ class StatusBoard:
 
     def publish(self, pipeline: str, event: Event) -> None:
         """Send ``event`` to every client, and keep it when it is a move or a refusal."""
-        message = server_sent(msgspec.json.encode(StreamEvent(pipeline=pipeline, event=event)))
         with self._lock:  # held while pushing: every client gets events in one order
             self._count += 1
+            stream_event = StreamEvent(seq=self._count, pipeline=pipeline, event=event)
+            message = server_sent(msgspec.json.encode(stream_event))
             if isinstance(event, Move):
                 self._moves[pipeline].append((self._count, event, message))
             elif _is_refusal(event):
@@ -174,6 +182,17 @@ class StatusBoard:
         with self._lock:
             for client in self._clients:
                 client.touch()
+
+    @property
+    def seq(self) -> int:
+        """Return the ``seq`` of the last event published.
+
+        Read under the device's lock, which every move and transition holds while it is
+        published, it says which of them a reading of the components shows: those at or
+        below it, and none after.
+        """
+        with self._lock:
+            return self._count
 
     def recent_moves(self, pipeline: str) -> list[Move]:
         """Return ``pipeline``'s last moves, oldest first."""

@@ -10,7 +10,11 @@ always ends on what the worker holds now.
 
 A pipeline's components are read together under the device's lock, which every
 move holds, so their bytes never add up to more than the budget allows (read one by
-one, an eviction and the onload it made room for could both show). The batcher's
+one, an eviction and the onload it made room for could both show). With them, under
+the same lock, it reads the board's ``seq``: the stream's last event they show. The
+snapshot is read after events that may still wait in a client's buffer; the page
+skips those (at or below the ``seq``), which would otherwise replay an older move on
+a newer state (an onload beside the component that had evicted it). The batcher's
 view is read under its own lock; a snapshot is at worst a moment old, and the next
 one follows the next event.
 """
@@ -18,15 +22,14 @@ one follows the next event.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import msgspec
 
 from components import ResidencyMode
-from lifecycle.events import Move
 from lifecycle.gantt import resident_intervals
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.batcher import Batcher
+from lifecycle.serving.board import StatusBoard
 from lifecycle.serving.worker import Phase, Worker
 
 
@@ -130,6 +133,8 @@ class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     Attributes:
         name: the pipeline (the OpenAI ``model``).
+        seq: the stream's last event its components show: the pipeline's events at or
+            below it are already in them.
         phase: where its worker stands (starting, ready, draining, failed).
         state: where the pipeline stands (serving, sleeping, draining, released).
         gate: ``open``, or why its requests wait before its queue (sleeping, swapping,
@@ -147,6 +152,7 @@ class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     name: str
+    seq: int
     phase: str
     state: str
     gate: str
@@ -189,7 +195,7 @@ def pipeline_status(
     batcher: Batcher | None,
     phase: str,
     gate: str,
-    moves: Sequence[Move],
+    board: StatusBoard,
 ) -> PipelineStatus:
     """Return one pipeline's status now.
 
@@ -198,12 +204,14 @@ def pipeline_status(
         batcher: its queue, None before it is ready.
         phase: its worker's phase.
         gate: ``open``, or why its requests wait at its gate.
-        moves: its last moves, oldest first (the timeline's bars).
+        board: the worker's status board: the stream's order, and the pipeline's last
+            moves (the timeline's bars).
     """
     spec = orchestrator.spec
     shared = orchestrator.shared
     with shared.lock:  # one moment for all: an eviction and its onload are one trigger
         views = [orchestrator.component(name) for name in spec.components]
+        seq = board.seq  # every move and transition is published under this lock
     components = tuple(
         ComponentStatus(
             name=view.name,
@@ -255,7 +263,7 @@ def pipeline_status(
             )
             for batch_id, jobs, step in view.running
         )
-    intervals = resident_intervals(list(spec.components), moves)
+    intervals = resident_intervals(list(spec.components), board.recent_moves(spec.name))
     timeline = tuple(
         ResidentInterval(component=name, start=start, stop=stop, request_id=request_id)
         for name, found in intervals.items()
@@ -263,6 +271,7 @@ def pipeline_status(
     )
     return PipelineStatus(
         name=spec.name,
+        seq=seq,
         phase=phase,
         state=orchestrator.pipeline_state.value,
         gate=gate,
@@ -292,8 +301,7 @@ def worker_status(worker: Worker) -> StatusSnapshot:
     phase = worker.phase.value
     if worker.phase in (Phase.STARTING, Phase.FAILED):
         pipelines = tuple(
-            pipeline_status(o, None, phase, "open", worker.board.recent_moves(o.spec.name))
-            for o in worker.orchestrators
+            pipeline_status(o, None, phase, "open", worker.board) for o in worker.orchestrators
         )
     else:
         pipelines = tuple(
@@ -302,7 +310,7 @@ def worker_status(worker: Worker) -> StatusSnapshot:
                 served.batcher,
                 phase,
                 served.gate.closed_for or "open",
-                worker.board.recent_moves(served.name),
+                worker.board,
             )
             for served in worker.served()
         )

@@ -1,9 +1,13 @@
 """``GET /v1/events``: the worker's typed observer events as server-sent events.
 
-Each event is one ``data:`` line of JSON: ``{"pipeline": NAME, "event": {"type": ...}}``
-for an orchestrator event (``lifecycle.events``, encoded as its log line's fields),
-and ``{"type": "status.snapshot", ...}`` (``serving.status``) after every burst of
-news, so that a client always ends on what the worker holds now. A new client first
+Each event is one ``data:`` line of JSON: ``{"seq": N, "pipeline": NAME, "event":
+{"type": ...}}`` for an orchestrator event (``lifecycle.events``, encoded as its log
+line's fields; ``seq`` counts them, in the order every client gets them), and
+``{"type": "status.snapshot", ...}`` (``serving.status``) after every burst of news,
+so that a client always ends on what the worker holds now. The snapshot is read after
+the burst, so events that came meanwhile follow it although it shows them already:
+each pipeline's status names its ``seq``, and its events at or below it are not news
+(the page skips them). A new client first
 gets the recent moves and refusals, then a snapshot. A client that falls
 ``CLIENT_BUFFER`` messages behind gets ``stream.overflowed`` and the stream ends (its
 browser reconnects); when the worker has drained, every stream ends.

@@ -1,7 +1,9 @@
 // The status page: one EventSource on /v1/events, nothing else from the network.
 // Typed events update what they say at once (a state, a component's bytes on the
 // device, a refusal); each burst of events is followed by a status.snapshot, which
-// redraws everything from what the worker holds now.
+// redraws everything from what the worker holds now. Events are numbered (seq), and a
+// pipeline's snapshot names the last one it shows: the worker reads it after events
+// that may still be on their way, and those are not applied again on top of it.
 "use strict";
 
 const MAX_REFUSALS = 20;
@@ -174,17 +176,20 @@ function swatch(index) { return SWATCHES[index % SWATCHES.length]; }
 
 // -- a typed event: what it says, at once ------------------------------------------------
 
-function component(view, name) {
-  return view.status?.components.find((c) => c.name === name);
+// the component an event changes; none when the snapshot shown already holds the event
+// (an older move applied to a newer snapshot could show two components where one fits)
+function changed(view, seq, name) {
+  if (!view.status || seq <= view.status.seq) return undefined;
+  return view.status.components.find((c) => c.name === name);
 }
 
-function onEvent(name, event) {
+function onEvent(name, seq, event) {
   const view = pipeline(name);
   if (event.type === "lifecycle.transition") {
-    const c = component(view, event.component);
+    const c = changed(view, seq, event.component);
     if (c) { c.state = event.dest; renderComponents(view); }
   } else if (event.type === "residency.moved") {
-    const c = component(view, event.component);
+    const c = changed(view, seq, event.component);
     if (c) {
       c.resident_bytes = event.direction === "onload" ? event.bytes : 0;
       renderComponents(view);
@@ -230,7 +235,7 @@ function connect() {
     const data = JSON.parse(message.data);
     if (data.type === "status.snapshot") renderWorker(data);
     else if (data.type === "stream.overflowed") say("lost", "fell behind: reconnecting");
-    else onEvent(data.pipeline, data.event);
+    else onEvent(data.pipeline, data.seq, data.event);
   };
 }
 

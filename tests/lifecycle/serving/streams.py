@@ -1,7 +1,9 @@
-"""Reading ``GET /v1/events`` in tests: a thread that parses server-sent events as they come."""
+"""Reading ``GET /v1/events`` in tests: a thread that parses server-sent events as they come,
+and the stream's race between a snapshot and the moves still queued for its client."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import queue
@@ -12,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
+from lifecycle.serving.board import server_sent
+from lifecycle.serving.status import worker_status
+from lifecycle.serving.worker import Worker
 from tests.lifecycle.serving.conftest import WATCHDOG_S
 
 Message = dict[str, Any]
@@ -108,3 +114,50 @@ def evicting_spec(root: Path, folder: Path) -> Path:
     path = folder / "tiny_t2i_evicting.toml"
     path.write_text(text + "\n[serving]\nmax_batch = 1\n", encoding="utf-8")
     return path
+
+
+RACE_BUDGET = 420_000
+"""Holds the transformer (170,384 B) beside the VAE (248,588 B) or the text encoder
+(138,240 B), never beside both."""
+
+
+def snapshot_race(worker: Worker) -> list[bytes]:
+    """Play the stream's race on ``worker`` (the reference pipeline under ``RACE_BUDGET``,
+    its transformer resident) and return what one client is sent, in order.
+
+    The stream drains its client's buffer, then reads a snapshot: moves published in
+    between reach the client after that snapshot, which already shows them. Here the
+    stream drains the VAE's offload; the text encoder goes resident and back and the VAE
+    resident again before the snapshot is read (it shows the VAE resident, the text
+    encoder not); the VAE's last offload comes after it. Played in that order with the
+    board and the snapshot the stream uses, so the race happens every time.
+    """
+    orchestrator = worker.orchestrator
+    for name in ("text_encoder", "vae"):  # the warm-up leaves either where it was last
+        if orchestrator.component(name).resident_bytes:
+            orchestrator.offload(name)
+    orchestrator.onload("vae")
+    board = worker.board
+
+    def snapshot() -> bytes:
+        return server_sent(msgspec.json.encode(worker_status(worker)))
+
+    async def play() -> list[bytes]:
+        client = board.subscribe()
+        try:
+            history, _, _ = await client.next()
+            sent = [*history, snapshot()]
+            orchestrator.offload("vae")
+            drained, _, _ = await client.next()
+            # published after the stream drained its client, before it reads the snapshot
+            orchestrator.onload("text_encoder")
+            orchestrator.offload("text_encoder")
+            orchestrator.onload("vae")
+            sent += [*drained, snapshot()]
+            orchestrator.offload("vae")  # news to that snapshot
+            queued, _, _ = await client.next()
+            return [*sent, *queued, snapshot()]
+        finally:
+            board.unsubscribe(client)
+
+    return asyncio.run(play())

@@ -24,11 +24,14 @@ from lifecycle.states import ComponentState
 from tests.lifecycle.serving.command import metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 from tests.lifecycle.serving.streams import (
+    RACE_BUDGET,
     EventReader,
+    Message,
     event_of,
     evicting_spec,
     is_snapshot,
     moves,
+    snapshot_race,
 )
 from tests.lifecycle.test_waiting import until
 
@@ -265,6 +268,53 @@ class TestEventStream:
         assert held["transformer"] == ["holder"]
         assert pipeline["queued"][0]["priority"] == 0  # the default priority
         assert idle["pipelines"][0]["resident_bytes"] <= BUDGET
+
+
+def bytes_replayed(shown: Message, behind: list[Message], *, skip_shown: bool) -> list[int]:
+    """Return the pipeline's bytes on the device after ``shown`` (its status in a snapshot)
+    and after each move of ``behind`` applied to it, skipping, if ``skip_shown``, those at
+    or below the snapshot's ``seq`` (as the page does)."""
+    held = {c["name"]: c["resident_bytes"] for c in shown["components"]}
+    seen = [sum(held.values())]
+    for message in behind:
+        event = message["event"]
+        if event["type"] != "residency.moved" or (skip_shown and message["seq"] <= shown["seq"]):
+            continue
+        held[event["component"]] = event["bytes"] if event["direction"] == "onload" else 0
+        seen.append(sum(held.values()))
+    return seen
+
+
+class TestStreamOrder:
+    def test_moves_a_snapshot_already_shows_are_told_apart(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """Moves that reach a client after a snapshot read past them are at or below its
+        seq: skipped, the bytes stay within the budget and end on the next snapshot;
+        replayed on it, the text encoder's onload shows beside the VAE, over the budget."""
+        served = serve_spec(t2i_spec(memory={"device_budget": RACE_BUDGET}))
+        sent = decoded(snapshot_race(served.worker))
+        first, racing, last = (i for i, message in enumerate(sent) if is_snapshot(message))
+        (shown,) = sent[racing]["pipelines"]  # type: ignore[index]
+        behind = sent[racing + 1 : last]
+        (final,) = sent[last]["pipelines"]  # type: ignore[index]
+        blind = bytes_replayed(shown, behind, skip_shown=False)
+        assert {c["name"]: c["state"] for c in shown["components"]} == {
+            "text_encoder": "offloaded",
+            "transformer": "resident",
+            "vae": "resident",
+        }
+        assert max(blind) > RACE_BUDGET  # the race: an older onload on a newer snapshot
+        as_the_page = bytes_replayed(shown, behind, skip_shown=True)
+        assert [m["event"]["type"] for m in behind if m["seq"] > shown["seq"]] == [
+            "residency.moved",  # the VAE's last offload, news to the snapshot
+            "lifecycle.transition",
+        ]
+        assert max(as_the_page) <= RACE_BUDGET
+        assert as_the_page[-1] == final["resident_bytes"]
+        seqs = [m["seq"] for m in sent if not is_snapshot(m)]
+        assert seqs == sorted(set(seqs))  # one order, every event once
+        assert sent[first]["pipelines"][0]["seq"] < shown["seq"] < final["seq"]  # type: ignore[index]
 
 
 MOVE_FIELDS = ("component", "direction", "target", "bytes", "seconds", "request_id")

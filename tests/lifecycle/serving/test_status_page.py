@@ -7,8 +7,9 @@ Where no Chromium is installed (``apt-get install chromium``), these tests skip.
 
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from lifecycle.config import PipelineSpec
 from tests.lifecycle.serving.command import serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S
-from tests.lifecycle.serving.streams import evicting_spec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
 
@@ -39,23 +41,25 @@ TEXT_ENCODER_BYTES = 138_240
 PIPELINE = 'section[data-pipeline="tiny-t2i"]'
 
 RECORDER = """(selector) => {
-  const root = document.querySelector(selector);
   const seen = {states: [], queued: [], used: []};
   const keep = (list, value) => { if (list[list.length - 1] !== value) list.push(value); };
   const record = () => {
+    const root = document.querySelector(selector);
+    if (!root) return;
     const state = root.querySelector('tr[data-component="text_encoder"] td.state span');
     if (state) keep(seen.states, state.textContent);
     keep(seen.queued, root.querySelectorAll('.queued tbody tr').length);
     const bar = root.querySelector('.bar');
     if (bar.dataset.used !== undefined) keep(seen.used, Number(bar.dataset.used));
   };
-  new MutationObserver(record).observe(root, {subtree: true, childList: true,
+  new MutationObserver(record).observe(document, {subtree: true, childList: true,
     attributes: true, characterData: true});
   record();
   window.seenByTest = seen;
 }"""
 """Records, after every change of the page, the text encoder's state, the queue's length
-and the bytes the budget bar shows (each value once per change)."""
+and the bytes the budget bar shows (each value once per change); it may run before the
+page does (an init script)."""
 
 IDLE = """(p) => !document.querySelector(`${p} .queued tbody tr, ${p} .running tbody tr`)"""
 
@@ -136,3 +140,32 @@ class TestStatusPageInABrowser:
         assert page_width <= PHONE["width"]  # the diagram scrolls in its card, not the page
         for name in ("status-1280x800.png", "status-390x844.png"):
             assert (tmp_path / name).stat().st_size > 10_000
+
+    def test_page_skips_moves_its_snapshot_already_shows(
+        self, page: Any, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """Fed the stream's race (a snapshot read past moves still on their way), the page
+        never shows the text encoder's older onload beside the VAE: the bar stays within
+        the budget, shows the racing snapshot, then the VAE's later offload."""
+        served = serve_spec(t2i_spec(memory={"device_budget": RACE_BUDGET}))
+        with ThreadPoolExecutor(1) as pool:  # Playwright's sync API runs a loop on this thread
+            sent = pool.submit(snapshot_race, served.worker).result()
+        stream = b"retry: 3600000\n\n" + b"".join(sent)  # once: no reconnect in the test
+        page.route(
+            "**/v1/events",
+            lambda route: route.fulfill(
+                status=200, headers={"content-type": "text/event-stream"}, body=stream
+            ),
+        )
+        page.add_init_script(f"({RECORDER})({json.dumps(PIPELINE)})")
+        page.goto(served.url + "/")
+        page.wait_for_selector('#connection[data-state="lost"]')  # the stream was read whole
+        seen = page.evaluate("window.seenByTest")
+        resident = [
+            snapshot["pipelines"][0]["resident_bytes"]
+            for snapshot in map(json.loads, (m.removeprefix(b"data: ") for m in sent))
+            if snapshot.get("type") == "status.snapshot"
+        ]
+        assert max(seen["used"]) <= RACE_BUDGET
+        assert resident[1] in seen["used"]  # the racing snapshot: the VAE beside the transformer
+        assert seen["used"][-1] == resident[-1]
