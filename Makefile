@@ -23,12 +23,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/lifecycle run $(SPEC) --requests 4 --steps 8 --timeline .lifecycle/timeline.mmd
 
+# PYTHONDONTWRITEBYTECODE cleared: with it set, every xdist worker and every Python the
+# tests start compiled the project and rewrote each test module's asserts again (~3 CPU-s a
+# worker); pytest and Python keep both in __pycache__ otherwise.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q
 
 # Long checks that `make test` deselects (pyproject.toml: -m 'not slow').
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lifecycle components attention tests benchmarks

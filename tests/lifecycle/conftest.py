@@ -24,6 +24,21 @@ VAE_BYTES = 248588
 """The bytes a tiny_vae with its default options takes on the device."""
 
 
+def reference_maker(root: Path, folder: Path) -> ReferenceSpec:
+    """Return the maker of the reference spec (examples/tiny_t2i.toml), offloading under
+    ``folder``."""
+    example = load_spec(root / "examples" / "tiny_t2i.toml")
+
+    def make(target: str = "host", **components: dict[str, Any]) -> PipelineSpec:
+        raw = msgspec.to_builtins(example)
+        raw["memory"].update(offload_target=target, offload_dir=str(folder / "offload"))
+        for name, changes in components.items():
+            raw["components"][name].update(changes)
+        return msgspec.convert(raw, PipelineSpec)
+
+    return make
+
+
 @pytest.fixture
 def reference_spec(root: Path, tmp_path: Path) -> ReferenceSpec:
     """Make the reference spec (examples/tiny_t2i.toml), offloading under ``tmp_path``.
@@ -31,16 +46,7 @@ def reference_spec(root: Path, tmp_path: Path) -> ReferenceSpec:
     Call it with an offload ``target`` and, per component name, a table of keys to
     override (``text_encoder={"residency": "resident"}``).
     """
-    example = load_spec(root / "examples" / "tiny_t2i.toml")
-
-    def make(target: str = "host", **components: dict[str, Any]) -> PipelineSpec:
-        raw = msgspec.to_builtins(example)
-        raw["memory"].update(offload_target=target, offload_dir=str(tmp_path / "offload"))
-        for name, changes in components.items():
-            raw["components"][name].update(changes)
-        return msgspec.convert(raw, PipelineSpec)
-
-    return make
+    return reference_maker(root, tmp_path)
 
 
 @pytest.fixture

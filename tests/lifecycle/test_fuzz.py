@@ -37,6 +37,9 @@ def workdir() -> Iterator[Path]:
 def check_properties(text: str, fmt: str, folder: Path, run_it: bool) -> None:
     """Hold ``check`` (and, when admitted and ``run_it``, ``run``) to the CLI's promises."""
     path = folder / f"spec.{fmt}"
+    # a new file each time: overwriting one in place makes ext4 write it out at close
+    # (auto_da_alloc), a millisecond or more each of 600 examples on a busy disk
+    path.unlink(missing_ok=True)
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     checked = lifecycle("check", "--json", str(path))
     assert checked.code in (0, 1, 2), checked
@@ -50,6 +53,7 @@ def check_properties(text: str, fmt: str, folder: Path, run_it: bool) -> None:
     if checked.code == 0 and run_it and world_size(text, fmt) == 1:
         # a layout of several processes is admitted and refused at launch: the
         # parallel-execution issue covers it
+        path.unlink()
         path.write_text(place_offload(text, fmt, folder / "offload"), encoding="utf-8")
         ran = lifecycle("run", str(path), "--requests", "1", "--steps", "1")
         assert ran.code == 0, ran.stderr

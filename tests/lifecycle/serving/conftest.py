@@ -7,14 +7,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import httpx
 import msgspec
 import pytest
 import torch
 
-from attention import Platform
+from attention import Platform, register_backend
+from attention.backends.torch_flash import TorchFlashBackend, TorchFlashImpl
+from attention.registry import unregister_backend
 from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
@@ -22,7 +24,7 @@ from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.shared_device import SharedDevice, worker_budget
-from tests.lifecycle.conftest import ReferenceSpec
+from tests.lifecycle.conftest import ReferenceSpec, reference_maker
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -68,22 +70,30 @@ ServeSpecs: TypeAlias = Callable[..., Served]
 them all."""
 
 
-@pytest.fixture
-def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
-    """Serve workers on loopback in this process; every server is drained after the test.
+class Servers:
+    """Workers served on loopback in this process, each drained by ``close``.
 
-    A worker serves every spec given, on one device under ``device_budget``; ``paths``
-    name the files they were read from (for reload); ``keys`` lock its door. Its
-    uvicorn runs as the worker's does. The moves recorded are the first pipeline's.
+    Call it as ``serve_specs``: a worker serves every spec given, on one device under
+    ``device_budget``; ``paths`` name the files they were read from (for reload);
+    ``keys`` lock its door. Its uvicorn runs as the worker's does. The moves recorded
+    are the first pipeline's.
+
+    Args:
+        platform: the platform every orchestrator admits on.
     """
-    running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
 
-    def serve(
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.running: list[tuple[uvicorn.Server, threading.Thread, Served]] = []
+
+    def __call__(
+        self,
         specs: list[PipelineSpec],
         device_budget: int | None = None,
         paths: dict[str, Path] | None = None,
         keys: DoorKeys | None = None,
     ) -> Served:
+        """Serve ``specs`` from one worker; return it once ``/healthz`` answers."""
         holder: list[Served] = []
 
         def observe_moves(event: Event) -> None:
@@ -96,7 +106,7 @@ def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
         limit, key = worker_budget(specs, device_budget, None)  # as `lifecycle serve` does
         device = SharedDevice(device_budget=limit, budget_key=key)
         orchestrators = [
-            Orchestrator(spec, platform=cpu, observer=metrics.observe, shared=device)
+            Orchestrator(spec, platform=self.platform, observer=metrics.observe, shared=device)
             for spec in specs
         ]
         orchestrators[0].observe(observe_moves)  # a second observer beside the metrics
@@ -116,14 +126,23 @@ def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
                 if server.started and client.get("/healthz").status_code == 200:
                     break
                 threading.Event().wait(0.01)
-        running.append((server, thread, served))
+        self.running.append((server, thread, served))
         return served
 
-    yield serve
-    for server, thread, served in running:
-        served.worker.drain()
-        server.should_exit = True
-        thread.join(timeout=WATCHDOG_S)
+    def close(self) -> None:
+        """Drain every worker served, then stop its uvicorn."""
+        for server, thread, served in self.running:
+            served.worker.drain()
+            server.should_exit = True
+            thread.join(timeout=WATCHDOG_S)
+
+
+@pytest.fixture
+def serve_specs(cpu: Platform) -> Iterator[ServeSpecs]:
+    """Serve workers on loopback in this process (``Servers``); drained after the test."""
+    servers = Servers(cpu)
+    yield servers
+    servers.close()
 
 
 @pytest.fixture
@@ -136,17 +155,108 @@ def serve_spec(serve_specs: ServeSpecs) -> ServeSpec:
     return serve
 
 
-@pytest.fixture
-def t2i_spec(reference_spec: ReferenceSpec) -> Callable[..., PipelineSpec]:
-    """Make the reference text-to-image spec with ``[serving]`` and ``[memory]`` changes."""
+def t2i_maker(reference: ReferenceSpec) -> Callable[..., PipelineSpec]:
+    """Return the maker of the reference text-to-image spec with ``[serving]`` and
+    ``[memory]`` changes."""
 
     def make(memory: dict[str, Any] | None = None, **serving: Any) -> PipelineSpec:
-        raw = msgspec.to_builtins(reference_spec())
+        raw = msgspec.to_builtins(reference())
         raw["serving"] = serving
         raw["memory"].update(memory or {})
         return decode_spec(msgspec.json.encode(raw).decode(), "json")
 
     return make
+
+
+@pytest.fixture
+def t2i_spec(reference_spec: ReferenceSpec) -> Callable[..., PipelineSpec]:
+    """Make the reference text-to-image spec with ``[serving]`` and ``[memory]`` changes."""
+    return t2i_maker(reference_spec)
+
+
+SharedT2i: TypeAlias = Callable[..., Served]
+"""``shared_t2i(**serving)``: the module's worker of the reference spec with these
+``[serving]`` changes."""
+
+
+@pytest.fixture(scope="module")
+def module_servers(cpu: Platform) -> Iterator[Servers]:
+    """Serve workers that live for the whole module; drained after its last test.
+
+    For tests that only send requests and read their answers: a worker loads and warms
+    up in a tenth of a CPU-second or more and stops in half a second of waiting, which
+    each of them would pay again. A test that changes the worker (sleeps, drains,
+    cancels) or reads what it recorded (moves, metrics counts) serves its own with
+    ``serve_spec``.
+    """
+    servers = Servers(cpu)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def shared_t2i(
+    module_servers: Servers, root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SharedT2i:
+    """Serve the reference text-to-image spec once per module for each ``[serving]`` table
+    (``module_servers``)."""
+    make = t2i_maker(reference_maker(root, tmp_path_factory.mktemp("shared-t2i")))
+    served: dict[tuple[tuple[str, Any], ...], Served] = {}
+
+    def serve(**serving: Any) -> Served:
+        key = tuple(sorted(serving.items()))
+        if key not in served:
+            served[key] = module_servers([make(**serving)])
+        return served[key]
+
+    return serve
+
+
+class Gate:
+    """Where requests on the ``gated`` backend wait: ``reached`` is set once one calls
+    its kernel, and they go on once the test sets ``opened``."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+
+
+GATE = Gate()
+
+
+class GatedImpl(TorchFlashImpl):
+    """torch_flash's kernel, which first waits at ``GATE``."""
+
+    def forward_with_lse(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Say the gate is reached, wait until it opens, then attend as torch_flash does.
+
+        Every unmasked call passes here: plain, causal, and each packed sequence.
+        """
+        GATE.reached.set()
+        GATE.opened.wait(WATCHDOG_S)
+        return super().forward_with_lse(*args, **kwargs)
+
+
+class GatedBackend(TorchFlashBackend):
+    """An out-of-tree backend whose requests stay in flight until the test opens ``GATE``.
+
+    A request held so takes no CPU, however long a loaded machine takes to send the
+    next ones; a slow request instead (many steps) could end before they arrive.
+    """
+
+    name: ClassVar[str] = "gated"  # type: ignore[misc]
+    impl_cls = GatedImpl
+
+
+@pytest.fixture
+def gated() -> Iterator[Gate]:
+    """Register the ``gated`` backend, its gate closed; open it and remove it after."""
+    GATE.reached.clear()
+    GATE.opened.clear()
+    register_backend(GatedBackend)
+    yield GATE
+    GATE.opened.set()  # a failed test leaves no request waiting
+    unregister_backend(GatedBackend.name)
 
 
 def run_alone(worker: Worker, job: Job) -> torch.Tensor:

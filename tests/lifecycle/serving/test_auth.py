@@ -7,6 +7,7 @@ import signal
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -16,8 +17,6 @@ from lifecycle.serving.auth import DoorKeys, Secret
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
-
-openai = pytest.importorskip("openai")
 
 SpecMaker = Callable[..., PipelineSpec]
 API_KEY = "sk-api-7f3c9e1b"
@@ -43,6 +42,13 @@ def v1_routes(served: Served) -> list[tuple[str, str]]:
 def auth(key: str) -> dict[str, str]:
     """Return the header that offers ``key``."""
     return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def openai() -> ModuleType:
+    """The official openai client, imported by the tests that use it (half a CPU-second,
+    which every xdist worker would pay at collection)."""
+    return pytest.importorskip("openai")
 
 
 @pytest.fixture
@@ -91,7 +97,9 @@ class TestApiKey:
             codes = [client.get(path).status_code for path in ("/healthz", "/readyz", "/metrics")]
         assert codes == [200, 200, 200]
 
-    def test_openai_client_with_a_wrong_key_is_refused(self, locked: Served) -> None:
+    def test_openai_client_with_a_wrong_key_is_refused(
+        self, locked: Served, openai: ModuleType
+    ) -> None:
         """The openai client raises AuthenticationError (401) with a wrong key and works
         with the right one."""
         wrong = openai.OpenAI(base_url=locked.url + "/v1", api_key=WRONG_KEY, max_retries=0)
@@ -114,7 +122,7 @@ class TestApiKey:
 
 class TestAdminKey:
     def test_admin_routes_are_disabled_without_an_admin_key(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, openai: ModuleType
     ) -> None:
         """Without --admin-key an admin route answers 403 saying how to enable it, even to
         the API key; the openai client raises PermissionDeniedError."""
@@ -130,7 +138,7 @@ class TestAdminKey:
             client.post("/pipelines/tiny-t2i/sleep", cast_to=object)
         assert denied.value.status_code == 403
 
-    def test_admin_routes_need_the_admin_key(self, locked: Served) -> None:
+    def test_admin_routes_need_the_admin_key(self, locked: Served, openai: ModuleType) -> None:
         """An admin route answers 401 to no key, a wrong one and the API key, 200 to the
         admin key; the openai client sees the same."""
         with locked.client() as client:

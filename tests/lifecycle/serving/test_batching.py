@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import pytest
 
 from lifecycle.config import PipelineSpec
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, ServeSpec, run_alone
 
 PROMPTS = ("a red fox", "an astronaut riding a horse on the moon", "ramen", "a lighthouse")
 UNTIL_FULL_MS = WATCHDOG_S * 1000
@@ -26,36 +26,36 @@ def image_job(index: int, key: BatchKey) -> Job:
     return Job(id=f"j{index}", key=key, prompts=prompts, tokens=16 * len(prompts), seed=index)
 
 
-def occupy(batcher: Batcher, slow: Job | None = None) -> Future[Job]:
-    """Start a slow batch (``slow``, or one of the reference pipeline), so that the next jobs
-    gather behind it.
+@contextmanager
+def occupied(batcher: Batcher, gate: Gate, slow: Job | None = None) -> Iterator[Future[Job]]:
+    """Hold a batch (``slow``, or one of the reference pipeline) at ``gate`` while the block
+    submits the next jobs, so that they gather behind it; open the gate after.
 
-    An idle worker would start the first of them at once, alone. Its hundred steps
-    outlast the few calls that submit the next jobs; the drain after the test waits
-    for it.
+    An idle worker would start the first of them at once, alone. ``slow`` names the
+    ``gated`` backend, which the ``gated`` fixture registers.
     """
     if slow is None:
-        key = BatchKey(endpoint="images", steps=100, latent_size=(8, 8))
+        key = BatchKey(endpoint="images", steps=1, latent_size=(8, 8), attention_backend="gated")
         slow = Job(id="slow", key=key, prompts=["slow"], tokens=64)
     future = batcher.submit(slow)
-    for _ in range(int(WATCHDOG_S / 0.005)):
-        if batcher.depth == 0:
-            return future
-        threading.Event().wait(0.005)
-    raise AssertionError("the slow batch never started")
+    try:
+        assert gate.reached.wait(WATCHDOG_S), "the slow batch never reached its kernel"
+        yield future
+    finally:
+        gate.opened.set()
 
 
 class TestBatcher:
     def test_batched_outputs_equal_each_job_alone(
-        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec], gated: Gate
     ) -> None:
         """Six jobs queued together run as one batch; each output equals the job run alone."""
         served = serve_spec(t2i_spec(batch_window_ms=UNTIL_FULL_MS, max_batch=6))
         batcher = served.worker.batcher
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=2, latent_size=(4, 4))
-        blocker = occupy(batcher)
-        futures = [batcher.submit(image_job(i, key)) for i in range(6)]
+        with occupied(batcher, gated) as blocker:
+            futures = [batcher.submit(image_job(i, key)) for i in range(6)]
         done = [future.result(timeout=WATCHDOG_S) for future in futures]
         assert {job.batch_size for job in done} == {6}
         assert done[0].batch_id == "+".join(f"j{i}" for i in range(6))
@@ -66,7 +66,7 @@ class TestBatcher:
             assert (job.output - alone).abs().max() <= OUTPUT_TOLERANCE
 
     def test_incompatible_jobs_never_share_a_batch(
-        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec], gated: Gate
     ) -> None:
         """Different steps, sizes or overrides go to different batches, each still correct."""
         # two jobs of each key: a full batch is one key's pair, or two jobs that mix keys
@@ -80,8 +80,9 @@ class TestBatcher:
             BatchKey(endpoint="images", steps=2, latent_size=(4, 4), attention_backend="reference"),
         ]
         jobs = [image_job(i, keys[i % len(keys)]) for i in range(8)]
-        occupy(batcher)
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        with occupied(batcher, gated):
+            futures = [batcher.submit(job) for job in jobs]
+        done = [f.result(timeout=WATCHDOG_S) for f in futures]
         batches: dict[str, set[BatchKey]] = {}
         for job in done:
             batches.setdefault(job.batch_id, set()).add(job.key)
@@ -109,6 +110,7 @@ class TestBatcher:
         t2i_spec: Callable[..., PipelineSpec],
         settings: dict[str, float],
         jobs: int,
+        gated: Gate,
     ) -> None:
         """No batch holds more than serving.max_batch jobs or max_batch_tokens tokens."""
         served = serve_spec(t2i_spec(**settings))
@@ -116,8 +118,9 @@ class TestBatcher:
         assert batcher is not None
         key = BatchKey(endpoint="images", steps=1, latent_size=(4, 4))
         queued = [image_job(2 * i, key) for i in range(jobs)]  # one image (16 tokens) each
-        occupy(batcher)
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in queued]]
+        with occupied(batcher, gated):
+            futures = [batcher.submit(job) for job in queued]
+        done = [f.result(timeout=WATCHDOG_S) for f in futures]
         assert max(job.batch_size for job in done) == 2
         assert done[0].batch_id == "j0+j2"
 

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from attention import Platform
 from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
@@ -18,8 +17,8 @@ from lifecycle.serving.jobs import OUTPUT_TOLERANCE
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
-from tests.lifecycle.serving.test_batching import occupy
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, ServeSpec, run_alone
+from tests.lifecycle.serving.test_batching import occupied
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +147,7 @@ class TestBatches:
     """Requests batch by size, or across sizes where the DiT packs them; each equals alone."""
 
     def test_same_size_requests_share_a_batch(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, cpu: Platform
+        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, gated: Gate
     ) -> None:
         """Keyed by size (a DiT that cannot pack sizes), three of one size run as one batch,
         one of another size apart; all as if alone."""
@@ -168,9 +167,11 @@ class TestBatches:
             folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=False)
             for i, body in enumerate(bodies)
         ]
-        slow = ImagesBody(prompt="slow", size="64x64", steps=40)
-        blocker = occupy(batcher, folder_image_job(recipe, slow, "slow", 0, mixes_sizes=False))
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        slow = ImagesBody(prompt="slow", size="32x32", steps=1, attention_backend="gated")
+        slow_job = folder_image_job(recipe, slow, "slow", 0, mixes_sizes=False)
+        with occupied(batcher, gated, slow_job) as blocker:
+            futures = [batcher.submit(job) for job in jobs]
+        done = [f.result(timeout=WATCHDOG_S) for f in futures]
         assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
         assert [job.batch_size for job in done] == [3, 3, 1, 3]
         for index, job in enumerate(done):
@@ -181,7 +182,7 @@ class TestBatches:
             assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE
 
     def test_sizes_share_a_batch_on_the_custom_dit(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, cpu: Platform
+        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, gated: Gate
     ) -> None:
         """Flux's custom DiT packs sizes: jobs of three sizes run as one batch, each image as
         its request alone."""
@@ -200,9 +201,11 @@ class TestBatches:
             folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=mixes)
             for i, body in enumerate(bodies)
         ]
-        slow = ImagesBody(prompt="slow", size="64x64", steps=40)
-        blocker = occupy(batcher, folder_image_job(recipe, slow, "slow", 0, mixes_sizes=mixes))
-        done = [f.result(timeout=WATCHDOG_S) for f in [batcher.submit(job) for job in jobs]]
+        slow = ImagesBody(prompt="slow", size="32x32", steps=1, attention_backend="gated")
+        slow_job = folder_image_job(recipe, slow, "slow", 0, mixes_sizes=mixes)
+        with occupied(batcher, gated, slow_job) as blocker:
+            futures = [batcher.submit(job) for job in jobs]
+        done = [f.result(timeout=WATCHDOG_S) for f in futures]
         assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
         assert [job.batch_size for job in done] == [3, 3, 3]
         for index, job in enumerate(done):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,15 @@ from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.conftest import decode_png
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, run_alone
+from tests.lifecycle.serving.conftest import (
+    WATCHDOG_S,
+    Gate,
+    Served,
+    Servers,
+    ServeSpec,
+    SharedT2i,
+    run_alone,
+)
 from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.long
@@ -43,10 +50,10 @@ class TestOverrideOverHttp:
         ],
     )
     def test_refused_override_is_400_with_the_refusal(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, backend: str, code: str, words: str
+        self, shared_t2i: SharedT2i, backend: str, code: str, words: str
     ) -> None:
         """Each broken override rule is a 400 carrying the refusal; nothing runs."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response = generate(client, attention_backend=backend, steps=1)
         assert response.status_code == 400
@@ -69,11 +76,9 @@ class TestOverrideOverHttp:
         assert response.status_code == 400
         assert "no switchable attention site" in response.json()["error"]["message"]
 
-    def test_accepted_override_equals_the_embedded_api(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_accepted_override_equals_the_embedded_api(self, shared_t2i: SharedT2i) -> None:
         """An accepted override answers 200 with the image the Python API makes for it."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response = generate(client, attention_backend="reference", steps=2, seed=7)
         assert response.status_code == 200
@@ -114,19 +119,20 @@ class TestOverrideOverHttp:
 
 
 class TestQueue:
-    def test_full_queue_is_429(self, serve_spec: ServeSpec, t2i_spec: SpecMaker) -> None:
+    def test_full_queue_is_429(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, gated: Gate
+    ) -> None:
         """With serving.max_queue jobs in flight, the next request is answered 429."""
-        served = serve_spec(t2i_spec(max_queue=1, max_steps=300))
+        served = serve_spec(t2i_spec(max_queue=1))
         batcher = served.worker.batcher
         assert batcher is not None
         with served.client() as client, ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(generate, client, steps=300, size="64x64")
-            for _ in range(int(WATCHDOG_S / 0.005)):
-                if batcher.in_flight == 1:
-                    break
-                threading.Event().wait(0.005)
+            held = pool.submit(generate, client, attention_backend="gated", steps=1)
+            assert gated.reached.wait(WATCHDOG_S)
+            assert batcher.in_flight == 1
             response = generate(client, steps=1)
-            assert slow.result(timeout=WATCHDOG_S).status_code == 200
+            gated.opened.set()
+            assert held.result(timeout=WATCHDOG_S).status_code == 200
         assert response.status_code == 429
         assert response.json()["error"]["code"] == "queue_full"
         assert response.headers["retry-after"] == "1"
@@ -145,20 +151,18 @@ class TestBadInput:
         ],
     )
     def test_bad_image_request_is_400_naming_the_field(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, body: dict[str, Any], param: str
+        self, shared_t2i: SharedT2i, body: dict[str, Any], param: str
     ) -> None:
         """A bad field is a 400 OpenAI error object that names it."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response = generate(client, **body)
         assert response.status_code == 400
         assert response.json()["error"]["param"] == param
 
-    def test_guidance_scale_reaches_the_denoiser(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_guidance_scale_reaches_the_denoiser(self, shared_t2i: SharedT2i) -> None:
         """Guidance and a negative prompt each change the image a request gets."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             responses = [
                 generate(client, seed=3),
@@ -169,24 +173,26 @@ class TestBadInput:
         pngs = [response.json()["data"][0]["b64_json"] for response in responses]
         assert len(set(pngs)) == 3
 
-    def test_endpoint_the_pipeline_does_not_serve_is_404(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_endpoint_the_pipeline_does_not_serve_is_404(self, shared_t2i: SharedT2i) -> None:
         """A text-to-image pipeline answers /v1/embeddings with 404 naming an example."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response = client.post("/v1/embeddings", json={"input": "a red fox"})
         assert response.status_code == 404
         assert "examples/minilm_embed.toml" in response.json()["error"]["message"]
 
 
+@pytest.fixture(scope="module")
+def minilm(module_servers: Servers, root: Path) -> Served:
+    """The module's worker of examples/minilm_embed.toml."""
+    pytest.importorskip("tokenizers")
+    return module_servers([load_spec(root / "examples" / "minilm_embed.toml")])
+
+
 class TestEmbeddingsBody:
-    def test_bodies_decode_to_openai_answers_or_name_the_bad_field(
-        self, serve_spec: ServeSpec, root: Path
-    ) -> None:
+    def test_bodies_decode_to_openai_answers_or_name_the_bad_field(self, minilm: Served) -> None:
         """A bad embeddings body is a 400 naming its field; float and base64 answers agree."""
-        pytest.importorskip("tokenizers")
-        served = serve_spec(load_spec(root / "examples" / "minilm_embed.toml"))
+        served = minilm
         with served.client() as client:
             empty = client.post("/v1/embeddings", json={"input": []})
             extra = client.post("/v1/embeddings", json={"input": "a", "dimensions": 3})
@@ -262,11 +268,10 @@ class TestLoad:
 class TestOpenAiClient:
     """The official openai client against the worker's OpenAI-compatible endpoints."""
 
-    def test_embeddings_equal_the_embedded_api(self, root: Path, serve_spec: ServeSpec) -> None:
+    def test_embeddings_equal_the_embedded_api(self, minilm: Served) -> None:
         """client.embeddings.create returns the vectors the Python API computes."""
         openai = pytest.importorskip("openai")
-        pytest.importorskip("tokenizers")
-        spec = load_spec(root / "examples" / "minilm_embed.toml")
+        spec = minilm.worker.orchestrator.spec
         with Orchestrator(spec) as orch:
             orch.load()
             batch = Batch(generator=torch.Generator(), prompts=SENTENCES, size=len(SENTENCES))
@@ -274,8 +279,7 @@ class TestOpenAiClient:
                 request.run("encode", batch)
             assert batch.sentence_embeddings is not None
             expected = batch.sentence_embeddings
-        served = serve_spec(spec)
-        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=minilm.url + "/v1", api_key="unused", max_retries=0)
         response = client.embeddings.create(model="minilm-embed", input=SENTENCES)
         floats = client.embeddings.create(
             model="minilm-embed", input=SENTENCES[0], encoding_format="float"
@@ -286,12 +290,10 @@ class TestOpenAiClient:
         assert torch.allclose(torch.tensor(floats.data[0].embedding), expected[0], atol=1e-5)
         assert response.usage.prompt_tokens > len(SENTENCES)
 
-    def test_images_generate_returns_a_png_of_the_size(
-        self, root: Path, serve_spec: ServeSpec
-    ) -> None:
+    def test_images_generate_returns_a_png_of_the_size(self, shared_t2i: SharedT2i) -> None:
         """client.images.generate returns n PNGs of the declared size."""
         openai = pytest.importorskip("openai")
-        served = serve_spec(load_spec(root / "examples" / "tiny_t2i.toml"))
+        served = shared_t2i()  # examples/tiny_t2i.toml: model tiny-t2i
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
         response = client.images.generate(
             model="tiny-t2i",

@@ -17,7 +17,7 @@ from components import registry
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.serving.jobs import BatchKey, Job, split_outputs
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, SharedT2i
 from tests.lifecycle.serving.test_metrics import counted
 
 SpecMaker = Callable[..., PipelineSpec]
@@ -58,15 +58,15 @@ def batches_run(served: Served) -> float:
 
 
 @pytest.fixture
-def limited(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
-    """Serve the reference pipeline under ``IMAGE_LIMITS``."""
-    return serve_spec(t2i_spec(**IMAGE_LIMITS))
+def limited(shared_t2i: SharedT2i) -> Served:
+    """The module's reference pipeline under ``IMAGE_LIMITS``."""
+    return shared_t2i(**IMAGE_LIMITS)
 
 
 @pytest.fixture
-def plain(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
-    """Serve the reference pipeline with the default limits."""
-    return serve_spec(t2i_spec())
+def plain(shared_t2i: SharedT2i) -> Served:
+    """The module's reference pipeline with the default limits."""
+    return shared_t2i()
 
 
 class TestImageLimits:
@@ -106,12 +106,10 @@ class TestImageLimits:
         assert refused_for(refused, key, param), refused.text
         assert batches_run(limited) == before
 
-    def test_the_default_size_counts_against_max_pixels(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_the_default_size_counts_against_max_pixels(self, shared_t2i: SharedT2i) -> None:
         """Without ``size``, n images of the pipeline's default 16x16 count too: 4 fit 1024
         pixels, a fifth does not (the 10^8-images request of the probe is refused so)."""
-        served = serve_spec(t2i_spec(max_pixels=1024))
+        served = shared_t2i(max_pixels=1024)
         with served.client() as client:
             fits = generate(client, n=4)
             over = generate(client, n=5)
