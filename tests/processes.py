@@ -10,7 +10,8 @@ the signal that ended it), and stdout and stderr are the process's own file
 descriptors.
 
 What Python or torch read once at start (``PYTHONPATH``, ``OMP_NUM_THREADS``) is the
-fork server's; a test that varies those starts ``python`` itself. The ranks of a gloo
+fork server's: a program takes its own ``sys.path`` entries as ``path``; a test that
+varies the others starts ``python`` itself. The ranks of a gloo
 group start here too (``fork_server``).
 
 This module imports nothing of the project: the forked process unpickles its target
@@ -30,6 +31,7 @@ import tempfile
 import time
 import traceback
 import types
+from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import NamedTuple
@@ -113,10 +115,20 @@ class Program:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def start_python(program: str, *argv: str | Path, cwd: Path, module: bool = False) -> Program:
+def start_python(
+    program: str,
+    *argv: str | Path,
+    cwd: Path,
+    module: bool = False,
+    path: Sequence[Path] = (),
+    terminal: str | None = None,
+) -> Program:
     """Start ``python -c program *argv`` (``python -m program`` with ``module``) in ``cwd``.
 
-    The environment is this process's, as ``subprocess`` would pass it.
+    The environment is this process's, as ``subprocess`` would pass it. ``path`` goes on
+    ``sys.path`` after the working directory, where ``PYTHONPATH`` would put it. With
+    ``terminal`` (the path of a pseudo-terminal's secondary end, ``os.ttyname``) stderr
+    is that terminal, and ``Program.stderr`` stays empty.
     """
     folder = Path(tempfile.mkdtemp(prefix="lifecycle-program-"))
     for name in ("stdout", "stderr"):
@@ -124,16 +136,25 @@ def start_python(program: str, *argv: str | Path, cwd: Path, module: bool = Fals
     process = fork_server().Process(
         target=_run_program,
         args=(program, module, [str(arg) for arg in argv], str(cwd), dict(os.environ), folder),
+        kwargs={"path": [str(entry) for entry in path], "terminal": terminal},
     )
     process.start()
     return Program(process, folder)
 
 
 def run_python(
-    program: str, *argv: str | Path, cwd: Path, module: bool = False, timeout: float = 120
+    program: str,
+    *argv: str | Path,
+    cwd: Path,
+    module: bool = False,
+    path: Sequence[Path] = (),
+    timeout: float = 120,
 ) -> Finished:
-    """Run ``python -c program *argv`` (or ``-m``) in ``cwd`` to its end; return what it left."""
-    with start_python(program, *argv, cwd=cwd, module=module) as started:
+    """Run ``python -c program *argv`` (or ``-m``) in ``cwd`` to its end; return what it left.
+
+    ``path``: as ``start_python`` takes it.
+    """
+    with start_python(program, *argv, cwd=cwd, module=module, path=path) as started:
         return started.wait(timeout)
 
 
@@ -144,10 +165,16 @@ def _run_program(
     cwd: str,
     environ: dict[str, str],
     folder: Path,
+    *,
+    path: list[str],
+    terminal: str | None,
 ) -> None:
     """Run the program as a new interpreter would, then end the process with its status."""
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
+        if fd == 2 and terminal is not None:
+            file = os.open(terminal, os.O_WRONLY | os.O_NOCTTY)
+        else:
+            file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
     os.chdir(cwd)
@@ -156,7 +183,7 @@ def _run_program(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a new interpreter has
     status = 0
     # as ``python -m`` and ``-c`` do: the working directory first on the path
-    sys.path.insert(0, cwd if module else "")
+    sys.path[:0] = [cwd if module else "", *path]
     try:
         if module:
             sys.argv = [program, *argv]

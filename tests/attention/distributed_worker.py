@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import msgspec
@@ -33,6 +32,7 @@ from attention.distributed import (
     ulysses_attention,
 )
 from attention.testing import RandomInputs, explicit, rel_err, run_dense
+from tests.ranks import joined
 
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
@@ -118,15 +118,8 @@ CASES: dict[str, Callable[[], float]] = {
 
 def run_cases(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Join the gloo group through ``init_file``, run every case, write this rank's outcomes."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),  # a mismatched collective fails instead of hanging
-    )
     outcomes: dict[str, Outcome] = {}
-    try:
+    with joined(rank, world, init_file):
         for name, case in CASES.items():
             try:
                 outcomes[name] = Outcome(rel_err=case())
@@ -134,6 +127,4 @@ def run_cases(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 outcomes[name] = Outcome(
                     error=f"{type(err).__name__}: {err}", trace=traceback.format_exc()
                 )
-    finally:
-        dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_bytes(msgspec.json.encode(outcomes))

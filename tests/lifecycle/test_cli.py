@@ -1,10 +1,9 @@
-"""The ``lifecycle`` command, called in-process through ``cli.main``; one subprocess smoke test."""
+"""The ``lifecycle`` command, called in-process through ``cli.main``; one smoke test in a
+process of its own (forked from the suite's fork server, ``tests.processes``)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,22 +16,11 @@ from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
 from tests.conftest import Lifecycle, decode_png
 from tests.lifecycle.kinds_for_tests import BrokenKind
+from tests.processes import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
 REFUSED = ROOT / "examples" / "refused"
-
-
-def subprocess_lifecycle(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lifecycle`` with ``args`` in a real process."""
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -558,7 +546,8 @@ class TestSchemaCommand:
 class TestSmoke:
     def test_run_json_in_a_process(self) -> None:
         """``python -m lifecycle run --json`` prints one JSON object and no log lines."""
-        result = subprocess_lifecycle("run", EXAMPLE, "--requests", "1", "--steps", "1", "--json")
+        run = ("run", EXAMPLE, "--requests", "1", "--steps", "1", "--json")
+        result = run_python("lifecycle", *run, cwd=ROOT, module=True)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["summary"]["requests"] == 1
         assert result.stderr == ""

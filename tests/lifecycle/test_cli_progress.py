@@ -1,5 +1,5 @@
 """What ``lifecycle run`` shows while it runs (DESIGN §15): a live ``rich`` display on a
-terminal, plain lines on a pipe, nothing but the JSON under ``--json``. Real processes:
+terminal, plain lines elsewhere, nothing but the JSON under ``--json``. Real processes:
 whether stderr is a terminal is a property of the process."""
 
 from __future__ import annotations
@@ -7,49 +7,70 @@ from __future__ import annotations
 import json
 import os
 import pty
-import subprocess
-import sys
+import select
+import time
+
+import pytest
 
 from tests.lifecycle.test_cli import EXAMPLE, ROOT
+from tests.processes import Finished, run_python, start_python
 
-RUN = (sys.executable, "-m", "lifecycle", "run", str(EXAMPLE), "--requests", "2", "--steps", "2")
-ENV = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"}
+RUN = ("run", EXAMPLE, "--requests", "2", "--steps", "2")
+DEADLINE_S = 120
 
 
-def run_on_a_terminal() -> tuple[int, str, str]:
-    """Run ``lifecycle run`` with stderr on a pseudo-terminal; return its exit code,
-    stdout and what the terminal received."""
+@pytest.fixture(autouse=True)
+def terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give the runs a known terminal type and width (``rich`` reads them from the environment)."""
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setenv("COLUMNS", "120")
+
+
+def run_on_a_terminal() -> tuple[Finished, str]:
+    """Run ``lifecycle run`` with stderr on a pseudo-terminal; return what it left and what
+    the terminal received."""
     primary, secondary = pty.openpty()
-    process = subprocess.Popen(
-        RUN, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=secondary, stdin=subprocess.DEVNULL
-    )
-    os.close(secondary)
     received = bytearray()
-    while True:
-        try:
-            chunk = os.read(primary, 4096)
-        except OSError:  # the terminal closed: the process is gone (Linux says EIO)
-            break
-        if not chunk:
-            break
-        received += chunk
-    os.close(primary)
-    assert process.stdout is not None
-    stdout = process.stdout.read().decode()
-    return process.wait(timeout=120), stdout, received.decode(errors="replace")
+    try:
+        with start_python(
+            "lifecycle", *RUN, cwd=ROOT, module=True, terminal=os.ttyname(secondary)
+        ) as program:
+            deadline = time.monotonic() + DEADLINE_S
+            ended = False
+            while not ended:  # read as it writes: a full terminal would block the run
+                waited = [primary, program.process.sentinel]
+                ready, _, _ = select.select(waited, [], [], max(0, deadline - time.monotonic()))
+                assert ready, f"the run went on past {DEADLINE_S} s"
+                ended = program.process.sentinel in ready
+                if primary in ready:
+                    received += os.read(primary, 4096)
+            finished = program.wait(timeout=DEADLINE_S)
+        os.close(secondary)
+        secondary = -1
+        while True:  # the rest; EIO once nothing is left (the terminal's ends are closed)
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    finally:
+        os.close(primary)
+        if secondary != -1:
+            os.close(secondary)
+    return finished, received.decode(errors="replace")
 
 
-def run_on_pipes(*extra: str) -> subprocess.CompletedProcess[str]:
-    """Run ``lifecycle run`` with stdout and stderr on pipes."""
-    return subprocess.run(
-        [*RUN, *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False
-    )
+def run_on_files(*extra: str) -> Finished:
+    """Run ``lifecycle run`` with stdout and stderr on files, not terminals."""
+    return run_python("lifecycle", *RUN, *extra, cwd=ROOT, module=True)
 
 
 class TestRunProgress:
     def test_a_terminal_gets_the_live_display(self) -> None:
         """On a terminal the run draws rich bars: the requests with moves, the stage's steps."""
-        code, stdout, terminal = run_on_a_terminal()
+        (code, stdout, _), terminal = run_on_a_terminal()
         assert code == 0
         assert "\x1b[" in terminal  # drawn with terminal control sequences
         assert "━" in terminal  # rich's bars
@@ -59,9 +80,9 @@ class TestRunProgress:
         assert "moves (" in terminal
         assert stdout.startswith("pipeline 'tiny-t2i': 2 requests")
 
-    def test_a_pipe_gets_plain_lines(self) -> None:
-        """With stderr on a pipe the run writes one plain line per stage and per request."""
-        result = run_on_pipes()
+    def test_a_file_gets_plain_lines(self) -> None:
+        """With stderr on no terminal the run writes one plain line per stage and per request."""
+        result = run_on_files()
         assert result.returncode == 0
         lines = result.stderr.splitlines()
         assert "\x1b[" not in result.stderr
@@ -78,7 +99,7 @@ class TestRunProgress:
 
     def test_json_prints_only_the_json(self) -> None:
         """Under --json stderr stays empty and stdout is one JSON object."""
-        result = run_on_pipes("--json")
+        result = run_on_files("--json")
         assert result.returncode == 0
         assert result.stderr == ""
         (line,) = result.stdout.splitlines()

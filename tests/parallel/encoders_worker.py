@@ -1,6 +1,6 @@
-"""What each rank of the encoders' parallel tests runs under torchrun.
+"""What each rank of the encoders' parallel tests runs (``run_rank``, spawned by
+``tests.ranks.run_ranks``).
 
-Usage: ``torchrun --nproc-per-node N -m tests.parallel.encoders_worker OUT SPEC...``.
 Each rank loads each spec through the lifecycle (which builds the mesh and splits T5's
 heads and feed-forward units, or shards the weights with FSDP), runs what a pipeline
 asks of every folder component, and writes the bytes of weights it holds; rank 0 also
@@ -9,7 +9,6 @@ saves the outputs. The specs run one after the other on one process group.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ from components.folders.custom import CustomFolderLoader
 from lifecycle import Orchestrator
 from lifecycle.config import load_spec
 from tests.components.encoder_outputs import outputs
+from tests.ranks import joined
 
 
 class Ran(NamedTuple):
@@ -61,5 +61,7 @@ def main(out: Path, specs: list[Path]) -> None:
         (out / f"{spec_path.stem}.rank{rank}.json").write_bytes(msgspec.json.encode(held))
 
 
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), [Path(arg) for arg in sys.argv[2:]])
+def run_rank(rank: int, world: int, init_file: str, out: str, specs: list[str]) -> None:
+    """Join the gloo group as ``rank`` of ``world`` and run ``main`` on the specs."""
+    with joined(rank, world, init_file):
+        main(Path(out), [Path(spec) for spec in specs])

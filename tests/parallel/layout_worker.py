@@ -10,16 +10,13 @@ outputs; every rank writes the bytes it sent and any failure, for the parent to 
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
@@ -32,10 +29,10 @@ from components.layout import ParallelLayout
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
 from lifecycle.config import PipelineSpec, decode_spec
+from tests.ranks import joined
 
 SEED = 20261130
 REQUESTS = 4  # 6 + 11 + 16 + 6 = 39 tokens: 2 or 4 shards cut request 2 (and 1) apart
-TIMEOUT_S = 30
 
 Outputs = list[torch.Tensor]
 
@@ -175,16 +172,8 @@ def run_cases(
 ) -> None:
     """Run every case with ``runner`` as rank ``rank`` of ``world``; write outputs, traffic
     and failures."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = Path(out_dir)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
+    with joined(rank, world, init_file):
         for name, case in cases.items():
             try:
                 with count_traffic() as traffic:
@@ -196,8 +185,6 @@ def run_cases(
                 torch.save(ran.outputs, out / f"{name}.pt")
             sent = Sent(sent=traffic.sent, held_bytes=ran.held_bytes, moved=ran.moved)
             (out / f"{name}.rank{rank}.json").write_bytes(msgspec.json.encode(sent))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_alone(case: Case) -> Ran:

@@ -11,6 +11,7 @@ requests apart.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -25,8 +26,9 @@ from lifecycle.config import decode_spec
 from tests.components.dit_inputs import KINDS, MIXED
 from tests.conftest import PipelineFolders
 from tests.parallel.dit_worker import DitCase, run_dit_alone, run_dit_case
-from tests.parallel.layout_worker import Sent
+from tests.parallel.layout_worker import Ran, Sent
 from tests.parallel.test_layouts import spawn
+from tests.ranks import DIFFUSERS_MODELS
 
 pytestmark = pytest.mark.long
 
@@ -105,7 +107,7 @@ def folders(
 def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every two-rank case's outputs, from one spawn of two gloo processes."""
     out_dir = tmp_path_factory.mktemp("dit_two")
-    spawn(2, cases(TWO, folders), out_dir, run_dit_case)
+    spawn(2, cases(TWO, folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
     return out_dir
 
 
@@ -113,14 +115,20 @@ def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> P
 def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every four-rank case's outputs, from one spawn of four gloo processes."""
     out_dir = tmp_path_factory.mktemp("dit_four")
-    spawn(4, cases(FOUR, folders), out_dir, run_dit_case)
+    spawn(4, cases(FOUR, folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
     return out_dir
+
+
+@functools.cache
+def dit_alone(folder: str, family: str, packed: bool) -> tuple[Ran, int]:
+    """Run a folder's DiT alone once: every layout of it compares with the same outputs."""
+    return run_dit_alone(DitCase(family=family, folder=folder, packed=packed))
 
 
 def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
     """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
     split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
-    (alone, alone_bytes, _), block_bytes = run_dit_alone(case)
+    (alone, alone_bytes, _), block_bytes = dit_alone(case.folder, case.family, case.packed)
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape

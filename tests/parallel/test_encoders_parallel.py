@@ -14,13 +14,14 @@ from components.folders.pipeline import FolderPipeline
 from lifecycle import AdmissionRefused, Orchestrator
 from lifecycle.config import load_spec
 from tests.conftest import PipelineFolders
-from tests.parallel.encoders_worker import run_spec
-from tests.processes import run_python
+from tests.parallel.encoders_worker import run_rank, run_spec
+from tests.ranks import DIFFUSERS_MODELS, run_ranks
 
 pytestmark = pytest.mark.long
 
 # Float32, max|split - alone| / max|alone|, as every layout states (tests/parallel/test_layouts).
 TOLERANCE = 1e-5
+DEADLINE_S = 300.0
 
 ENCODERS: dict[str, tuple[Family, str]] = {
     "t5": ("pixart", "text_encoder"),
@@ -60,23 +61,19 @@ def write_spec(
 
 
 @pytest.fixture(scope="module")
-def two_ranks(
-    pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPathFactory, root: Path
-) -> Path:
-    """Every layout's outputs and held bytes from one torchrun of two gloo ranks."""
+def two_ranks(pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layout's outputs and held bytes from one spawn of two gloo ranks."""
     out = tmp_path_factory.mktemp("encoders")
-    specs = [write_spec(pipeline_folder, out, name, split=True) for name in LAYOUTS]
-    result = run_python(
-        "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "tests.parallel.encoders_worker", out, *specs,
-        cwd=root, module=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    specs = [str(write_spec(pipeline_folder, out, name, split=True)) for name in LAYOUTS]
+    exits = run_ranks(
+        run_rank, 2, out, str(out), specs, deadline_s=DEADLINE_S, preload=DIFFUSERS_MODELS
+    )
+    assert exits == [0, 0], f"rank exit codes {exits} (tracebacks on stderr)"
     return out
 
 
 class TestTwoRanks:
-    """Two gloo ranks under torchrun against one process, on the tiny folders."""
+    """Two gloo ranks against one process, on the tiny folders."""
 
     @pytest.mark.parametrize("layout", list(LAYOUTS))
     def test_equal_to_one_process_holding_about_half(

@@ -2,7 +2,9 @@
 
 ``--nproc`` runs torchrun's agent in the command's own process, so most tests call the
 command in this one: the workers it starts are processes of their own either way. The
-killed rank, and torchrun started by hand, run the command as a process.
+killed rank, and torchrun started by hand, run the command as a process forked from the
+fork server (``tests.processes``), which imported torch already; the workers torchrun
+starts are new interpreters, as torchrun makes them.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Lifecycle
+from tests.processes import run_python, start_python
 
 pytestmark = pytest.mark.long
 
@@ -29,22 +31,10 @@ DATA_PARALLEL = ROOT / "examples" / "parallel" / "tiny_t2i_data_parallel.toml"
 DEADLINE_S = 180
 
 
-def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python *args`` from the repository root and capture its output."""
-    return subprocess.run(
-        [sys.executable, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-        check=False,
-    )
-
-
 def events(stderr: str) -> list[dict[str, object]]:
     """Return the JSON log events in ``stderr`` (torchrun's own lines are not JSON).
 
-    Two workers share the pipe, so one line may hold events of both ranks back to back.
+    Two workers share stderr, so one line may hold events of both ranks back to back.
     """
     decoder = json.JSONDecoder()
     found = []
@@ -101,10 +91,10 @@ class TestRun:
 
     def test_torchrun_splits_requests_across_data_parallel_replicas(self) -> None:
         """Under torchrun with dp_size = 2, each replica runs every other request."""
-        result = run(
-            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        result = run_python(
+            "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "lifecycle", "run", DATA_PARALLEL, "--requests", "4", "--steps", "2",
-            "--json-logs",
+            "--json-logs", cwd=ROOT, module=True, timeout=DEADLINE_S,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert "pipeline 'tiny-t2i-dp': 2 requests x 2 steps" in result.stdout
@@ -175,36 +165,22 @@ class TestFaults:
 
     def test_a_killed_rank_ends_the_run(self) -> None:
         """Killing one worker stops the other within the deadline, exit 3 naming the rank."""
-        command = ["-m", "lifecycle", "run", str(DATA_PARALLEL), "--nproc", "2", "--json-logs"]
+        command: list[str | Path] = ["run", DATA_PARALLEL, "--nproc", "2", "--json-logs"]
         command += ["--requests", "100000", "--steps", "4"]
-        process = subprocess.Popen(
-            [sys.executable, *command],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert process.stderr is not None
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
-        reader.start()
-        try:
+        with start_python("lifecycle", *command, cwd=ROOT, module=True) as program:
             deadline = time.monotonic() + DEADLINE_S
             serving: set[object] = set()
-            while serving != {0, 1} and time.monotonic() < deadline:
-                time.sleep(0.2)
-                serving = {e["rank"] for e in events("\n".join(lines)) if "request_id" in e}
-            assert serving == {0, 1}, "both ranks should be serving requests"
-            workers = children(process.pid)
+            while serving != {0, 1}:
+                assert program.process.is_alive(), program.stderr()[-3000:]
+                assert time.monotonic() < deadline, "both ranks should be serving requests"
+                time.sleep(0.05)
+                written = program.stderr()
+                lines = written[: written.rfind("\n") + 1]  # the last may be half written
+                serving = {e["rank"] for e in events(lines) if "request_id" in e}
+            workers = children(program.pid)
             (rank_one,) = [pid for pid in workers if rank_of(pid) == 1]
             os.kill(rank_one, signal.SIGKILL)
-            process.wait(timeout=DEADLINE_S)
-            reader.join(timeout=DEADLINE_S)
-            stderr = "\n".join(lines)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-        assert process.returncode == 3
-        assert "lifecycle run: rank 1 failed: killed by signal 9" in stderr
+            result = program.wait(timeout=DEADLINE_S)
+        assert result.returncode == 3, result.stderr[-3000:]
+        assert "lifecycle run: rank 1 failed: killed by signal 9" in result.stderr
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)

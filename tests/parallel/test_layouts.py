@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +109,23 @@ SENT = {
 
 
 def spawn(
-    world: int, cases: Mapping[str, Any], out_dir: Path, runner: CaseRunner = run_case
+    world: int,
+    cases: Mapping[str, Any],
+    out_dir: Path,
+    runner: CaseRunner = run_case,
+    preload: Sequence[str] = (),
 ) -> None:
-    """Run ``cases`` with ``runner`` on ``world`` ranks; fail with every rank's error if one
-    fails."""
+    """Run ``cases`` with ``runner`` on ``world`` ranks (their launcher imports ``preload``
+    once); fail with every rank's error if one fails."""
     exits = run_ranks(
-        run_cases, world, out_dir, cases, str(out_dir), runner, deadline_s=DEADLINE_S[world]
+        run_cases,
+        world,
+        out_dir,
+        cases,
+        str(out_dir),
+        runner,
+        deadline_s=DEADLINE_S[world],
+        preload=preload,
     )
     errors = "\n".join(path.read_text() for path in sorted(out_dir.glob("*.error")))
     assert exits == [0] * world, f"rank exit codes {exits}\n{errors}"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from importlib.metadata import PathDistribution
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from components import registry as kinds
 from components.registry import KindRegistry
 from lifecycle.config import ConfigError, decode_spec
 from tests.conftest import Lifecycle
+from tests.processes import run_python
 
 pytestmark = pytest.mark.long
 
@@ -169,8 +168,9 @@ class TestEntryPoints:
             "a package adds kinds through the entry-point group 'pipeline_lifecycle.kinds'"
         )
 
-    @pytest.mark.usefixtures("plugin_path")
-    def test_the_working_directory_is_not_importable(self, work: Path) -> None:
+    def test_the_working_directory_is_not_importable(
+        self, work: Path, plugin: PathDistribution
+    ) -> None:
         """An entry point naming a module that lies only in the cwd fails to load; it never runs.
 
         ``python -m`` puts the working directory first on the path: a process of its own
@@ -178,13 +178,9 @@ class TestEntryPoints:
         """
         spec = work / "cwd.toml"
         spec.write_text(SPEC.replace('kind = "plugin_factory"', 'kind = "cwd_kind"'))
-        result = subprocess.run(
-            [sys.executable, "-m", "lifecycle", "check", "--json", str(spec)],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+        installed = [Path(plugin.locate_file("")), ROOT]  # the plugin's site, tests.plugin.ext
+        result = run_python(
+            "lifecycle", "check", "--json", spec, cwd=work, module=True, path=installed
         )
         assert result.returncode == 2, result.stderr
         assert "imported from the working directory" not in result.stdout + result.stderr
