@@ -1,4 +1,9 @@
-"""Markers and fixtures shared by every test folder."""
+"""Markers and fixtures shared by every test folder.
+
+xdist's controller process loads this file too and runs no test: torch and the project
+are imported where a hook or fixture of a test-running process needs them, not here (3
+CPU-seconds the controller spent before it started the workers).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,28 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import pytest
 import structlog
-import torch
-from PIL import Image
 
-from attention import Platform
-from benchmarks.make_pipeline import Family, write_pipeline
-from lifecycle.cli import main
-from lifecycle.logs import saved_logging
+if TYPE_CHECKING:
+    import torch
+
+    from attention import Platform
+    from benchmarks.make_pipeline import Family
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Share the cores among xdist workers: each one's torch computes on its part of them.
 
     Two workers with a thread a core each would run twice as many threads as cores,
-    which spin waiting for each other.
+    which spin waiting for each other. xdist's controller runs no test and skips this.
     """
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
@@ -36,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     xdist hands whole files to its workers in this order: a long file handed out last
     would end the run on one worker while the others wait.
     """
+    import torch
+
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
     if torch.cuda.is_available():
         return  # the cuda tests run where a GPU is lent
@@ -54,12 +64,16 @@ def root() -> Path:
 @pytest.fixture(scope="session")
 def cpu() -> Platform:
     """A CPU platform built explicitly, so selection does not depend on this machine."""
+    from attention import Platform
+
     return Platform("cpu")
 
 
 @pytest.fixture(autouse=True)
 def fixed_seed() -> None:
     """Seed torch's global generator before each test, so implicit draws (layer init) repeat."""
+    import torch
+
     torch.manual_seed(0)
 
 
@@ -77,6 +91,10 @@ def process_state() -> Iterator[None]:
     one of them would change every later test on the same worker, in an order that
     depends on how the suite is split.
     """
+    import torch
+
+    from lifecycle.logs import saved_logging
+
     context = structlog.contextvars.get_contextvars()
     threads = torch.get_num_threads()
     handlers = {number: signal.getsignal(number) for number in HANDLED_SIGNALS}
@@ -113,6 +131,8 @@ def cli_caller(capture: pytest.CaptureFixture[str]) -> Lifecycle:
 
     def call(*args: str | Path) -> CliResult:
         capture.readouterr()  # what the test printed before is not the command's
+        from lifecycle.cli import main
+
         code = main([str(arg) for arg in args])
         out, err = capture.readouterr()
         return CliResult(code, out, err)
@@ -144,6 +164,9 @@ def decode_png(data: bytes) -> torch.Tensor:
 
     The image must be 8-bit RGB, what the project writes.
     """
+    import torch
+    from PIL import Image
+
     with Image.open(io.BytesIO(data)) as image:
         image.verify()  # chunk CRCs and structure; the image must be opened again after
     with Image.open(io.BytesIO(data)) as image:
@@ -165,6 +188,8 @@ class PipelineFolders:
 
     def __call__(self, family: Family) -> Path:
         """Return the tiny folder of ``family``."""
+        from benchmarks.make_pipeline import write_pipeline
+
         if family not in self.written:
             self.written[family] = write_pipeline(family, self.root / family)
         return self.written[family]
@@ -193,4 +218,6 @@ def one_thread() -> None:
     pipeline request measured 0.3 s with one thread and 4 s with two.) ``process_state``
     puts the count back.
     """
+    import torch
+
     torch.set_num_threads(1)
