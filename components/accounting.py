@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the shard this rank holds of a tensor- or FSDP-sharded weight, else ``tensor``."""
+    # A DTensor exists only once torch.distributed.tensor is imported (the layouts that
+    # shard import it), so a process without one never pays that ~0.6 CPU-s import to ask
+    if "torch.distributed.tensor" not in sys.modules:
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -15,7 +28,7 @@ def module_bytes(module: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for held in (*module.parameters(), *module.buffers()):
-        tensor = held.to_local() if isinstance(held, DTensor) else held
+        tensor = local_shard(held)
         if tensor.numel() == 0:
             continue
         storage = tensor.untyped_storage()

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeAlias
 
 import msgspec
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from components.batch import Batch, Port
 from components.dtypes import DType
@@ -26,6 +26,9 @@ from components.mesh import ComponentParallel
 from components.offload.base import OffloadError
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 LoaderPath: TypeAlias = Literal["custom", "native"]
 FLOAT32_BYTES = 4
@@ -287,15 +290,19 @@ class ComponentLoader:
             if parallel.sequence is not None or parallel.tensor is not None:
                 self.parallelize(module, parallel)
             if parallel.fsdp is not None:
-                fully_shard(module, mesh=parallel.fsdp)
+                # imported here: torch.distributed.fsdp (with torch.distributed.tensor)
+                # costs ~1 CPU-s, which only a process whose layout shards should pay
+                from torch.distributed.fsdp import fully_shard
+
+                sharded = fully_shard(module, mesh=parallel.fsdp)
                 # FSDP keeps a root module gathered after forward, for a backward that
                 # inference never runs: shard it again so a rank holds 1/n between uses
-                module.register_forward_hook(_reshard)
+                module.register_forward_hook(partial(_reshard, sharded))
 
 
-def _reshard(module: nn.Module, args: object, output: object) -> None:
-    assert isinstance(module, FSDPModule)
-    module.reshard()
+def _reshard(sharded: FSDPModule, *hook_args: object) -> None:
+    """A forward hook of ``sharded`` itself: shard its weights again (None keeps the output)."""
+    sharded.reshard()
 
 
 class PathUnavailable(RuntimeError):

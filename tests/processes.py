@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
-"""What the fork server imports: the heavy part of the project's imports, nothing of it."""
+"""What the fork server imports, nothing of the project: torch, and what the ranks of a
+splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it."""
 
 
 def fork_server() -> ForkServerContext:

@@ -17,12 +17,6 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 from torch.nn.functional import pad, silu
 
 from attention import AttentionRequirements, AttentionRole
@@ -361,6 +355,15 @@ class TinyDit(nn.Module):
         attention by heads and its MLP by hidden units with DTensor: q, k, v and the first
         MLP layer column-wise, the output projections row-wise (DTensor all-reduces them).
         """
+        # imported here: torch.distributed.tensor costs ~0.6 CPU-s, which only a process
+        # whose layout splits this DiT should pay
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            ParallelStyle,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
         self.sequence = parallel.sequence
         for block in self.blocks:
             assert isinstance(block, DitBlock)

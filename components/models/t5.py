@@ -15,12 +15,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 from torch.nn.functional import gelu, relu
 
 from attention import Attention
@@ -304,6 +298,15 @@ class T5Encoder(nn.Module):
         Embeddings and norms stay whole. The heads must divide by the degree (admission
         refuses otherwise); the feed-forward units need not.
         """
+        # imported here: torch.distributed.tensor costs ~0.6 CPU-s, which only a process
+        # whose layout splits T5 should pay
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            ParallelStyle,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
         for block in self.encoder.block:
             assert isinstance(block, T5Block)
             plan: dict[str, ParallelStyle] = {

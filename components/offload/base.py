@@ -11,9 +11,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from components.accounting import module_bytes
+from components.accounting import local_shard, module_bytes
 from components.residency import OffloadTarget, OffloadVerify
 
 
@@ -71,7 +70,7 @@ def collect_slots(module: nn.Module) -> list[Slot]:
     storage_owner: dict[int, str] = {}
     for key, tensor in tensors.items():
         name = names[key][0]
-        tensor = _local(tensor)
+        tensor = local_shard(tensor)
         if tensor.device.type != "cpu":
             problems.append(f"'{name}' is on {tensor.device}, not on the host CPU")
             continue
@@ -95,7 +94,9 @@ def collect_slots(module: nn.Module) -> list[Slot]:
     slots: list[Slot] = []
     with torch.no_grad():
         for key, tensor in tensors.items():
-            local = _local(tensor)
+            # a sharded weight stays resident (admission refuses to offload it): its
+            # store accounts the local shard's bytes and never moves them
+            local = local_shard(tensor)
             slot = Slot(tuple(names[key]), tensor, local.shape, local.dtype)
             if local is tensor and (
                 not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != slot.nbytes
@@ -103,15 +104,6 @@ def collect_slots(module: nn.Module) -> list[Slot]:
                 tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
             slots.append(slot)
     return slots
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """Return the shard this rank holds of a tensor- or FSDP-sharded weight, else itself.
-
-    Such a component stays resident (admission refuses to offload it), so its store
-    only accounts the local shard's bytes; it never moves them.
-    """
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Group(Protocol):

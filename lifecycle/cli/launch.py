@@ -21,9 +21,6 @@ from typing import TypeVar
 
 import structlog
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
-from torch.distributed.run import parse_args
-from torch.distributed.run import run as torchrun
 
 from components.mesh import ParallelMesh
 from lifecycle.exits import ExitCode
@@ -62,6 +59,8 @@ def worker() -> Iterator[int]:
         with structlog.contextvars.bound_contextvars(rank=rank()):
             yield rank()
     except Exception as err:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
         # torchrun's error file: the launcher reports this rank's cause by it
         ErrorHandler().record_exception(err)
         raise
@@ -111,6 +110,12 @@ def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
     naming each failed rank and its cause on stderr. torchrun stops the other workers
     as soon as one fails.
     """
+    # imported here, as ErrorHandler in ``worker``: torchrun's launcher (~30 ms of imports)
+    # is needed by this parent only, never by a worker or a single-process run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
     # torch leaves parse_args and run unannotated
     config = parse_args(  # type: ignore[no-untyped-call]
         [

@@ -9,18 +9,24 @@ request run alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from components.kinds.dit.attention import DitAttention
 from components.mesh import ComponentParallel, SequenceGroups
 
-TensorPlan = dict[str, ParallelStyle]
-"""How tensor parallel splits one block: submodule path -> DTensor style."""
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+Split = Literal["colwise", "rowwise"]
+"""How tensor parallel splits one linear layer: by output units (``colwise``, the input
+whole on every rank) or by input units (``rowwise``, the partial outputs all-reduced)."""
+
+TensorPlan = dict[str, Split]
+"""How tensor parallel splits one block: submodule path -> split."""
 
 
 class PackedTransformer(nn.Module):
@@ -55,8 +61,22 @@ class PackedTransformer(nn.Module):
                 module.sequence = parallel.sequence
         if parallel.tensor is None:
             return
+        # imported here: torch.distributed.tensor costs ~0.6 CPU-s, which only a process
+        # whose layout splits tensors should pay
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        styles: dict[Split, Callable[[], ParallelStyle]] = {
+            "colwise": ColwiseParallel,
+            "rowwise": RowwiseParallel,
+        }
         for block, plan in self.tensor_plans(parallel.tensor.size()):
-            parallelize_module(block, parallel.tensor, plan)
+            parallelize_module(
+                block, parallel.tensor, {path: styles[split]() for path, split in plan.items()}
+            )
 
 
 def regroup(

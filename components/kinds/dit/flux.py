@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
@@ -145,10 +144,10 @@ class FluxDoubleBlock(nn.Module):
 
     def tensor_plan(self) -> TensorPlan:
         """Split heads (q, k, v column-wise, outputs row-wise) and the MLPs' hidden units."""
-        plan: TensorPlan = {f"attn.{name}": ColwiseParallel() for name in PROJECTIONS}
-        plan |= {"attn.to_out.0": RowwiseParallel(), "attn.to_add_out": RowwiseParallel()}
+        plan: TensorPlan = {f"attn.{name}": "colwise" for name in PROJECTIONS}
+        plan |= {"attn.to_out.0": "rowwise", "attn.to_add_out": "rowwise"}
         for ff in ("ff", "ff_context"):
-            plan |= {f"{ff}.net.0.proj": ColwiseParallel(), f"{ff}.net.2": RowwiseParallel()}
+            plan |= {f"{ff}.net.0.proj": "colwise", f"{ff}.net.2": "rowwise"}
         return plan
 
 
@@ -197,8 +196,8 @@ class FluxSingleBlock(nn.Module):
             ]
         )
         self.proj_out.weight = nn.Parameter(self.proj_out.weight[:, order], requires_grad=False)
-        plan: TensorPlan = {f"attn.{name}": ColwiseParallel() for name in PROJECTIONS[:3]}
-        return plan | {"proj_mlp": ColwiseParallel(), "proj_out": RowwiseParallel()}
+        plan: TensorPlan = {f"attn.{name}": "colwise" for name in PROJECTIONS[:3]}
+        return plan | {"proj_mlp": "colwise", "proj_out": "rowwise"}
 
 
 def part(width: int, offset: int, rank: int, shards: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn.functional import silu
 
 from components.kinds.dit.attention import DitAttention
@@ -132,9 +131,9 @@ class PixArtBlock(nn.Module):
         """Split heads (q, k, v column-wise, outputs row-wise) and the MLP's hidden units."""
         plan: TensorPlan = {}
         for attn in ("attn1", "attn2"):
-            plan |= {f"{attn}.to_{p}": ColwiseParallel() for p in "qkv"}
-            plan[f"{attn}.to_out.0"] = RowwiseParallel()
-        return plan | {"ff.net.0.proj": ColwiseParallel(), "ff.net.2": RowwiseParallel()}
+            plan |= {f"{attn}.to_{p}": "colwise" for p in "qkv"}
+            plan[f"{attn}.to_out.0"] = "rowwise"
+        return plan | {"ff.net.0.proj": "colwise", "ff.net.2": "rowwise"}
 
 
 class PixArtTransformer(PackedTransformer):

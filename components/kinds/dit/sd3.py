@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
@@ -107,15 +106,15 @@ class Sd3Block(nn.Module):
     def tensor_plan(self) -> TensorPlan:
         """Split heads (q, k, v column-wise, outputs row-wise) and the MLPs' hidden units."""
         projections = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-        plan: TensorPlan = {f"attn.{name}": ColwiseParallel() for name in projections}
-        plan |= {"attn.to_out.0": RowwiseParallel(), "ff.net.0.proj": ColwiseParallel()}
-        plan["ff.net.2"] = RowwiseParallel()
+        plan: TensorPlan = {f"attn.{name}": "colwise" for name in projections}
+        plan |= {"attn.to_out.0": "rowwise", "ff.net.0.proj": "colwise"}
+        plan["ff.net.2"] = "rowwise"
         if not self.last:
             plan |= {
-                "attn.to_add_out": RowwiseParallel(),
-                "ff_context.net.0.proj": ColwiseParallel(),
+                "attn.to_add_out": "rowwise",
+                "ff_context.net.0.proj": "colwise",
             }
-            plan["ff_context.net.2"] = RowwiseParallel()
+            plan["ff_context.net.2"] = "rowwise"
         return plan
 
 
