@@ -293,21 +293,26 @@ Measured with transformers 5.24: its own load of this T5 takes 48-57 MiB besides
 weights, ours 2-4 MiB. A second copy (121 MiB) still cannot hide under it."""
 
 
+@pytest.fixture(scope="module")
+def large_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A T5 encoder of 121 MiB, saved once for both loading paths (they only read it)."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512)
+    folder = tmp_path_factory.mktemp("large") / "t5"
+    T5EncoderModel(config).save_pretrained(str(folder))
+    return folder
+
+
 class TestOneCopy:
     """A load holds one copy of the weights: the mapped file's pages."""
 
     @pytest.mark.parametrize("path", ["native", "custom"])
     def test_peak_memory_stays_within_the_weights(
-        self, tmp_path: Path, root: Path, path: str
+        self, large_t5: Path, root: Path, path: str
     ) -> None:
         """Peak RSS grows by the weights' size and a small constant, never twice the weights."""
-        from transformers import T5Config, T5EncoderModel
-
-        config = T5Config(
-            d_model=512, d_kv=64, d_ff=2048, num_layers=10, num_heads=8, vocab_size=512
-        )
-        T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
-        result = run_python(LOAD_PEAK, tmp_path / "t5", path, cwd=root)
+        result = run_python(LOAD_PEAK, large_t5, path, cwd=root)
         assert result.returncode == 0, result.stderr
         grown, weights = map(int, result.stdout.split())
         assert weights > 100 * 2**20  # large enough that a second copy could not hide

@@ -15,8 +15,9 @@ import pytest
 from lifecycle.config import PipelineSpec
 from lifecycle.serving.auth import DoorKeys, Secret
 from tests.conftest import Lifecycle
+from tests.lifecycle.conftest import reference_maker
 from tests.lifecycle.serving.command import free_port, serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, Servers, ServeSpec, t2i_maker
 
 SpecMaker = Callable[..., PipelineSpec]
 API_KEY = "sk-api-7f3c9e1b"
@@ -51,11 +52,14 @@ def openai() -> ModuleType:
     return pytest.importorskip("openai")
 
 
-@pytest.fixture
-def locked(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
-    """Serve the reference pipeline with both keys."""
-    keys = DoorKeys(api=Secret(API_KEY), admin=Secret(ADMIN_KEY))
-    return serve_spec(t2i_spec(), keys)
+BOTH_KEYS = DoorKeys(api=Secret(API_KEY), admin=Secret(ADMIN_KEY))
+
+
+@pytest.fixture(scope="module")
+def locked(module_servers: Servers, root: Path, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    """The module's reference pipeline with both keys, for tests that only send requests."""
+    make = t2i_maker(reference_maker(root, tmp_path_factory.mktemp("locked")))
+    return module_servers([make()], keys=BOTH_KEYS)
 
 
 class TestApiKey:
@@ -138,9 +142,12 @@ class TestAdminKey:
             client.post("/pipelines/tiny-t2i/sleep", cast_to=object)
         assert denied.value.status_code == 403
 
-    def test_admin_routes_need_the_admin_key(self, locked: Served, openai: ModuleType) -> None:
+    def test_admin_routes_need_the_admin_key(
+        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, openai: ModuleType
+    ) -> None:
         """An admin route answers 401 to no key, a wrong one and the API key, 200 to the
         admin key; the openai client sees the same."""
+        locked = serve_spec(t2i_spec(), BOTH_KEYS)  # its own: the admin key puts it to sleep
         with locked.client() as client:
             codes = [
                 client.post("/v1/pipelines/tiny-t2i/sleep", headers=headers).status_code
