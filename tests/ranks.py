@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
-import json
 import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 
 import torch
@@ -24,6 +25,10 @@ DIFFUSERS_MODELS = (
     "diffusers.models.autoencoders",
 )
 """What ranks that load a pipeline folder's classes import: about 3 CPU-s a process."""
+
+DTENSOR_OPERATIONS = ("torch._dynamo",)
+"""What a rank's first DTensor operation imports (DTensor propagates shardings under
+``torch._disable_dynamo``): about 0.85 CPU-s a process. Diffusers' models import it too."""
 
 LAUNCHER_SLACK_S = 60.0
 """How much longer than its deadline the launcher may take to start, stop the ranks, report."""
@@ -39,36 +44,72 @@ def run_ranks(
 ) -> list[int | None]:
     """Run ``target(rank, world, init_file, *args)`` on ``world`` new processes.
 
-    One launcher process, forked from the fork server (which has imported torch), imports
-    ``target``'s module and the modules named in ``preload``, then forks the ranks: what
-    every rank imports is imported once. Each rank computes on one thread, as torchrun's
-    workers do (``OMP_NUM_THREADS=1``). The ranks meet through a file under ``folder``
-    (no TCP port that another test could take first). A rank that fails leaves its peers
-    blocked in a collective, so the first failure, or the deadline (``deadline_s`` after
-    the launcher starts, its imports included), stops every rank still running. Returns
-    each rank's exit code (None: it was still running at the deadline).
+    The ranks fork from one launcher process, forked once per test process from the fork
+    server (which has imported torch) and kept for every later spawn: it imports
+    ``target``'s module and the modules named in ``preload`` (those of earlier spawns
+    stay imported), then forks the ranks, so what every rank imports is imported once.
+    Each rank computes on one thread, as torchrun's workers do (``OMP_NUM_THREADS=1``).
+    The ranks meet through a file under ``folder`` (no TCP port that another test could
+    take first). A rank that fails leaves its peers blocked in a collective, so the
+    first failure, or the deadline (``deadline_s`` after the launcher takes the spawn,
+    its imports included), stops every rank still running. Returns each rank's exit code
+    (None: it was still running at the deadline).
     """
-    exits_file = folder / "exits.json"
-    launcher = fork_server().Process(
-        target=_launch,
-        args=(
-            target,
-            world,
-            str(folder / "rendezvous"),
-            args,
-            tuple(preload),
-            deadline_s,
-            exits_file,
-        ),
-    )
-    launcher.start()
-    launcher.join(deadline_s + LAUNCHER_SLACK_S)
-    if launcher.exitcode is None:
-        launcher.kill()
-        launcher.join()
-    assert launcher.exitcode == 0, f"the ranks' launcher ended with {launcher.exitcode}"
-    exits: list[int | None] = json.loads(exits_file.read_text())
+    launcher, connection = _launcher()
+    connection.send((target, world, str(folder / "rendezvous"), args, tuple(preload), deadline_s))
+    if not connection.poll(deadline_s + LAUNCHER_SLACK_S):
+        _stop_launcher()
+        raise AssertionError(f"the ranks' launcher did not report within {deadline_s} s")
+    try:
+        exits: list[int | None] = connection.recv()
+    except EOFError:
+        _stop_launcher()
+        raise AssertionError(f"the ranks' launcher ended with {launcher.exitcode}") from None
     return exits
+
+
+_started: list[tuple[ForkServerProcess, Connection]] = []
+"""The launcher of this process's spawns and the parent's end of its pipe, once started."""
+
+
+def _launcher() -> tuple[ForkServerProcess, Connection]:
+    """Return the running launcher, starting it on the first spawn."""
+    if not _started:
+        context = fork_server()
+        connection, launcher_end = context.Pipe()
+        launcher = context.Process(target=_serve, args=(launcher_end,))
+        launcher.start()
+        launcher_end.close()  # only the launcher holds its end now: its exit reads as EOF
+        _started.append((launcher, connection))
+    return _started[0]
+
+
+def _stop_launcher() -> None:
+    """Close the launcher's pipe (it ends when it reads the end) and wait for it to end."""
+    if _started:
+        launcher, connection = _started.pop()
+        connection.close()
+        launcher.join(LAUNCHER_SLACK_S)
+        if launcher.exitcode is None:
+            launcher.kill()
+            launcher.join()
+
+
+# at exit, before multiprocessing's own hook (registered when it was imported) joins it
+atexit.register(_stop_launcher)
+
+
+def _serve(connection: Connection) -> None:
+    """Launch each spawn the parent sends, reply with its ranks' exit codes; end at EOF.
+
+    Unpickling a spawn imports its target's module here, once for all spawns.
+    """
+    while True:
+        try:
+            spawn = connection.recv()
+        except EOFError:
+            return
+        connection.send(_launch(*spawn))
 
 
 def _launch(
@@ -78,11 +119,10 @@ def _launch(
     args: tuple[object, ...],
     preload: tuple[str, ...],
     deadline_s: float,
-    exits_file: Path,
-) -> None:
-    """Fork the ranks from this process, wait for them, and write their exit codes.
+) -> list[int | None]:
+    """Fork the ranks from this process, wait for them, and return their exit codes.
 
-    Forking is safe here: nothing has started a thread or run a torch operation yet.
+    Forking is safe here: this process never starts a thread or runs a torch operation.
     The deadline counts from here, imports included.
     """
     deadline = time.monotonic() + deadline_s
@@ -102,13 +142,12 @@ def _launch(
             running = [p for p in running if p.exitcode is None]
             if any(p.exitcode for p in processes):
                 break
-        exits = [p.exitcode for p in processes]
+        return [p.exitcode for p in processes]
     finally:
         for process in processes:
             if process.is_alive():
                 process.terminate()
             process.join()
-    exits_file.write_text(json.dumps(exits))
 
 
 def _rank(target: Callable[..., None], *args: object) -> None:

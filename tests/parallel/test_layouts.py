@@ -22,7 +22,7 @@ from tests.parallel.layout_worker import (
     run_case,
     run_cases,
 )
-from tests.ranks import run_ranks
+from tests.ranks import DTENSOR_OPERATIONS, run_ranks
 
 pytestmark = pytest.mark.long
 
@@ -138,7 +138,7 @@ def spawn(
 def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The outputs of every two-rank case, from one spawn of two gloo processes."""
     out_dir = tmp_path_factory.mktemp("two")
-    spawn(2, TWO, out_dir)
+    spawn(2, TWO, out_dir, preload=DTENSOR_OPERATIONS)
     return out_dir
 
 
@@ -146,7 +146,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The outputs of every four-rank case, from one spawn of four gloo processes."""
     out_dir = tmp_path_factory.mktemp("four")
-    spawn(4, FOUR, out_dir)
+    spawn(4, FOUR, out_dir, preload=DTENSOR_OPERATIONS)
     return out_dir
 
 
