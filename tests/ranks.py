@@ -62,7 +62,7 @@ def run_ranks(
         raise AssertionError(f"the ranks' launcher did not report within {deadline_s} s")
     try:
         exits: list[int | None] = connection.recv()
-    except EOFError:
+    except (EOFError, ConnectionResetError):  # it ended without replying
         _stop_launcher()
         raise AssertionError(f"the ranks' launcher ended with {launcher.exitcode}") from None
     return exits
@@ -109,10 +109,11 @@ def _serve(connection: Connection) -> None:
             spawn = connection.recv()
         except EOFError:
             return
-        connection.send(_launch(*spawn))
+        connection.send(_launch(connection, *spawn))
 
 
 def _launch(
+    connection: Connection,
     target: Callable[..., None],
     world: int,
     init_file: str,
@@ -130,7 +131,7 @@ def _launch(
         importlib.import_module(name)
     context = multiprocessing.get_context("fork")
     processes = [
-        context.Process(target=_rank, args=(target, rank, world, init_file, *args))
+        context.Process(target=_rank, args=(connection, target, rank, world, init_file, *args))
         for rank in range(world)
     ]
     for process in processes:
@@ -150,7 +151,8 @@ def _launch(
             process.join()
 
 
-def _rank(target: Callable[..., None], *args: object) -> None:
+def _rank(launcher_end: Connection, target: Callable[..., None], *args: object) -> None:
+    launcher_end.close()  # the parent reads EOF when the launcher ends, whatever ranks run
     torch.set_num_threads(1)
     target(*args)
 
