@@ -20,6 +20,7 @@ from components import registry as kinds
 from components.registry import KindRegistry
 from lifecycle.config import ConfigError, decode_spec
 from tests.conftest import Lifecycle
+from tests.plugin.installed import dist_info
 from tests.processes import run_python
 
 pytestmark = pytest.mark.long
@@ -90,13 +91,7 @@ uses = ["stack"]
 @pytest.fixture
 def plugin(tmp_path: Path) -> PathDistribution:
     """The plugin distribution: a ``*.dist-info`` folder in ``tmp_path/site``, installed nowhere."""
-    dist = tmp_path / "site" / "lifecycle_test_plugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: lifecycle-test-plugin\nVersion: 1.0\n"
-    )
-    (dist / "entry_points.txt").write_text(ENTRY_POINTS)
-    return PathDistribution(dist)
+    return dist_info(tmp_path / "site", "lifecycle-test-plugin", ENTRY_POINTS)
 
 
 @pytest.fixture

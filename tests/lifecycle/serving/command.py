@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,14 +29,17 @@ def free_port() -> int:
 
 @contextmanager
 def serving(
-    spec: Path, *options: str, more: tuple[Path, ...] = ()
+    spec: Path, *options: str, more: tuple[Path, ...] = (), path: Sequence[Path] = ()
 ) -> Iterator[tuple[Program, str]]:
     """Run ``lifecycle serve spec *more --threads 1 *options`` on a free loopback port until
-    it is ready; yield the program and its base URL; kill it after."""
+    it is ready; yield the program and its base URL; kill it after.
+
+    ``path``: ``sys.path`` entries of the process, as ``start_python`` takes them.
+    """
     port = free_port()
     specs = (str(spec), *map(str, more))
     command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
-    with start_python("lifecycle", *command, cwd=spec.parent, module=True) as program:
+    with start_python("lifecycle", *command, cwd=spec.parent, module=True, path=path) as program:
         url = f"http://127.0.0.1:{port}"
         for _ in range(int(WATCHDOG_S / 0.1)):
             assert program.process.is_alive(), program.stderr()

@@ -25,6 +25,7 @@ from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.shared_device import SharedDevice, worker_budget
 from tests.lifecycle.conftest import ReferenceSpec, reference_maker
+from tests.lifecycle.serving.file_gate import GATE_ENV, FileGate
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -257,6 +258,15 @@ def gated() -> Iterator[Gate]:
     yield GATE
     GATE.opened.set()  # a failed test leaves no request waiting
     unregister_backend(GatedBackend.name)
+
+
+@pytest.fixture
+def file_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FileGate:
+    """Install ``file_gated`` for the processes the test serves (``FileGate.path``), its gate
+    closed."""
+    gate = FileGate(tmp_path)
+    monkeypatch.setenv(GATE_ENV, str(gate.folder))
+    return gate
 
 
 def run_alone(worker: Worker, job: Job) -> torch.Tensor:

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.file_gate import FileGate
 from tests.lifecycle.serving.test_process import accepted_jobs
 
 pytestmark = pytest.mark.long  # serve processes: scheduled first on the xdist workers
@@ -128,11 +129,11 @@ class TestPorts:
 
 class TestDrainTimeout:
     def test_a_drain_past_its_timeout_releases_the_rest_and_exits_3(
-        self, root: Path, tmp_path: Path
+        self, root: Path, tmp_path: Path, file_gate: FileGate
     ) -> None:
         """A job outlives serving.drain_timeout: one SIGTERM ends the process with exit 3,
         the reason logged, the offload folder removed (it hung until a second signal, then
-        exited 0)."""
+        exited 0). The job waits at a gate that never opens."""
         offload = tmp_path / "offload"
         spec = tmp_path / "t2i.toml"
         text = (root / "examples" / "tiny_t2i.toml").read_text()
@@ -140,15 +141,16 @@ class TestDrainTimeout:
             text.replace(
                 'offload_target = "host"', f'offload_target = "disk"\noffload_dir = "{offload}"'
             )
-            + "\n[serving]\ndrain_timeout = 0.5\nmax_steps = 100000\n"
+            + "\n[serving]\ndrain_timeout = 0.5\n"
         )
-        with serving(spec) as (program, url):
-            body = {"prompt": "a cat", "steps": 100000, "size": "64x64"}
+        with serving(spec, path=file_gate.path) as (program, url):
+            body = {"prompt": "a cat", "steps": 1, "attention_backend": "file_gated"}
             with httpx.Client(base_url=url, timeout=WATCHDOG_S) as client:
                 endless = threading.Thread(
                     target=_post_ignoring_errors, args=(client, body), daemon=True
                 )
                 endless.start()
+                assert file_gate.reached(WATCHDOG_S), program.stderr()
                 for _ in range(int(WATCHDOG_S / 0.01)):  # the job runs
                     if accepted_jobs(client.get("/metrics").text) == 1:
                         break

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.file_gate import FileGate
 from tests.lifecycle.serving.test_metrics import counted
 from tests.processes import Program, start_python
 
@@ -30,16 +31,16 @@ def accepted_jobs(metrics: str) -> int:
 def disk_spec(root: Path, offload: Path) -> Path:
     """Write the reference spec offloading to disk under ``offload``; return its path.
 
-    Its drain waits up to the watchdog: on a loaded machine the four long requests of
-    the drain test outlast the default 30 s, and the test is about the drain, not its
-    timeout. Its requests take up to 600 steps (``serving.max_steps``: 200 by default).
+    Its drain waits up to the watchdog: the drain test holds its requests at the gate
+    through the start of the drain, which a loaded machine may stretch past the default
+    30 s, and the test is about the drain, not its timeout.
     """
     text = (root / "examples" / "tiny_t2i.toml").read_text()
     text = text.replace(
         'offload_target = "host"', f'offload_target = "disk"\noffload_dir = "{offload}"'
     )
     spec = offload.parent / "t2i.toml"
-    spec.write_text(text + f"\n[serving]\ndrain_timeout = {WATCHDOG_S}\nmax_steps = 600\n")
+    spec.write_text(text + f"\n[serving]\ndrain_timeout = {WATCHDOG_S}\n")
     return spec
 
 
@@ -114,16 +115,20 @@ class TestReloadOnSighup:
 
 
 class TestShutdown:
-    def test_sigterm_drains_in_flight_requests(self, root: Path, tmp_path: Path) -> None:
+    def test_sigterm_drains_in_flight_requests(
+        self, root: Path, tmp_path: Path, file_gate: FileGate
+    ) -> None:
         """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files.
 
-        The worker logs at the default level: no move is logged, and /metrics counts them.
+        The requests are held at the gate until the late one is refused. The worker logs
+        at the default level: no move is logged, and /metrics counts them.
         """
         offload = tmp_path / "offload"
         spec = disk_spec(root, offload)
-        with serving(spec) as (program, url):
+        with serving(spec, path=file_gate.path) as (program, url):
             assert any(offload.rglob("*.safetensors"))  # the offloaded weights live on disk
-            body = {"prompt": "a cat", "steps": 600, "size": "32x32", "seed": 1}
+            body = {"prompt": "a cat", "steps": 2, "size": "32x32", "seed": 1}
+            body |= {"attention_backend": "file_gated"}  # held until the late one is refused
             with (
                 httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
                 ThreadPoolExecutor(4) as pool,
@@ -131,6 +136,7 @@ class TestShutdown:
                 running = [
                     pool.submit(client.post, "/v1/images/generations", json=body) for _ in range(4)
                 ]
+                assert file_gate.reached(WATCHDOG_S), program.stderr()
                 for _ in range(int(WATCHDOG_S / 0.01)):  # all four are in flight, none done
                     metrics = client.get("/metrics").text
                     if accepted_jobs(metrics) == len(running):
@@ -142,6 +148,7 @@ class TestShutdown:
                         break
                     threading.Event().wait(0.01)
                 refused = client.post("/v1/images/generations", json={"prompt": "late"})
+                file_gate.open()
                 answers = [future.result(timeout=WATCHDOG_S) for future in running]
             code, _, stderr = program.wait(timeout=WATCHDOG_S)
         assert [a.status_code for a in answers] == [200] * 4
