@@ -155,6 +155,8 @@ class TestDrainTimeout:
                     if accepted_jobs(client.get("/metrics").text) == 1:
                         break
                     threading.Event().wait(0.01)
+                else:
+                    pytest.fail(f"the worker never held the job: {program.stderr()[-2000:]}")
                 program.send_signal(signal.SIGTERM)
                 code, _, stderr = program.wait(timeout=WATCHDOG_S)
         assert code == 3

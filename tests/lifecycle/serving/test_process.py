@@ -142,11 +142,15 @@ class TestShutdown:
                     if accepted_jobs(metrics) == len(running):
                         break
                     threading.Event().wait(0.01)
+                else:
+                    pytest.fail(f"the worker never held all four requests: {metrics}")
                 program.send_signal(signal.SIGTERM)
                 for _ in range(int(WATCHDOG_S / 0.01)):
                     if client.get("/readyz").status_code == 503:
                         break
                     threading.Event().wait(0.01)
+                else:
+                    pytest.fail(f"/readyz never turned 503 on SIGTERM: {program.stderr()[-2000:]}")
                 refused = client.post("/v1/images/generations", json={"prompt": "late"})
                 file_gate.open()
                 answers = [future.result(timeout=WATCHDOG_S) for future in running]
