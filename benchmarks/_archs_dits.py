@@ -24,9 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from structlog.testing import capture_logs
 from torch import nn
 
 from attention import arm_layers
+from benchmarks.attention_overhead import interleaved, threads
 from components import registry
 from components.kinds.dit.flux import FluxInputs
 from components.kinds.dit.loader import DitLoader
@@ -159,27 +158,7 @@ def native_call(module: nn.Module, requests: list[Any]) -> Callable[[], object]:
 def timed(calls: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
     """Return each call's seconds in each round, the calls interleaved (order reversed)."""
     with torch.inference_mode():
-        for call in calls.values():
-            call()  # warm-up: first-call allocations and kernel selection
-        samples: dict[str, list[float]] = {name: [] for name in calls}
-        names = list(calls)
-        for r in range(ROUNDS):
-            for name in names if r % 2 == 0 else reversed(names):
-                start = time.perf_counter()
-                calls[name]()
-                samples[name].append(time.perf_counter() - start)
-    return samples
-
-
-@contextmanager
-def threads(count: int) -> Iterator[None]:
-    """Run torch with ``count`` intra-op threads, restoring the previous count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        return interleaved(calls, rounds=ROUNDS, inner=1)
 
 
 def compare(

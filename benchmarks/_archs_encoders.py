@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,7 +31,7 @@ from structlog.testing import capture_logs
 from torch import nn
 
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
-from benchmarks.attention_overhead import interleaved
+from benchmarks.attention_overhead import interleaved, threads
 from components.folders.custom import CustomFolderLoader
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
@@ -79,17 +78,6 @@ class Row(NamedTuple):
     def ratio(self) -> float:
         """Our time over theirs."""
         return self.ours_ms / self.theirs_ms
-
-
-@contextmanager
-def threads(count: int) -> Iterator[None]:
-    """Run torch with ``count`` intra-op threads, restoring the previous count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def custom_module(

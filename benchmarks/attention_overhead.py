@@ -64,10 +64,10 @@ def interleaved(
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch with one intra-op thread, restoring the previous count after."""
+def threads(count: int) -> Iterator[None]:
+    """Run torch with ``count`` intra-op threads, restoring the previous count after."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
@@ -99,7 +99,7 @@ def main() -> None:
     print("| backend | S | direct µs (best) | Attention µs (best) | ratio (median) | added µs |")
     print("|---|---:|---:|---:|---:|---:|")
     generator = torch.Generator().manual_seed(0)
-    with torch.inference_mode(), one_thread():
+    with torch.inference_mode(), threads(1):
         for backend, kernel in direct.items():
             layer = armed_layer(backend)
             for s in LENGTHS:

@@ -18,7 +18,7 @@ import torch
 
 from attention import AttentionRequirements
 from benchmarks._environment import announce
-from benchmarks.attention_overhead import armed_layer, interleaved, one_thread
+from benchmarks.attention_overhead import armed_layer, interleaved, threads
 
 # B batch, H heads, S seq, D head dim, T packed tokens, N sequences
 
@@ -42,7 +42,7 @@ def main() -> None:
     varlen = AttentionRequirements(packed_varlen=True)
     flash = armed_layer("torch_flash", requirements=varlen)
     sdpa = armed_layer("torch_sdpa", requirements=AttentionRequirements(attention_mask=True))
-    with torch.inference_mode(), one_thread():
+    with torch.inference_mode(), threads(1):
         out_packed = flash.forward_varlen(packed, packed, packed, cu, cu, longest, longest)
         out_padded = sdpa(padded, padded, padded, attn_mask=keep)
         worst = max(

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from attention import Platform
-from benchmarks.attention_overhead import interleaved, one_thread
+from benchmarks.attention_overhead import interleaved, threads
 from benchmarks.make_pipeline import Family, write_pipeline
 from components.batch import Batch
 from components.libraries import is_importable
@@ -158,7 +158,7 @@ def median_ratio(samples: dict[str, list[float]]) -> float:
 
 def measure(family: Family, folder: Path) -> dict[str, float]:
     """Measure the load and one request of ``family``'s bench folder, ours beside diffusers'."""
-    with one_thread():
+    with threads(1):
         loads: dict[str, Callable[[], object]] = {
             "ours": lambda: load_ours(folder).close(),  # closed, so rounds do not pile up
             "diffusers": lambda: load_diffusers(folder),

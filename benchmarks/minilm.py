@@ -41,7 +41,7 @@ from torch import nn
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from attention.testing import explicit
 from benchmarks._environment import announce
-from benchmarks.attention_overhead import interleaved, one_thread
+from benchmarks.attention_overhead import interleaved, threads
 from components.kinds.minilm_files import CONFIG_FILE, Tokens, shipped_file
 from components.kinds.minilm_text_encoder import PROMPTS, MiniLmLoader, mean_pool
 from components.libraries import is_importable
@@ -193,7 +193,7 @@ def main() -> None:
         "| ratio (median) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    with torch.inference_mode(), one_thread():
+    with torch.inference_mode(), threads(1):
         for backend in BACKENDS:
             module = custom(loader, backend)
             for size, tokens in batches.items():
@@ -217,7 +217,7 @@ def main() -> None:
                     f"| {median['custom'] * 1e3:.2f} | {ratio:.3f} |"
                 )
     print()
-    with torch.inference_mode(), one_thread():
+    with torch.inference_mode(), threads(1):
         serving(loader)
 
 

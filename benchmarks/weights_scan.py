@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from benchmarks.attention_overhead import interleaved, one_thread
+from benchmarks.attention_overhead import interleaved, threads
 from components.kinds.minilm_text_encoder import MiniLmLoader
 from components.weights import load_weights, nonfinite
 
@@ -32,7 +32,7 @@ def main() -> None:
     path = Path(loader.options.weights)
     module = loader.build("custom")
     tensors = module.state_dict()
-    with one_thread():
+    with threads(1):
         samples = interleaved(
             {
                 "build": lambda: loader.build("custom"),
