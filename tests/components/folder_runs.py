@@ -139,9 +139,15 @@ def run_diffusers(
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype)
-    pipeline.set_progress_bar_config(disable=True)
     if request.negative_prompt is not None:
         extra["negative_prompt"] = request.negative_prompt
+    return call_pipeline(pipeline, request, **extra)
+
+
+def call_pipeline(pipeline: Any, request: Request, **extra: Any) -> torch.Tensor:
+    """Call a diffusers pipeline on ``request`` (its seed, steps, guidance, size and count);
+    the images in [0, 1] (``extra`` goes to the call)."""
+    pipeline.set_progress_bar_config(disable=True)
     images: torch.Tensor = pipeline(
         request.prompt,
         generator=torch.Generator("cpu").manual_seed(request.seed),

@@ -21,7 +21,7 @@ from components.adapters import (
     merged_weight,
     read_matrices,
 )
-from tests.components.folder_runs import Loaded, Request, batch_of, load
+from tests.components.folder_runs import Loaded, Request, batch_of, call_pipeline, load
 from tests.conftest import PipelineFolders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,19 +138,7 @@ def with_peft(family: str, folder: Path, lora: Path, scale: float) -> dict[str, 
 
 def diffusers_images(family: str, fam: Family, request: Request, scale: float) -> Any:
     """Return diffusers' images of ``request`` with the LoRA at ``scale``."""
-    pipeline = with_peft(family, fam.folder, fam.lora, scale)["pipeline"]
-    pipeline.set_progress_bar_config(disable=True)
-    images: torch.Tensor = pipeline(
-        request.prompt,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
-        height=request.size[0],
-        width=request.size[1],
-        num_images_per_prompt=request.count,
-        output_type="pt",
-    ).images
-    return images
+    return call_pipeline(with_peft(family, fam.folder, fam.lora, scale)["pipeline"], request)
 
 
 @pytest.mark.parametrize("family", list(CASES))
