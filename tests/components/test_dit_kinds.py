@@ -30,6 +30,7 @@ from components.kinds.dit.loader import DitLoader
 from components.loader import PathUnavailable
 from components.offload.disk import DiskStore
 from components.offload.layerwise import LayerwiseStore
+from tests.blocked_imports import blocking
 from tests.components.dit_inputs import KINDS, MIXED, group_of, mixed_groups
 from tests.conftest import PipelineFolders
 from tests.processes import run_python
@@ -293,19 +294,10 @@ class TestLayerwise:
         assert all(torch.equal(a, b) for a, b in zip(resident, streamed, strict=True))
 
 
-WITHOUT_DIFFUSERS = """
-import importlib.abc
+WITHOUT_DIFFUSERS = (
+    blocking("diffusers", "transformers")
+    + """
 import sys
-
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("diffusers", "transformers"):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
-        return None
-
-
-sys.meta_path.insert(0, Blocker())
 
 import torch
 
@@ -326,6 +318,7 @@ with torch.inference_mode():
 print(max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)) <= 1e-5)
 assert "diffusers" not in sys.modules and "transformers" not in sys.modules
 """
+)
 
 
 class TestWithoutDiffusers:

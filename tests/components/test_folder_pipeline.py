@@ -16,6 +16,7 @@ from components.folders.loader import FolderLoader
 from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
 from components.weights import read_header, stored_bytes
+from tests.blocked_imports import blocking
 from tests.components.folder_runs import KINDS
 from tests.conftest import PipelineFolders
 from tests.processes import run_python
@@ -195,19 +196,10 @@ class TestClaimedClasses:
         assert pipeline.components["transformer"].kind == "plugin_transformer"
 
 
-WITHOUT_LIBRARIES = """
-import importlib.abc
+WITHOUT_LIBRARIES = (
+    blocking("diffusers", "transformers")
+    + """
 import sys
-
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("diffusers", "transformers"):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
-        return None
-
-
-sys.meta_path.insert(0, Blocker())
 
 from pathlib import Path
 
@@ -237,6 +229,7 @@ print(tuple(vae.decode(built["vae"], torch.zeros(1, 4, 4, 4)).shape))
 print(tuple(built["text_encoder"](torch.tensor([[5, 6, 1]])).shape))
 assert "diffusers" not in sys.modules and "transformers" not in sys.modules
 """
+)
 
 
 class TestOptionalLibraries:

@@ -32,6 +32,7 @@ from components.offload import LayerwiseStore
 from components.weights import stored_bytes
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import load_spec
+from tests.blocked_imports import blocking
 from tests.conftest import Lifecycle
 from tests.processes import run_python
 
@@ -339,22 +340,7 @@ class TestPipelines:
         assert result.stdout.startswith(f"pipeline '{pipeline}': 2 requests x 2 steps")
 
 
-BLOCKER = """
-import importlib.abc
-import sys
-
-BLOCKED = set(sys.argv[1:])
-
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
-        return None
-
-
-sys.meta_path.insert(0, Blocker())
-
+QUIET = """
 from lifecycle.logs import configure_logging
 
 configure_logging("json", "error")  # stdout carries only what the script prints
@@ -416,7 +402,7 @@ NO_WEIGHTS = (
 
 def run_blocking(root: Path, script: str, *blocked: str) -> list[str]:
     """Run ``script`` from ``root`` in a new process where ``blocked`` cannot be imported."""
-    result = run_python(BLOCKER + script, *blocked, cwd=root, timeout=300)
+    result = run_python(blocking(*blocked) + QUIET + script, cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 

@@ -1,0 +1,28 @@
+"""The start of a program in which some libraries cannot be imported, as if not installed.
+
+A test of an optional library runs its program in a process of its own (the test's
+process has imported them already) and puts ``blocking(...)`` first: every import of a
+blocked library, or of a module inside one, raises ``ModuleNotFoundError`` naming it.
+"""
+
+from __future__ import annotations
+
+FINDER = """
+import importlib.abc
+import sys
+
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+        return None
+
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def blocking(*libraries: str) -> str:
+    """Return the source that, run first, makes ``libraries`` unimportable in its process."""
+    return f"BLOCKED = {sorted(libraries)!r}\n" + FINDER
