@@ -8,6 +8,8 @@ table of its largest grid and crops each request's grid from its centre.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -110,8 +112,8 @@ class PatchEmbed(nn.Module):
         return fresh[None]
 
 
-def unpatchify(tokens: torch.Tensor, rows: int, columns: int, patch: int) -> torch.Tensor:
-    """Fold tokens ``(B, N, p * p * C)`` back into latents ``(B, C, h, w)``."""
-    b = tokens.shape[0]
-    grid = tokens.reshape(b, rows, columns, patch, patch, -1)
-    return torch.einsum("nhwpqc->nchpwq", grid).reshape(b, -1, rows * patch, columns * patch)
+def unpatchify(tokens: torch.Tensor, size: Sequence[int], patch: int) -> torch.Tensor:
+    """Fold tokens ``(B, N, p * p * C)`` back into latents ``(B, C, h, w)``, ``size`` ``(h, w)``."""
+    b, (height, width) = tokens.shape[0], size
+    grid = tokens.reshape(b, height // patch, width // patch, patch, patch, -1)
+    return torch.einsum("nhwpqc->nchpwq", grid).reshape(b, -1, height, width)

@@ -175,12 +175,7 @@ class Sd3Transformer(PackedTransformer):
         counts = [x.shape[0] for x in images]
         stacked = regroup(layout.gather_image(out), counts, [len(g.timestep) for g in groups])
         return [
-            unpatchify(
-                s,
-                g.hidden_states.shape[-2] // self.patch,
-                g.hidden_states.shape[-1] // self.patch,
-                self.patch,
-            )
+            unpatchify(s, g.hidden_states.shape[-2:], self.patch)
             for s, g in zip(stacked, groups, strict=True)
         ]
 
