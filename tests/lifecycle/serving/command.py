@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.conftest import WATCHDOG_S, loopback_client
 from tests.processes import Program, start_python
 
 
@@ -41,16 +41,17 @@ def serving(
     command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
     with start_python("lifecycle", *command, cwd=spec.parent, module=True, path=path) as program:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(int(WATCHDOG_S / 0.1)):
-            assert program.process.is_alive(), program.stderr()
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            threading.Event().wait(0.1)
-        else:
-            raise AssertionError("the worker never became ready")
+        with loopback_client(url, timeout=5) as client:
+            for _ in range(int(WATCHDOG_S / 0.1)):
+                assert program.process.is_alive(), program.stderr()
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                threading.Event().wait(0.1)
+            else:
+                raise AssertionError("the worker never became ready")
         yield program, url
 
 

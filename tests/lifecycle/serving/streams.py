@@ -19,7 +19,7 @@ import msgspec
 from lifecycle.serving.board import server_sent
 from lifecycle.serving.status import worker_status
 from lifecycle.serving.worker import Worker
-from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.conftest import WATCHDOG_S, loopback_client
 
 Message = dict[str, Any]
 
@@ -42,7 +42,7 @@ class EventReader:
         self.seen: list[Message] = []
         self.ended = threading.Event()
         self._incoming: queue.Queue[Message] = queue.Queue()
-        self._client = httpx.Client(base_url=url, timeout=httpx.Timeout(WATCHDOG_S, read=None))
+        self._client = loopback_client(url, httpx.Timeout(WATCHDOG_S, read=None))
         self._response = self._client.send(
             self._client.build_request("GET", "/v1/events", headers=headers), stream=True
         )

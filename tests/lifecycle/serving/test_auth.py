@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-import httpx
 import pytest
 
 from lifecycle.config import PipelineSpec
@@ -17,7 +16,14 @@ from lifecycle.serving.auth import DoorKeys, Secret
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import reference_maker
 from tests.lifecycle.serving.command import free_port, serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, Servers, ServeSpec, t2i_maker
+from tests.lifecycle.serving.conftest import (
+    WATCHDOG_S,
+    Served,
+    Servers,
+    ServeSpec,
+    loopback_client,
+    t2i_maker,
+)
 
 SpecMaker = Callable[..., PipelineSpec]
 API_KEY = "sk-api-7f3c9e1b"
@@ -200,7 +206,7 @@ class TestServeCommand:
         monkeypatch.setenv("LIFECYCLE_ADMIN_KEY", ADMIN_KEY)
         spec = root / "examples" / "tiny_t2i.toml"
         with serving(spec, "--api-key", API_KEY, "--log-level", "debug") as (program, url):
-            with httpx.Client(base_url=url, timeout=WATCHDOG_S) as client:
+            with loopback_client(url) as client:
                 body = {"prompt": "a red fox", "steps": 1}
                 statuses = [
                     client.post("/v1/images/generations", json=body, headers=h).status_code

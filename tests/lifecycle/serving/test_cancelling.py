@@ -123,7 +123,7 @@ class TestDisconnect:
             after = generate(client, steps=2, seed=5)
         assert after.status_code == 200
         assert (pixels(after).int() - expected_pixels(served, 5, 2).int()).abs().max() <= 1
-        metrics = httpx.get(served.url + "/metrics").text
+        metrics = served.get("/metrics").text
         assert 'lifecycle_cancelled_requests_total{stage="denoise"} 1.0' in metrics
 
 
@@ -204,7 +204,7 @@ class TestDelete:
         assert answer.headers["x-request-id"] == "queued-1"
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "request_not_found"
-        metrics = httpx.get(served.url + "/metrics").text
+        metrics = served.get("/metrics").text
         assert 'lifecycle_cancelled_requests_total{stage="queued"} 1.0' in metrics
 
     def test_delete_of_a_finished_request_is_409(

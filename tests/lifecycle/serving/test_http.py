@@ -259,7 +259,7 @@ class TestLoad:
             key = BatchKey(endpoint="images", steps=1 + i % 2, latent_size=(4, 4))
             job = Job(id=str(i), key=key, prompts=[prompts[i % 4]], tokens=16, seed=i)
             assert (got.int() - _pixels(run_alone(served.worker, job)[0]).int()).abs().max() <= 1
-        metrics = httpx.get(served.url + "/metrics").text
+        metrics = served.get("/metrics").text
         assert "lifecycle_refusals_total{" not in metrics  # no request was refused
         assert "lifecycle_batch_size_count" in metrics
         assert OUTPUT_TOLERANCE < 1 / 255  # a pixel level: batched images round alike or by 1

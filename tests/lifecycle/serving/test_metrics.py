@@ -59,7 +59,7 @@ def wait_and_refusals(served: Served) -> dict[str, float]:
             waiting = pool.submit(generate, steps=1)
             until(lambda: len(orchestrator.waiter.queue) == 1)
         assert waiting.result(timeout=WATCHDOG_S).status_code == 200
-    return counted(httpx.get(served.url + "/metrics").text)
+    return counted(served.get("/metrics").text)
 
 
 def test_counts_do_not_depend_on_the_log_level(

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, metric, serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.conftest import WATCHDOG_S, loopback_client
 from tests.lifecycle.serving.file_gate import FileGate
 from tests.lifecycle.serving.test_metrics import counted
 from tests.processes import Program, start_python
@@ -91,7 +91,7 @@ class TestReloadOnSighup:
 
         with (
             serving(a, "--log-level", "info", more=(b,)) as (program, url),
-            httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
+            loopback_client(url) as client,
         ):
             before = images(client)
             a.write_text(t2i_text(root, "a", 2, vae_backend="flash_attn"))
@@ -130,7 +130,7 @@ class TestShutdown:
             body = {"prompt": "a cat", "steps": 2, "size": "32x32", "seed": 1}
             body |= {"attention_backend": "file_gated"}  # held until the late one is refused
             with (
-                httpx.Client(base_url=url, timeout=WATCHDOG_S) as client,
+                loopback_client(url) as client,
                 ThreadPoolExecutor(4) as pool,
             ):
                 running = [

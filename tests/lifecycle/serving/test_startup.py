@@ -7,8 +7,6 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 from attention import Platform
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, RequestEnded
@@ -17,7 +15,7 @@ from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.serving.command import serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 
 SpecMaker = Callable[..., PipelineSpec]
 NAMES = {"text_encoder", "transformer", "vae"}
@@ -85,8 +83,8 @@ class TestReady:
     def test_serve_logs_ready_with_its_admission_time(self, root: Path) -> None:
         """`lifecycle serve --log-level info` logs serving.ready with the measured admit_ms."""
         spec = root / "examples" / "tiny_t2i.toml"
-        with serving(spec, "--log-level", "info") as (program, url):
-            assert httpx.get(url + "/readyz").status_code == 200
+        with serving(spec, "--log-level", "info") as (program, url), loopback_client(url) as client:
+            assert client.get("/readyz").status_code == 200
             program.send_signal(signal.SIGTERM)
             code, _, log = program.wait(timeout=WATCHDOG_S)
         assert code == 0, log

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import msgspec
 
 from lifecycle.config import PipelineSpec
@@ -20,7 +19,7 @@ from lifecycle.serving.auth import DoorKeys, Secret
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
 from lifecycle.states import ComponentState
 from tests.lifecycle.serving.command import metric, serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import (
     RACE_BUDGET,
     EventReader,
@@ -219,7 +218,7 @@ class TestEventStream:
         served = serve_spec(t2i_spec())
 
         def streams() -> float:
-            return metric(httpx.get(served.url + "/metrics").text, "lifecycle_event_streams")
+            return metric(served.get("/metrics").text, "lifecycle_event_streams")
 
         reader = EventReader(served.url)
         reader.until(is_snapshot)
@@ -335,13 +334,12 @@ class TestStreamAgainstTheLogs:
         SIGTERM's drain) the stream carries every residency.moved of the JSON log, in order."""
         spec = evicting_spec(root, tmp_path)
         options = ("--log-format", "json", "--log-level", "info")
-        with serving(spec, *options) as (program, url):
+        with serving(spec, *options) as (program, url), loopback_client(url) as client:
             reader = EventReader(url)
             reader.until(is_snapshot)
 
             def generate(body: dict[str, object]) -> int:
-                answer = httpx.post(url + "/v1/images/generations", json=body, timeout=WATCHDOG_S)
-                return answer.status_code
+                return client.post("/v1/images/generations", json=body).status_code
 
             bodies = [{"prompt": f"a fox {i}", "steps": 2, "seed": i} for i in range(6)]
             with ThreadPoolExecutor(len(bodies)) as pool:
