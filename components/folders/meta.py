@@ -24,8 +24,10 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
-# One build at a time: the registration hook is process-wide while it is installed.
-_building = threading.Lock()
+# One build at a time: the registration hook and the initialisers' switch are
+# process-wide while installed. Reentrant: admission's meta-device build of a folder kind
+# builds it with ``build_empty`` inside.
+_building = threading.RLock()
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -141,11 +141,27 @@ def diffusers_images(family: str, fam: Family, request: Request, scale: float) -
     return call_pipeline(with_peft(family, fam.folder, fam.lora, scale)["pipeline"], request)
 
 
+@pytest.fixture(scope="module")
+def lora_images(families: dict[str, Family]) -> Callable[[str], Any]:
+    """diffusers' images of a family's case with its LoRA at 0.7, made once for the two tests
+    that compare with them (in the first one's body, under its ``one_thread``)."""
+    made: dict[str, Any] = {}
+
+    def images(family: str) -> Any:
+        if family not in made:
+            made[family] = diffusers_images(family, families[family], CASES[family], 0.7)
+        return made[family]
+
+    return images
+
+
 @pytest.mark.parametrize("family", list(CASES))
-def test_merged_and_unmerged_equal_diffusers(family: str, families: dict[str, Family]) -> None:
+def test_merged_and_unmerged_equal_diffusers(
+    family: str, families: dict[str, Family], lora_images: Callable[[str], Any]
+) -> None:
     """At scale 0.7 our merged and unmerged images equal diffusers' with its LoRA loading."""
     fam, request = families[family], CASES[family]
-    theirs = diffusers_images(family, fam, request, 0.7)
+    theirs = lora_images(family)
     with merged(fam, 0.7):
         ours_merged = run(fam.loaded, request)
     with attached(fam, "a"):
@@ -181,7 +197,10 @@ def test_rows_with_different_scales_share_one_forward(families: dict[str, Family
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_through_the_orchestrator_equals_diffusers(
-    family: str, families: dict[str, Family], tmp_path: Path
+    family: str,
+    families: dict[str, Family],
+    lora_images: Callable[[str], Any],
+    tmp_path: Path,
 ) -> None:
     """A folder spec with ``[adapters]``: requests naming them equal diffusers' LoRA images."""
     from attention import Platform
@@ -195,7 +214,7 @@ def test_through_the_orchestrator_equals_diffusers(
         f'[adapters.m]\npath = "{fam.lora}"\n'
         f'[adapters.u]\npath = "{fam.lora}"\nmode = "unmerged"\n'
     )
-    theirs = diffusers_images(family, fam, request, 0.7)
+    theirs = lora_images(family)
     images = {}
     with Orchestrator(load_spec(spec), platform=Platform("cpu")) as orchestrator:
         orchestrator.load()

@@ -48,3 +48,9 @@ class TestMetaBuilds:
         assert [name for name in ops.names if name.endswith("_.default")] == []
         assert real.abs().sum() > 0
         assert all(getattr(nn.init, name) is found for name, found in before.items())
+
+    def test_a_build_inside_a_meta_device_build_runs(self) -> None:
+        """``build_empty`` inside ``build_on_meta`` (admission probing a folder kind) builds."""
+        module = build_on_meta(lambda: build_empty(lambda: nn.Linear(4, 8)))
+        assert isinstance(module, nn.Linear)
+        assert module.weight.is_meta
