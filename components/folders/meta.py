@@ -10,7 +10,6 @@ the weights exist once, in the mapped pages, whatever the size of the model.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -24,10 +23,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
-# One build at a time: the registration hook and the initialisers' switch are
-# process-wide while installed. Reentrant: admission's meta-device build of a folder kind
-# builds it with ``build_empty`` inside.
-_building = threading.RLock()
+# One build at a time: the registration hook is process-wide while it is installed.
+_building = threading.Lock()
 
 
 @contextmanager
@@ -35,10 +32,8 @@ def parameters_on_meta() -> Iterator[None]:
     """Make every parameter registered inside the block a ``meta`` tensor; buffers stay real.
 
     torch's module-wide parameter registration hook replaces each parameter as a
-    module registers it, and ``torch.nn.init``'s initialisers leave a meta tensor as it
-    is: those that follow (``reset_parameters``, a library's ``_init_weights``) cost
-    nothing. On a meta tensor torch would run each through its Python reference
-    implementation, half the time of building a small model.
+    module registers it, so initialisers that follow (``reset_parameters``, a
+    library's ``_init_weights``) run on meta tensors and cost nothing.
     """
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -46,7 +41,7 @@ def parameters_on_meta() -> Iterator[None]:
             return None
         return nn.Parameter(param.to("meta"), requires_grad=False)
 
-    with _building, _initialisers_skip_meta():
+    with _building:
         # torch types the hook as returning None, but uses what it returns (torch 2.x)
         handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
         try:
@@ -55,49 +50,9 @@ def parameters_on_meta() -> Iterator[None]:
             handle.remove()
 
 
-_INITIALISERS = (
-    *("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_"),
-    *("dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_"),
-    *("orthogonal_", "sparse_"),
-)
-"""``torch.nn.init``'s in-place initialisers (those transformers' ``no_init_weights`` skips)."""
-
-
-@contextmanager
-def _initialisers_skip_meta() -> Iterator[None]:
-    """Make ``torch.nn.init``'s initialisers return a meta tensor untouched inside the block.
-
-    Any other tensor is initialised as before, so a module another thread builds
-    meanwhile gets its usual weights.
-    """
-    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
-    for name, initialise in saved.items():
-        setattr(nn.init, name, _skipping_meta(initialise))
-    try:
-        yield
-    finally:
-        for name, initialise in saved.items():
-            setattr(nn.init, name, initialise)
-
-
-def _skipping_meta(initialise: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    @functools.wraps(initialise)
-    def skip_meta(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return tensor if tensor.device.type == "meta" else initialise(tensor, *args, **kwargs)
-
-    return skip_meta
-
-
 def build_empty(factory: Callable[[], nn.Module]) -> nn.Module:
     """Build ``factory()`` with its parameters on ``meta`` (see ``parameters_on_meta``)."""
     with parameters_on_meta(), torch.no_grad():
-        return factory()
-
-
-def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    """Build ``factory()`` under ``torch.device("meta")``: every tensor it makes, buffers
-    too, is a meta tensor, and no initialiser runs (see ``parameters_on_meta``)."""
-    with _building, _initialisers_skip_meta(), torch.device("meta"):
         return factory()
 
 
