@@ -1,25 +1,36 @@
 """Start and join the processes of a parallel layout: ``lifecycle run SPEC --nproc N``.
 
-``--nproc`` starts ``N`` workers of the same ``lifecycle run`` through
-``torch.distributed.run`` (torchrun's own elastic launcher, no spawner of ours); a worker
-is any ``lifecycle run`` that torchrun started (``RANK`` in its environment). Every
-worker binds its rank to the log context, turns SIGTERM (torchrun stopping the group
-after a peer failed) into a normal exit so its orchestrator closes and removes its
-offload folder, and leaves the process group at the end. Rank 0 prints the results.
+``--nproc`` starts ``N`` workers of the same ``lifecycle run`` through torch's elastic
+launcher (torchrun's own agent, no spawner of ours); a worker is any ``lifecycle run``
+that torchrun started (``RANK`` in its environment). The launcher forks its workers, as
+vLLM does: a worker starts with torch and the project already imported, instead of
+paying seconds of CPU for a new interpreter that imports them again. Once CUDA is
+initialized in the launching process the workers are spawned instead (a forked child
+cannot use CUDA). ``torchrun -m lifecycle run SPEC`` starts new interpreters, as it
+always does; they run the same ``main``.
+
+Every worker binds its rank to the log context, turns SIGTERM (the launcher stopping
+the group after a peer failed) into a normal exit so its orchestrator closes and
+removes its offload folder, and leaves the process group at the end. Rank 0 prints the
+results.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import logging
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
-from typing import TypeVar
+from typing import Literal, TypeAlias, TypeVar
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from components.mesh import ParallelMesh
@@ -27,6 +38,14 @@ from lifecycle.exits import ExitCode
 
 T = TypeVar("T")
 SIGTERM_EXIT = 128 + signal.SIGTERM
+OMP_PAUSE_SOFT = 1
+"""``omp_pause_soft`` of OpenMP 5.0's ``omp_pause_resource_t``."""
+
+JOIN_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""The logger of torch's launcher that reports a worker's exit."""
+
+StartMethod: TypeAlias = Literal["fork", "spawn"]
+"""How the launcher starts a worker: a fork of itself, or a new interpreter."""
 
 
 def rank() -> int:
@@ -102,41 +121,112 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
-    """Run ``lifecycle <argv>`` on ``nproc`` local workers through ``torch.distributed.run``.
+def start_method(is_cuda_initialized: bool) -> StartMethod:
+    """Return how the launcher starts its workers: forked, or spawned once CUDA is initialized.
 
-    Returns OK when every worker succeeded; else the common exit code of the workers
-    that failed on their own (REFUSED, BAD_INPUT) when they agree, else FAILED, after
-    naming each failed rank and its cause on stderr. torchrun stops the other workers
+    A forked child inherits the parent's CUDA context without the driver threads behind
+    it, and its first CUDA call fails; a spawned worker is a new interpreter, seconds
+    slower to start, that initializes CUDA itself.
+    """
+    return "spawn" if is_cuda_initialized else "fork"
+
+
+def release_openmp_threads() -> None:
+    """End the OpenMP threads this thread started, so that a fork of it inherits none.
+
+    GNU OpenMP (torch's on Linux) keeps its threads after a parallel region and mends
+    nothing in a forked child: the child inherits the pool without its threads, and its
+    first parallel region waits for them forever. OpenMP 5.0's ``omp_pause_resource_all``
+    ends them; this process's next parallel region starts them again. The ``lifecycle``
+    command has computed nothing when it launches, but an in-process caller of ``main``
+    may have. Without an OpenMP runtime in the process's global symbols there is none
+    to release.
+    """
+    pause = getattr(ctypes.CDLL(None), "omp_pause_resource_all", None)
+    if pause is not None:
+        pause(OMP_PAUSE_SOFT)
+
+
+def run_worker(argv: list[str]) -> None:
+    """Run ``lifecycle <argv>`` as one worker of the launcher; exit with its code.
+
+    torch's launcher calls it in each worker: returning is success, ``SystemExit`` with
+    another code is this rank's failure, which the launcher reports to ``spawn``.
+    """
+    from lifecycle.cli.main import main  # here: lifecycle.cli.main imports this module
+
+    # a fork brings the launcher's handlers (SIGTERM there stops every worker): start
+    # from a new interpreter's, as a worker that torchrun starts does
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:
+        # torch's wrapper would end the process with 0 and no result, a success the
+        # launcher waits on forever; a new interpreter would have died of the signal
+        code = 128 + signal.SIGINT
+    if code != ExitCode.OK:
+        raise SystemExit(code)
+
+
+@contextmanager
+def _without_stacks() -> Iterator[None]:
+    """Keep the lines torch's launcher logs about a failed worker, without stack traces.
+
+    torch logs a worker that exited with a code other than 0 as an exception raised in
+    its own join; ``spawn`` names the rank and its cause instead, never a stack trace.
+    """
+    logger = logging.getLogger(JOIN_LOGGER)
+    logger.addFilter(_strip_stack)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_strip_stack)
+
+
+def _strip_stack(record: logging.LogRecord) -> bool:
+    record.exc_info = None
+    return True
+
+
+def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
+    """Run ``lifecycle <argv>`` on ``nproc`` local workers through torch's elastic launcher.
+
+    The workers are forked from this process (spawned once CUDA is initialized here,
+    ``start_method``). Returns OK when every worker succeeded; else the exit code of the
+    worker that failed first when it failed on its own (REFUSED, BAD_INPUT), else FAILED,
+    after naming each rank and its cause on stderr. The launcher stops the other workers
     as soon as one fails.
     """
     # imported here, as ErrorHandler in ``worker``: torchrun's launcher (~30 ms of imports)
     # is needed by this parent only, never by a worker or a single-process run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
-    from torch.distributed.run import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
-    # torch leaves parse_args and run unannotated
-    config = parse_args(  # type: ignore[no-untyped-call]
+    # torch leaves is_initialized and parse_args unannotated
+    method = start_method(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+    options = parse_args(  # type: ignore[no-untyped-call]
         [
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts",
-            "0",
-            "--monitor-interval",
-            "0.2",
-            "-m",
-            "lifecycle",
-            *argv,
+            # what torchrun's --standalone stands for: a rendezvous on a free local port
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"),
+            *("--rdzv-id", str(uuid.uuid4())),
+            *("--nproc-per-node", str(nproc), "--max-restarts", "0"),
+            *("--monitor-interval", "0.2", "--start-method", method),
+            # the program torchrun would start; the workers call ``run_worker`` instead
+            *("-m", "lifecycle"),
         ]
     )
+    config, _, _ = config_from_args(options)
+    if method == "fork":
+        # multiprocessing flushes sys.stdout and sys.stderr before each fork, so no
+        # line still in a buffer here is written again by a worker
+        release_openmp_threads()
     try:
-        torchrun(config)  # type: ignore[no-untyped-call]
+        with _without_stacks():
+            elastic_launch(config, run_worker)(list(argv))
     except ChildFailedError as failed:
-        # ranks torchrun stopped itself (SIGTERM) after a peer failed say nothing of the cause
-        stopped = (-signal.SIGTERM, SIGTERM_EXIT)
-        codes = {f.exitcode for f in failed.failures.values() if f.exitcode not in stopped}
         for failed_rank, failure in sorted(failed.failures.items()):
             cause = (
                 f"killed by signal {-failure.exitcode}"
@@ -146,6 +236,14 @@ def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
             if failure.message and failure.message != "<N/A>":
                 cause += f": {failure.message}"
             print(f"lifecycle run: rank {failed_rank} failed: {cause}", file=sys.stderr)
+        # the launcher reports the rank that failed first, then stops the others
+        first = ", ".join(str(failed_rank) for failed_rank in sorted(failed.failures))
+        for stopped_rank in sorted(set(range(nproc)) - set(failed.failures)):
+            print(
+                f"lifecycle run: rank {stopped_rank} failed: stopped when rank {first} failed",
+                file=sys.stderr,
+            )
+        codes = {failure.exitcode for failure in failed.failures.values()}
         if len(codes) == 1 and (code := codes.pop()) in (ExitCode.REFUSED, ExitCode.BAD_INPUT):
             return ExitCode(code)
         return ExitCode.FAILED

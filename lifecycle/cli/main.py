@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json-logs", action="store_true", help="log JSON lines at info level")
     run.add_argument("--timeline", type=Path, help="write the residency timeline (Mermaid)")
-    run.add_argument("--nproc", type=positive, help="start N workers through torchrun")
+    run.add_argument("--nproc", type=positive, help="fork N workers through torchrun's launcher")
     run.add_argument(
         "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
     )

@@ -88,8 +88,8 @@ class RunOutcome:
 def run_command(args: argparse.Namespace) -> int:
     """Run ``args.requests`` requests of the spec at ``args.spec``; return the exit code.
 
-    With ``--nproc N`` start N workers of this same command through torchrun instead;
-    a worker (any ``lifecycle run`` torchrun started) runs its replica's share.
+    With ``--nproc N`` fork N workers of this same command through torchrun's launcher
+    instead; a worker (any ``lifecycle run`` torchrun started) runs its replica's share.
     """
     if args.nproc is not None:
         return launch.spawn(args.nproc, launch.worker_argv(args))

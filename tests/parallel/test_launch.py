@@ -1,15 +1,17 @@
 """``lifecycle run`` on several processes: torchrun, ``--nproc``, and a killed rank.
 
-``--nproc`` runs torchrun's agent in the command's own process, so most tests call the
-command in this one: the workers it starts are processes of their own either way. The
-killed rank, and torchrun started by hand, run the command as a process forked from the
-fork server (``tests.processes``), which imported torch already; the workers torchrun
-starts are new interpreters, as torchrun makes them.
+``--nproc`` runs torchrun's agent in the command's own process and forks the workers
+from it, so most tests call the command in this one: the workers are forks of this
+test's process. The killed rank, a line left in a buffer, and torchrun started by hand
+run the command as a process forked from the fork server (``tests.processes``), which
+imported torch already; the workers torchrun starts are new interpreters, as torchrun
+makes them.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -19,7 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from lifecycle.cli import launch
 from tests.conftest import Lifecycle
 from tests.processes import run_python, start_python
 
@@ -46,19 +50,30 @@ def events(stderr: str) -> list[dict[str, object]]:
     return found
 
 
-def children(pid: int) -> list[int]:
-    """Return the child processes of ``pid`` (Linux ``/proc``)."""
+def workers(launcher: int) -> list[int]:
+    """Return the workers ``launcher`` forked, by rank (Linux ``/proc``).
+
+    The launcher forks rank 0 first, and the kernel lists a thread's children in the
+    order they were started (a forked worker's ``/proc/PID/environ`` is the launcher's,
+    without the ``RANK`` it set after the fork).
+    """
     found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for task in Path(f"/proc/{launcher}/task").iterdir():
         found += [int(p) for p in (task / "children").read_text().split()]
     return found
 
 
-def rank_of(pid: int) -> int:
-    """Return the ``RANK`` torchrun gave the worker ``pid`` (Linux ``/proc``)."""
-    variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    (rank,) = [v.removeprefix(b"RANK=") for v in variables if v.startswith(b"RANK=")]
-    return int(rank)
+def command_line(pid: int) -> bytes:
+    """Return the command line ``pid`` was started with (Linux ``/proc``)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.fixture
+def four_processes(tmp_path: Path) -> Path:
+    """The Ulysses spec with a layout of four processes, which two ranks refuse at load."""
+    spec = tmp_path / "four.toml"
+    spec.write_text(ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4"))
+    return spec
 
 
 class TestRun:
@@ -106,6 +121,20 @@ class TestRun:
         assert {rid for rank, rid in begun if rank == 0} == {"r1", "r3"}
         assert {rid for rank, rid in begun if rank == 1} == {"r2", "r4"}
 
+    def test_a_line_left_in_a_buffer_is_printed_once(self, four_processes: Path) -> None:
+        """A line the launcher wrote but had not flushed is not written again by its forks."""
+        program = (
+            "import sys\n"
+            "from lifecycle.cli import main\n"
+            "sys.stdout.reconfigure(line_buffering=False, write_through=False)\n"
+            "sys.stdout.write('written before the launch\\n')\n"  # waits in the buffer
+            "sys.exit(main(sys.argv[1:]))\n"
+        )
+        argv = ["run", four_processes, "--nproc", "2", "--requests", "1"]
+        result = run_python(program, *argv, cwd=ROOT, timeout=DEADLINE_S)
+        assert result.returncode == 1, result.stderr[-3000:]  # each rank refuses the layout
+        assert result.stdout.count("written before the launch") == 1, result.stdout
+
 
 class TestNodes:
     @pytest.mark.slow
@@ -144,16 +173,39 @@ class TestNodes:
         assert sorted(printed) == [0, 1]
 
 
+class TestStart:
+    @pytest.mark.parametrize(("is_cuda_initialized", "method"), [(False, "fork"), (True, "spawn")])
+    def test_workers_are_forked_unless_cuda_is_initialized(
+        self, is_cuda_initialized: bool, method: str
+    ) -> None:
+        """The launcher forks its workers, and spawns them once CUDA is initialized."""
+        assert launch.start_method(is_cuda_initialized) == method
+
+    def test_a_fork_computes_in_parallel_after_openmp_is_released(self) -> None:
+        """A fork of a process that ran OpenMP threads runs its own parallel region."""
+        torch.set_num_threads(2)  # process_state puts the count back
+        torch.ones(1000, 1000).exp()  # OpenMP's threads start, and stay
+        launch.release_openmp_threads()
+        child = multiprocessing.get_context("fork").Process(target=_exp_on_two_threads)
+        child.start()
+        child.join(DEADLINE_S)  # an inherited pool without its threads waits forever
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        assert child.exitcode == 0
+
+
+def _exp_on_two_threads() -> None:
+    torch.set_num_threads(2)
+    torch.ones(1000, 1000).exp()
+
+
 class TestFaults:
     def test_a_refusal_on_every_rank_exits_one(
-        self, tmp_path: Path, lifecycle_fd: Lifecycle
+        self, four_processes: Path, lifecycle_fd: Lifecycle
     ) -> None:
         """A 4-process layout started on 2 ranks is refused on each; exit 1 names them."""
-        spec = tmp_path / "four.toml"
-        spec.write_text(
-            ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4")
-        )
-        result = lifecycle_fd("run", spec, "--nproc", "2", "--requests", "1")
+        result = lifecycle_fd("run", four_processes, "--nproc", "2", "--requests", "1")
         assert result.returncode == 1, result.stderr[-3000:]
         refused = "parallel.invalid_layout  the parallel layout needs 4 processes, but 2 were"
         # The rank refused first exits 1. torchrun then stops the other with SIGTERM,
@@ -164,7 +216,7 @@ class TestFaults:
         assert all(f"lifecycle run: rank {rank} failed: " in result.stderr for rank in (0, 1))
 
     def test_a_killed_rank_ends_the_run(self) -> None:
-        """Killing one worker stops the other within the deadline, exit 3 naming the rank."""
+        """Killing one forked worker stops the other within the deadline, exit 3 naming it."""
         command: list[str | Path] = ["run", DATA_PARALLEL, "--nproc", "2", "--json-logs"]
         command += ["--requests", "100000", "--steps", "4"]
         with start_python("lifecycle", *command, cwd=ROOT, module=True) as program:
@@ -177,10 +229,11 @@ class TestFaults:
                 written = program.stderr()
                 lines = written[: written.rfind("\n") + 1]  # the last may be half written
                 serving = {e["rank"] for e in events(lines) if "request_id" in e}
-            workers = children(program.pid)
-            (rank_one,) = [pid for pid in workers if rank_of(pid) == 1]
-            os.kill(rank_one, signal.SIGKILL)
+            ranks = workers(program.pid)
+            # forks of the launcher, running its program: no new interpreter was started
+            assert [command_line(pid) for pid in ranks] == [command_line(program.pid)] * 2
+            os.kill(ranks[1], signal.SIGKILL)
             result = program.wait(timeout=DEADLINE_S)
         assert result.returncode == 3, result.stderr[-3000:]
         assert "lifecycle run: rank 1 failed: killed by signal 9" in result.stderr
-        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)

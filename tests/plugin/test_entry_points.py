@@ -2,13 +2,12 @@
 
 The registries are built in this process over the test's distribution; one test runs
 ``python -m lifecycle`` to show that a module lying in the working directory is never
-loaded as a plugin, and ``run --nproc``'s workers find the distribution on their path.
+loaded as a plugin; ``run --nproc`` forks its workers from this process, registries and all.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from importlib.metadata import PathDistribution
 from pathlib import Path
 
@@ -112,14 +111,6 @@ def work(tmp_path: Path) -> Path:
     return work
 
 
-@pytest.fixture
-def plugin_path(plugin: PathDistribution, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Install the plugin distribution for new processes: its folder and the repository
-    (where ``tests.plugin.ext`` lies) on ``PYTHONPATH``."""
-    site = plugin.locate_file("")  # the folder that holds the *.dist-info
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(ROOT)]))
-
-
 @pytest.mark.usefixtures("plugin_registries")
 class TestEntryPoints:
     def test_installed_kinds_and_backend_are_admitted(
@@ -218,13 +209,12 @@ class TestEntryPoints:
             "not an nn.ModuleList" in refusal["message"]
         )
 
-    @pytest.mark.usefixtures("plugin_path")
     def test_a_rank_that_raises_ends_the_run(
         self, lifecycle_fd: Lifecycle, work: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A rank whose request raises exits 3; torchrun stops the other; both are named.
 
-        The workers are processes of their own: they find the plugin on their path.
+        The workers are forks of this process: they answer from its registries.
         """
         monkeypatch.chdir(work)
         spec = work / "faulty.toml"
