@@ -30,6 +30,7 @@ from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
 from components.mesh import ComponentParallel, SequenceGroups
 from components.sites import NO_REQUIREMENTS, AttentionSite
+from components.tensor_parallel import split_layers
 from components.weights import DeclaredTensors
 
 # B requests, H heads, S seq, D head dim, E model width, C latent channels,
@@ -361,7 +362,6 @@ class TinyDit(nn.Module):
             ColwiseParallel,
             ParallelStyle,
             RowwiseParallel,
-            parallelize_module,
         )
 
         self.sequence = parallel.sequence
@@ -381,7 +381,7 @@ class TinyDit(nn.Module):
                 projections.split_for_tensor_parallel()
                 plan |= {f"{name}.{p}_proj": ColwiseParallel() for p in "qkv"}
                 plan[f"{name}.out_proj"] = RowwiseParallel()
-            parallelize_module(block, parallel.tensor, plan)
+            split_layers(block, parallel.tensor, plan)
 
 
 class TinyDitLoader(ComponentLoader):

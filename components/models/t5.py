@@ -19,6 +19,7 @@ from torch.nn.functional import gelu, relu
 
 from attention import Attention
 from components.sites import AttentionSite
+from components.tensor_parallel import split_layers
 
 # B batch, H heads, S seq, D head dim (d_kv), E width (d_model), F feed-forward width
 
@@ -304,7 +305,6 @@ class T5Encoder(nn.Module):
             ColwiseParallel,
             ParallelStyle,
             RowwiseParallel,
-            parallelize_module,
         )
 
         for block in self.encoder.block:
@@ -321,4 +321,4 @@ class T5Encoder(nn.Module):
                 # local shard would not say how many units the other ranks hold
                 plan[f"layer.1.DenseReluDense.{name}"] = ColwiseParallel(use_local_output=False)
             plan["layer.1.DenseReluDense.wo"] = RowwiseParallel()
-            parallelize_module(block, mesh, plan)
+            split_layers(block, mesh, plan)

@@ -17,6 +17,7 @@ from torch import nn
 
 from components.kinds.dit.attention import DitAttention
 from components.mesh import ComponentParallel, SequenceGroups
+from components.tensor_parallel import split_layers
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -63,18 +64,14 @@ class PackedTransformer(nn.Module):
             return
         # imported here: torch.distributed.tensor costs ~0.6 CPU-s, which only a process
         # whose layout splits tensors should pay
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         styles: dict[Split, Callable[[], ParallelStyle]] = {
             "colwise": ColwiseParallel,
             "rowwise": RowwiseParallel,
         }
         for block, plan in self.tensor_plans(parallel.tensor.size()):
-            parallelize_module(
+            split_layers(
                 block, parallel.tensor, {path: styles[split]() for path, split in plan.items()}
             )
 
