@@ -24,16 +24,6 @@ if TYPE_CHECKING:
     from benchmarks.make_pipeline import Family
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Start one xdist worker more than there are cores (``-n auto``; ``--maxprocesses`` caps).
-
-    Many tests wait on processes they started (ranks meeting, a served worker, a
-    browser): with a worker a core, a core idled through those waits (23 of 267 core-s
-    on 2 cores, against 6 with a third worker).
-    """
-    return len(os.sched_getaffinity(0)) + 1
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Share the cores among xdist workers: each one's torch computes on its part of them.
 
