@@ -218,9 +218,9 @@ def module_servers(cpu: Platform) -> Iterator[Servers]:
     """Serve workers that live for the whole module; drained after its last test.
 
     For tests that only send requests and read their answers: a worker loads and warms
-    up in a tenth of a CPU-second or more, which each of them would pay again. A test that changes the worker (sleeps, drains,
-    cancels) or reads what it recorded (moves, metrics counts) serves its own with
-    ``serve_spec``.
+    up in a tenth of a CPU-second or more, which each of them would pay again. A test
+    that changes the worker (sleeps, drains, cancels) or reads what it recorded (moves,
+    metrics counts) serves its own with ``serve_spec``.
     """
     servers = Servers(cpu)
     yield servers
