@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import Lifecycle
 from tests.lifecycle.serving.command import free_port, serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S
+from tests.lifecycle.serving.conftest import WATCHDOG_S, loopback_client
 from tests.lifecycle.serving.file_gate import FileGate
 from tests.lifecycle.serving.test_process import accepted_jobs
 
@@ -78,7 +78,8 @@ class TestHugeRequests:
         many = head + f"content-length: {len(inputs)}\r\nconnection: close\r\n\r\n".encode()
         spec = root / "examples" / "tiny_t2i.toml"
         with serving(spec) as (program, url):
-            assert httpx.post(url + "/v1/images/generations", json={"prompt": "a"}).is_success
+            with loopback_client(url, timeout=5) as client:
+                assert client.post("/v1/images/generations", json={"prompt": "a"}).is_success
             growth = [
                 peak_growth(program.pid, lambda: raw_post(url, declared, [megabyte] * 50)),
                 peak_growth(program.pid, lambda: raw_post(url, chunked, [chunk] * 50)),
@@ -145,7 +146,7 @@ class TestDrainTimeout:
         )
         with serving(spec, path=file_gate.path) as (program, url):
             body = {"prompt": "a cat", "steps": 1, "attention_backend": "file_gated"}
-            with httpx.Client(base_url=url, timeout=WATCHDOG_S) as client:
+            with loopback_client(url) as client:
                 endless = threading.Thread(
                     target=_post_ignoring_errors, args=(client, body), daemon=True
                 )

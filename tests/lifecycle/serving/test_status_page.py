@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from lifecycle.config import PipelineSpec
 from tests.lifecycle.serving.command import serving
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
@@ -95,8 +94,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 def generate(url: str, body: dict[str, object]) -> int:
     """Send one image request; return its status."""
-    answer = httpx.post(url + "/v1/images/generations", json=body, timeout=WATCHDOG_S)
-    return answer.status_code
+    with loopback_client(url) as client:
+        return client.post("/v1/images/generations", json=body).status_code
 
 
 class TestStatusPageInABrowser:
