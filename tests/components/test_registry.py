@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import pickle
 from importlib.metadata import PathDistribution
 from pathlib import Path
@@ -29,7 +28,6 @@ BUILTINS = (
     "sd3_transformer",
     "autoencoder_kl",
 )
-KINDS_FOLDER = Path(registry.__file__).parent / "kinds"
 
 
 def distribution(tmp_path: Path, entry_points: str) -> PathDistribution:
@@ -122,20 +120,3 @@ class TestKindRegistry:
         )
         assert "entry point 'missing' failed to load (ModuleNotFoundError" in str(err.value)
         assert "test_factory" not in registry.names()
-
-    def test_kind_modules_do_not_import_the_registry(self) -> None:
-        """The built-in kinds know nothing of the registry that lists them: no import cycle."""
-        for path in sorted(KINDS_FOLDER.glob("*.py")):
-            assert "components.registry" not in imported(path), path.name
-
-
-def imported(path: Path) -> set[str]:
-    """Return every module ``path`` imports, ``from a import b`` counted as ``a`` and ``a.b``."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
