@@ -10,6 +10,9 @@ import torch
 from components.kinds.dit.flux import FluxInputs
 from components.kinds.dit.pixart import PixArtInputs
 from components.kinds.dit.sd3 import Sd3Inputs
+from components.recipes.flux import FluxRecipe
+from components.recipes.pixart import PixArtSigmaRecipe
+from components.recipes.sd3 import Sd3Recipe
 
 KINDS = {"pixart": "pixart_transformer", "flux": "flux_transformer", "sd3": "sd3_transformer"}
 """Each family's DiT kind."""
@@ -24,6 +27,17 @@ class Request(NamedTuple):
 
 MIXED = (Request((8, 8), 3), Request((12, 6), 7), Request((6, 10), 5))
 """Three requests of three sizes and three prompt lengths."""
+
+CLIP_TOKENS = 77
+"""The CLIP tokens SD3 puts before T5's in its joint text."""
+MAX_TEXT = {
+    "pixart": PixArtSigmaRecipe.max_tokens,
+    "flux": FluxRecipe.max_tokens,
+    "sd3": CLIP_TOKENS + Sd3Recipe.max_tokens,
+}
+"""The most text tokens each family's pipeline gives its DiT."""
+SWEEP_GRIDS = ((2, 2), (4, 6), (10, 8))
+"""Latent grids of 1, 6 and 20 image tokens (each family makes a token of 2 x 2 latents)."""
 
 
 def group_of(family: str, config: Mapping[str, Any], requests: Sequence[Request], seed: int) -> Any:
@@ -80,3 +94,29 @@ def mixed_groups(family: str, config: Mapping[str, Any], seed: int = 0) -> list[
     """Return ``MIXED`` as three groups of one request each, plus a group of two."""
     groups = [group_of(family, config, [r], seed + i) for i, r in enumerate(MIXED)]
     return [*groups, group_of(family, config, [MIXED[0], MIXED[0]._replace(text=2)], seed + 9)]
+
+
+def sweep_forwards(family: str, config: Mapping[str, Any]) -> list[list[Any]]:
+    """Return forwards (each a list of groups) that put a shard boundary at every kind of place.
+
+    Each grid of ``N`` image tokens runs alone with every prompt length from 1 to ``N + 3``
+    tokens (under two shards the boundary falls in the image, between text and image,
+    then in the text: a shard of no text rows, then one of no image rows) and with the
+    family's longest text; the largest grid only at the lengths that move the boundary
+    across. Then requests of one token each and of many, packed so that one lies
+    wholly in a shard.
+    """
+    longest = MAX_TEXT[family]
+    forwards = []
+    for grid in SWEEP_GRIDS:
+        tokens = grid[0] * grid[1] // 4
+        lengths = range(1, tokens + 4) if tokens < 10 else (1, tokens, tokens + 1, tokens + 2)
+        for text in (*lengths, longest):
+            forwards.append([Request(grid, text)])
+    small, large = Request((2, 2), 1), Request((10, 8), 7)
+    for requests in ((small, small), (small, large), (large, small), (small, large, small)):
+        forwards.append(list(requests))
+    return [
+        [group_of(family, config, [r], seed) for r in requests]
+        for seed, requests in enumerate(forwards)
+    ]

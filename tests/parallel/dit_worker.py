@@ -4,7 +4,8 @@ A case is a pipeline folder's transformer and a ``[parallel]`` table. Layouts th
 lifecycle loads (sequence parallel) go through ``Orchestrator.load()``; tensor parallel
 and FSDP, whose ``DTensor`` weights the offload stores cannot hold yet, build the same
 loader, mesh and split outside it (as ``layout_worker`` does for the tiny DiT). Every
-case runs the same seeded mixed-size groups (``tests.components.dit_inputs``).
+case runs the same seeded mixed-size groups, or the prompt-length sweep
+(``tests.components.dit_inputs``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from components.kinds.dit.loader import DitLoader
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
 from lifecycle.config import decode_spec
-from tests.components.dit_inputs import KINDS, mixed_groups
+from tests.components.dit_inputs import KINDS, mixed_groups, sweep_forwards
 from tests.parallel.layout_worker import Outputs, Ran
 
 SPEC = """
@@ -43,6 +44,7 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         layout: the lines of the ``[parallel]`` table.
         direct: build through the loader outside the lifecycle (DTensor weights).
         packed: the DiT's ``packed_sequences`` option.
+        sweep: run the prompt-length sweep (many forwards) instead of the mixed groups.
     """
 
     family: str
@@ -50,6 +52,7 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     layout: str = ""
     direct: bool = False
     packed: bool = True
+    sweep: bool = False
 
     def spec(self, *, split: bool = True) -> str:
         """Return the one-DiT spec (without its layout unless ``split``)."""
@@ -77,17 +80,23 @@ def _run(case: DitCase, *, split: bool) -> tuple[Ran, int]:
     options = spec.components["transformer"].options
     loader = registry.get(KINDS[case.family]).from_options(options)
     assert isinstance(loader, DitLoader)
-    groups = mixed_groups(case.family, loader.config)
+    if case.sweep:
+        forwards = sweep_forwards(case.family, loader.config)
+    else:
+        forwards = [mixed_groups(case.family, loader.config)]
     if split and case.direct:
-        return _measured(loader, _built_outside(loader, spec.parallel), groups)
+        return _measured(loader, _built_outside(loader, spec.parallel), forwards)
     with Orchestrator(spec) as orchestrator:
         orchestrator.load()
-        return _measured(loader, orchestrator.module("transformer"), groups)
+        return _measured(loader, orchestrator.module("transformer"), forwards)
 
 
-def _measured(loader: DitLoader, module: torch.nn.Module, groups: list[object]) -> tuple[Ran, int]:
+def _measured(
+    loader: DitLoader, module: torch.nn.Module, forwards: list[list[object]]
+) -> tuple[Ran, int]:
     blocks = loader.blocks(module) or []
-    ran = Ran(_outputs(module, groups), module_bytes(module), {})
+    outputs = [out for groups in forwards for out in _outputs(module, groups)]
+    ran = Ran(outputs, module_bytes(module), {})
     return ran, sum(module_bytes(block) for block in blocks)
 
 

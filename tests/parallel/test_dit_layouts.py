@@ -58,6 +58,8 @@ SENT = {
     "tp_x_ulysses": {"all_to_all", "output_gather"},
 }
 SHARDS_WEIGHTS = ("tensor_parallel", "fsdp", "tp_x_ulysses")
+SWEPT = ("ulysses", "ring", "kv_gather")
+"""The sequence-parallel layouts every family runs the prompt-length sweep under."""
 
 
 WIDE = ("tp_x_ulysses",)
@@ -65,9 +67,10 @@ WIDE = ("tp_x_ulysses",)
 
 
 def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dict[str, DitCase]:
-    """Return every (family, layout) case, named ``family-layout`` (SD3: ``SD3_TWO``)."""
+    """Return every (family, layout) case, named ``family-layout`` (SD3: ``SD3_TWO``), and
+    every family's sweep under each layout of ``SWEPT``, named ``family-layout-sweep``."""
     pairs = [*itertools.product(FAMILIES, layouts), *(("sd3", n) for n in SD3_TWO if n in layouts)]
-    return {
+    found = {
         f"{family}-{name}": DitCase(
             family=family,
             folder=str(folders[f"{family}-wide" if name in WIDE else family]),
@@ -76,6 +79,12 @@ def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dic
         )
         for family, name in pairs
     }
+    for family, name in itertools.product((*FAMILIES, "sd3"), SWEPT):
+        if name in layouts:
+            found[f"{family}-{name}-sweep"] = DitCase(
+                family=family, folder=str(folders[family]), layout=layouts[name][0], sweep=True
+            )
+    return found
 
 
 def with_heads(folder: Path, into: Path, heads: int) -> Path:
@@ -120,21 +129,23 @@ def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @functools.cache
-def dit_alone(folder: str, family: str, packed: bool) -> tuple[Ran, int]:
+def dit_alone(folder: str, family: str, packed: bool, sweep: bool) -> tuple[Ran, int]:
     """Run a folder's DiT alone once: every layout of it compares with the same outputs."""
-    return run_dit_alone(DitCase(family=family, folder=folder, packed=packed))
+    return run_dit_alone(DitCase(family=family, folder=folder, packed=packed, sweep=sweep))
 
 
 def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
     """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
     split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
-    (alone, alone_bytes, _), block_bytes = dit_alone(case.folder, case.family, case.packed)
+    (alone, alone_bytes, _), block_bytes = dit_alone(
+        case.folder, case.family, case.packed, case.sweep
+    )
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape
         error = ((got - want).abs().max() / want.abs().max()).item()
         assert error < TOLERANCE, f"{name}: relative error {error}"
-    layout = name.partition("-")[2]
+    layout = name.split("-")[1]
     for rank in range(world):
         did = msgspec.json.decode((out_dir / f"{name}.rank{rank}.json").read_bytes(), type=Sent)
         assert set(did.sent) == SENT[layout], f"{name} rank {rank} sent {did.sent}"
@@ -156,6 +167,14 @@ class TestTwoRanks:
         self, two: Path, folders: dict[str, Path], name: str
     ) -> None:
         """The split DiT's output equals the one-process output within 1e-5."""
+        assert_equal_to_alone(two, name, cases(TWO, folders)[name], 2)
+
+    @pytest.mark.parametrize("name", [f"{f}-{n}-sweep" for f in (*FAMILIES, "sd3") for n in SWEPT])
+    def test_every_split_equals_one_process(
+        self, two: Path, folders: dict[str, Path], name: str
+    ) -> None:
+        """Every prompt length and image size, wherever the shard boundary falls (a shard
+        without text or image rows, a request wholly in one shard), equals one process."""
         assert_equal_to_alone(two, name, cases(TWO, folders)[name], 2)
 
 

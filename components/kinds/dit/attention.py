@@ -74,8 +74,9 @@ class DitAttention(nn.Module):
         self.sequence: SequenceGroups | None = None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        # the heads are counted from the width: tensor parallel leaves H / tp on a rank
-        return x.view(*x.shape[:-1], -1, self.head_dim)  # (n, H, D)
+        # the heads are counted from the width: tensor parallel leaves H / tp on a rank;
+        # never as -1, which a shard holding no rows of this stream cannot resolve
+        return x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)  # (n, H, D)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project image rows ``(n, E)`` to q, k, v ``(n, H, D)`` (q and k normalised)."""

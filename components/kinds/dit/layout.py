@@ -60,14 +60,15 @@ def modulate(
 
     Returns ``norm(x) * (1 + scale_i) + shift_i`` for the rows of request ``i``, with
     ``shift`` and ``scale`` ``(B, E)``. The modulation is the norm's own affine, so each
-    request costs one fused kernel; padding rows are normalised alone.
+    request costs one fused kernel; padding rows are normalised alone. ``x`` may hold
+    no rows (a shard holding none of this stream).
     """
     width = (x.shape[-1],)
     owner = rows.owner
     if owner is not None:
         return layer_norm(x, width, 1 + scale[owner], shift[owner], eps)
     parts = [layer_norm(x[a:b], width, 1 + scale[i], shift[i], eps) for i, a, b in rows.spans()]
-    if rows.padding:
+    if rows.padding or not parts:
         parts.append(layer_norm(x[x.shape[0] - rows.padding :], width, eps=eps))
     return torch.cat(parts)
 
