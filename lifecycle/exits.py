@@ -19,7 +19,8 @@ class ExitCode(IntEnum):
     BAD_INPUT = 2
     """The spec or an argument is wrong: nothing ran."""
     FAILED = 3
-    """A failure while running: I/O, a transition that failed at run time, out of memory."""
+    """A failure while running: I/O, a transition that failed at run time, out of memory,
+    or an error nothing caught (a bug; its traceback is in the logs)."""
 
 
 HELP = """exit codes:

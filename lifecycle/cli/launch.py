@@ -12,7 +12,8 @@ always does; they run the same ``main``.
 Every worker binds its rank to the log context, turns SIGTERM (the launcher stopping
 the group after a peer failed) into a normal exit so its orchestrator closes and
 removes its offload folder, and leaves the process group at the end. Rank 0 prints the
-results.
+results. An exception nothing caught is a failure while running (exit 3): its cause is
+one line, its traceback goes to the logs (``run.crashed``), never to the terminal.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
-from typing import Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeAlias, TypeVar
 
 import structlog
 import torch
@@ -35,11 +36,23 @@ import torch.distributed as dist
 
 from components.mesh import ParallelMesh
 from lifecycle.exits import ExitCode
+from lifecycle.logs import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 T = TypeVar("T")
 SIGTERM_EXIT = 128 + signal.SIGTERM
 OMP_PAUSE_SOFT = 1
 """``omp_pause_soft`` of OpenMP 5.0's ``omp_pause_resource_t``."""
+
+CRASHED = "run.crashed"
+"""The event of an exception nothing caught in a run, carrying its traceback."""
+
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun's launcher asks its worker to record why it failed."""
+
+log = get_logger("lifecycle")
 
 JOIN_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 """The logger of torch's launcher that reports a worker's exit."""
@@ -77,16 +90,28 @@ def worker() -> Iterator[int]:
     try:
         with structlog.contextvars.bound_contextvars(rank=rank()):
             yield rank()
-    except Exception as err:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        # torchrun's error file: the launcher reports this rank's cause by it
-        ErrorHandler().record_exception(err)
-        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def crashed(err: Exception) -> ExitCode:
+    """Report an exception the run did not catch (a bug met while running): FAILED.
+
+    Its traceback goes to the logs (``run.crashed``); its cause is one line, which
+    torchrun's launcher prints for its worker (from the error file it named) and this
+    process otherwise.
+    """
+    cause = f"{type(err).__name__}: {err}"
+    log.error(CRASHED, cause=cause, exc_info=err)
+    if ERROR_FILE in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+    else:
+        print(f"lifecycle run: failed: {cause}", file=sys.stderr)
+    return ExitCode.FAILED
 
 
 def gather_on_main(value: T) -> list[T] | None:
@@ -190,17 +215,20 @@ def _strip_stack(record: logging.LogRecord) -> bool:
     return True
 
 
-def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
+def spawn(nproc: int, argv: Sequence[str]) -> int:
     """Run ``lifecycle <argv>`` on ``nproc`` local workers through torch's elastic launcher.
 
     The workers are forked from this process (spawned once CUDA is initialized here,
     ``start_method``). Returns OK when every worker succeeded; else the exit code of the
     worker that failed first when it failed on its own (REFUSED, BAD_INPUT), else FAILED,
     after naming each rank and its cause on stderr. The launcher stops the other workers
-    as soon as one fails.
+    as soon as one fails. SIGINT or SIGTERM to this process stops the workers too (the
+    launcher passes the signal on, and kills a worker that outlives its timeout): the
+    shell's code for the signal (130, 143), with no traceback.
     """
-    # imported here, as ErrorHandler in ``worker``: torchrun's launcher (~30 ms of imports)
+    # imported here, as ErrorHandler in ``crashed``: torchrun's launcher (~30 ms of imports)
     # is needed by this parent only, never by a worker or a single-process run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -226,16 +254,12 @@ def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
     try:
         with _without_stacks():
             elastic_launch(config, run_worker)(list(argv))
+    except SignalException as stopped:
+        # the launcher has passed the signal on to the workers and waited for them
+        return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
         for failed_rank, failure in sorted(failed.failures.items()):
-            cause = (
-                f"killed by signal {-failure.exitcode}"
-                if failure.exitcode < 0
-                else f"exit code {failure.exitcode}"
-            )
-            if failure.message and failure.message != "<N/A>":
-                cause += f": {failure.message}"
-            print(f"lifecycle run: rank {failed_rank} failed: {cause}", file=sys.stderr)
+            print(f"lifecycle run: rank {failed_rank} failed: {_cause(failure)}", file=sys.stderr)
         # the launcher reports the rank that failed first, then stops the others
         first = ", ".join(str(failed_rank) for failed_rank in sorted(failed.failures))
         for stopped_rank in sorted(set(range(nproc)) - set(failed.failures)):
@@ -248,3 +272,17 @@ def spawn(nproc: int, argv: Sequence[str]) -> ExitCode:
             return ExitCode(code)
         return ExitCode.FAILED
     return ExitCode.OK
+
+
+def _cause(failure: ProcessFailure) -> str:
+    """Say in one line why a worker failed: its exit, and the cause its error file names.
+
+    ``crashed`` records a worker's uncaught exception in torchrun's error file: its
+    message, and beside it the traceback, which stays out of this line.
+    """
+    if failure.exitcode < 0:
+        return f"killed by signal {-failure.exitcode}"
+    recorded = failure.error_file_data.get("message")
+    if isinstance(recorded, dict) and recorded.get("message"):
+        return f"exit code {failure.exitcode}: {recorded['message']}"
+    return f"exit code {failure.exitcode}"

@@ -21,6 +21,7 @@ from lifecycle import exits
 from lifecycle.cli.arguments import image_size, non_negative, positive
 from lifecycle.cli.console import format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
+from lifecycle.cli.launch import CRASHED
 from lifecycle.cli.output import print_json
 from lifecycle.cli.run import DEFAULT_STEPS, run_command
 from lifecycle.cli.serve import add_budget_options, add_serve_command
@@ -50,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level: str = "info" if json_logs else args.log_level
     # check and run print every refusal with its fix: at the default level a person's
     # console would say it a second time (JSON lines and more verbose levels keep it)
-    hidden = ("lifecycle.refused",) if level == DEFAULT_LOG_LEVEL else ()
+    # a crash is one line there too: its traceback is for JSON lines and verbose levels
+    hidden = ("lifecycle.refused", CRASHED) if level == DEFAULT_LOG_LEVEL else ()
     configure_logging(fmt, level, omit_on_console=hidden)
     code: int = args.handler(args)
     return code

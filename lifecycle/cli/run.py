@@ -94,7 +94,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return launch.spawn(args.nproc, launch.worker_argv(args))
     with launch.worker():
-        return _run_here(args)
+        try:
+            return _run_here(args)
+        except Exception as err:  # a bug: one line naming it, its traceback in the logs
+            return launch.crashed(err)
 
 
 def _run_here(args: argparse.Namespace) -> int:

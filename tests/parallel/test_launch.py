@@ -25,7 +25,7 @@ import torch
 
 from lifecycle.cli import launch
 from tests.conftest import Lifecycle
-from tests.processes import run_python, start_python
+from tests.processes import Program, run_python, start_python
 
 pytestmark = pytest.mark.long
 
@@ -217,18 +217,8 @@ class TestFaults:
 
     def test_a_killed_rank_ends_the_run(self) -> None:
         """Killing one forked worker stops the other within the deadline, exit 3 naming it."""
-        command: list[str | Path] = ["run", DATA_PARALLEL, "--nproc", "2", "--json-logs"]
-        command += ["--requests", "100000", "--steps", "4"]
-        with start_python("lifecycle", *command, cwd=ROOT, module=True) as program:
-            deadline = time.monotonic() + DEADLINE_S
-            serving: set[object] = set()
-            while serving != {0, 1}:
-                assert program.process.is_alive(), program.stderr()[-3000:]
-                assert time.monotonic() < deadline, "both ranks should be serving requests"
-                time.sleep(0.05)
-                written = program.stderr()
-                lines = written[: written.rfind("\n") + 1]  # the last may be half written
-                serving = {e["rank"] for e in events(lines) if "request_id" in e}
+        with start_python("lifecycle", *SERVING, cwd=ROOT, module=True) as program:
+            wait_until_serving(program)
             ranks = workers(program.pid)
             # forks of the launcher, running its program: no new interpreter was started
             assert [command_line(pid) for pid in ranks] == [command_line(program.pid)] * 2
@@ -237,3 +227,38 @@ class TestFaults:
         assert result.returncode == 3, result.stderr[-3000:]
         assert "lifecycle run: rank 1 failed: killed by signal 9" in result.stderr
         assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+    @pytest.mark.parametrize(
+        ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"]
+    )
+    def test_a_signal_to_the_launcher_stops_cleanly(
+        self, signum: signal.Signals, code: int
+    ) -> None:
+        """SIGINT or SIGTERM to ``run --nproc`` stops every worker: 128 + signal, no traceback."""
+        with start_python("lifecycle", *SERVING, cwd=ROOT, module=True) as program:
+            wait_until_serving(program)
+            ranks = workers(program.pid)
+            program.send_signal(signum)
+            result = program.wait(timeout=DEADLINE_S)
+        assert result.returncode == code, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert f"; stopped by {signum.name}\n" in result.stdout
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+SERVING: list[str | Path] = ["run", DATA_PARALLEL, "--nproc", "2", "--json-logs"]
+SERVING += ["--requests", "100000", "--steps", "4"]
+"""A data-parallel run that serves requests on both ranks until it is stopped."""
+
+
+def wait_until_serving(program: Program) -> None:
+    """Return once both ranks of ``program`` (``SERVING``) have logged a request."""
+    deadline = time.monotonic() + DEADLINE_S
+    serving: set[object] = set()
+    while serving != {0, 1}:
+        assert program.process.is_alive(), program.stderr()[-3000:]
+        assert time.monotonic() < deadline, "both ranks should be serving requests"
+        time.sleep(0.05)
+        written = program.stderr()
+        lines = written[: written.rfind("\n") + 1]  # the last may be half written
+        serving = {e["rank"] for e in events(lines) if "request_id" in e}

@@ -54,6 +54,18 @@ class RankFaultKind(EchoKind):
         super().run(module, batch)
 
 
+class RankBugKind(EchoKind):
+    """A plugin kind with a bug that rank 1 of a process group meets: an uncaught error."""
+
+    kind: ClassVar[str] = "plugin_rank_bug"
+
+    def run(self, module: nn.Module, batch: Batch) -> None:
+        """Raise what no run catches on rank 1, as a kind's bug would; echo elsewhere."""
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("a bug of rank 1")
+        super().run(module, batch)
+
+
 class SequentialNet(nn.Module):
     """Two blocks, stacked in an ``nn.Sequential`` rather than an ``nn.ModuleList``."""
 

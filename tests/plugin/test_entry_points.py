@@ -30,6 +30,7 @@ ENTRY_POINTS = """
 plugin_echo = tests.plugin.ext:EchoKind
 plugin_factory = tests.plugin.ext:make_plain
 plugin_rank_fault = tests.plugin.ext:RankFaultKind
+plugin_rank_bug = tests.plugin.ext:RankBugKind
 plugin_sequential_stack = tests.plugin.ext:SequentialStackKind
 plugin_missing = tests.plugin.no_such_module:Kind
 cwd_kind = cwd_plugin:make
@@ -144,7 +145,7 @@ class TestEntryPoints:
             "tiny_upsampler, minilm_text_encoder, t5_encoder, clip_text_encoder, "
             "pixart_transformer, flux_transformer, sd3_transformer, autoencoder_kl, "
             "plugin_echo, plugin_factory, "
-            "plugin_rank_fault, plugin_sequential_stack), got 'evilmod:go'; "
+            "plugin_rank_fault, plugin_rank_bug, plugin_sequential_stack), got 'evilmod:go'; "
             "entry point 'plugin_missing' failed to load "
             "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
         )
@@ -224,4 +225,33 @@ class TestEntryPoints:
         assert "RuntimeError: the device of rank 1 went away" in result.stderr
         assert "lifecycle run: rank 1 failed: exit code 3" in result.stderr
         assert "Traceback" not in result.stderr
+        assert not list(work.glob(".lifecycle/offload/*"))
+
+    @pytest.mark.parametrize("logs", ["console", "json"])
+    def test_a_rank_with_a_bug_fails_in_one_line(
+        self, lifecycle_fd: Lifecycle, work: Path, monkeypatch: pytest.MonkeyPatch, logs: str
+    ) -> None:
+        """An exception no run catches is exit 3 (not 1, refused): one line names the rank and
+        the cause; its traceback is only in the JSON logs (``run.crashed``)."""
+        monkeypatch.chdir(work)
+        spec = work / "faulty.toml"
+        spec.write_text(FAULTY_REPLICAS.replace("plugin_rank_fault", "plugin_rank_bug"))
+        result = lifecycle_fd(
+            "--log-format", logs, "run", spec, "--nproc", "2", "--requests", "100000"
+        )
+        assert result.returncode == 3, result.stderr[-3000:]
+        lines = result.stderr.splitlines()
+        text = [line for line in lines if not line.startswith("{")]
+        assert [line for line in text if "a bug of rank 1" in line] == [
+            "lifecycle run: rank 1 failed: exit code 3: ValueError: a bug of rank 1"
+        ], result.stderr[-3000:]
+        for said in ("Traceback", "py_callstack", "To enable traceback"):
+            assert not any(said in line for line in text), result.stderr[-3000:]
+        crashed = [json.loads(line) for line in lines if '"event":"run.crashed"' in line]
+        if logs == "json":
+            (event,) = crashed
+            assert (event["rank"], event["cause"]) == (1, "ValueError: a bug of rank 1")
+            assert event["exception"][0]["exc_type"] == "ValueError"
+        else:
+            assert crashed == []
         assert not list(work.glob(".lifecycle/offload/*"))
