@@ -131,8 +131,11 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             default and the lowest); it also sets the ageing bound of
             ``lifecycle.serving.priorities``.
         status_page: who may read the status page (``GET /``, ``/status``) and its event
-            stream (``GET /v1/events``): ``open`` to every client, like ``/healthz``, or
-            ``private``: only with the API key (``Authorization: Bearer``).
+            stream (``GET /v1/events``), which show every client's request ids and
+            moves: ``open`` to every client, like ``/healthz``, or ``private``: only
+            with the API key (``Authorization: Bearer``). Unset, the page is behind the
+            API key when the worker has one, open when it has none
+            (``lifecycle.serving.auth.page_access``).
         max_body_bytes: the largest request body (413 beyond; counted as it arrives,
             never read whole). 2 MiB holds ``max_inputs`` sentences of ~1,000
             characters, about what a 256-token encoder reads of each.
@@ -168,7 +171,7 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     # requests over time (DESIGN §15)
     max_request_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     max_priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
-    status_page: StatusPage = "open"
+    status_page: StatusPage | UnsetType = UNSET
     # what one request and one connection may ask, and the start-up (DESIGN §13)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 2 * 2**20
     max_inputs: Annotated[int, msgspec.Meta(ge=1)] = 2048

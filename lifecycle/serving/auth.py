@@ -11,8 +11,10 @@ Routes opt in with one line, ``dependencies=API_KEY`` or ``dependencies=ADMIN``:
   wrong key is a 401.
 
 The status page and its event stream (``GET /``, ``/status``, ``GET /v1/events``)
-follow ``serving.status_page`` (``page_door``): ``open`` to every client (a browser's
-``EventSource`` sends no header), or ``private``: the API key, and closed (403) while
+show every client's request ids, their begin and end and the moves they caused; they
+follow ``serving.status_page`` (``page_access``). Once the worker has an API key they
+are behind it, unless every spec says ``open`` explicitly (a browser's
+``EventSource`` sends no header); ``private`` needs the key, and is closed (403) while
 the worker has none. ``/healthz``, ``/readyz`` and ``/metrics`` take no key.
 
 Keys are kept only as SHA-256 digests, compared with ``hmac.compare_digest``
@@ -27,9 +29,11 @@ import hmac
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 from fastapi import Depends, Request
 from fastapi.params import Depends as Dependency
+from msgspec import UnsetType
 
 from lifecycle.config import StatusPage
 from lifecycle.serving.errors import ApiError
@@ -133,30 +137,46 @@ def require_admin(request: Request) -> None:
         raise _unauthorized(offered, "admin key", "--admin-key", ADMIN_KEY_VARIABLE)
 
 
-def require_private(request: Request) -> None:
-    """Let a request read a private status page with the API key (or the admin key).
+PageAccess: TypeAlias = Literal["open", "api_key", "closed"]
+"""Who may read the status page and its stream: every client, holders of the API key
+(or the admin key), or no one (``private`` on a worker without an API key)."""
 
-    Raises:
-        ApiError: 403, the worker has no API key (the page is closed); 401, the key
-            is missing or wrong.
+
+def page_access(status_pages: Iterable[StatusPage | UnsetType], keys: DoorKeys) -> PageAccess:
+    """Return who may read the status page, given each pipeline's ``serving.status_page``.
+
+    One page shows every pipeline, so it is private when any says so, and open on a
+    locked worker only when every one says ``open`` explicitly: the page shows other
+    clients' request ids and moves, which a key is meant to keep from strangers.
     """
-    if _keys(request).api is None:
-        raise ApiError(
-            403,
-            'serving.status_page is "private", but the worker has no API key: start it '
-            f"with --api-key KEY (or {API_KEY_VARIABLE}) and send Authorization: Bearer "
-            'KEY, or set serving.status_page = "open"',
-            kind="permission_error",
-            code="status_page_private",
-        )
-    require_api_key(request)
+    pages = set(status_pages)
+    if "private" in pages:
+        return "closed" if keys.api is None else "api_key"
+    if keys.api is None or pages == {"open"}:
+        return "open"
+    return "api_key"
 
 
-def page_door(status_pages: Iterable[StatusPage]) -> list[Dependency]:
+def page_door(status_pages: Iterable[StatusPage | UnsetType]) -> list[Dependency]:
     """Return the dependencies of the status page and its event stream, given each
-    pipeline's ``serving.status_page``: one page shows them all, so it is private when
-    any of them says so."""
-    return [Depends(require_private)] if "private" in set(status_pages) else []
+    pipeline's ``serving.status_page`` (``page_access`` decides, with the app's keys)."""
+    pages = tuple(status_pages)
+
+    def require_page(request: Request) -> None:
+        access = page_access(pages, _keys(request))
+        if access == "closed":
+            raise ApiError(
+                403,
+                'serving.status_page is "private", but the worker has no API key: start it '
+                f"with --api-key KEY (or {API_KEY_VARIABLE}) and send Authorization: Bearer "
+                'KEY, or set serving.status_page = "open"',
+                kind="permission_error",
+                code="status_page_private",
+            )
+        if access == "api_key":
+            require_api_key(request)
+
+    return [Depends(require_page)]
 
 
 API_KEY: list[Dependency] = [Depends(require_api_key)]

@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
+from msgspec import UNSET
 
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Move, Refused, Transitioned
-from lifecycle.serving.auth import DoorKeys, Secret
+from lifecycle.serving.auth import DoorKeys, Secret, page_access
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
 from lifecycle.states import ComponentState
 from tests.lifecycle.serving.command import metric, serving
@@ -382,6 +383,51 @@ class TestStatusPage:
         assert set(re.findall(r"https?://[^\"' )]+", body)) == {"http://www.w3.org/2000/svg"}
         assert not re.search(r"<(link|img|iframe)\b|<script\s+src|@import", body)
 
+    def test_a_locked_worker_keeps_its_page_and_stream_behind_the_key(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """With an API key and status_page unset, a stranger gets 401 from the page and
+        the stream; the key holder's stream shows another client's request."""
+        served = serve_spec(t2i_spec(), DoorKeys(api=Secret("sesame")))
+        key = {"authorization": "Bearer sesame"}
+        stranger = EventReader(served.url)
+        holder = EventReader(served.url, headers=key)
+        try:
+            holder.until(is_snapshot)
+            with served.client() as client:
+                pages = [client.get(path).status_code for path in ("/", "/status")]
+                answer = client.post(
+                    "/v1/images/generations",
+                    json={"prompt": "a fox", "steps": 1},
+                    headers={**key, "x-request-id": "theirs-1"},
+                )
+                keyed = client.get("/status", headers=key).status_code
+            holder.until(lambda m: m.get("event", {}).get("request_id") == "theirs-1")
+        finally:
+            stranger.close()
+            holder.close()
+        assert answer.status_code == 200
+        assert (pages, keyed) == ([401, 401], 200)
+        assert (stranger.status, holder.status) == (401, 200)
+        assert stranger.error["code"] == "invalid_api_key"
+        assert stranger.seen == []
+
+    def test_an_explicitly_open_page_is_open_on_a_locked_worker(
+        self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]
+    ) -> None:
+        """status_page = "open" written in the spec opens the page and stream to every
+        client, although the /v1 routes need the key."""
+        served = serve_spec(t2i_spec(status_page="open"), DoorKeys(api=Secret("sesame")))
+        stranger = EventReader(served.url)
+        try:
+            stranger.until(is_snapshot)
+        finally:
+            stranger.close()
+        with served.client() as client:
+            page = client.get("/status").status_code
+            models = client.get("/v1/models").status_code
+        assert (stranger.status, page, models) == (200, 200, 401)
+
     def test_private_page_needs_the_api_key(
         self,
         serve_spec: ServeSpec,
@@ -417,6 +463,24 @@ class TestStatusPage:
             answer = client.get("/")
         assert answer.status_code == 403
         assert "--api-key KEY (or LIFECYCLE_API_KEY)" in answer.json()["error"]["message"]
+
+
+class TestPageAccess:
+    def test_a_key_closes_the_page_unless_every_spec_opens_it(self) -> None:
+        """Unset follows the key; one page shows every pipeline, so one unset or private
+        spec keeps it behind the key, and private without a key closes it."""
+        locked, unlocked = DoorKeys(api=Secret("sesame")), DoorKeys()
+        table = {
+            pages: (page_access(pages, unlocked), page_access(pages, locked))
+            for pages in [(UNSET,), ("open",), ("private",), ("open", UNSET), ("open", "open")]
+        }
+        assert table == {
+            (UNSET,): ("open", "api_key"),
+            ("open",): ("open", "open"),
+            ("private",): ("closed", "api_key"),
+            ("open", UNSET): ("open", "api_key"),
+            ("open", "open"): ("open", "open"),
+        }
 
 
 def test_page_assets_ship_in_the_wheel(root: Path, tmp_path: Path) -> None:
