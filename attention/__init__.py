@@ -1,4 +1,4 @@
-"""Attention kernels, their capabilities, and how one is chosen for each layer (DESIGN §4)."""
+"""Attention kernels, their capabilities, and how one is chosen for each layer (design §4)."""
 
 from __future__ import annotations
 

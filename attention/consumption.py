@@ -1,7 +1,7 @@
 """Whether a component's explicit backends were consumed: one rule for plans and scopes.
 
 Admission applies it to the sites a kind declares, and a scope to the layers a
-generic component built; both read the same messages (DESIGN §4.3).
+generic component built; both read the same messages (design §4.3).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _consumption(
         if record.role not in roles:
             continue
         chosen = record.selection.backend
-        # The one fallback an explicit component request may take (DESIGN §4.2).
+        # The one fallback an explicit component request may take (design §4.2).
         fell_back = record.source is source and record.selection.reason == DENSE_CROSS_FALLBACK
         if chosen != name and not fell_back:
             return (

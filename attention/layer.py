@@ -198,7 +198,7 @@ class Attention(nn.Module):
         impl = self._impl if self._switch is None else self._request_impl()
         return impl.forward_with_lse(q, k, v, is_causal=is_causal, scale=self.scale)
 
-    # -- the per-request override (DESIGN §4.6) -----------------------------------
+    # -- the per-request override (design §4.6) -----------------------------------
 
     _switch: dict[str, AttentionImpl] | None = None
     """A switchable layer's impls prepared per backend name; None on every other layer,

@@ -1,7 +1,7 @@
 """Where the project's structlog events go when the application configured nothing.
 
 structlog's own default prints to stdout, which an embedding program keeps for
-its results (DESIGN §9). So importing any of the project's packages (this is
+its results (design §9). So importing any of the project's packages (this is
 the one every other imports) routes structlog into the standard ``logging``
 module, by logger name (``attention``, ``components``, ``lifecycle``): where the
 application configured ``logging``, its handlers receive every event as one

@@ -1,4 +1,4 @@
-"""The per-request backend override (DESIGN §4.6): which backend this request's layers run.
+"""The per-request backend override (design §4.6): which backend this request's layers run.
 
 A request that names ``attention_backend`` sets it here for as long as it runs; a
 switchable layer reads it on each forward and runs the impl it prepared for that

@@ -10,7 +10,7 @@ import torch
 from attention import registry
 from attention.backend import DeviceKind
 
-# The order a fallback tries dense built-in backends in, best first (DESIGN §4.2).
+# The order a fallback tries dense built-in backends in, best first (design §4.2).
 _PREFERENCE: dict[DeviceKind, tuple[str, ...]] = {
     "cpu": ("torch_sdpa", "torch_flash"),
     "cuda": ("flash_attn", "torch_flash", "torch_sdpa"),

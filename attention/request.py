@@ -9,7 +9,7 @@ import msgspec
 from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole, Provenance
 
-# The reasons a selection may give for not choosing what was asked for (DESIGN §4.2).
+# The reasons a selection may give for not choosing what was asked for (design §4.2).
 PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
 GLOBAL_BACKEND_FALLBACK = "global backend fallback"
 DENSE_CROSS_FALLBACK = "dense cross-attention fallback"
@@ -28,7 +28,7 @@ class BackendChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class RequestSource(StrEnum):
-    """Say which precedence level a layer's backend request came from (DESIGN §4.2)."""
+    """Say which precedence level a layer's backend request came from (design §4.2)."""
 
     LAYER = "layer"
     ROLE = "role"

@@ -4,7 +4,7 @@ The scope lives in a ContextVar (never in process-global state), so concurrent o
 constructions see only their own. A component with an admitted plan hands each layer its
 site's planned selection; one without (a generic kind, whose layers are known only once
 built) selects per layer and checks on exit that every explicit backend was consumed
-(DESIGN §4.3).
+(design §4.3).
 """
 
 from __future__ import annotations

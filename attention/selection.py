@@ -52,7 +52,7 @@ def select_backend(request: BackendRequest, platform: Platform) -> Selection:
     """Choose the attention backend for one layer.
 
     Only the requested backend is tried when its provenance is explicit; other
-    provenances walk the fallback chain of DESIGN §4.2 (requested, layer default,
+    provenances walk the fallback chain of design §4.2 (requested, layer default,
     platform default, platform preference, out-of-tree backends).
 
     Raises:
@@ -109,7 +109,7 @@ def _fallback_reason(
 
 
 def _chain(request: BackendRequest, platform: Platform, primary: str) -> list[str]:
-    """List the fallback candidates after ``primary``, each once, in DESIGN §4.2 order."""
+    """List the fallback candidates after ``primary``, each once, in design §4.2 order."""
     automatic = [
         platform.default_backend,
         *platform.preference,

@@ -1,4 +1,4 @@
-"""Adapters (LoRA, DESIGN §14): a merged switch against unmerged per-request overhead, and
+"""Adapters (LoRA, design §14): a merged switch against unmerged per-request overhead, and
 throughput with several adapters against one.
 
 - **ranks**: a bench Flux folder (transformer of 8 + 8 blocks, width 384) loaded by the

@@ -169,7 +169,7 @@ class Batch:
         left: every cancellation taken so far, in order (the orchestrator reports each).
         truncated: per prompt, whether a text encoder cut it to the longest
             tokenisation it reads (None until a text encoder ran).
-        adapters: each row's adapters (LoRA, DESIGN §14) by name with the scale it runs
+        adapters: each row's adapters (LoRA, design §14) by name with the scale it runs
             them at; None, or a row naming none, runs the base weights.
 
     A denoising loop calls ``stepped`` after each step: it reports the step and drops

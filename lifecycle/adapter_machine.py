@@ -1,4 +1,4 @@
-"""The adapter lifecycle (DESIGN §14): configured, admitted, loaded, active, released.
+"""The adapter lifecycle (design §14): configured, admitted, loaded, active, released.
 
 Built from ``lifecycle.states.ADAPTER_TRANSITIONS`` on the same guarded machine as the
 components (every guard checked, refusals with reasons, atomic work), and on the lock

@@ -92,7 +92,7 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
             taken when it was written, hashed once per identity of the file)
             or ``stat`` (its size, mtime, ctime and inode only: never hashes).
         wait_timeout: seconds an onload waits for other requests to release what
-            it needs before it is refused (DESIGN §5.5).
+            it needs before it is refused (design §5.5).
     """
 
     device_budget: ByteSize | UnsetType = UNSET
@@ -103,7 +103,7 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How ``lifecycle serve`` queues, batches and bounds requests (DESIGN §5.5, §13).
+    """How ``lifecycle serve`` queues, batches and bounds requests (design §5.5, §13).
 
     The bounds on one request and one connection are checked before any work is
     queued: a request over one is answered 400 naming its key (413 for the body, 431
@@ -126,7 +126,7 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         auto_wake: whether a request for a sleeping pipeline wakes it.
         max_request_seconds: the longest a request may take, queued and running; a
             request's own ``timeout`` may be shorter. Past it the request is
-            cancelled (DESIGN §15).
+            cancelled (design §15).
         max_priority: the highest ``priority`` a request may carry (0 is the
             default and the lowest); it also sets the ageing bound of
             ``lifecycle.serving.priorities``.
@@ -165,14 +165,14 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    # the worker over time (DESIGN §13)
+    # the worker over time (design §13)
     wake_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     auto_wake: bool = False
-    # requests over time (DESIGN §15)
+    # requests over time (design §15)
     max_request_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     max_priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
     status_page: StatusPage | UnsetType = UNSET
-    # what one request and one connection may ask, and the start-up (DESIGN §13)
+    # what one request and one connection may ask, and the start-up (design §13)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 2 * 2**20
     max_inputs: Annotated[int, msgspec.Meta(ge=1)] = 2048
     max_input_chars: Annotated[int, msgspec.Meta(ge=1)] = 32_768
@@ -259,7 +259,7 @@ class StageSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 class AdapterSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One adapter (a LoRA of one component, DESIGN §14).
+    """One adapter (a LoRA of one component, design §14).
 
     Attributes:
         path: its safetensors file, in diffusers' (PEFT's) LoRA key layout; a relative
@@ -330,7 +330,7 @@ class WorkerSettings(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class WorkerFile(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A worker file: settings of a worker serving several pipelines (DESIGN §13).
+    """A worker file: settings of a worker serving several pipelines (design §13).
 
     Attributes:
         worker: the worker's settings.

@@ -1,4 +1,4 @@
-"""Set up the process groups of an admitted pipeline's layout at ``load()`` (DESIGN §6).
+"""Set up the process groups of an admitted pipeline's layout at ``load()`` (design §6).
 
 The one place the orchestrator touches ``torch.distributed``: it compares the layout's
 world size with the launched one (a refusal, before any process-group call), joins the

@@ -1,6 +1,6 @@
 """What the orchestrator observes, as typed values, and who receives them.
 
-Each fact the orchestrator logs (DESIGN §9) is also a frozen Struct here, tagged with
+Each fact the orchestrator logs (design §9) is also a frozen Struct here, tagged with
 its log event's name, so that it encodes to the same JSON object a log line carries.
 Observers attached to an orchestrator receive every one of them: the CLI's move tally
 and timeline, the HTTP worker's metrics. With none attached, the orchestrator builds
@@ -80,7 +80,7 @@ class Refused(
     """A guard said no: the component stayed where it was (``lifecycle.refused``).
 
     ``trigger`` is ``request`` for a request refused before it opened (a per-request
-    attention backend override that breaks a rule, DESIGN §4.6): nothing moved then.
+    attention backend override that breaks a rule, design §4.6): nothing moved then.
 
     Attributes:
         component: the component.
@@ -279,7 +279,7 @@ class AdapterTransitioned(
     forbid_unknown_fields=True,
     tag="adapter.transition",
 ):
-    """An adapter went from one state to another (``adapter.transition``, DESIGN §14).
+    """An adapter went from one state to another (``adapter.transition``, design §14).
 
     Attributes:
         adapter: the adapter.

@@ -1,6 +1,6 @@
 """Structured logs: quiet by default, into the standard ``logging`` module when embedded.
 
-Every module logs with a constant event name and data fields (DESIGN.md §9);
+Every module logs with a constant event name and data fields (design §9);
 this module only decides how those events are rendered and where they go.
 
 - Unconfigured (a program embeds the orchestrator and configures nothing):

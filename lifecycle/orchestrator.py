@@ -385,10 +385,10 @@ class Orchestrator:
         On exit (also when the body raised) every component the request touched
         is put back where its plan says, and ``request.end`` is logged.
         ``attention_backend`` switches the switchable sites for this request only
-        (DESIGN §4.6); it is validated and prepared before the request opens.
+        (design §4.6); it is validated and prepared before the request opens.
         ``priority`` orders its stages among those waiting for memory (higher first,
         with ageing: ``lifecycle.waiting``). ``request.cancel()`` stops it from any
-        thread (DESIGN §15).
+        thread (design §15).
 
         Raises:
             ValueError: a request with that id is already open.
@@ -442,7 +442,7 @@ class Orchestrator:
             REQUEST_ID.reset(token)
 
     def adapters(self) -> list[AdapterView]:
-        """Return a view of every adapter, by name (DESIGN §14)."""
+        """Return a view of every adapter, by name (design §14)."""
         with self._machine.lock:
             return self._adapters.views()
 

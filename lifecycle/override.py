@@ -1,4 +1,4 @@
-"""The per-request attention backend override (DESIGN §4.6): validate, then prepare.
+"""The per-request attention backend override (design §4.6): validate, then prepare.
 
 A request may name ``attention_backend``. It applies to the switchable sites: those
 of kinds that declare ``switchable_backends`` (the denoiser) whose backend the spec
@@ -190,7 +190,7 @@ class BackendSwitch:
         """Make every switchable layer ready to run ``target`` for the requests that name it.
 
         Raises:
-            RequestRefused: the override breaks a rule of DESIGN §4.6; nothing switched.
+            RequestRefused: the override breaks a rule of design §4.6; nothing switched.
             RuntimeError: the pipeline is not loaded.
             Exception: building a kernel failed; nothing switched.
         """

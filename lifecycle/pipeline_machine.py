@@ -1,4 +1,4 @@
-"""The pipeline lifecycle (DESIGN §13): serving, sleeping, swapping, draining, released.
+"""The pipeline lifecycle (design §13): serving, sleeping, swapping, draining, released.
 
 Built from ``lifecycle.states.PIPELINE_TRANSITIONS`` on the same guarded machine as the
 components (every guard checked, refusals with reasons, atomic work), and on the lock

@@ -53,7 +53,7 @@ class ComponentPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One component's plan and current state (DESIGN.md §10's snapshot entry).
+    """One component's plan and current state (design §10's snapshot entry).
 
     Attributes:
         kind: the kind that builds it.
@@ -66,7 +66,7 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             reads them from the kind or the weights' headers); None before admission or
             when unknown.
         users: the pipelines (their keys on the device) that hold it: more than one
-            when it is shared (DESIGN §13).
+            when it is shared (design §13).
     """
 
     kind: str

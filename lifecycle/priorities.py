@@ -1,5 +1,5 @@
 """The order in which waiting requests are served: higher priority first, FIFO within
-a priority, with ageing so that none waits without bound (DESIGN §15).
+a priority, with ageing so that none waits without bound (design §15).
 
 Two queues follow it: a serving worker's job queue (``lifecycle.serving.batcher``,
 where a *turn* is a batch starting) and the stages waiting for memory

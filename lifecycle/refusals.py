@@ -17,7 +17,7 @@ from lifecycle.states import AnyState, ComponentState
 
 
 class RefusalCode(StrEnum):
-    """Every stable refusal code (DESIGN §7), one closed set; the docs derive from it.
+    """Every stable refusal code (design §7), one closed set; the docs derive from it.
 
     Each member's docstring says what it means; ``from_spec`` says whether admission
     can produce it from a spec of the built-in kinds alone (``examples/refused/`` holds

@@ -1,4 +1,4 @@
-"""When two pipelines hold one component: its identity (DESIGN §13).
+"""When two pipelines hold one component: its identity (design §13).
 
 Two components are the same when they would build the same module and keep it the
 same way: the same kind, the same options (but the weights file's path), the same

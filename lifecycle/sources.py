@@ -1,4 +1,4 @@
-"""A spec whose pipeline is a diffusers-format folder: ``source = "path"`` (DESIGN §12).
+"""A spec whose pipeline is a diffusers-format folder: ``source = "path"`` (design §12).
 
 The folder says what the components are (each one's kind and options) and what the
 stages are (its pipeline class's recipe); the spec's ``[components.X]`` tables only

@@ -25,7 +25,7 @@ class ComponentState(StrEnum):
 
 
 class PipelineState(StrEnum):
-    """Where a pipeline stands in a worker (DESIGN §13).
+    """Where a pipeline stands in a worker (design §13).
 
     A pipeline is SERVING once loaded; SLEEPING, its components are off the device
     and stay admitted, loaded where their target allows; SWAPPING, a new pipeline of
@@ -42,7 +42,7 @@ class PipelineState(StrEnum):
 
 
 class WorkerState(StrEnum):
-    """Where a serving worker stands (DESIGN §13); ``/readyz`` follows it.
+    """Where a serving worker stands (design §13); ``/readyz`` follows it.
 
     STARTING, it loads its pipelines; READY, it serves them; FAILED, one could not be
     loaded (the process stays up to say why); DRAINING, it takes no new requests,
@@ -56,7 +56,7 @@ class WorkerState(StrEnum):
 
 
 class AdapterState(StrEnum):
-    """Where an adapter (a LoRA of one component, DESIGN §14) stands in its lifecycle.
+    """Where an adapter (a LoRA of one component, design §14) stands in its lifecycle.
 
     ADMITTED: its file's header fits the component; LOADED: its low-rank matrices are
     on the component's device; ACTIVE: merged into the component's weights (``merged``

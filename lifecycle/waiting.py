@@ -1,6 +1,6 @@
 """Waiting for memory: an onload that cannot fit only because other requests hold
 components waits its turn, by priority with ageing, instead of being refused
-(DESIGN §5.5, §15).
+(design §5.5, §15).
 
 The order and its bound are ``lifecycle.priorities``'s: a turn is a stage granted to
 a waiter; every other waiter ages by one. With one priority the order is FIFO.

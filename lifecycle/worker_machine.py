@@ -1,4 +1,4 @@
-"""The serving worker's lifecycle (DESIGN §13): starting, ready, failed, draining.
+"""The serving worker's lifecycle (design §13): starting, ready, failed, draining.
 
 Built from ``lifecycle.states.WORKER_TRANSITIONS`` on the same guarded machine as the
 components and the pipelines, so that a worker's own moves are checked against the one

@@ -1,4 +1,4 @@
-"""Distributed attention over a process group (DESIGN §4.5): Ulysses, ring, K/V gather.
+"""Distributed attention over a process group (design §4.5): Ulysses, ring, K/V gather.
 
 Each variant takes this rank's shard of q, k and v along the sequence and a local
 attention layer or kernel, and returns this rank's shard of the output, equal to

@@ -1,6 +1,6 @@
 """K/V gather attention: every rank gathers the whole sequence's K/V and attends its queries.
 
-The layout for sequence parallelism without head or ring splitting (DESIGN §6: K/V gather
+The layout for sequence parallelism without head or ring splitting (design §6: K/V gather
 > 1 only with ulysses = ring = 1): one all-gather, then the ordinary kernel, so any
 backend works. It is non-causal: the gathered keys would need a per-rank offset mask.
 """

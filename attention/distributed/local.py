@@ -63,7 +63,7 @@ class LocalKernel:
         return f"kernel {type(self.attend).__qualname__}"
 
     def supports_lse(self) -> bool:
-        """Tell whether the kernel implements ``forward_with_lse`` (DESIGN §4.1's rule)."""
+        """Tell whether the kernel implements ``forward_with_lse`` (design §4.1's rule)."""
         if isinstance(self.attend, Attention):
             return registry.get(self.attend.backend_name).supports_lse()
         # The rule of AttentionBackend.supports_lse, applied to a kernel that may be unregistered.

@@ -1,4 +1,4 @@
-"""Adapters (LoRA) of a component: their files, where they fit, how they apply (DESIGN §14)."""
+"""Adapters (LoRA) of a component: their files, where they fit, how they apply (design §14)."""
 
 from components.adapters.files import AdapterFile, KeyProblem, LoraTarget
 from components.adapters.lora import (

@@ -48,7 +48,7 @@ class TextEncoderLoader(FolderLoader):
     """A folder component that encodes text, with the tokenizer it owns."""
 
     options_type = TextEncoderOptions
-    allows_global_fallback = True  # an auxiliary component (DESIGN §4.2)
+    allows_global_fallback = True  # an auxiliary component (design §4.2)
 
     def __init__(self, options: TextEncoderOptions) -> None:
         super().__init__(options)

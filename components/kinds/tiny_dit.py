@@ -395,7 +395,7 @@ class TinyDitLoader(ComponentLoader):
     guidance_parallel = True
     fully_shardable = True
     block_stack = "blocks"
-    switchable_backends = True  # the denoiser: requests may name its backend (DESIGN §4.6)
+    switchable_backends = True  # the denoiser: requests may name its backend (design §4.6)
 
     def __init__(self, options: TinyDitOptions) -> None:
         super().__init__(options)

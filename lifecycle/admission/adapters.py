@@ -1,4 +1,4 @@
-"""Admit the adapters (LoRA) of a pipeline from their files' headers (DESIGN §14).
+"""Admit the adapters (LoRA) of a pipeline from their files' headers (design §14).
 
 Each adapter's file must name layers of its component that are linear, with shapes
 that fit and ranks that agree (checked on the component built on the meta device);

@@ -24,7 +24,7 @@ from lifecycle.sizes import format_sizes
 
 
 class SharedBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A device budget several pipelines share (DESIGN §13), as one of them is admitted.
+    """A device budget several pipelines share (design §13), as one of them is admitted.
 
     Attributes:
         limit: the budget in bytes, for every pipeline together.
@@ -51,7 +51,7 @@ class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class EvictionRank(NamedTuple):
-    """Where a component stands in the eviction order (DESIGN §13): lowest goes first.
+    """Where a component stands in the eviction order (design §13): lowest goes first.
 
     Attributes:
         last_asked: when a request last opened for a pipeline using it (a device-wide

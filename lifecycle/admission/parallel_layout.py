@@ -1,4 +1,4 @@
-"""Refuse a parallel layout that no component of the pipeline would honour (DESIGN §6).
+"""Refuse a parallel layout that no component of the pipeline would honour (design §6).
 
 Pure: reads the spec, each component's loader declarations and its admitted loading
 path. Every check here runs at admission (``lifecycle check``), before any process

@@ -82,7 +82,7 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         pipeline: the pipeline's name.
         components: each component's admission.
         pipeline_refusals: refusals that belong to no single component (the layout).
-        adapters: each adapter's admission (DESIGN §14).
+        adapters: each adapter's admission (design §14).
     """
 
     pipeline: str

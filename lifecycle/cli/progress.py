@@ -1,4 +1,4 @@
-"""What ``lifecycle run`` shows while it runs (DESIGN §15): a live display with ``rich``
+"""What ``lifecycle run`` shows while it runs (design §15): a live display with ``rich``
 on a terminal, plain lines when stderr is not one, nothing under ``--json`` (nor with
 JSON logs, whose stderr is JSON lines only).
 

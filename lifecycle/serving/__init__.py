@@ -1,4 +1,4 @@
-"""``lifecycle serve``: an HTTP worker around one orchestrator (DESIGN §5.5, §10).
+"""``lifecycle serve``: an HTTP worker around one orchestrator (design §5.5, §10).
 
 The HTTP layer (FastAPI, uvicorn, prometheus-client) is the optional ``serve`` extra:
 importing this package needs none of it; ``lifecycle.serving.app`` does.

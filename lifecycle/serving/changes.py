@@ -1,4 +1,4 @@
-"""How the pipelines of a running worker change: add, remove, swap and reload (DESIGN §13).
+"""How the pipelines of a running worker change: add, remove, swap and reload (design §13).
 
 One change at a time (``Worker.changing``). No request is lost: requests for a
 pipeline being replaced wait at its gate and run on whichever pipeline serves after

@@ -51,7 +51,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             whose batches keep to one size; None where each job carries its ``size``.
         alone: the job's own id where it must run alone (its scheduler draws noise for a
             whole batch as it steps); None where it may share.
-        adapters: the adapters it runs with their scales, by name (DESIGN §14): jobs
+        adapters: the adapters it runs with their scales, by name (design §14): jobs
             with the same set batch together.
     """
 
@@ -167,7 +167,7 @@ class RequestStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class JobCancelled(Exception):
-    """A job was cancelled before it finished (DESIGN §15).
+    """A job was cancelled before it finished (design §15).
 
     Attributes:
         job_id: the job's request id.

@@ -15,7 +15,7 @@ from lifecycle.serving.worker import Worker
 log = get_logger("lifecycle")
 
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-"""What a client's ``x-request-id`` may be (DESIGN §15)."""
+"""What a client's ``x-request-id`` may be (design §15)."""
 
 
 class RequestIds:

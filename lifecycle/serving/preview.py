@@ -1,4 +1,4 @@
-"""Cheap previews of an image while it is denoised (``stream: true``, DESIGN §15).
+"""Cheap previews of an image while it is denoised (``stream: true``, design §15).
 
 A preview is not decoded by the pipeline's decoder (a whole VAE pass per preview
 would cost as much as the image itself). It is a *linear latent-to-RGB map*: each

@@ -1,4 +1,4 @@
-"""component_attention_scope: DESIGN §4.3 — records, summary, consumption check, plan."""
+"""component_attention_scope: design §4.3 — records, summary, consumption check, plan."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ class TestCapabilities:
     def test_builtin_capabilities_match_the_design_table(
         self, name: str, varlen: bool, lse: bool, mask: bool, bias: bool, causal: bool, sparse: bool
     ) -> None:
-        """The derived capabilities of each built-in are those of DESIGN §4.1 and §12."""
+        """The derived capabilities of each built-in are those of design §4.1 and §12."""
         backend = registry.get(name)
         assert backend.supports_varlen() is varlen
         assert backend.supports_lse() is lse

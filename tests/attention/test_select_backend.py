@@ -1,4 +1,4 @@
-"""select_backend: DESIGN §4.2 case by case — precedence, fallback, chain, errors, reasons."""
+"""select_backend: design §4.2 case by case — precedence, fallback, chain, errors, reasons."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def fails(request: BackendRequest, platform: Platform) -> BackendSelectionError:
 
 
 class TestSelectBackend:
-    """Each selection rule of DESIGN §4.2 as its own case."""
+    """Each selection rule of design §4.2 as its own case."""
 
     def test_nothing_requested_takes_the_platform_default(self, cpu: Platform) -> None:
         """With no request and no layer default, the platform default is chosen, no reason."""

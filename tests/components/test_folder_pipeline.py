@@ -158,7 +158,7 @@ class TestClaimedClasses:
     """A kind claims the library classes it loads; a package's kind can claim more."""
 
     def test_builtin_classes(self) -> None:
-        """Every class DESIGN §12 names maps to its kind."""
+        """Every class design §12 names maps to its kind."""
         assert {
             name: kind_for_class(name)
             for name in (

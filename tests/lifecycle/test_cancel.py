@@ -1,4 +1,4 @@
-"""``Request.cancel()`` in the embedded API (DESIGN §15): the request stops at the next
+"""``Request.cancel()`` in the embedded API (design §15): the request stops at the next
 denoising step, or before its next stage, or leaves the memory queue; every component
 it used is back where its plan says, idle, and armed only if resident."""
 

@@ -1,4 +1,4 @@
-"""What ``lifecycle run`` shows while it runs (DESIGN §15): a live ``rich`` display on a
+"""What ``lifecycle run`` shows while it runs (design §15): a live ``rich`` display on a
 terminal, plain lines elsewhere, nothing but the JSON under ``--json``. Real processes:
 whether stderr is a terminal is a property of the process."""
 

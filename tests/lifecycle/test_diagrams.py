@@ -42,6 +42,28 @@ class TestDiagrams:
         readme = (root / "README.md").read_text(encoding="utf-8")
         assert diagrams.refusal_table() in readme
 
+    def test_design_doc_embeds_the_generated_transition_tables(self, root: Path) -> None:
+        """docs/design.md carries every machine's transition table as generated, verbatim."""
+        design = (root / "docs" / "design.md").read_text(encoding="utf-8")
+        fence = r"<!-- transitions:begin -->\n(.*?)<!-- transitions:end -->"
+        block = re.search(fence, design, re.DOTALL)
+        assert block is not None
+        assert block.group(1) == diagrams.transition_tables()
+
+    def test_transition_tables_list_every_rule_once(self) -> None:
+        """Each rule of the four tables is one row, with its sources, destination and guards."""
+        text = diagrams.transition_tables()
+        tables = (TRANSITIONS, PIPELINE_TRANSITIONS, WORKER_TRANSITIONS, ADAPTER_TRANSITIONS)
+        rows = [line for line in text.splitlines() if line.startswith("| `")]
+        rules = [rule for table in tables for rule in table]
+        assert len(rows) == len(rules)
+        for row, rule in zip(rows, rules, strict=True):
+            cells = [cell.strip() for cell in row.strip("|").split("|")]
+            assert cells[0] == f"`{rule.trigger}`"
+            assert cells[1] == ", ".join(source.value for source in rule.sources)
+            assert cells[2] == rule.dest.value
+            assert cells[3] == (", ".join(f"`{g}`" for g in rule.guards) or "-")
+
     def test_refusal_table_lists_every_code_once(self) -> None:
         """Each RefusalCode has exactly one row, saying whether check can refuse with it."""
         rows = diagrams.refusal_table().splitlines()[2:]
@@ -133,6 +155,7 @@ class TestDiagrams:
             "adapter_lifecycle.dot",
             "adapter_lifecycle.svg",
             "refusal_codes.md",
+            "transitions.md",
         }
         assert diagrams.stale_diagrams(tmp_path) == []
         (tmp_path / "component_lifecycle.dot").write_text("digraph {}\n")

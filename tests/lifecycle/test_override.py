@@ -1,4 +1,4 @@
-"""The per-request attention backend override (DESIGN §4.6): its rules, per request, cached."""
+"""The per-request attention backend override (design §4.6): its rules, per request, cached."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Waiting for memory (DESIGN §5.5): FIFO turns, a bounded wait, no deadlock."""
+"""Waiting for memory (design §5.5): FIFO turns, a bounded wait, no deadlock."""
 
 from __future__ import annotations
 

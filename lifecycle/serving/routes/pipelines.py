@@ -1,4 +1,4 @@
-"""``/v1/pipelines``: what the worker serves, and the admin routes that change it (DESIGN §13).
+"""``/v1/pipelines``: what the worker serves, and the admin routes that change it (design §13).
 
 ``GET /v1/pipelines`` lists every pipeline with its state and its components' users.
 The routes that change pipelines (add, remove, sleep, wake, reload) are admin routes:

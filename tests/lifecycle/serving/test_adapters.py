@@ -1,4 +1,4 @@
-"""Adapters over HTTP: ``/v1/adapters`` and a request's ``lora`` field (DESIGN §14)."""
+"""Adapters over HTTP: ``/v1/adapters`` and a request's ``lora`` field (design §14)."""
 
 from __future__ import annotations
 

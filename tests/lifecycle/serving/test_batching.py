@@ -1,4 +1,4 @@
-"""Batching across requests (DESIGN §5.5): compatible jobs run as one packed batch."""
+"""Batching across requests (design §5.5): compatible jobs run as one packed batch."""
 
 from __future__ import annotations
 

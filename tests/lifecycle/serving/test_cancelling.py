@@ -1,4 +1,4 @@
-"""Cancelling requests over HTTP (DESIGN §15): a client that disconnects, ``DELETE
+"""Cancelling requests over HTTP (design §15): a client that disconnects, ``DELETE
 /v1/requests/{id}``, a ``timeout``; request ids; ``GET /v1/requests/{id}``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Priorities in the worker's queue (DESIGN §15): higher first, FIFO within a priority,
+"""Priorities in the worker's queue (design §15): higher first, FIFO within a priority,
 ageing with a stated bound (``lifecycle.priorities``), 429 per priority."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``stream: true`` on image generation (DESIGN §15): server-sent events of every denoising
+"""``stream: true`` on image generation (design §15): server-sent events of every denoising
 step, in OpenAI's image streaming shapes, read with an SSE client library."""
 
 from __future__ import annotations
