@@ -1,10 +1,14 @@
 """State machines and pipeline plans drawn as SVG, laid out here: byte-stable, no renderer.
 
-The layout is an arc diagram: states in columns by their longest distance from the
-initial state (back edges set aside), one column after the other; an edge between
-neighbouring columns is a straight arrow, any other edge an arc above the row
-(forward) or below it (back). Arcs whose spans overlap get different heights, and
-arcs meeting a node side are spread over it so that nested arcs never cross there.
+The layout is an arc diagram: the states stand in one row, in the order of their
+longest distance from the initial state (back edges set aside), so every forward
+edge points on along the row. An edge to the next state is a straight arrow; any
+other edge leaves its source's side, runs along a track beside the row (before it,
+forward; after it, back) and enters its target's side. Edges whose spans overlap
+get different tracks, and edges meeting a node side are spread over it so that
+nested ones never cross there. A label lies beside its own track in a gap between
+two nodes, where no other edge passes: nothing is ever drawn through a third state
+or under another edge's label.
 
 Text is monospace, so widths are known without fonts; every coordinate is rounded to
 an integer, so the same table draws the same bytes on every machine. The markup is
@@ -24,6 +28,8 @@ CHAR_PX = 7.2  # a monospace advance is 0.6 em
 NODE_H = 44
 COLUMN_GAP = 84
 TRACK_PX = 22
+LABEL_PX = 20  # a label's extent across its track: a line of text and its halo
+CORNER_PX = 8  # the radius where an edge turns from a node's side onto its track
 MARGIN = 16
 INITIAL_PX = 44  # room left of the initial state for its start dot
 
@@ -49,7 +55,7 @@ class _Arc:
     dest: str
     label: str
     above: bool  # on the side before the nodes across the flow: above, or left when upright
-    level: int
+    level: int  # its track, counted out from the nodes
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class _Frame:
     """Where a state diagram's parts go, along the flow (main) and across it (cross).
 
     Lying (the docs): the flow runs left to right. Upright (a phone's screen): top to
-    bottom, arcs to the left (forward) and right (back), labels beside them.
+    bottom, tracks to the left (forward) and right (back), labels turned along them.
     """
 
     upright: bool
@@ -75,6 +81,35 @@ class _Frame:
         return self.node_w if self.upright else NODE_H
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where the nodes of a state diagram stand.
+
+    Attributes:
+        frame: which way the flow runs.
+        order: the states along the flow.
+        main: each state's start along the flow.
+        top: where every node starts across the flow (one row).
+        gap: the room between two neighbouring nodes, wide enough for any label.
+    """
+
+    frame: _Frame
+    order: tuple[str, ...]
+    main: Mapping[str, int]
+    top: int
+    gap: int
+
+    def gap_middle(self, index: int) -> int:
+        """Return the middle, along the flow, of the gap after the ``index``-th node."""
+        return self.main[self.order[index]] + self.frame.along + self.gap // 2
+
+    def track(self, arc: _Arc) -> int:
+        """Return where ``arc`` runs across the flow."""
+        if arc.above:
+            return self.top - arc.level * TRACK_PX
+        return self.top + self.frame.across + arc.level * TRACK_PX
+
+
 def state_svg(
     name: str,
     states: Sequence[str],
@@ -88,34 +123,29 @@ def state_svg(
 
     Args:
         name: the diagram's name (its ``id`` and title).
-        states: every state, in declaration order (the order within a column).
+        states: every state, in declaration order (the order among states equally far
+            from ``initial``).
         initial: the state the start dot points at.
         edges: every transition, in table order.
         legend: lines written under the drawing (what each trigger is guarded by),
             wrapped to its width.
         upright: draw the flow top to bottom (narrow screens) instead of left to right.
     """
-    column = _columns(states, initial, edges)
-    rows: dict[int, int] = {}
-    row = {}
-    for state in states:
-        row[state] = rows.get(column[state], 0)
-        rows[column[state]] = row[state] + 1
-    frame = _Frame(upright, round(max(len(s) for s in states) * CHAR_PX + 28))
-    straight = [e for e in edges if _is_straight(e, column, row)]
-    arcs = _levels([e for e in edges if e not in straight], column, row)
+    order = _order(states, initial, edges)
+    index = {state: i for i, state in enumerate(order)}
+    straight = _straight(edges, index)
+    arcs = _levels([e for e in edges if e not in straight], index)
     above = max((a.level for a in arcs if a.above), default=0)
     below = max((a.level for a in arcs if not a.above), default=0)
-    # room for the arcs' labels across the flow: a line of text, or its width upright
-    label_room = round(max(len(e[2]) for e in edges) * CHAR_PX) + 8 if upright else FONT_PX + 8
-    gap = 40 if upright else COLUMN_GAP
+    frame = _Frame(upright, round(max(len(s) for s in states) * CHAR_PX + 28))
+    # a label sits in a gap with room to spare, so that no node side's edge reaches it
+    gap = max(40 if upright else COLUMN_GAP, round(max(len(e[2]) for e in edges) * CHAR_PX) + 20)
     start = INITIAL_PX - 8 if upright else INITIAL_PX
-    near = MARGIN + above * TRACK_PX + (label_room if above else 0)
-    row_pitch = frame.across + below * TRACK_PX + (label_room if below else 0) + 16
-    main = {s: MARGIN + start + column[s] * (frame.along + gap) for s in states}
-    cross = {s: near + row[s] * row_pitch for s in states}
-    flow_end = MARGIN + start + (max(column.values()) + 1) * (frame.along + gap) - gap + MARGIN
-    cross_end = near + max(rows.values()) * row_pitch - 16 + MARGIN
+    top = MARGIN + above * TRACK_PX + (LABEL_PX if above else 0)
+    main = {s: MARGIN + start + index[s] * (frame.along + gap) for s in states}
+    layout = _Layout(frame, tuple(order), main, top, gap)
+    flow_end = MARGIN + start + len(states) * (frame.along + gap) - gap + MARGIN
+    cross_end = top + frame.across + below * TRACK_PX + (LABEL_PX if below else 0) + MARGIN
     width, drawn_to = (cross_end, flow_end) if upright else (flow_end, cross_end)
     columns = max(20, (width - 2 * MARGIN) * 10 // 66)  # legend characters (11 px) a line holds
     lines = [
@@ -127,21 +157,21 @@ def state_svg(
     finals = {s for s in states if not any(src == s for src, _, _ in edges)}
 
     out = _open(name, width, height)
-    ports = _ports(arcs, main, frame.along, column)
+    ports = _ports(arcs, main, frame.along, index)
     for arc in arcs:
-        out.append(_arc(arc, ports, cross, frame))
+        out.append(_arc(arc, ports, index, layout))
     for source, dest, label in straight:
-        out.append(_straight(source, dest, label, main, cross, frame))
-    mid = cross[initial] + frame.across // 2
+        out.append(_arrow(source, dest, label, index, layout))
+    mid = top + frame.across // 2
     dot = main[initial] - start + 8
     dot_x, dot_y = frame.point(dot, mid)
     out.append(f'<circle class="start" cx="{dot_x}" cy="{dot_y}" r="6"/>')
     out.append(_line(*frame.point(dot + 6, mid), *frame.point(main[initial], mid)))
     for state in states:
-        left, top = frame.point(main[state], cross[state])
-        out.append(_node(state, left, top, frame.node_w, state in finals))
-    for index, line in enumerate(lines):
-        baseline = drawn_to + index * (FONT_PX + 4) + FONT_PX - 4
+        left, node_top = frame.point(main[state], top)
+        out.append(_node(state, left, node_top, frame.node_w, state in finals))
+    for i, line in enumerate(lines):
+        baseline = drawn_to + i * (FONT_PX + 4) + FONT_PX - 4
         out.append(
             f'<text class="legend" x="{MARGIN}" y="{baseline}" xml:space="preserve">'
             f"{escape(line)}</text>"
@@ -212,8 +242,14 @@ def plan_svg(
 # -- layout -----------------------------------------------------------------------
 
 
+def _order(states: Sequence[str], initial: str, edges: Sequence[Edge]) -> list[str]:
+    """Return the states along the flow: by distance from ``initial``, then as declared."""
+    column = _columns(states, initial, edges)
+    return sorted(states, key=lambda s: (column[s], s != initial, states.index(s)))
+
+
 def _columns(states: Sequence[str], initial: str, edges: Sequence[Edge]) -> dict[str, int]:
-    """Return each state's column: its longest path from ``initial``, back edges set aside."""
+    """Return each state's longest path from ``initial``, back edges set aside."""
     successors: dict[str, list[str]] = {s: [] for s in states}
     for source, dest, _ in edges:
         if dest not in successors[source]:
@@ -244,19 +280,22 @@ def _columns(states: Sequence[str], initial: str, edges: Sequence[Edge]) -> dict
     return column
 
 
-def _is_straight(edge: Edge, column: Mapping[str, int], row: Mapping[str, int]) -> bool:
-    source, dest, _ = edge
-    return row[source] == row[dest] and column[dest] - column[source] == 1
+def _straight(edges: Sequence[Edge], index: Mapping[str, int]) -> list[Edge]:
+    """Return the edges drawn as straight arrows: the first from each node to the next."""
+    straight: dict[str, Edge] = {}
+    for edge in edges:
+        if index[edge[1]] - index[edge[0]] == 1:
+            straight.setdefault(edge[0], edge)
+    return list(straight.values())
 
 
-def _levels(edges: Sequence[Edge], column: Mapping[str, int], row: Mapping[str, int]) -> list[_Arc]:
-    """Give every arc the lowest height at which it overlaps no other arc on its side."""
+def _levels(edges: Sequence[Edge], index: Mapping[str, int]) -> list[_Arc]:
+    """Give every arc the track nearest the nodes on which it overlaps no other arc."""
     taken: dict[tuple[bool, int], list[tuple[int, int]]] = {}
     arcs = []
-    order = sorted(edges, key=lambda e: abs(column[e[1]] - column[e[0]]))
-    for source, dest, label in order:
-        above = column[dest] > column[source] or row[dest] != row[source]
-        span = sorted((column[source], column[dest]))
+    for source, dest, label in sorted(edges, key=lambda e: abs(index[e[1]] - index[e[0]])):
+        above = index[dest] > index[source]  # forward before the row, back after it
+        span = sorted((index[source], index[dest]))
         level = 1
         while any(a < span[1] and span[0] < b for a, b in taken.get((above, level), [])):
             level += 1
@@ -266,13 +305,13 @@ def _levels(edges: Sequence[Edge], column: Mapping[str, int], row: Mapping[str, 
 
 
 def _ports(
-    arcs: Sequence[_Arc], main: Mapping[str, int], along: int, column: Mapping[str, int]
+    arcs: Sequence[_Arc], main: Mapping[str, int], along: int, index: Mapping[str, int]
 ) -> dict[tuple[_Arc, str], int]:
     """Spread the arcs meeting each node side along it: nested arcs keep nested ends."""
     sides: dict[tuple[str, bool], list[tuple[tuple[int, int], _Arc, str]]] = {}
     for arc in arcs:
         for end, other in ((arc.source, arc.dest), (arc.dest, arc.source)):
-            goes_back = column[other] < column[end]
+            goes_back = index[other] < index[end]
             # toward the start: outer arcs further on; toward the end: further back
             key = (0, arc.level) if goes_back else (1, -arc.level)
             sides.setdefault((end, arc.above), []).append((key, arc, end))
@@ -319,56 +358,59 @@ def _line(x1: int, y1: int, x2: int, y2: int) -> str:
     return f'<path class="edge" d="M{x1},{y1} L{x2},{y2}" marker-end="url(#lc-arrow)"/>'
 
 
-def _straight(
-    source: str,
-    dest: str,
-    label: str,
-    main: Mapping[str, int],
-    cross: Mapping[str, int],
-    frame: _Frame,
-) -> str:
-    mid = cross[source] + frame.across // 2
+def _label(label: str, main: int, cross: int, frame: _Frame) -> str:
+    """Return a label centred on (main, cross), turned along the flow when upright."""
+    x, y = frame.point(main, cross)
+    turn = f' transform="rotate(-90 {x} {y})"' if frame.upright else ""
+    return (
+        f'<text class="label" x="{x}" y="{y}" text-anchor="middle" '
+        f'dominant-baseline="central"{turn}>{escape(label)}</text>'
+    )
+
+
+def _arrow(source: str, dest: str, label: str, index: Mapping[str, int], layout: _Layout) -> str:
+    """Return the straight arrow from a node to the next, its label beside it in the gap."""
+    frame, main = layout.frame, layout.main
+    mid = layout.top + frame.across // 2
     start, end = main[source] + frame.along, main[dest]
-    if frame.upright:  # the label beside the arrow
-        text = f'x="{mid + 8}" y="{(start + end) // 2 + 4}"'
-    else:  # the label on the arrow
-        text = f'x="{(start + end) // 2}" y="{mid - 6}" text-anchor="middle"'
     return (
         f'<g class="transition" data-source="{source}" data-dest="{dest}">'
         f"{_line(*frame.point(start, mid), *frame.point(end, mid))}"
-        f'<text class="label" {text}>{escape(label)}</text></g>'
+        f"{_label(label, layout.gap_middle(index[source]), mid - LABEL_PX // 2, frame)}</g>"
     )
 
 
 def _arc(
-    arc: _Arc,
-    ports: Mapping[tuple[_Arc, str], int],
-    cross: Mapping[str, int],
-    frame: _Frame,
+    arc: _Arc, ports: Mapping[tuple[_Arc, str], int], index: Mapping[str, int], layout: _Layout
 ) -> str:
+    """Return an edge that leaves its source's side, runs along its track and enters its
+    dest's side, turning on rounded corners; its label beside the track, in the middle gap
+    of its span."""
+    frame = layout.frame
     m1, m2 = ports[arc, arc.source], ports[arc, arc.dest]
-    sign = -1 if arc.above else 1
-    c1 = cross[arc.source] + (0 if arc.above else frame.across)
-    c2 = cross[arc.dest] + (0 if arc.above else frame.across)
-    rise = arc.level * TRACK_PX  # a cubic's apex lies 3/4 of the way to its controls
-    base = min(c1, c2) if arc.above else max(c1, c2)
-    control = base + sign * round(rise * 4 / 3)
-    apex = base + sign * rise
-    points = [frame.point(m1, c1), frame.point(m1, control), frame.point(m2, control)]
-    points.append(frame.point(m2, c2))
-    (x1, y1), (xa, ya), (xb, yb), (x2, y2) = points
-    middle = (m1 + m2) // 2
-    if frame.upright:  # beside the apex, away from the nodes
-        anchor = "end" if arc.above else "start"
-        text = f'x="{apex + sign * 4}" y="{middle + 4}" text-anchor="{anchor}"'
-    else:
-        text_y = apex - 4 if arc.above else apex + FONT_PX + 2
-        text = f'x="{middle}" y="{text_y}" text-anchor="middle"'
+    side = layout.top if arc.above else layout.top + frame.across
+    track = layout.track(arc)
+    out = -1 if arc.above else 1  # away from the nodes, across the flow
+    on = 1 if m2 > m1 else -1  # along the flow, from source to dest
+    turn = track - out * CORNER_PX
+    corners = [
+        (m1, side),
+        (m1, turn),
+        (m1, track),
+        (m1 + on * CORNER_PX, track),
+        (m2 - on * CORNER_PX, track),
+        (m2, track),
+        (m2, turn),
+        (m2, side),
+    ]
+    p = [",".join(map(str, frame.point(*c))) for c in corners]
+    path = f"M{p[0]} L{p[1]} Q{p[2]} {p[3]} L{p[4]} Q{p[5]} {p[6]} L{p[7]}"
+    low, high = sorted((index[arc.source], index[arc.dest]))
+    middle = layout.gap_middle(low + (high - low - 1) // 2)
     return (
         f'<g class="transition" data-source="{arc.source}" data-dest="{arc.dest}">'
-        f'<path class="edge" d="M{x1},{y1} C{xa},{ya} {xb},{yb} {x2},{y2}" '
-        'marker-end="url(#lc-arrow)"/>'
-        f'<text class="label" {text}>{escape(arc.label)}</text></g>'
+        f'<path class="edge" d="{path}" marker-end="url(#lc-arrow)"/>'
+        f"{_label(arc.label, middle, track + out * LABEL_PX // 2, frame)}</g>"
     )
 
 
