@@ -39,6 +39,7 @@ from lifecycle.logs import get_logger
 from lifecycle.machine import Check, MoveArgs, TransitionContext, Work
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.residency import Residency
+from lifecycle.shown import shown
 from lifecycle.slots import ComponentSlot
 from lifecycle.states import AdapterState
 
@@ -188,7 +189,7 @@ class AdapterKeeper:
             return self.adapters[name]
         except KeyError:
             raise KeyError(
-                f"no adapter {name!r}; adapters: {', '.join(sorted(self.adapters)) or 'none'}"
+                f"no adapter {shown(name)}; adapters: {', '.join(sorted(self.adapters)) or 'none'}"
             ) from None
 
     def views(self) -> list[AdapterView]:
@@ -230,7 +231,7 @@ class AdapterKeeper:
                 AdapterState.ACTIVE,
             ):
                 known = ", ".join(sorted(self.usable())) or "none"
-                raise ValueError(f"unknown adapter {name!r}; known adapters: {known}")
+                raise ValueError(f"unknown adapter {shown(name)}; known adapters: {known}")
         for component in {self.adapters[name].component for name in named}:
             for mode in ("merged", "unmerged"):
                 sets = {tuple(sorted(self._of(row, component, mode).items())) for row in rows}

@@ -32,6 +32,7 @@ from lifecycle.admission import ComponentAdmission
 from lifecycle.logs import get_logger
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.refusals import RequestRefused as RequestRefused  # its first home: re-exported
+from lifecycle.shown import shown
 from lifecycle.slots import ComponentSlot
 
 log = get_logger("lifecycle")
@@ -68,7 +69,7 @@ def override_refusals(target: str, sites: SiteMap, platform: Platform) -> list[R
     if target not in known:
         return [
             _invalid(
-                f"attention_backend '{target}' is not a known backend",
+                f"attention_backend {shown(target)} is not a known backend",
                 f"name one of: {', '.join(known)}, or leave attention_backend out",
             )
         ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from lifecycle.shown import shown
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -42,8 +44,9 @@ class ByteSize(int):
                 # Decimal, not float: exact, and no overflow however many digits
                 count = Decimal(match.group(1)) * _UNITS[match.group(2).lower()]
         if count is None:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
-            raise ValueError(f'Expected a size like "2GiB", "512MB" or a byte count, got {shown}')
+            raise ValueError(
+                f'Expected a size like "2GiB", "512MB" or a byte count, got {shown(value)}'
+            )
         if count > MAX_BYTES:
             raise ValueError(f"Expected a size of at most 8 EiB ({MAX_BYTES} bytes), got more")
         return cls(int(count))

@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from lifecycle.serving.errors import ApiError
+from lifecycle.shown import SHOWN_CHARS, shown
 
 MAX_GUIDANCE_SCALE = 100.0
 """The largest ``guidance_scale`` taken: pipelines use 1 to 20, and far beyond that the
@@ -85,6 +86,11 @@ EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
 _AT_FIELD = re.compile(r"at `\$\.(\w+)|field `(\w+)`")
 """The body field a msgspec error names: ``... - at `$.n` `` or ``unknown field `colour` ``."""
+_ECHOED = re.compile(
+    r"(Object contains unknown field |Invalid enum value )(.*?)((?: - at `\$[^`]*`)?)", re.S
+)
+"""The msgspec errors that repeat what the client sent: a field's name or an enum value
+(in msgspec's quotes), then the path."""
 
 
 def decode_body(decoder: msgspec.json.Decoder[Body], raw: bytes) -> Body:
@@ -92,13 +98,23 @@ def decode_body(decoder: msgspec.json.Decoder[Body], raw: bytes) -> Body:
     try:
         return decoder.decode(raw)
     except msgspec.DecodeError as err:  # ValidationError included
-        found = _AT_FIELD.search(str(err))
+        message = _cut_echo(str(err))
+        # msgspec names the path last, after any value it repeats; a name cut short is no param
+        params = [at or field for at, field in _AT_FIELD.findall(message)]
         raise ApiError(
             400,
-            f"bad request body: {err}",
-            param=next((name for name in found.groups() if name), None) if found else None,
+            f"bad request body: {message}",
+            param=params[-1] if params else None,
             code="invalid_body",
         ) from None
+
+
+def _cut_echo(message: str) -> str:
+    """Return msgspec's ``message`` with the name or value it repeats cut (``shown``)."""
+    found = _ECHOED.fullmatch(message)
+    if found is None or len(found[2]) <= SHOWN_CHARS:
+        return message
+    return found[1] + shown(found[2][1:-1]) + found[3]  # [1:-1]: msgspec's quotes
 
 
 def documented(body_type: type[msgspec.Struct]) -> dict[str, Any]:

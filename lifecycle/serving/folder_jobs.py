@@ -29,10 +29,10 @@ def folder_image_job(
     part of its batch key.
 
     Raises:
-        ApiError: 400 when ``size`` is not ``WIDTHxHEIGHT``, the pipeline class cannot
-            honour the request (a size off its grid, naming the multiple; a negative
-            prompt it would ignore), or it asks for previews (no preview map is fitted
-            for a pipeline class: its latents are not one grid per image size).
+        ApiError: 400 when the pipeline class cannot honour the request (a size off its
+            grid, naming the multiple; a negative prompt it would ignore), or it asks
+            for previews (no preview map is fitted for a pipeline class: its latents
+            are not one grid per image size).
     """
     if body.partial_images:
         raise ApiError(
@@ -53,7 +53,7 @@ def folder_image_job(
     try:
         recipe.image_size(batch)
     except ValueError as err:  # it names the multiple a side must be
-        raise ApiError(400, str(err), param="size") from None
+        raise ApiError(400, str(err), param="size", code="invalid_size") from None
     try:
         recipe.check(batch)  # the body always has a prompt: what is left is the negative one
     except ValueError as err:
@@ -82,10 +82,6 @@ def folder_image_job(
 
 
 def _height_width(size: str) -> tuple[int, int]:
-    """Return (height, width) of ``size`` written ``WIDTHxHEIGHT``."""
+    """Return (height, width) of ``size``, ``WIDTHxHEIGHT`` as ``check_images`` checked it."""
     width, _, height = size.partition("x")
-    if not (width.isdigit() and height.isdigit() and int(width) and int(height)):
-        raise ApiError(
-            400, f"size '{size}' is not WIDTHxHEIGHT in pixels, e.g. '512x512'", param="size"
-        )
     return int(height), int(width)

@@ -17,16 +17,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lifecycle.config import ServingConfig
 from lifecycle.serving.bodies import EmbeddingsBody, ImagesBody
 from lifecycle.serving.errors import ApiError, error_response
+from lifecycle.shown import shown
 
 JSON_TYPE = "application/json"
 _SIZE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
 """``WIDTHxHEIGHT`` in ASCII digits; longer numbers are no size (and never reach ``int``)."""
-SHOWN_CHARS = 40
-"""How much of a bad value an error repeats."""
 
 
 class BodyLimits:
-    """Refuse a body that is not JSON (415) or is larger than ``limit`` bytes (413).
+    """Refuse a body that is not JSON or is encoded (415), or is larger than ``limit``
+    bytes (413).
 
     A request without a body passes untouched. The 413 closes the connection, so the
     rest of an oversized body is never read.
@@ -52,9 +52,12 @@ class BodyLimits:
             await self.app(scope, receive, send)
             return
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         refused = None
         if media_type != JSON_TYPE.encode():
             refused = unsupported_media_type(media_type.decode("latin-1"))
+        elif encoding != b"identity":
+            refused = unsupported_encoding(encoding.decode("latin-1"))
         elif declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             refused = body_too_large(self.limit)
         if refused is not None:
@@ -85,8 +88,20 @@ def unsupported_media_type(found: str) -> ApiError:
     return ApiError(
         415,
         f"the body must be JSON: send content-type: {JSON_TYPE}, not "
-        f"{_shown(found) if found else 'none'}",
+        f"{shown(found) if found else 'none'}",
         code="unsupported_media_type",
+    )
+
+
+def unsupported_encoding(found: str) -> ApiError:
+    """Return the 415 of a body sent compressed (RFC 9110: the content coding is not
+    accepted), with the coding the worker reads (RFC 7694's ``accept-encoding``)."""
+    return ApiError(
+        415,
+        f"the body must not be encoded: the worker reads no content-encoding, got "
+        f"{shown(found)}; send the JSON uncompressed, without that header",
+        code="unsupported_content_encoding",
+        headers={"accept-encoding": "identity"},
     )
 
 
@@ -153,11 +168,19 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
     if found is None:
         raise ApiError(
             400,
-            f"size {_shown(body.size)} is not WIDTHxHEIGHT in pixels, e.g. '512x512'",
+            f"size {shown(body.size)} is not WIDTHxHEIGHT in pixels, e.g. '512x512'",
             param="size",
             code="invalid_size",
         )
     size = ImageSize(width=int(found.group(1)), height=int(found.group(2)))
+    if not size.width or not size.height:
+        raise ApiError(
+            400,
+            f"size {shown(body.size)} has a side of 0 pixels; ask for at least 1 pixel a side, "
+            "e.g. '512x512'",
+            param="size",
+            code="invalid_size",
+        )
     side = settings.max_image_side
     _at_most(size.width, side, "max_image_side", "size", "pixels of width")
     _at_most(size.height, side, "max_image_side", "size", "pixels of height")
@@ -187,7 +210,3 @@ def _at_most(value: int, limit: int, key: str, param: str, what: str) -> None:
         code="limit_exceeded",
         extra={"limit": f"serving.{key}"},
     )
-
-
-def _shown(text: str) -> str:
-    return repr(text) if len(text) <= SHOWN_CHARS else repr(text[:SHOWN_CHARS]) + "..."

@@ -11,6 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lifecycle.logs import get_logger
 from lifecycle.serving.errors import ApiError, error_response, server_error
 from lifecycle.serving.worker import Worker
+from lifecycle.shown import shown
 
 log = get_logger("lifecycle")
 
@@ -83,10 +84,9 @@ def _client_id(scope: Scope) -> str | None:
 
 
 def _bad_id(sent: str) -> ApiError:
-    shown = sent if len(sent) <= 40 else sent[:40] + "..."
     return ApiError(
         400,
-        f"header x-request-id {shown!r} is not a request id: send 1 to 128 letters, digits "
+        f"header x-request-id {shown(sent)} is not a request id: send 1 to 128 letters, digits "
         "or the characters . _ : - , or leave the header out and the worker assigns one",
         param="x-request-id",
         code="invalid_request_id",

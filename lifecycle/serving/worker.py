@@ -31,6 +31,7 @@ from lifecycle.serving.board import StatusBoard
 from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.served import ServedPipeline
+from lifecycle.shown import shown
 from lifecycle.states import PipelineState, WorkerState
 from lifecycle.worker_machine import WorkerMachine
 
@@ -367,7 +368,8 @@ class Worker:
                 "model_required",
             )
         raise UnknownModel(
-            f"model '{model}' is not served here; this worker serves {names}", "model_not_found"
+            f"model {shown(model)} is not served here; this worker serves {names}",
+            "model_not_found",
         )
 
     async def run(self, served: ServedPipeline, job: Job) -> Job:

@@ -26,6 +26,7 @@ from lifecycle.serving.dispatch import check_ready
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
+from lifecycle.shown import shown
 
 ADAPTER_BODY = msgspec.json.Decoder(AdapterBody)
 
@@ -96,7 +97,8 @@ def adapter_set(
         if name not in usable:
             raise ApiError(
                 400,
-                f"unknown adapter {name!r} in lora; known adapters: {', '.join(usable) or 'none'}",
+                f"unknown adapter {shown(name)} in lora; known adapters: "
+                f"{', '.join(usable) or 'none'}",
                 param="lora",
                 code="unknown_adapter",
             )

@@ -122,12 +122,13 @@ def _latent_size(served: ServedPipeline, size: ImageSize | None, n: int) -> tupl
         return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
     w, h = size.width, size.height
     largest = settings.max_batch_tokens // n
-    if w % scale or h % scale or not w or not h or (w // scale) * (h // scale) > largest:
+    if w % scale or h % scale or (w // scale) * (h // scale) > largest:  # check_images: w, h > 0
         raise ApiError(
             400,
             f"size '{w}x{h}' is outside this pipeline's range: width and height must be "
             f"positive multiples of {scale} pixels, with (width/{scale}) x (height/{scale}) "
             f"x n at most serving.max_batch_tokens = {settings.max_batch_tokens}",
             param="size",
+            code="invalid_size",
         )
     return h // scale, w // scale

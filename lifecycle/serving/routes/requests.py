@@ -10,6 +10,7 @@ from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import RequestState, RequestStatus
 from lifecycle.serving.worker import Worker
+from lifecycle.shown import shown
 
 
 def requests_routes(worker: Worker) -> APIRouter:
@@ -44,7 +45,7 @@ def _known(found: RequestStatus | None, request_id: str) -> RequestStatus:
     if found is None:
         raise ApiError(
             404,
-            f"no queued, running or recent request has the id {request_id!r}; ids are "
+            f"no queued, running or recent request has the id {shown(request_id)}; ids are "
             "the x-request-id of the request's answer",
             param="request_id",
             code="request_not_found",

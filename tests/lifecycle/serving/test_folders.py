@@ -95,14 +95,17 @@ class TestImages:
     def test_what_the_class_cannot_honour_is_a_400(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
     ) -> None:
-        """An off-grid size names the multiple; Flux's negative prompt and previews are refused."""
+        """An off-grid size names the multiple (invalid_size, as every size error; 0x0 too);
+        Flux's negative prompt and previews are refused."""
         served = serve_spec(folder_spec(pipeline_folder("flux")))
         with served.client() as client:
             off_grid = generate(client, prompt="a fox", size="40x40").json()["error"]
+            empty = generate(client, prompt="a fox", size="0x0").json()["error"]
             negative = generate(client, prompt="a fox", negative_prompt="blur").json()["error"]
             unreadable = generate(client, prompt="a fox", size="large")
             previews = generate(client, prompt="a fox", stream=True, partial_images=1)
-        assert off_grid["param"] == "size"
+        assert (off_grid["param"], off_grid["code"]) == ("size", "invalid_size")
+        assert (empty["param"], empty["code"]) == ("size", "invalid_size")
         assert off_grid["message"] == (
             "FluxPipeline cannot make 40x40 images: height and width must be multiples of 16"
         )

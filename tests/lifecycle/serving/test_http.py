@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import torch
 
 from components.batch import Batch
 from lifecycle.config import PipelineSpec, load_spec
+from lifecycle.logs import configure_logging, saved_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from tests.conftest import decode_png
@@ -180,6 +182,88 @@ class TestBadInput:
             response = client.post("/v1/embeddings", json={"input": "a red fox"})
         assert response.status_code == 404
         assert "examples/minilm_embed.toml" in response.json()["error"]["message"]
+
+
+LONG = "b" * 100_000
+"""A name of 100,000 characters (an attention_backend so made a 200 KB answer and a 100 KB
+log line)."""
+ECHO_BOUND = 1_000
+"""The most bytes an answer or a log line about a bad value may take, whatever its length."""
+
+
+def logged_request(
+    served: Served, method: str, path: str, body: dict[str, Any] | None
+) -> tuple[httpx.Response, list[str]]:
+    """Send one request; return its answer and the JSON log lines written meanwhile."""
+    stream = io.StringIO()
+    with saved_logging(), served.client() as client:
+        configure_logging("json", "debug", stream)
+        response = client.request(method, path, json=body)
+    return response, stream.getvalue().splitlines()
+
+
+class TestEchoes:
+    @pytest.mark.parametrize(
+        ("method", "path", "body", "status"),
+        [
+            ("POST", "/v1/images/generations", {"attention_backend": LONG}, 400),
+            ("POST", "/v1/images/generations", {"model": LONG}, 404),
+            ("POST", "/v1/images/generations", {"lora": {LONG: 1.0}}, 400),
+            ("POST", "/v1/images/generations", {LONG: 1}, 400),  # an unknown field
+            ("POST", "/v1/images/generations", {"response_format": LONG}, 400),
+            ("POST", "/v1/images/generations", {"size": LONG}, 400),
+            ("GET", "/v1/requests/" + LONG[:20_000], None, 404),  # a URL within the header bound
+            ("DELETE", "/v1/requests/" + LONG[:20_000], None, 404),
+        ],
+        ids=[
+            "attention_backend",
+            "model",
+            "lora",
+            "unknown field",
+            "enum value",
+            "size",
+            "status",
+            "cancel",
+        ],
+    )
+    def test_an_overlong_value_is_cut_in_the_answer_and_the_log(
+        self,
+        shared_t2i: SharedT2i,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        status: int,
+    ) -> None:
+        """A 100,000-character value is repeated as its first characters and '...': the
+        answer and any log line stay under 1 KB."""
+        json = None if body is None else {"prompt": "a red fox", "steps": 1, **body}
+        response, lines = logged_request(shared_t2i(), method, path, json)
+        assert response.status_code == status
+        assert len(response.content) < ECHO_BOUND
+        message = response.json()["error"]["message"]
+        assert repr(LONG[:10])[:-1] in message  # its start, quoted
+        assert "..." in message
+        assert all(len(line) < ECHO_BOUND for line in lines)
+
+    def test_an_overlong_backend_is_cut_in_the_refusal_logged(self, shared_t2i: SharedT2i) -> None:
+        """The refusal of a 100,000-character attention_backend is logged in a line under
+        1 KB (it was 100 KB) and answered in under 1 KB (200 KB: the message and the
+        refusal each held the name)."""
+        body = {"prompt": "a red fox", "steps": 1, "attention_backend": LONG}
+        response, lines = logged_request(shared_t2i(), "POST", "/v1/images/generations", body)
+        (refused,) = [line for line in lines if '"lifecycle.refused"' in line]
+        assert "attention_backend 'bbbb" in refused
+        assert len(refused) < ECHO_BOUND
+        error = response.json()["error"]
+        assert error["code"] == "attention.invalid_override"
+        assert len(response.content) < ECHO_BOUND
+
+    def test_an_overlong_model_of_embeddings_is_cut(self, minilm: Served) -> None:
+        """An embeddings request naming a 100,000-character model is a short 404."""
+        with minilm.client() as client:
+            response = client.post("/v1/embeddings", json={"input": "a", "model": LONG})
+        assert response.status_code == 404
+        assert len(response.content) < ECHO_BOUND
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,6 +130,27 @@ class TestImageLimits:
         assert error["param"] == "size"
         assert len(error["message"]) < 200  # a huge size is not echoed whole
 
+    @pytest.mark.parametrize(
+        ("size", "words"),
+        [
+            ("0x0", "has a side of 0 pixels"),
+            ("0x16", "has a side of 0 pixels"),
+            ("15x15", "must be positive multiples of 4 pixels"),
+            ("16x18", "must be positive multiples of 4 pixels"),
+        ],
+    )
+    def test_a_size_the_pipeline_cannot_make_is_invalid_size(
+        self, plain: Served, size: str, words: str
+    ) -> None:
+        """A side of 0 or off the pipeline's grid is a 400 invalid_size naming size, as every
+        other size error is (its code was null)."""
+        with plain.client() as client:
+            response = generate(client, size=size)
+        error = response.json()["error"]
+        assert response.status_code == 400
+        assert (error["code"], error["param"]) == ("invalid_size", "size")
+        assert words in error["message"]
+
     @pytest.mark.parametrize("scale", ["100.0", "100.5", "1e30", "1e999"])
     def test_guidance_scale_is_bounded(self, plain: Served, scale: str) -> None:
         """guidance_scale up to 100 runs; beyond it (1e30 made an all-black NaN image) and
@@ -246,6 +268,30 @@ class TestBody:
             )
         assert refused.status_code == 415
         assert refused.json()["error"]["code"] == "unsupported_media_type"
+        assert accepted.status_code == 200
+
+    @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip", "br"])
+    def test_an_encoded_body_is_415(self, limited: Served, encoding: str) -> None:
+        """A body with a content-encoding is a 415 naming it, with accept-encoding: identity
+        (gzip was read as JSON: 400 "JSON is malformed"); content-encoding: identity runs."""
+        body = msgspec.json.encode({"prompt": "a red fox", "steps": 1})
+        packed = gzip.compress(body) if encoding == "gzip" else body
+        with limited.client() as client:
+            refused = client.post(
+                "/v1/images/generations",
+                content=packed,
+                headers={**JSON, "content-encoding": encoding},
+            )
+            accepted = client.post(
+                "/v1/images/generations",
+                content=body,
+                headers={**JSON, "content-encoding": "Identity"},
+            )
+        error = refused.json()["error"]
+        assert refused.status_code == 415
+        assert error["code"] == "unsupported_content_encoding"
+        assert repr(encoding) in error["message"]
+        assert refused.headers["accept-encoding"] == "identity"
         assert accepted.status_code == 200
 
 
