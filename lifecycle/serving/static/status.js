@@ -18,6 +18,13 @@ function bytes(n) {
   return (i ? n.toFixed(1) : String(n)) + " " + units[i];
 }
 
+// the bytes held against the budget: "X on the device of a Y budget", or without one
+// "X on the device, no device budget"
+function onDevice(used, budget, shared) {
+  const held = `${bytes(used)} on the device`;
+  return budget === null ? `${held}, no device budget` : `${held} of a ${bytes(budget)} budget${shared}`;
+}
+
 // styles are set through the CSSOM: the page's security policy forbids style attributes
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -50,14 +57,13 @@ function pipeline(name) {
 
 // the worker: every pipeline it serves shares its phase and its device budget
 function renderWorker(snapshot) {
-  const limit = snapshot.budget === null ? "no device budget" : `of a ${bytes(snapshot.budget)} budget`;
   const count = snapshot.pipelines.length;
   const saved = snapshot.shared_bytes_saved ? `; sharing saves ${bytes(snapshot.shared_bytes_saved)}` : "";
   const worker = document.getElementById("worker");
   worker.dataset.phase = snapshot.phase;
   worker.dataset.resident = snapshot.resident_bytes;
   worker.textContent = `${snapshot.phase}: ${count} pipeline${count === 1 ? "" : "s"}, ` +
-    `${bytes(snapshot.resident_bytes)} on the device ${limit}${saved}`;
+    `${onDevice(snapshot.resident_bytes, snapshot.budget, "")}${saved}`;
   const names = new Set(snapshot.pipelines.map((p) => p.name));
   for (const [name, view] of shown) {  // a pipeline removed from the worker leaves the page
     if (!names.has(name)) { view.root.remove(); shown.delete(name); }
@@ -81,7 +87,8 @@ function renderStatus(status) {
 }
 
 function renderComponents(view) {
-  const rows = view.status.components.map((c) =>
+  const table = view.root.querySelector(".components");
+  const rows = view.status.components.map((c) => labelled(table,
     el("tr", { "data-component": c.name },
       el("td", {}, c.name),
       el("td", { class: "state" }, el("span", { "data-state": c.state }, c.state)),
@@ -90,9 +97,16 @@ function renderComponents(view) {
       el("td", {}, c.residency),
       el("td", {}, c.target || "—"),
       el("td", { class: "bytes num", "data-resident": c.resident_bytes, "data-footprint": c.footprint },
-        `${bytes(c.resident_bytes)} / ${bytes(c.footprint)}`)));
-  view.root.querySelector(".components tbody").replaceChildren(...rows);
+        `${bytes(c.resident_bytes)} / ${bytes(c.footprint)}`))));
+  table.querySelector("tbody").replaceChildren(...rows);
   renderDiagram(view);
+}
+
+// each cell named by its column's heading: a phone shows a row as lines of "heading value"
+function labelled(table, row) {
+  const headings = [...table.querySelectorAll("thead th")].map((th) => th.textContent);
+  row.querySelectorAll("td").forEach((td, i) => td.setAttribute("data-label", headings[i]));
+  return row;
 }
 
 function renderDiagram(view) {
@@ -120,8 +134,7 @@ function renderBudget(view) {
     style: { width: `${(100 * c.resident_bytes / scale).toFixed(2)}%`, background: swatch(i) },
   })));
   const shared = shown.size > 1 ? " shared by every pipeline" : "";
-  const limit = status.budget === null ? "no device budget" : `of a ${bytes(status.budget)} budget${shared}`;
-  view.root.querySelector(".figures").textContent = `${bytes(used)} on the device ${limit}`;
+  view.root.querySelector(".figures").textContent = onDevice(used, status.budget, shared);
   view.root.querySelector(".shares").replaceChildren(...status.components.map((c, i) =>
     el("li", { style: { "--swatch": swatch(i) } },
       `${c.name}: ${bytes(c.resident_bytes)} (footprint ${bytes(c.footprint)})`)));
@@ -135,12 +148,14 @@ function renderQueue(view) {
   const status = view.status;
   view.root.querySelector(".queued tbody").replaceChildren(...status.queued.map((q) =>
     el("tr", { "data-request-id": q.id },
-      el("td", {}, q.id), el("td", {}, q.priority ?? "—"), el("td", {}, q.endpoint),
+      el("td", { class: "id" }, q.id), el("td", {}, q.priority ?? "—"), el("td", {}, q.endpoint),
       el("td", { class: "num" }, q.items), el("td", { class: "num" }, `${q.queued_s.toFixed(2)} s`))));
-  // stage and step: the requests' own progress events fill step once the worker reports them
+  // a batch's id is its requests' ids joined by "+": it wraps between them (or, for one
+  // long id, anywhere), so that stage and step stay in view however many requests it holds
   view.root.querySelector(".running tbody").replaceChildren(...status.running.map((r) =>
     el("tr", { "data-batch-id": r.id },
-      el("td", {}, r.id), el("td", {}, r.request_ids.join(", ")), el("td", { class: "stage" }, r.stage ?? "—"),
+      el("td", { class: "id" }, ...r.request_ids.flatMap((id, i) => i ? ["+", el("wbr"), id] : [id])),
+      el("td", { class: "stage" }, r.stage ?? "—"),
       el("td", { class: "step num" }, `${r.step ?? "—"} / ${r.steps}`))));
 }
 

@@ -15,9 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from lifecycle.config import PipelineSpec
+from lifecycle.serving.board import server_sent
+from lifecycle.serving.status import QueuedRequest, RunningBatch, StatusSnapshot, worker_status
 from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race
@@ -59,6 +62,24 @@ RECORDER = """(selector) => {
 and the bytes the budget bar shows (each value once per change); it may run before the
 page does (an init script)."""
 
+CUT_CELLS = """(p) => {
+  const cut = [];
+  for (const cell of document.querySelectorAll(`${p} table :is(th, td)`)) {
+    const box = cell.getBoundingClientRect();
+    if (!box.width) continue;  // not shown (a phone hides the component table's headings)
+    const frame = cell.closest(".scroll, .card").getBoundingClientRect();
+    if (cell.scrollWidth > cell.clientWidth || box.left < frame.left || box.right > frame.right)
+      cut.push(`${cell.closest("table").className}: ${cell.textContent}`);
+  }
+  for (const table of document.querySelectorAll(`${p} .scroll > table`)) {
+    const scroll = table.parentElement;
+    if (scroll.scrollWidth > scroll.clientWidth) cut.push(`${table.className} scrolls`);
+  }
+  return cut;
+}"""
+"""Every table cell of a pipeline that is cut at the edge of its card (or of the box it
+would scroll in), and every table that has to be scrolled sideways to be read whole."""
+
 IDLE = """(p) => !document.querySelector(`${p} .queued tbody tr, ${p} .running tbody tr`)"""
 
 
@@ -90,6 +111,30 @@ def page(browser: Any) -> Iterator[Any]:
         yield context.new_page()
     finally:
         context.close()
+
+
+def loaded(snapshot: StatusSnapshot) -> StatusSnapshot:
+    """Return ``snapshot`` under load: batches of many long request ids running (one id a
+    single 120-character word), long ids queued, and the header's figure of the issue."""
+    ids = [f"client-{i}-{'0123456789abcdef' * 2}" for i in range(12)]
+    batches = [ids[:6], ids[6:], ["x" * 120]]
+    running = tuple(
+        RunningBatch(
+            id="+".join(batch),
+            request_ids=tuple(batch),
+            endpoint="images",
+            stage="denoise",
+            steps=50,
+            step=49,
+        )
+        for batch in batches
+    )
+    queued = tuple(
+        QueuedRequest(id=f"{i}-{'y' * 60}", endpoint="images", items=1, queued_s=1.5, priority=0)
+        for i in range(3)
+    )
+    pipeline = msgspec.structs.replace(snapshot.pipelines[0], running=running, queued=queued)
+    return msgspec.structs.replace(snapshot, resident_bytes=735_846, pipelines=(pipeline,))
 
 
 def generate(url: str, body: dict[str, object]) -> int:
@@ -176,3 +221,43 @@ class TestStatusPageInABrowser:
         assert max(seen["used"]) <= RACE_BUDGET
         assert resident[1] in seen["used"]  # the racing snapshot: the VAE beside the transformer
         assert seen["used"][-1] == resident[-1]
+
+    def test_header_and_tables_read_whole_under_load_at_any_width(
+        self,
+        page: Any,
+        serve_spec: ServeSpec,
+        t2i_spec: Callable[..., PipelineSpec],
+        tmp_path: Path,
+    ) -> None:
+        """With no device budget the header and the budget card say so after a comma; under
+        load every table fits its card at desktop and phone width, no cell cut, and each
+        running batch shows its whole id beside its stage and step."""
+        served = serve_spec(t2i_spec())
+        snapshot = loaded(worker_status(served.worker))
+        stream = b"retry: 3600000\n\n" + server_sent(msgspec.json.encode(snapshot))
+        page.route(
+            "**/v1/events",
+            lambda route: route.fulfill(
+                status=200, headers={"content-type": "text/event-stream"}, body=stream
+            ),
+        )
+        page.goto(served.url + "/")
+        page.wait_for_selector('#connection[data-state="lost"]')  # the stream was read whole
+        header = page.locator("#worker").inner_text()
+        figures = page.locator(f"{PIPELINE} .figures").inner_text()
+        cut = {"desktop": page.evaluate(CUT_CELLS, PIPELINE)}
+        page.screenshot(path=tmp_path / "loaded-1280x800.png", full_page=True)
+        page.set_viewport_size(PHONE)
+        cut["phone"] = page.evaluate(CUT_CELLS, PIPELINE)
+        page.screenshot(path=tmp_path / "loaded-390x844.png", full_page=True)
+        page_width = page.evaluate("document.documentElement.scrollWidth")
+        rows = page.locator(f"{PIPELINE} .running tbody tr").evaluate_all(
+            "rows => rows.map(r => [r.dataset.batchId, ...[...r.cells].map(c => c.innerText)])"
+        )
+        assert header == "ready: 1 pipeline, 718.6 KiB on the device, no device budget"
+        assert figures.endswith(" on the device, no device budget")
+        assert cut == {"desktop": [], "phone": []}
+        assert page_width <= PHONE["width"]
+        assert [[row[0], "".join(row[1].split()), *row[2:]] for row in rows] == [
+            [batch.id, batch.id, "denoise", "49 / 50"] for batch in snapshot.pipelines[0].running
+        ]
