@@ -167,6 +167,7 @@ def configure_logging(
     level: str = "info",
     stream: TextIO | None = None,
     *,
+    omit: Collection[str] = (),
     omit_on_console: Collection[str] = (),
 ) -> None:
     """Route every structlog event to ``stream`` (stderr by default).
@@ -181,6 +182,8 @@ def configure_logging(
         fmt: ``json``, ``console`` or ``auto``.
         level: the least severe level written (``debug``, ``info``, ``warning``, ``error``).
         stream: where events go; stderr by default.
+        omit: event names left out whatever the rendering (the command prints the
+            same on stdout, and a stream that captures both would carry it twice).
         omit_on_console: event names left out when rendering for a person (the
             command says the same in its own words); JSON lines keep them.
 
@@ -192,7 +195,8 @@ def configure_logging(
     if numeric_level is None:
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
     console = fmt == "console" or (fmt == "auto" and out.isatty())
-    omitted: list[Processor] = [_Omit(frozenset(omit_on_console))] if console else []
+    names = frozenset(omit) | (frozenset(omit_on_console) if console else frozenset())
+    omitted: list[Processor] = [_Omit(names)] if names else []
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -48,7 +48,7 @@ def add_diagram_command(command: Callable[[str, str], argparse.ArgumentParser]) 
     diagram.add_argument(
         "--check", action="store_true", help="exit 1 when the files differ from the machine"
     )
-    diagram.set_defaults(handler=diagram_command)
+    diagram.set_defaults(handler=diagram_command, prints_refusals=True)
 
 
 def diagram_command(args: argparse.Namespace) -> int:

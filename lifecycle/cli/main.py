@@ -49,11 +49,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_logs = getattr(args, "json_logs", False)
     fmt: LogFormat = "json" if json_logs else args.log_format
     level: str = "info" if json_logs else args.log_level
-    # check and run print every refusal with its fix: at the default level a person's
-    # console would say it a second time (JSON lines and more verbose levels keep it)
-    # a crash is one line there too: its traceback is for JSON lines and verbose levels
-    hidden = ("lifecycle.refused", CRASHED) if level == DEFAULT_LOG_LEVEL else ()
-    configure_logging(fmt, level, omit_on_console=hidden)
+    quiet = level == DEFAULT_LOG_LEVEL
+    # check, run and diagram print every refusal with its fix: at the default level the
+    # event would say it again on a console, or in the file that captures stderr with
+    # stdout (2>&1); JSON logs asked for by name, and more verbose levels, keep it
+    prints = getattr(args, "prints_refusals", False)
+    said = ("lifecycle.refused",) if quiet and prints and fmt != "json" else ()
+    # on a console a refusal (serve's too) and a crash are one line each: their events,
+    # the crash's traceback with it, are for JSON lines and verbose levels
+    hidden = ("lifecycle.refused", CRASHED) if quiet else ()
+    configure_logging(fmt, level, omit=said, omit_on_console=hidden)
     code: int = args.handler(args)
     return code
 
@@ -95,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     add_budget_options(check)
-    check.set_defaults(handler=_check)
+    check.set_defaults(handler=_check, prints_refusals=True)
 
     run = command("run", "run requests of a pipeline (the main job)")
     run.add_argument("spec", type=Path, help=SPEC_HELP)
@@ -150,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
     )
-    run.set_defaults(handler=run_command)
+    run.set_defaults(handler=run_command, prints_refusals=True)
 
     add_diagram_command(command)
 

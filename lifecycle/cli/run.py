@@ -251,10 +251,16 @@ def _close(orchestrator: Orchestrator) -> str | None:
 
 
 def _report(args: argparse.Namespace, spec: PipelineSpec, outcome: RunOutcome) -> None:
-    """Print ``outcome``: what went wrong on stderr (every rank), the results on rank 0."""
+    """Print ``outcome``: what went wrong on stderr (every rank), the results on rank 0.
+
+    A refusal is the run's result: rank 0 prints it on stdout, as ``check`` does (under
+    ``--json``, in the one object), another rank on stderr.
+    """
     ending = outcome.ending
     if ending.refusals:
-        print(format_refusals("run", spec.name, ending.refusals, spec.components), file=sys.stderr)
+        if not args.json:
+            text = format_refusals("run", spec.name, ending.refusals, spec.components)
+            print(text, file=sys.stdout if launch.is_main_rank() else sys.stderr)
     elif ending.invalid is not None:
         print(f"lifecycle run: {args.spec}: {ending.invalid}", file=sys.stderr)
     for failure in ending.failures:

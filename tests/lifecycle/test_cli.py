@@ -158,9 +158,27 @@ class TestCheck:
         assert result.returncode == 1
         assert (result.stdout + result.stderr).count("residency.undeclared_use") == 1
 
-    def test_refusal_event_still_reaches_json_logs(self, lifecycle: Lifecycle) -> None:
-        """JSON logs keep the ``lifecycle.refused`` event beside the printed text."""
-        result = lifecycle("check", "--log-format", "json", REFUSED / "undeclared_use.toml")
+    @pytest.mark.parametrize("command", ["check", "run"])
+    def test_refusal_is_printed_once_when_stderr_is_captured(
+        self, lifecycle: Lifecycle, command: str
+    ) -> None:
+        """With stderr captured (JSON lines by default) and stdout beside it, as ``2>&1``
+        does, each refusal appears once: the text on stdout, no event on stderr."""
+        result = lifecycle(command, REFUSED / "undeclared_use.toml")
+        assert result.returncode == 1
+        assert result.stdout.startswith(f"lifecycle {command}: pipeline 'undeclared-use' refused")
+        assert (result.stdout + result.stderr).count("residency.undeclared_use") == 1
+
+    @pytest.mark.parametrize("command", ["check", "run"])
+    @pytest.mark.parametrize(
+        "options", [("--log-format", "json"), ("--log-level", "info")], ids=["json", "info"]
+    )
+    def test_refusal_event_still_reaches_logs_asked_for(
+        self, lifecycle: Lifecycle, command: str, options: tuple[str, ...]
+    ) -> None:
+        """JSON logs asked for, or the info level, keep the ``lifecycle.refused`` event on
+        stderr; the text stays once, on stdout."""
+        result = lifecycle(command, *options, REFUSED / "undeclared_use.toml")
         events = [json.loads(line) for line in result.stderr.splitlines()]
         assert [e["codes"] for e in events if e["event"] == "lifecycle.refused"] == [
             ["residency.undeclared_use"]
@@ -364,13 +382,14 @@ class TestRunCommand:
         assert "lifecycle.transition" in events
 
     def test_refused_spec_exits_one(self, lifecycle: Lifecycle) -> None:
-        """A spec admission refuses is exit 1 with every reason on stderr, as ``run``."""
+        """A spec admission refuses is exit 1 with every reason on stdout, as ``check``."""
         result = lifecycle("run", REFUSED / "unsupported_backend.toml", "--log-format", "console")
         assert result.returncode == 1
-        assert result.stderr.startswith(
+        assert result.stdout.startswith(
             "lifecycle run: pipeline 'unsupported-backend' refused (1 reason)\n"
         )
-        assert "attention.unsupported_backend" in result.stderr
+        assert "attention.unsupported_backend" in result.stdout
+        assert result.stderr == ""
 
     def test_kind_without_run_is_named(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """A staged kind that cannot run a request is named, exit 2, before anything loads."""
