@@ -761,7 +761,10 @@ class Orchestrator:
             and slot.lifecycle.state is not ComponentState.RELEASED
             and not staying.isdisjoint(slot.users)
         }
-        return adm.SharedBudget(limit=limit, key=self.shared.budget.key, pinned=pinned)
+        others = tuple(sorted({self.shared.names[key] for key in staying if key != self.key}))
+        return adm.SharedBudget(
+            limit=limit, key=self.shared.budget.key, pinned=pinned, others=others
+        )
 
     # -- the pipeline's guards and work ------------------------------------------
 

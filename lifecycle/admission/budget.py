@@ -31,11 +31,13 @@ class SharedBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         key: where it was set (``--device-budget``, ``worker.device_budget``).
         pinned: the components other pipelines keep on the device for good (explicitly
             resident), by ``pipeline/component``, with their declared bytes.
+        others: the names of the other pipelines on the device (none: it is alone there).
     """
 
     limit: int
     key: str
     pinned: dict[str, int] = msgspec.field(default_factory=dict)
+    others: tuple[str, ...] = ()
 
 
 class BudgetDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -136,11 +138,13 @@ def stage_fits(
     budget: int,
     *,
     pipeline: str | None = None,
+    others: tuple[str, ...] = (),
     budget_key: str = "memory.device_budget",
 ) -> Refusal | None:
     """Check at admission that one stage's components and the pinned ones fit at all.
 
-    ``pipeline`` is named in the message when the budget is shared with others.
+    ``pipeline`` is named in the message when the budget is a worker's, and ``others``,
+    the other pipelines it shares that budget with, when there are any.
     """
     together = dict.fromkeys((*pinned, *uses))
     needed = sum(sizes[name] for name in together)
@@ -153,11 +157,19 @@ def stage_fits(
         component=uses[0],
         message=f"stage '{stage}'"
         + ("" if pipeline is None else f" of pipeline '{pipeline}'")
-        + f" needs {total} on device at once ({parts}), more than the {limit} "
-        + ("budget" if pipeline is None else "budget it shares with the worker's other pipelines"),
+        + f" needs {total} on device at once ({parts}), more than the {limit} budget"
+        + _shared_with(others),
         hint=f"raise {budget_key} to at least {total}, or use "
         "layerwise_offload for the largest component of that stage",
     )
+
+
+def _shared_with(others: tuple[str, ...]) -> str:
+    """Return how a message names the other pipelines a budget is shared with, if any."""
+    if not others:
+        return ""
+    names = ", ".join(f"'{name}'" for name in others)
+    return f" it shares with pipeline{'s' * (len(others) > 1)} {names}"
 
 
 def budget_refusals(
@@ -185,15 +197,23 @@ def budget_refusals(
     pinned = tuple(
         name for name, component in spec.components.items() if name in sizes and component.is_pinned
     )
-    where: dict[str, str] = {}
+    pipeline: str | None = None
+    others: tuple[str, ...] = ()
+    key = "memory.device_budget"
     if shared is not None:
         sizes.update(shared.pinned)
         pinned += tuple(shared.pinned)
-        where = {"pipeline": spec.name, "budget_key": shared.key}
+        pipeline, others, key = spec.name, shared.others, shared.key
+
+    def fit(stage: str, uses: tuple[str, ...]) -> Refusal | None:
+        return stage_fits(
+            stage, sizes, uses, pinned, budget, pipeline=pipeline, others=others, budget_key=key
+        )
+
     found = []
     for stage in spec.stages:
         uses = tuple(name for name in stage.uses if name in sizes)
-        if uses and (refusal := stage_fits(stage.name, sizes, uses, pinned, budget, **where)):
+        if uses and (refusal := fit(stage.name, uses)):
             found.append(refusal)
     # load() onloads a resident component even when no stage uses it
     staged = {name for stage in spec.stages for name in stage.uses}
@@ -202,7 +222,7 @@ def budget_refusals(
             name in sizes
             and name not in staged
             and component.residency_mode is ResidencyMode.RESIDENT
-            and (refusal := stage_fits("load()", sizes, (name,), pinned, budget, **where))
+            and (refusal := fit("load()", (name,)))
         ):
             found.append(refusal)
     return found

@@ -208,9 +208,23 @@ class TestCheckSeveral:
         assert small.returncode == 1
         assert "lifecycle check: pipeline 'a' refused" in small.stdout
         assert "stage 'decode' of pipeline 'b' needs" in small.stdout
+        assert "than the 500.0 KiB budget it shares with pipeline 'a'\n" in small.stdout
         assert "fix: raise --device-budget to at least" in small.stdout
         assert large.returncode == 0, large.stdout
         assert large.stdout.count("admitted (3 components") == 2
+
+    def test_one_pipeline_under_a_worker_budget_shares_it_with_none(
+        self, lifecycle: Lifecycle
+    ) -> None:
+        """``--device-budget`` on one pipeline refuses it without naming other pipelines."""
+        result = lifecycle("check", EXAMPLE, "--device-budget", "200KiB")
+        assert result.returncode == 1
+        assert "other pipelines" not in result.stdout
+        assert (
+            "stage 'decode' of pipeline 'tiny-t2i' needs 242.8 KiB on device at once "
+            "(vae 242.8 KiB), more than the 200.0 KiB budget\n"
+        ) in result.stdout
+        assert "fix: raise --device-budget to at least 242.8 KiB" in result.stdout
 
     def test_a_worker_file_sets_the_budget(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """``--worker FILE`` gives the budget; --json prints every pipeline's snapshot."""
