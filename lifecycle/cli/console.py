@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
+from attention import DENSE_CROSS_FALLBACK, GLOBAL_BACKEND_FALLBACK, PLATFORM_DEFAULT_FALLBACK
 from lifecycle.cli.runner import RunReport
 from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
@@ -12,6 +13,26 @@ from lifecycle.sizes import format_bytes
 
 PIPELINE_COLUMN = "(pipeline)"
 """The component column of a refusal about the whole pipeline (a layout, a stage)."""
+
+FALLBACK_MEANINGS = {
+    PLATFORM_DEFAULT_FALLBACK: "no backend was named for the site explicitly, and the first "
+    "choice (its layer's default, else the platform's) cannot serve what the site needs, so "
+    "the next one the platform prefers that can serves it; expected, not an error (set "
+    "attention_backend to choose)",
+    GLOBAL_BACKEND_FALLBACK: "attention.backend cannot serve the site, and its component may "
+    "fall back (a text encoder, a VAE, a layer with a default of its own), so another does",
+    DENSE_CROSS_FALLBACK: "a sparse backend never serves cross-attention, so a dense one does",
+}
+"""What each reason a site's backend was not the one asked for means (design §4.2)."""
+
+
+def fallback_legend(reasons: Collection[str | None]) -> list[str]:
+    """Return a line saying what each fallback reason among ``reasons`` means, in order."""
+    return [
+        f"  {reason}: {meaning}"
+        for reason, meaning in FALLBACK_MEANINGS.items()
+        if reason in reasons
+    ]
 
 
 def table(rows: Sequence[Sequence[str]]) -> list[str]:

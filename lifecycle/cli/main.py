@@ -19,7 +19,7 @@ from msgspec import UnsetType
 
 from lifecycle import exits
 from lifecycle.cli.arguments import image_size, non_negative, positive
-from lifecycle.cli.console import format_refusals, table
+from lifecycle.cli.console import fallback_legend, format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.launch import CRASHED
 from lifecycle.cli.output import print_json
@@ -259,7 +259,16 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
         )
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
     source = [] if isinstance(spec.source, UnsetType) else [f"  source: {spec.source}"]
-    return "\n".join([head, *table(rows), f"  stages: {timeline or '(none)'}", *source])
+    reasons = {site.reason for c in snapshot.components.values() for site in c.attention}
+    return "\n".join(
+        [
+            head,
+            *table(rows),
+            f"  stages: {timeline or '(none)'}",
+            *source,
+            *fallback_legend(reasons),
+        ]
+    )
 
 
 def _site_text(site: SitePlan) -> str:

@@ -41,6 +41,22 @@ class TestCheck:
         assert "self=torch_flash (default, platform default fallback)" in transformer
         assert "component_offload (explicit)" in result.stdout
         assert "encode [text_encoder] -> denoise [transformer] -> decode [vae]" in result.stdout
+        assert lines[-1] == (
+            "  platform default fallback: no backend was named for the site explicitly, and "
+            "the first choice (its layer's default, else the platform's) cannot serve what the "
+            "site needs, so the next one the platform prefers that can serves it; expected, not "
+            "an error (set attention_backend to choose)"
+        )
+
+    def test_no_legend_without_a_fallback(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
+        """A plan whose every site runs the backend asked for explains no fallback."""
+        unpacked = EXAMPLE.read_text().replace(
+            "packed_sequences = true", "packed_sequences = false"
+        )
+        result = lifecycle("check", write(tmp_path, "unpacked.toml", unpacked))
+        assert result.returncode == 0, result.stderr
+        assert "fallback" not in result.stdout
+        assert result.stdout.splitlines()[-1].startswith("  stages: encode [text_encoder]")
 
     def test_good_spec_as_json(self, lifecycle: Lifecycle) -> None:
         """``--json`` prints the snapshot: every component admitted with its sites."""
