@@ -1,7 +1,6 @@
 """A typed state-machine orchestrator for the components of a serving pipeline."""
 
 from components.batch import Cancelled
-from lifecycle.adapters import AdapterView
 from lifecycle.config import (
     AdapterSpec,
     AttentionConfig,
@@ -16,7 +15,7 @@ from lifecycle.config import (
 from lifecycle.logs import configure_logging
 from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
 from lifecycle.orchestrator import ComponentView, Orchestrator
-from lifecycle.plan import AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
+from lifecycle.plan import AdapterView, AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
 from lifecycle.refusals import (
     REFUSAL_CODES,
     AdmissionRefused,

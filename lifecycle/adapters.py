@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-import msgspec
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -33,10 +32,11 @@ from torch.utils.hooks import RemovableHandle
 from components.adapters import LoraMatrices, attach, linear_layers, merged_weight, read_matrices
 from lifecycle.adapter_machine import AdapterLifecycle, AdapterMachine
 from lifecycle.admission.adapters import AdapterAdmission
-from lifecycle.config import AdapterMode, AdapterSpec
+from lifecycle.config import AdapterSpec
 from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machine import Check, MoveArgs, TransitionContext, Work
+from lifecycle.plan import AdapterView
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.residency import Residency
 from lifecycle.shown import shown
@@ -55,29 +55,10 @@ _ADMISSION_GUARDS = {
 }
 
 
-class AdapterView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A read-only look at one adapter (``GET /v1/adapters`` lists these).
-
-    Attributes:
-        name: the adapter.
-        component: the component it changes ("" when admission could not tell).
-        state: where it stands.
-        mode: ``merged`` or ``unmerged``.
-        scale: the scale a request runs it at when it gives none.
-        merged_scale: the scale it is merged at now (merged and active), else None.
-    """
-
-    name: str
-    component: str
-    state: AdapterState
-    mode: AdapterMode
-    scale: float
-    merged_scale: float | None = None
-
-
 @dataclass
 class AdapterSlot:
-    """One adapter: its spec, what admission found, its matrices once loaded."""
+    """One adapter: its spec, what admission found, its matrices once loaded, and how many
+    switches changed it."""
 
     name: str
     spec: AdapterSpec
@@ -85,6 +66,7 @@ class AdapterSlot:
     admission: AdapterAdmission | None = None
     matrices: dict[str, LoraMatrices] = field(default_factory=dict)
     handles: list[RemovableHandle] = field(default_factory=list)
+    switches: int = 0
 
     @property
     def component(self) -> str:
@@ -205,7 +187,9 @@ class AdapterKeeper:
                     state=slot.lifecycle.state,
                     mode=slot.spec.mode,
                     scale=slot.spec.scale,
+                    path=slot.spec.path,
                     merged_scale=self.merged.get(component, {}).get(name),
+                    switches=slot.switches,
                 )
             )
         return views
@@ -322,6 +306,7 @@ class AdapterKeeper:
         started = time.perf_counter()
         merged = self.merged.get(component, {})
         args = MoveArgs(request_id=request_id)
+        changed = {name for name in {*merged, *wanted} if merged.get(name) != wanted.get(name)}
         for name, scale in sorted(merged.items()):
             if wanted.get(name) != scale:
                 self.adapters[name].lifecycle.deactivate(args)
@@ -329,6 +314,8 @@ class AdapterKeeper:
             if self.merged.get(component, {}).get(name) != scale:
                 self.adapters[name].lifecycle.activate(MoveArgs(request_id=request_id, scale=scale))
         self.switches += 1
+        for name in changed:
+            self.adapters[name].switches += 1
         seconds = round(time.perf_counter() - started, 6)
         now = dict(self.merged.get(component, {}))
         log.info(

@@ -31,7 +31,7 @@ from components.batch import Left
 from components.mesh import ParallelMesh
 from components.recipes import Recipe
 from lifecycle import admission as adm
-from lifecycle.adapters import AdapterKeeper, AdapterView
+from lifecycle.adapters import AdapterKeeper
 from lifecycle.admission.adapters import admit_adapter
 from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
@@ -51,6 +51,7 @@ from lifecycle.machine import (
 from lifecycle.override import BackendSwitch
 from lifecycle.pipeline_machine import PipelineLifecycle
 from lifecycle.plan import (
+    AdapterView,
     AdmissionPlan,
     ComponentPlan,
     ComponentSnapshot,
@@ -587,6 +588,7 @@ class Orchestrator:
             },
             stages={stage.name: stage.uses for stage in self.spec.stages},
             source=None if isinstance(self.spec.source, UnsetType) else self.spec.source,
+            adapters=tuple(self._adapters.views()),
             refusals=tuple(
                 RefusalReport(
                     component=r.component,

@@ -8,8 +8,9 @@ from attention import AttentionRole, Provenance
 from components import ResidencyMode
 from components.dtypes import DType
 from components.loader import LoaderPath
+from lifecycle.config import AdapterMode
 from lifecycle.refusals import RefusalCode
-from lifecycle.states import ComponentState
+from lifecycle.states import AdapterState, ComponentState
 
 
 class SitePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +90,31 @@ class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hint: str
 
 
+class AdapterView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A read-only look at one adapter (``GET /v1/adapters`` and ``check`` list these).
+
+    Attributes:
+        name: the adapter.
+        component: the component it changes ("" when admission could not tell).
+        state: where it stands.
+        mode: ``merged`` or ``unmerged``.
+        scale: the scale a request runs it at when it gives none.
+        path: its file (a spec's: absolute, read relative to the spec file).
+        merged_scale: the scale it is merged at now (merged and active), else None.
+        switches: how many switches of its component's merged set merged it in, took it
+            out or changed its scale (an unmerged adapter never switches).
+    """
+
+    name: str
+    component: str
+    state: AdapterState
+    mode: AdapterMode
+    scale: float
+    path: str
+    merged_scale: float | None = None
+    switches: int = 0
+
+
 class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Every component's state and plan, for health endpoints and ``lifecycle check``.
 
@@ -99,6 +125,7 @@ class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         refusals: every reason admission was refused (empty when admitted).
         stages: each stage's components, in timeline order.
         source: the folder the pipeline comes from, if any.
+        adapters: each adapter (LoRA), by name.
     """
 
     pipeline: str
@@ -107,6 +134,7 @@ class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     refusals: tuple[RefusalReport, ...] = ()
     stages: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     source: str | None = None
+    adapters: tuple[AdapterView, ...] = ()
 
 
 class AdmissionPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

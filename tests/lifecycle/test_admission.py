@@ -302,6 +302,7 @@ kind = "tiny_upsampler"
             "refusals",
             "stages",
             "source",
+            "adapters",
         ]
         assert report["admitted"] is False
         assert report["components"]["vae"] == {

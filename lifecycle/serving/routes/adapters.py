@@ -1,7 +1,7 @@
 """``/v1/adapters``: list the pipeline's adapters (LoRA), add and remove them at run time.
 
 ``GET`` answers ``{"data": [{"pipeline", "name", "component", "state", "mode",
-"scale", "merged_scale"}], "switches"}`` over every pipeline served. ``POST`` (an
+"scale", "path", "merged_scale", "switches"}]}`` over every pipeline served. ``POST`` (an
 ``[adapters.NAME]`` table with its ``name``, and ``model``: the pipeline, needed when
 several are served) admits and loads one; ``DELETE /v1/adapters/{name}[?model=]``
 unmerges or detaches it once no request uses its component, and releases it. Both
@@ -43,9 +43,7 @@ def adapters_routes(worker: Worker) -> APIRouter:
             for served in worker.served()
             for view in served.orchestrator.adapters()
         ]
-        switches = sum(served.orchestrator.adapter_switches for served in worker.served())
-        body = {"data": data, "switches": switches}
-        return Response(msgspec.json.encode(body), media_type="application/json")
+        return Response(msgspec.json.encode({"data": data}), media_type="application/json")
 
     @router.post(
         "/v1/adapters",

@@ -85,6 +85,24 @@ class TestAdaptersOverHttp:
             ("tiny-t2i", "mlp_u", "transformer", "active", "unmerged", 1.0),
         ]
 
+    def test_each_adapter_counts_its_switches(
+        self, serve_spec: ServeSpec, lora_spec: PipelineSpec
+    ) -> None:
+        """Each listed adapter carries its own ``switches`` and ``merged_scale`` (design §14);
+        the answer holds ``data`` only."""
+        served = serve_spec(lora_spec)
+        with served.client() as client:
+            assert generate(client, lora={"mlp": None}).status_code == 200  # merged in
+            merged = client.get("/v1/adapters").json()
+            assert generate(client).status_code == 200  # the base again: taken out
+            listed = client.get("/v1/adapters").json()
+        assert list(listed) == ["data"]
+        rows = [(a["name"], a["merged_scale"], a["switches"]) for a in merged["data"]]
+        assert rows == [("mlp", 0.5, 1), ("mlp_u", None, 0)]
+        rows = [(a["name"], a["merged_scale"], a["switches"]) for a in listed["data"]]
+        assert rows == [("mlp", None, 2), ("mlp_u", None, 0)]
+        assert {a["path"] for a in listed["data"]} == {lora_spec.adapters["mlp"].path}
+
     def test_unknown_adapter_is_400_listing_the_known(
         self, serve_spec: ServeSpec, lora_spec: PipelineSpec
     ) -> None:
