@@ -263,7 +263,8 @@ class AdapterSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         path: its safetensors file, in diffusers' (PEFT's) LoRA key layout; a relative
-            path is read from the working directory.
+            path is read from the spec file's folder (``source`` is too), and the
+            decoded spec holds it absolute.
         component: the component it changes; when absent, the prefix every key of the
             file shares (``transformer.`` in diffusers' pipeline layout).
         scale: the scale a request runs it at when it names it without one.
@@ -396,13 +397,14 @@ def _read(path: str | Path, what: str) -> tuple[str, str, str]:
 def decode_spec(text: str, fmt: str = "toml", base: Path | None = None) -> PipelineSpec:
     """Decode the spec in ``text`` written in ``fmt`` (toml, json, yaml or yml).
 
-    A ``source`` folder is read relative to ``base`` (the spec file's folder; the working
-    directory when None).
+    A ``source`` folder and the adapters' files are read relative to ``base`` (the spec
+    file's folder; the working directory when None).
 
     Raises:
         ConfigError: bad syntax, unknown keys, wrong types or values, unknown
-            backend names, a stage naming an undeclared component, or a ``source``
-            folder that is missing, malformed, or does not have what the spec names.
+            backend names, a stage naming an undeclared component, a ``source``
+            folder that is missing, malformed, or does not have what the spec names, or
+            an adapter file that is not there.
     """
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise ConfigError(_TOO_LARGE)
@@ -412,7 +414,8 @@ def decode_spec(text: str, fmt: str = "toml", base: Path | None = None) -> Pipel
 
 
 def _decoded(raw: object, base: Path) -> PipelineSpec:
-    """Decode a parsed spec, its ``source`` folder (read relative to ``base``) resolved."""
+    """Decode a parsed spec, its ``source`` folder and adapter files (read relative to
+    ``base``) resolved."""
     if isinstance(raw, dict) and SOURCE in raw:
         try:
             raw = resolve_source(raw, base)
@@ -425,7 +428,35 @@ def _decoded(raw: object, base: Path) -> PipelineSpec:
             _convert(component, ComponentSpec, f"$.components.{name}")
     spec = _convert(raw, PipelineSpec, "$")
     _check(spec)
-    return spec
+    return _with_adapter_files(spec, base)
+
+
+def adapter_file(path: str, base: Path) -> str:
+    """Return the adapter file ``path``, read relative to ``base`` when relative, absolute.
+
+    Raises:
+        ValueError: no file is there; the message names ``path`` as given and as read.
+    """
+    found = (base / path).resolve()
+    if not found.is_file():
+        what = f"{found} is a folder" if found.is_dir() else f"no file at {found}"
+        raise ValueError(f"Expected a LoRA safetensors file, got {path!r}: {what}")
+    return str(found)
+
+
+def _with_adapter_files(spec: PipelineSpec, base: Path) -> PipelineSpec:
+    """Return ``spec`` with each adapter's file read relative to ``base``, absolute."""
+    adapters = {}
+    for name, adapter in spec.adapters.items():
+        try:
+            path = adapter_file(adapter.path, base)
+        except ValueError as err:
+            raise ConfigError(
+                f"{err}; a relative path is read from the spec file's folder",
+                f"$.adapters.{name}.path",
+            ) from None
+        adapters[name] = msgspec.structs.replace(adapter, path=path)
+    return msgspec.structs.replace(spec, adapters=adapters) if adapters else spec
 
 
 def spec_schema() -> dict[str, Any]:

@@ -257,6 +257,8 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
                 ", ".join(_site_text(site) for site in component.attention) or "-",
             )
         )
+    adapters: list[tuple[str, ...]] = [("adapter", "component", "mode", "scale", "path")]
+    adapters += [(a.name, a.component, a.mode, f"{a.scale:g}", a.path) for a in snapshot.adapters]
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
     source = [] if isinstance(spec.source, UnsetType) else [f"  source: {spec.source}"]
     reasons = {site.reason for c in snapshot.components.values() for site in c.attention}
@@ -264,6 +266,7 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
         [
             head,
             *table(rows),
+            *(table(adapters) if snapshot.adapters else ()),
             f"  stages: {timeline or '(none)'}",
             *source,
             *fallback_legend(reasons),

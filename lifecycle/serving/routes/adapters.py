@@ -3,22 +3,25 @@
 ``GET`` answers ``{"data": [{"pipeline", "name", "component", "state", "mode",
 "scale", "path", "merged_scale", "switches"}]}`` over every pipeline served. ``POST`` (an
 ``[adapters.NAME]`` table with its ``name``, and ``model``: the pipeline, needed when
-several are served) admits and loads one; ``DELETE /v1/adapters/{name}[?model=]``
-unmerges or detaches it once no request uses its component, and releases it. Both
-change what requests may name: they are admin routes (``require_admin``, as the
-pipeline routes). A refused adapter is a 409 with the refusals; nothing stays of it.
+several are served; its ``path`` is a file on the worker's disk, a relative one read from
+the worker's working directory, and a missing one is a 400) admits and loads one;
+``DELETE /v1/adapters/{name}[?model=]`` unmerges or detaches it once no request uses its
+component, and releases it. Both change what requests may name: they are admin routes
+(``require_admin``, as the pipeline routes). A refused adapter is a 409 with the
+refusals; nothing stays of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from lifecycle.config import AdapterSpec
+from lifecycle.config import AdapterSpec, adapter_file
 from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.auth import ADMIN, API_KEY
 from lifecycle.serving.bodies import AdapterBody, decode_body, documented
@@ -53,8 +56,17 @@ def adapters_routes(worker: Worker) -> APIRouter:
     async def add(request: Request) -> Response:
         body = decode_body(ADAPTER_BODY, await request.body())
         orchestrator = check_ready(worker, body.model).orchestrator
+        try:  # a path on the worker's disk, as POST /v1/pipelines takes one
+            path = adapter_file(body.path, Path())
+        except ValueError as err:
+            raise ApiError(
+                400,
+                f"{err}; a relative path is read from the worker's working directory",
+                param="path",
+                code="adapter_file_missing",
+            ) from None
         spec = AdapterSpec(
-            path=body.path,
+            path=path,
             component=msgspec.UNSET if body.component is None else body.component,
             scale=body.scale,
             mode=body.mode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,32 @@ class TestAdaptersOverHttp:
             assert "late" not in [a["name"] for a in client.get("/v1/adapters").json()["data"]]
             assert generate(client, lora={"late": None}).status_code == 400
             assert client.delete("/v1/adapters/late").status_code == 404
+
+    def test_added_path_is_read_from_the_working_directory(
+        self,
+        serve_spec: ServeSpec,
+        lora_spec: PipelineSpec,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """POST reads a relative path from the worker's working directory (a file on its
+        disk, as POST /v1/pipelines takes one); a missing file is a 400 naming ``path``."""
+        served = with_admin_key(serve_spec(lora_spec, ADMIN))
+        shutil.copy(lora_spec.adapters["mlp"].path, tmp_path / "late.safetensors")
+        monkeypatch.chdir(tmp_path)
+        with served.client() as client:
+            added = client.post("/v1/adapters", json={"name": "late", "path": "late.safetensors"})
+            missing = client.post("/v1/adapters", json={"name": "gone", "path": "gone.safetensors"})
+        assert added.status_code == 200, added.text
+        assert added.json()["path"] == str(tmp_path.resolve() / "late.safetensors")
+        assert missing.status_code == 400
+        error = missing.json()["error"]
+        assert (error["param"], error["code"]) == ("path", "adapter_file_missing")
+        assert error["message"] == (
+            "Expected a LoRA safetensors file, got 'gone.safetensors': no file at "
+            f"{tmp_path.resolve() / 'gone.safetensors'}; a relative path is read from the "
+            "worker's working directory"
+        )
 
     def test_refused_add_is_409_with_the_refusal(
         self, serve_spec: ServeSpec, lora_spec: PipelineSpec, tmp_path: Path
