@@ -1,11 +1,13 @@
 """The disk-offload file: written once, read-only, verified when read, mapped or staged.
 
 On a CPU device onload memory-maps the file (copy-on-write), so the weights
-point into the page cache and nothing is copied; elsewhere the slots' bytes are
-read, adjacent tensors in one read, into one staging buffer (pinned on CUDA)
-and copied to the device. Either way the file is the only copy of offloaded
-weights and onload reads it: a deleted, truncated or changed file fails the
-onload and the module stays offloaded.
+point into the page cache and nothing is copied (each tensor lies where its
+resident weight lay relative to a 64-byte boundary, so a mapped weight computes
+the bits the resident one did: :mod:`components.offload.aligned_file`);
+elsewhere the slots' bytes are read, adjacent tensors in one read, into one
+staging buffer (pinned on CUDA) and copied to the device. Either way the file
+is the only copy of offloaded weights and onload reads it: a deleted,
+truncated or changed file fails the onload and the module stays offloaded.
 
 Why a mapped file cannot be truncated under running weights (which would kill
 the process with SIGBUS on the next touch of a page past the new end): the
@@ -45,9 +47,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
+from components.offload.aligned_file import ALIGNMENT, residue, write_placed
 from components.offload.base import OffloadError, Slot
 from components.residency import OffloadVerify
 from components.weights import digest
@@ -299,11 +300,15 @@ class DiskFile:
     def _stage(
         self, fd: int, slots: list[Slot], written: Written, device: torch.device
     ) -> list[torch.Tensor]:
-        """Read the slots into one staging buffer, each run of adjacent tensors in one read."""
+        """Read the slots into one staging buffer, each run of adjacent tensors in one read.
+
+        Tensors apart only by the padding that places the next one are adjacent: the
+        padding is read with them.
+        """
         runs: list[tuple[int, int, list[int]]] = []  # file start, file end, slot indices
         for index in sorted(range(len(slots)), key=lambda index: written.span(slots[index])):
             begin, end = written.span(slots[index])
-            if runs and runs[-1][1] == begin:
+            if runs and begin - runs[-1][1] < ALIGNMENT:
                 runs[-1] = (runs[-1][0], end, [*runs[-1][2], index])
             else:
                 runs.append((begin, end, [index]))
@@ -332,11 +337,12 @@ class DiskFile:
 
     def _write(self) -> None:
         tensors = {slot.key: slot.tensor.detach().to("cpu").contiguous() for slot in self._slots}
+        residues = {slot.key: residue(slot.tensor) for slot in self._slots}
         checksums = {key: digest(tensor) for key, tensor in tensors.items()}
         partial = self.path.with_name(self.path.name + ".partial")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            save_file(tensors, str(partial))
+            write_placed(tensors, residues, partial)
             partial.chmod(_READ_ONLY)
             # a reader never sees a half-written file under the final name, and a
             # rewrite never touches the inode that running weights may still map
@@ -344,7 +350,9 @@ class DiskFile:
             with open(self.path, "rb") as file:
                 data_start, header = _read_header(file, self.path)
                 status = os.fstat(file.fileno())
-        except (OSError, SafetensorError) as err:
+        except ValueError as err:  # a dtype the format has no name for; the message says what to do
+            raise OffloadError(f"cannot write offload file {self.path}: {err}") from err
+        except OSError as err:
             partial.unlink(missing_ok=True)
             nbytes = sum(slot.nbytes for slot in self._slots)
             raise OffloadError(
