@@ -9,8 +9,6 @@ arms or disarms its attention, registering an undo for each step.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -21,6 +19,7 @@ from torch import nn
 from attention.layer import arm_all, disarm_all
 from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
+from components.offload.removal import remove_path
 from lifecycle import offload_folder
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Direction, Move
@@ -317,8 +316,7 @@ class Residency:
     def _remove_folder(self) -> None:
         folder, self._folder = self._folder, None
         if folder is not None:
-            with contextlib.suppress(FileNotFoundError):  # already gone is what close wants
-                shutil.rmtree(folder)
+            remove_path(folder)  # already gone is what close wants, and so is a tampered tree
 
     def _record(
         self,

@@ -50,6 +50,7 @@ import torch
 
 from components.offload.aligned_file import ALIGNMENT, residue, write_placed
 from components.offload.base import OffloadError, Slot
+from components.offload.removal import remove_path
 from components.residency import OffloadVerify
 from components.weights import digest
 
@@ -225,12 +226,17 @@ class DiskFile:
         return self._reader.submit(self.read, slots, device)
 
     def remove(self) -> None:
-        """Delete the file, then stop the reader thread.
+        """Delete the file, or whatever took its place, then stop the reader thread.
+
+        Its path is the store's own, so a directory found there is deleted too, and
+        a file already gone is fine: a release or close never fails over what was
+        done to the file (``components.offload.removal``).
 
         Raises:
-            OSError: the file cannot be deleted; the reader is left as it was.
+            OSError: the path cannot be emptied (a read-only folder or file system);
+                the reader is left as it was.
         """
-        self.path.unlink(missing_ok=True)
+        remove_path(self.path)
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None

@@ -16,7 +16,7 @@ from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.offload_folder import OWNER_FILE, boot_id
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed
-from lifecycle.states import ComponentState
+from lifecycle.states import ComponentState, PipelineState
 from lifecycle.testing import capture_events, events_named
 from tests.components.test_disk_offload import zero_in_place
 from tests.lifecycle.conftest import ReferenceSpec
@@ -170,32 +170,67 @@ class TestReclaim:
         ]
 
 
-class TestClose:
-    def test_close_releases_what_it_can_then_reports_every_failure(
+def tamper(path: Path, how: str) -> None:
+    """Do to the offload file at ``path`` what ``how`` says (a directory holds a file)."""
+    if how in ("deleted", "a directory", "an unreadable directory"):
+        path.unlink()
+    if how in ("a directory", "an unreadable directory"):
+        path.mkdir()
+        (path / "keep").write_text("")
+    if how in ("unreadable", "an unreadable directory"):
+        path.chmod(0)
+
+
+TAMPERED = ["deleted", "a directory", "unreadable", "an unreadable directory"]
+"""What was done to offload files: release and close succeed whatever it was."""
+
+
+class TestTamperedFiles:
+    def test_refused_onload_then_release_and_close(
         self, tmp_path: Path, reference_spec: ReferenceSpec, cpu: Platform
     ) -> None:
-        """Close goes on past components it cannot release, removes the folder, lists both."""
+        """A directory in place of the file refuses the onload; release and close then succeed."""
+        orch = Orchestrator(reference_spec("disk"), platform=cpu)
+        orch.load()
+        (folder,) = folders(tmp_path / "offload")
+        tamper(folder / "vae.safetensors", "a directory")
+        with pytest.raises(TransitionFailed, match="Is a directory"):
+            orch.onload("vae")
+        assert orch.state("vae") is ComponentState.OFFLOADED
+        orch.release("vae")
+        assert orch.state("vae") is ComponentState.RELEASED
+        assert not (folder / "vae.safetensors").exists()
+        orch.close()
+        assert not folder.exists()
+
+    @pytest.mark.parametrize("how", TAMPERED)
+    def test_release_succeeds(
+        self, how: str, tmp_path: Path, reference_spec: ReferenceSpec, cpu: Platform
+    ) -> None:
+        """Release drops the component and what is at its file's path, whatever was done to it."""
+        with Orchestrator(reference_spec("disk"), platform=cpu) as orch:
+            orch.load()
+            (folder,) = folders(tmp_path / "offload")
+            path = folder / "vae.safetensors"
+            tamper(path, how)
+            orch.release("vae")
+            assert orch.state("vae") is ComponentState.RELEASED
+            assert not os.path.lexists(path)
+            assert (folder / "text_encoder.safetensors").exists()
+
+    @pytest.mark.parametrize("how", TAMPERED)
+    def test_close_succeeds(
+        self, how: str, tmp_path: Path, reference_spec: ReferenceSpec, cpu: Platform
+    ) -> None:
+        """Close releases every component and removes the folder, whatever was done to the files."""
         orch = Orchestrator(reference_spec("disk"), platform=cpu)
         orch.load()
         (folder,) = folders(tmp_path / "offload")
         for name in ("text_encoder", "vae"):
-            # a directory where the file was: unlink fails with EISDIR, for root too
-            path = folder / f"{name}.safetensors"
-            path.unlink()
-            path.mkdir()
-            (path / "keep").write_text("")
-        with pytest.raises(ExceptionGroup) as err:
-            orch.close()
-        failures = err.value.exceptions
-        assert all(isinstance(failure, TransitionFailed) for failure in failures)
-        assert [getattr(failure, "component", None) for failure in failures] == [
-            "text_encoder",
-            "vae",
-        ]
-        assert "2 failure(s)" in str(err.value)
-        assert "Is a directory" in str(err.value)
-        assert orch.state("transformer") is ComponentState.RELEASED
-        assert orch.state("text_encoder") is ComponentState.OFFLOADED
+            tamper(folder / f"{name}.safetensors", how)
+        orch.close()
+        assert {orch.state(name) for name in orch.spec.components} == {ComponentState.RELEASED}
+        assert orch.pipeline_state is PipelineState.RELEASED
         assert not folder.exists()
 
 
