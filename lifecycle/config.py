@@ -45,6 +45,7 @@ _TOO_LARGE = (
     "lines: is this the right file?"
 )
 _YAML_MERGE = "tag:yaml.org,2002:merge"
+DEFAULT_OFFLOAD_DIR = ".lifecycle/offload"
 
 
 class ConfigError(ValueError):
@@ -97,7 +98,7 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
     device_budget: ByteSize | UnsetType = UNSET
     offload_target: OffloadTarget = "host"
-    offload_dir: str = ".lifecycle/offload"
+    offload_dir: str = DEFAULT_OFFLOAD_DIR
     verify_offload: OffloadVerify = "checksum"
     wait_timeout: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
@@ -637,11 +638,23 @@ def _check(spec: PipelineSpec) -> None:
             'name a pipeline folder with source = "path"',
             "$.components",
         )
+    _check_memory(spec)
     _check_attention(spec)
     _check_components(spec)
     _check_names(spec.components, sorted(spec.parallel.fsdp), "$.parallel.fsdp")
     _check_stages(spec)
     _check_adapters(spec)
+
+
+def _check_memory(spec: PipelineSpec) -> None:
+    offload_dir = spec.memory.offload_dir
+    if not offload_dir.strip():  # Path("") is the working directory
+        raise ConfigError(
+            f"Expected a folder, got {offload_dir!r}, which would put the disk offload files "
+            f"in the working directory: name a folder, or leave the key out for "
+            f"{DEFAULT_OFFLOAD_DIR}",
+            "$.memory.offload_dir",
+        )
 
 
 def _check_backend(name: str, path: str) -> None:

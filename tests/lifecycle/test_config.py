@@ -172,6 +172,13 @@ class TestConfigErrors:
         assert err.path == "$.parallel.ring_degree"
         assert err.message == "Expected `int` >= 1"
 
+    @pytest.mark.parametrize("folder", ['""', '"  "'])
+    def test_blank_offload_dir(self, folder: str) -> None:
+        """An empty or blank offload_dir, the working directory, is an error at its key."""
+        err = error_of(MINIMAL + f"[memory]\noffload_dir = {folder}\n")
+        assert err.path == "$.memory.offload_dir"
+        assert err.message.startswith(f"Expected a folder, got {folder[1:-1]!r}, which would")
+
     @pytest.mark.parametrize("size", ['"2 GiBs"', '"lots"', "-1", "true"])
     def test_bad_size(self, size: str) -> None:
         """A size that is not a count with a known unit names the key and the form."""

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.config import ConfigError, PipelineSpec, decode_spec
 from lifecycle.offload_folder import OWNER_FILE, boot_id
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed
@@ -232,6 +232,47 @@ class TestTamperedFiles:
         assert {orch.state(name) for name in orch.spec.components} == {ComponentState.RELEASED}
         assert orch.pipeline_state is PipelineState.RELEASED
         assert not folder.exists()
+
+
+EMPTY_OFFLOAD_DIR = """name = "empty-dir"
+[memory]
+offload_target = "disk"
+offload_dir = ""
+[components.vae]
+kind = "tiny_vae"
+residency = "component_offload"
+[[stages]]
+name = "decode"
+uses = ["vae"]
+"""
+EMPTY_MESSAGE = (
+    "Expected a folder, got '', which would put the disk offload files in the working "
+    "directory: name a folder, or leave the key out for .lifecycle/offload"
+)
+
+
+class TestEmptyOffloadDir:
+    def test_python_api_raises_a_config_error(self, tmp_path: Path) -> None:
+        """``offload_dir = ""`` is a ConfigError at its key from ``Orchestrator.from_file``."""
+        spec = tmp_path / "spec.toml"
+        spec.write_text(EMPTY_OFFLOAD_DIR)
+        with pytest.raises(ConfigError) as err:
+            Orchestrator.from_file(spec)
+        assert (err.value.path, err.value.message) == ("$.memory.offload_dir", EMPTY_MESSAGE)
+
+    @pytest.mark.parametrize("command", ["check", "run"])
+    def test_cli_exits_two_and_writes_nothing(self, command: str, tmp_path: Path) -> None:
+        """``lifecycle check|run`` in a process of its own exits 2 with one line naming the
+        key, and leaves nothing in its working directory."""
+        spec = tmp_path / "spec.toml"
+        spec.write_text(EMPTY_OFFLOAD_DIR)
+        result = run_python("lifecycle", command, spec, cwd=tmp_path, module=True)
+        assert result.returncode == 2, result.stderr
+        assert result.stdout == ""
+        assert result.stderr == (
+            f"lifecycle {command}: {spec}: {EMPTY_MESSAGE} - at `$.memory.offload_dir`\n"
+        )
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["spec.toml"]
 
 
 class TestPinned:
