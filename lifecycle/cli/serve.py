@@ -89,4 +89,15 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"lifecycle serve: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     threads = torch_threads(args.threads, event_loop=True)
-    return serve(args.specs, args.host, args.port, threads, keys, args.device_budget, args.worker)
+    # a line for a person when ready and when draining; JSON logs asked for carry it as events
+    announce = None if args.log_format == "json" else sys.stderr
+    return serve(
+        args.specs,
+        args.host,
+        args.port,
+        threads,
+        keys,
+        args.device_budget,
+        args.worker,
+        announce=announce,
+    )

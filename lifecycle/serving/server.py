@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 import torch
 import uvicorn
@@ -36,8 +37,9 @@ from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.serving import changes
+from lifecycle.serving.announce import base_url, draining_line, ready_line
 from lifecycle.serving.app import create_app
-from lifecycle.serving.auth import DoorKeys
+from lifecycle.serving.auth import DoorKeys, page_access
 from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
@@ -56,15 +58,19 @@ class DrainingServer(uvicorn.Server):
     Args:
         config: uvicorn's settings.
         worker: the worker to drain.
+        announce: where to say that it drains, for a person (None: nowhere).
 
     Attributes:
         drained: whether a drain ran to its end, and every job finished and every
             component was released.
     """
 
-    def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
+    def __init__(
+        self, config: uvicorn.Config, worker: Worker, announce: TextIO | None = None
+    ) -> None:
         super().__init__(config)
         self.worker = worker
+        self.announce = announce
         self.drained = False
         self._signal = signal.SIGTERM
         self._signalled = threading.Event()
@@ -84,6 +90,9 @@ class DrainingServer(uvicorn.Server):
     def _drain(self) -> None:
         self._signalled.wait()
         log.info("serving.draining", signal=self._signal.name)
+        if self.announce is not None:
+            unfinished = sum(served.batcher.in_flight for served in self.worker.served())
+            print(draining_line(self._signal.name, unfinished), file=self.announce, flush=True)
         try:
             self.drained = self.worker.drain()
         finally:  # whatever the drain met, the server stops: never wait for a second signal
@@ -128,15 +137,17 @@ def serve(
     keys: DoorKeys | None = None,
     device_budget: int | None = None,
     worker_file: Path | None = None,
+    announce: TextIO | None = None,
 ) -> int:
     """Admit and serve the pipelines at ``spec_paths`` on ``threads`` torch threads until drained.
 
     They share one device under the worker budget (``device_budget``, else the worker
     file's, else the smallest of the specs'). The address is bound before anything is
     admitted or loaded, so a port that is taken or not allowed is bad input. ``keys``
-    lock the door (``lifecycle.serving.auth``). Returns the exit code: 0 drained
-    cleanly, 1 refused, 2 bad spec or address, 3 jobs or components left when the drain
-    timed out, or a pipeline failed to load.
+    lock the door (``lifecycle.serving.auth``). ``announce`` gets a line for a person
+    when the worker is ready and when it drains (``lifecycle.serving.announce``).
+    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec or address, 3 jobs
+    or components left when the drain timed out, or a pipeline failed to load.
     """
     specs = _read_specs(spec_paths)
     if specs is None:
@@ -157,7 +168,14 @@ def serve(
         return ExitCode.BAD_INPUT
     with listener:
         return _serve(
-            specs, spec_paths, listener, threads, keys or DoorKeys(), device_budget, settings
+            specs,
+            spec_paths,
+            listener,
+            threads,
+            keys or DoorKeys(),
+            device_budget,
+            settings,
+            announce,
         )
 
 
@@ -169,6 +187,7 @@ def _serve(
     keys: DoorKeys,
     device_budget: int | None,
     settings: WorkerFile | None,
+    announce: TextIO | None,
 ) -> int:
     torch.set_num_threads(threads)
     limit, key = worker_budget(specs, device_budget, settings)
@@ -194,7 +213,9 @@ def _serve(
         return ExitCode.BAD_INPUT
     paths = {spec.name: path.resolve() for spec, path in zip(specs, spec_paths, strict=True)}
     worker = Worker(orchestrators, metrics, paths, admit_ms)
-    server = DrainingServer(uvicorn_config(create_app(worker, keys), worker.bounds), worker)
+    server = DrainingServer(
+        uvicorn_config(create_app(worker, keys), worker.bounds), worker, announce
+    )
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.handle_exit)
@@ -210,12 +231,24 @@ def _serve(
         api_key=keys.api is not None,  # whether the door is locked; never the keys
         admin_routes=keys.admin is not None,
     )
-    threading.Thread(target=worker.start, name="load", daemon=True).start()
+    url = base_url(host, port)
+    threading.Thread(
+        target=_start, args=(worker, keys, url, announce), name="load", daemon=True
+    ).start()
     server.run(sockets=[listener])
     if worker.phase is not Phase.DRAINING:  # stopped by uvicorn itself, not by a signal
         server.drained = worker.drain()
     _exit_if_abandoned(worker)
     return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
+
+
+def _start(worker: Worker, keys: DoorKeys, url: str, announce: TextIO | None) -> None:
+    """Load and warm up the worker's pipelines; once it is ready, say so to ``announce``."""
+    worker.start()
+    if announce is not None and worker.phase is Phase.READY:
+        pages = (orchestrator.spec.serving.status_page for orchestrator in worker.orchestrators)
+        line = ready_line(url, worker.names, keys, page_access(pages, keys))
+        print(line, file=announce, flush=True)
 
 
 def _exit_if_abandoned(worker: Worker) -> None:

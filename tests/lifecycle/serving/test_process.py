@@ -121,7 +121,8 @@ class TestShutdown:
         """SIGTERM under load: running requests complete, new ones get 503, exit 0, no files.
 
         The requests are held at the gate until the late one is refused. The worker logs
-        at the default level: no move is logged, and /metrics counts them.
+        at the default level: no move is logged, and /metrics counts them; stderr holds the
+        ready and draining lines only.
         """
         offload = tmp_path / "offload"
         spec = disk_spec(root, offload)
@@ -160,6 +161,14 @@ class TestShutdown:
         assert refused.json()["error"]["code"] == "draining"
         assert code == 0, stderr
         assert not any(offload.rglob("*.safetensors"))
+        # at the default level serve says two lines: ready (no keys, the page open), draining
+        assert stderr.splitlines() == [
+            f"lifecycle serve: ready on {url}, pipeline tiny-t2i; no API key, no admin key "
+            f"(admin routes off); status page {url}/ (open)",
+            "lifecycle serve: draining on SIGTERM: new requests get 503, the 4 requests queued "
+            "or running finish first (within serving.drain_timeout); then every pipeline is "
+            "released and it exits",
+        ]
         # at the default level (warning) nothing logs a move, yet /metrics counted them
         assert "lifecycle.transition" not in stderr
         counts = counted(metrics)
@@ -182,6 +191,27 @@ class TestShutdown:
         assert '"threads":1' in listening
         assert "Traceback" not in stderr
         assert not any(offload.rglob("*.safetensors"))
+
+
+class TestAnnounce:
+    """At the default level ``serve`` says when it is ready (the drain test reads both of
+    its lines whole)."""
+
+    def test_ready_line_says_the_page_is_behind_the_key(
+        self, root: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """With an API key the ready line says the key is set, never what it is, and that the
+        status page is behind it (the door's own rule, ``auth.page_access``)."""
+        key = "sk-announce-7f3a"
+        monkeypatch.setenv("LIFECYCLE_API_KEY", key)
+        with serving(root / "examples" / "tiny_t2i.toml") as (program, url):
+            ready = program.wait_for_line("lifecycle serve: ready", WATCHDOG_S)
+            with loopback_client(url) as client:
+                assert client.get("/").status_code == 401  # the door agrees with the line
+            stderr = program.stderr()
+        assert "; API key set, no admin key (admin routes off); " in ready
+        assert ready.endswith(f"status page {url}/ (behind the API key)\n")
+        assert key not in stderr
 
 
 class TestCommand:
