@@ -31,6 +31,7 @@ from structlog.testing import capture_logs
 from torch import nn
 
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
+from benchmarks._progress import no_progress_bars
 from benchmarks.attention_overhead import interleaved, threads
 from components.folders.custom import CustomFolderLoader
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
@@ -105,6 +106,7 @@ def token_ids(vocab: int, length: int, real: int) -> tuple[torch.Tensor, torch.T
     return ids * keep, keep
 
 
+@no_progress_bars()
 def t5(folder: Path, device: torch.device, dtype: torch.dtype) -> Pair:
     """T5 encoder, masked, as PixArt runs it: ours against ``T5EncoderModel``."""
     from transformers import T5Config, T5EncoderModel
@@ -124,6 +126,7 @@ def t5(folder: Path, device: torch.device, dtype: torch.dtype) -> Pair:
     )
 
 
+@no_progress_bars()
 def clip(folder: Path, device: torch.device, dtype: torch.dtype) -> Pair:
     """CLIP text model with hidden states, as SD3 runs it: ours against ``CLIPTextModel``."""
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -149,6 +152,7 @@ def clip(folder: Path, device: torch.device, dtype: torch.dtype) -> Pair:
     return Pair("CLIP text model (768 wide, 12 layers, 2 x 77 tokens)", mine, library)
 
 
+@no_progress_bars()
 def vae(folder: Path, device: torch.device, dtype: torch.dtype) -> Pair:
     """VAE decode, as every pipeline ends: ours against diffusers' ``AutoencoderKL``."""
     from diffusers import AutoencoderKL

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from attention import Platform
+from benchmarks._progress import no_progress_bars
 from benchmarks.attention_overhead import interleaved, threads
 from benchmarks.make_pipeline import Family, write_pipeline
 from components.batch import Batch
@@ -59,6 +60,7 @@ def load_ours(folder: Path) -> Orchestrator:
     return orchestrator
 
 
+@no_progress_bars()
 def load_diffusers(folder: Path) -> Any:
     """Load ``folder`` with diffusers' ``from_pretrained``."""
     from diffusers import DiffusionPipeline

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import torch
 
+from benchmarks._progress import no_progress_bars
 from components.weights import seed_weights
 
 if TYPE_CHECKING:
@@ -310,6 +311,7 @@ BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
 }
 
 
+@no_progress_bars()
 def write_pipeline(family: Family, folder: Path, *, size: Size = "tiny", seed: int = 0) -> Path:
     """Write the ``family`` pipeline of ``size`` into ``folder`` and return ``folder``.
 

@@ -41,6 +41,7 @@ from torch import nn
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from attention.testing import explicit
 from benchmarks._environment import announce
+from benchmarks._progress import no_progress_bars
 from benchmarks.attention_overhead import interleaved, threads
 from components.kinds.minilm_files import CONFIG_FILE, Tokens, shipped_file
 from components.kinds.minilm_text_encoder import PROMPTS, MiniLmLoader, mean_pool
@@ -101,9 +102,9 @@ def with_transformers(folder: str) -> Encoder:
     """Return transformers as its users serve the model: its tokenizer, BertModel, mean pooling."""
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = transformers.AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    with no_progress_bars():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = transformers.AutoModel.from_pretrained(folder, local_files_only=True).eval()
 
     def encode(texts: Sequence[str]) -> torch.Tensor:
         batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
@@ -117,11 +118,10 @@ def with_sentence_transformers(folder: str) -> Encoder | None:
     """Return ``SentenceTransformer.encode`` on the shipped files; None when not installed."""
     if not is_importable("sentence_transformers"):
         return None
-    import transformers
     from sentence_transformers import SentenceTransformer
 
-    transformers.utils.logging.disable_progress_bar()
-    model = SentenceTransformer(folder, device="cpu", local_files_only=True)
+    with no_progress_bars():
+        model = SentenceTransformer(folder, device="cpu", local_files_only=True)
     return lambda texts: model.encode(
         list(texts), batch_size=len(texts), convert_to_tensor=True, show_progress_bar=False
     )

@@ -24,15 +24,22 @@ class TestMakePipeline:
     def test_command_writes_a_folder(
         self, pipeline_folder: PipelineFolders, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        """The command prints the folder it wrote; the same seed writes the same weights.
+        """The command prints the folder it wrote and no progress bar; the same seed writes
+        the same weights.
 
         Its ``main`` runs here, where diffusers is imported already; the unknown family
         runs the command as a process of its own.
         """
+        from transformers.utils import logging
+
         from benchmarks.make_pipeline import main
 
+        assert logging.is_progress_bar_enabled()
         main(["flux", str(tmp_path / "f")])
-        assert capsys.readouterr().out == f"{tmp_path / 'f'}\n"
+        printed = capsys.readouterr()
+        assert printed.out == f"{tmp_path / 'f'}\n"
+        assert "Writing model shards" not in printed.err  # transformers' bar, two encoders
+        assert logging.is_progress_bar_enabled()  # off for the save only
         index = json.loads((tmp_path / "f" / "model_index.json").read_text())
         assert index["_class_name"] == "FluxPipeline"
         assert index["tokenizer_2"][0] == "transformers"

@@ -26,6 +26,7 @@ from tests.lifecycle.folder_specs import (
     pixels,
     run_arguments,
 )
+from tests.processes import run_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,6 +244,29 @@ class TestEqualToDiffusers:
             decode_png((tmp_path / "r1-0.png").read_bytes()),
             decode_png((tmp_path / "r2-0.png").read_bytes()),
         )
+
+
+class TestQuiet:
+    def test_a_folder_load_prints_no_progress_bar(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """``lifecycle run`` of a folder with every component on the libraries' own classes
+        (transformers' T5, diffusers' DiT and VAE) prints no progress bar, in a process of
+        its own: the libraries' switches as they are when nothing set them."""
+        folder = pipeline_folder("pixart")
+        native = "".join(
+            f'[components.{name}]\nloader = "native"\n' for name in load_spec(folder).components
+        )
+        spec = tmp_path / "native.toml"
+        spec.write_text(f'source = "{folder}"\n\n{native}')
+        result = run_python(
+            "lifecycle", "run", spec, "--prompt", "a red fox", "--requests", "1", "--steps", "1",
+            cwd=tmp_path, module=True,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert "pipeline 'pixart': 1 request x 1 step" in result.stdout
+        for printed in (result.stdout, result.stderr):  # a tqdm bar: "desc:  50%|#####  | 1/2"
+            assert "%|" not in printed, printed
 
 
 def _moves(moves: list[Move]) -> Callable[[Event], None]:
