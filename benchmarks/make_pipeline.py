@@ -12,6 +12,16 @@ each prompt with ``</s>`` and CLIP's wrapping it in its start and end tokens.
 ``tiny`` folders are for tests (a request takes a fraction of a second); ``bench``
 folders are for benchmarks (a load and a request take a measurable second or so).
 Needs the ``diffusers`` extra.
+
+``--smooth-time`` makes adjacent denoising steps differ as a trained model's do, for the
+tests and benchmarks of step caches (design §17). Seeded weights make every step look
+new: the DiT's timestep MLP reads the fast sinusoid frequencies as strongly as the slow
+ones, so its first block's output changes by 0.3-0.5 (relative L1) from one step to the
+next and a first-block cache never skips. A trained timestep MLP leans on the slow
+frequencies; zeroing its first layer's weights on the fastest half of them (the cosine
+and the sine columns alike, ``smooth_time_embedding``) brings that change to what
+trained models show, a few hundredths. Nothing else changes, so such a folder still
+runs equal to diffusers.
 """
 
 from __future__ import annotations
@@ -311,19 +321,50 @@ BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
 }
 
 
+TIME_EMBEDDER = "timestep_embedder.linear_1"
+"""The first layer of a DiT's timestep MLP (PixArt, Flux and SD3 name it alike)."""
+
+
+def smooth_time_embedding(transformer: torch.nn.Module) -> None:
+    """Zero the timestep MLP's first-layer weights on the fastest half of its frequencies.
+
+    The layer reads ``cos(t f_k)`` then ``sin(t f_k)`` for ``f_k = 10000^(-k/half)``, the
+    fastest first: columns ``0 .. half/2`` and ``half .. half + half/2`` are zeroed.
+    """
+    layers = [m for n, m in transformer.named_modules() if n.endswith(TIME_EMBEDDER)]
+    if not layers:
+        raise ValueError(f"{type(transformer).__name__} has no {TIME_EMBEDDER} to smooth")
+    for layer in layers:
+        assert isinstance(layer, torch.nn.Linear)
+        half = layer.in_features // 2
+        with torch.no_grad():
+            layer.weight[:, : half // 2] = 0
+            layer.weight[:, half : half + half // 2] = 0
+
+
 @no_progress_bars()
-def write_pipeline(family: Family, folder: Path, *, size: Size = "tiny", seed: int = 0) -> Path:
+def write_pipeline(
+    family: Family,
+    folder: Path,
+    *,
+    size: Size = "tiny",
+    seed: int = 0,
+    smooth_time: bool = False,
+) -> Path:
     """Write the ``family`` pipeline of ``size`` into ``folder`` and return ``folder``.
 
     Every weight of every model is drawn from ``seed`` and its own name
     (``components.weights.seed_weights``), so a folder does not depend on the global
-    random state; the same arguments write the same weights.
+    random state; the same arguments write the same weights. ``smooth_time`` smooths the
+    DiT's timestep embedding over steps (``smooth_time_embedding``), for step caches.
     """
     pipeline_class, components = BUILDERS[family](DIMS[size])
     for component in components.values():
         if isinstance(component, torch.nn.Module):
             seed_weights(component, seed)
             component.eval()
+    if smooth_time:
+        smooth_time_embedding(components["transformer"])
     pipeline = pipeline_class(**components)
     pipeline.save_pretrained(str(folder), safe_serialization=True)
     return folder
@@ -339,8 +380,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--size", choices=get_args(Size), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smooth-time",
+        action="store_true",
+        help="zero the DiT's timestep MLP on its fast frequencies, so that adjacent steps "
+        "differ as a trained model's do (for step caches)",
+    )
     args = parser.parse_args(argv)
-    folder = write_pipeline(args.family, args.folder, size=args.size, seed=args.seed)
+    folder = write_pipeline(
+        args.family, args.folder, size=args.size, seed=args.seed, smooth_time=args.smooth_time
+    )
     print(folder)
 
 

@@ -186,13 +186,15 @@ class PipelineFolders:
         self.root = root
         self.written: dict[str, Path] = {}
 
-    def __call__(self, family: Family) -> Path:
-        """Return the tiny folder of ``family``."""
+    def __call__(self, family: Family, *, smooth_time: bool = False) -> Path:
+        """Return the tiny folder of ``family``; ``smooth_time``: the one whose adjacent
+        denoising steps differ as a trained model's do (for step caches, design §17)."""
         from benchmarks.make_pipeline import write_pipeline
 
-        if family not in self.written:
-            self.written[family] = write_pipeline(family, self.root / family)
-        return self.written[family]
+        name = f"{family}-smooth-time" if smooth_time else family
+        if name not in self.written:
+            self.written[name] = write_pipeline(family, self.root / name, smooth_time=smooth_time)
+        return self.written[name]
 
 
 @pytest.fixture(scope="session")
