@@ -328,18 +328,26 @@ TIME_EMBEDDER = "timestep_embedder.linear_1"
 def smooth_time_embedding(transformer: torch.nn.Module) -> None:
     """Zero the timestep MLP's first-layer weights on the fastest half of its frequencies.
 
-    The layer reads ``cos(t f_k)`` then ``sin(t f_k)`` for ``f_k = 10000^(-k/half)``, the
-    fastest first: columns ``0 .. half/2`` and ``half .. half + half/2`` are zeroed.
+    Every ``timestep_embedder.linear_1`` of ``transformer`` is smoothed (``smooth_frequencies``).
     """
     layers = [m for n, m in transformer.named_modules() if n.endswith(TIME_EMBEDDER)]
     if not layers:
         raise ValueError(f"{type(transformer).__name__} has no {TIME_EMBEDDER} to smooth")
     for layer in layers:
         assert isinstance(layer, torch.nn.Linear)
-        half = layer.in_features // 2
-        with torch.no_grad():
-            layer.weight[:, : half // 2] = 0
-            layer.weight[:, half : half + half // 2] = 0
+        smooth_frequencies(layer)
+
+
+def smooth_frequencies(layer: torch.nn.Linear) -> None:
+    """Zero ``layer``'s weights on the fastest half of the sinusoid frequencies it reads.
+
+    The layer reads ``cos(t f_k)`` then ``sin(t f_k)`` for ``f_k = 10000^(-k/half)``, the
+    fastest first: columns ``0 .. half/2`` and ``half .. half + half/2`` are zeroed.
+    """
+    half = layer.in_features // 2
+    with torch.no_grad():
+        layer.weight[:, : half // 2] = 0
+        layer.weight[:, half : half + half // 2] = 0
 
 
 @no_progress_bars()

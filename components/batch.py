@@ -5,16 +5,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypeAlias
 
 import msgspec
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from components.cache import RowCache
+
 # B prompts, N latent tokens, C latent channels, L text tokens, E text embedding width
 
 
 RGB = 3  # the colour channels of Batch.images
+DEFAULT_STEPS = 4
+"""The denoising steps of a request that names none, where no pipeline class sets them (a
+folder's recipe does: ``Recipe.default_steps``)."""
 BatchField = Literal["prompts", "context", "pooled", "sentence_embeddings", "latents", "images"]
 
 
@@ -171,6 +177,11 @@ class Batch:
             tokenisation it reads (None until a text encoder ran).
         adapters: each row's adapters (LoRA, design §14) by name with the scale it runs
             them at; None, or a row naming none, runs the base weights.
+        cache: whether its rows run the denoiser's step cache (design §17), where the
+            component has one: one flag for every row, or one per row. False computes
+            every step of those rows (they still share the forward with cached rows).
+        cache_rows: each row's step cache while the denoiser runs (None for a row that
+            runs none), set by the denoiser; its counts stay after the stage.
 
     A denoising loop calls ``stepped`` after each step: it reports the step and drops
     the rows cancelled meanwhile, so a cancelled row costs at most one more step and
@@ -179,7 +190,7 @@ class Batch:
     """
 
     generator: torch.Generator
-    steps: int = 4
+    steps: int = DEFAULT_STEPS
     size: int = 1
     latent_size: tuple[int, int] = (4, 4)
     prompts: list[str] | None = None
@@ -204,6 +215,8 @@ class Batch:
     left: list[Left] = field(default_factory=list)
     truncated: list[bool] | None = None
     adapters: list[dict[str, float]] | None = None
+    cache: bool | list[bool] = True
+    cache_rows: list[RowCache | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -267,14 +280,27 @@ class Batch:
             "negative_context_mask",
             "pooled",
             "negative_pooled",
+            "cache",  # a list when rows differ
+            "cache_rows",
         ):
             values = getattr(self, name)
             if isinstance(values, list):
                 setattr(self, name, [values[i] for i in keep])
-            elif values is not None:
+            elif isinstance(values, torch.Tensor):
                 setattr(self, name, values[keep])
         self.rows = [self.rows[i] for i in keep]
         self.size = len(keep)
+
+    def cache_wanted(self) -> list[bool]:
+        """Return whether each row runs the step cache (``cache``, per row)."""
+        if isinstance(self.cache, bool):
+            return [self.cache] * self.size
+        if len(self.cache) != self.size:
+            raise ValueError(
+                f"the batch carries {len(self.cache)} cache flags for {self.size} rows; give "
+                "one per row, or one for all"
+            )
+        return list(self.cache)
 
     def mark_truncated(self, truncated: list[bool]) -> None:
         """Record which prompts a text encoder cut (a prompt cut by any encoder stays cut)."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from components.batch import Batch, Port
+from components.cache import CacheSettings
 from components.dtypes import DType
 from components.mesh import ComponentParallel
 from components.offload.base import OffloadError
@@ -108,6 +109,9 @@ class ComponentLoader:
     """Whether a request's ``attention_backend`` may switch the sites the spec left unset."""
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
     """The dtypes this kind builds its floating weights in (``dtype`` must be one)."""
+    step_cache: ClassVar[bool] = False
+    """Whether the custom path honours a step cache (design §17): ``run`` (or its recipe's
+    denoising loop) hands its block stack a ``components.cache.StepCache`` each step."""
     adapter_rows: ClassVar[bool] = False
     """Whether rows naming different unmerged adapters may share one forward: every linear
     layer's input keeps the batch's rows in order on its leading dimension (once, or
@@ -118,6 +122,8 @@ class ComponentLoader:
         self.options = options
         self.parallel: ComponentParallel | None = None
         """How this component is split on this rank; set before ``build`` (None: whole)."""
+        self.cache: CacheSettings | None = None
+        """Its step cache (``[components.NAME.cache]``), set before it runs; None: none."""
         self.dtype: torch.dtype = torch.float32
         """The dtype of its floating weights once built; set before sizing or building."""
 
@@ -248,6 +254,17 @@ class ComponentLoader:
             return f"kind '{self.kind}' has no {path} loading path"
         if self.options.weights is not None and not Path(self.options.weights).is_file():
             return f"its weights file '{self.options.weights}' does not exist"
+        return None
+
+    def cache_problem(self, path: LoaderPath) -> str | None:
+        """Say why ``path`` cannot honour a step cache (design §17), or None when it can.
+
+        Kinds whose native class has a cache hook of its own extend this.
+        """
+        if not self.step_cache:
+            return f"kind '{self.kind}' runs no denoising block stack a cache could skip"
+        if path == "native":
+            return f"the native path of kind '{self.kind}' has no cache hook"
         return None
 
     def construct(self, path: LoaderPath) -> nn.Module:

@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 from attention import AttentionRole, registry
 from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMode
 from components import registry as kinds
+from components.cache import CacheSettings
 from components.dtypes import DType
 from components.loader import ComponentLoader
 from lifecycle.sizes import SIZE_PATTERN, ByteSize
@@ -212,6 +213,7 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         loader: an explicit choice of the custom or native loading path.
         layerwise: block streaming settings, for ``layerwise_offload`` only.
         dtype: the dtype of its floating weights; the pipeline's ``dtype`` when absent.
+        cache: its step cache (design §17), for a denoiser; none when absent.
         options: the kind's own options, validated by the kind.
     """
 
@@ -221,7 +223,13 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     loader: Loader | UnsetType = UNSET
     layerwise: LayerwiseConfig | UnsetType = UNSET
     dtype: DType | UnsetType = UNSET
+    cache: CacheSettings | UnsetType = UNSET
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def cache_settings(self) -> CacheSettings | None:
+        """Return its step cache, None when it has none."""
+        return None if isinstance(self.cache, UnsetType) else self.cache
 
     @property
     def residency_mode(self) -> ResidencyMode:

@@ -15,6 +15,7 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
+from components.cache import CacheSteps
 from lifecycle.logs import get_logger
 
 log = get_logger("lifecycle")
@@ -140,7 +141,12 @@ class RequestBegan(
 
 
 class RequestEnded(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="request.end"
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="request.end",
+    omit_defaults=True,
 ):
     """A request closed, its components put back (``request.end``).
 
@@ -148,11 +154,19 @@ class RequestEnded(
         request_id: the request.
         stages: the stages it entered, in order.
         duration_ms: how long it was open.
+        cache: each component with a step cache: the image steps it computed and skipped
+            for the request (design §17); empty, and left out of its JSON, where none ran.
     """
 
     request_id: str
     stages: tuple[str, ...]
     duration_ms: float
+    cache: dict[str, CacheSteps] = msgspec.field(default_factory=dict)
+
+    @property
+    def cache_skipped(self) -> int:
+        """Return the image steps its step caches skipped, over every component."""
+        return sum(steps.skipped for steps in self.cache.values())
 
 
 class RequestCancelled(

@@ -429,13 +429,25 @@ class Orchestrator:
                         request_id=rid,
                         stages=tuple(request.stages),
                         duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+                        cache=request.cache_steps,
                     )
                     if is_logged:
+                        # a request that ran a step cache says what it skipped (design §17)
+                        cached = (
+                            {
+                                "cache": msgspec.to_builtins(ended.cache),
+                                "cache_skipped": ended.cache_skipped,
+                                "cache_uncached": sum(c.uncached for c in ended.cache.values()),
+                            }
+                            if ended.cache
+                            else {}
+                        )
                         log.info(
                             "request.end",
                             request_id=rid,
                             duration_ms=ended.duration_ms,
                             stages=list(ended.stages),
+                            **cached,
                         )
                     observers.emit(ended)
         finally:
@@ -583,6 +595,9 @@ class Orchestrator:
                     dtype=self.spec.dtype_of(name),
                     bytes=None if slot.plan is None else slot.plan.bytes,
                     users=tuple(sorted(slot.users)),
+                    cache=None
+                    if slot.spec.cache_settings is None
+                    else slot.spec.cache_settings.resolved(),
                 )
                 for name, slot in self._slots.items()
             },

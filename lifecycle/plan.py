@@ -6,6 +6,7 @@ import msgspec
 
 from attention import AttentionRole, Provenance
 from components import ResidencyMode
+from components.cache import CacheSettings
 from components.dtypes import DType
 from components.loader import LoaderPath
 from lifecycle.config import AdapterMode
@@ -68,6 +69,7 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             when unknown.
         users: the pipelines (their keys on the device) that hold it: more than one
             when it is shared (design §13).
+        cache: its step cache with every default written out (design §17); None: none.
     """
 
     kind: str
@@ -78,6 +80,7 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     dtype: DType = "float32"
     bytes: int | None = None
     users: tuple[str, ...] = ()
+    cache: CacheSettings | None = None
 
 
 class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

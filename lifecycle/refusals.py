@@ -207,6 +207,19 @@ class RefusalCode(StrEnum):
         "a folder's model_index.json names a module shipped in the folder: code that is "
         "never imported (no trust_remote_code)",
     )
+    CACHE_UNSUPPORTED = (
+        "acceleration.cache_unsupported",
+        True,
+        "a component has a step cache (design §17) that its loading path cannot honour: "
+        "its kind has no denoising block stack (a text encoder, a VAE), or it loads "
+        "through a native class without a cache hook",
+    )
+    CACHE_STEPS = (
+        "acceleration.cache_steps",
+        True,
+        "a step cache's warm-up and final steps take every one of the pipeline's default "
+        "denoising steps, so the cache could never skip one",
+    )
 
 
 REFUSAL_CODES: Mapping[str, str] = MappingProxyType(

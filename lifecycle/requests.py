@@ -11,6 +11,7 @@ from torch import nn
 from components import ResidencyMode
 from components.adapters import batch_rows
 from components.batch import Batch, Cancelled, Left
+from components.cache import CacheSteps, count_steps
 from components.recipes import Recipe
 from lifecycle.adapters import AdapterKeeper, Rows
 from lifecycle.events import Observers, RequestCancelled
@@ -184,6 +185,8 @@ class Request:
         id: the request's id, on every event it causes.
         priority: its place when stages wait for memory (higher first, with ageing).
         stages: the stages it entered, in order.
+        cache_steps: each component with a step cache: the image steps it computed and
+            skipped for this request's rows (rows cancelled meanwhile leave uncounted).
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class Request:
         self.priority = priority
         self.stages: list[str] = []
         self.touched: set[str] = set()
+        self.cache_steps: dict[str, CacheSteps] = {}
         self._keeper = keeper
         self._recipe = recipe
         self._cancelled = False
@@ -276,11 +280,23 @@ class Request:
                                 slots[name].loader.run(module, batch)
                 finally:
                     self._keeper.leave(self.id, position)
+                self._count_cache(position, batch)
                 batch.drop_cancelled()  # what was cancelled during the stage leaves now
         finally:
             self._batch = None
             if len(batch.left) > reported:
                 self._keeper.cancelled(batch.left[reported:])
+
+    def _count_cache(self, position: int, batch: Batch) -> None:
+        """Add the steps the stage's cached component computed and skipped for ``batch``."""
+        if batch.cache_rows is None:
+            return
+        slots = self._keeper.slots
+        for name in self._keeper.timeline.stages[position].uses:
+            if slots[name].spec.cache_settings is not None:
+                counted = count_steps(batch.cache_rows)
+                self.cache_steps[name] = self.cache_steps.get(name, CacheSteps()) + counted
+                return
 
     def run_all(self, batch: Batch) -> None:
         """Run every stage of the pipeline on ``batch``, in declared order.

@@ -23,7 +23,10 @@ from attention import AttentionRequirements, AttentionRole
 from attention.distributed import packed_sequence_attention
 from attention.distributed.traffic import record
 from components.batch import Batch, Port, device_of
+from components.cache import StepCache, run_cached, step_rows
+from components.cache.state import any_cached, release_caches, start_rows
 from components.kinds import tensors
+from components.kinds.dit.streams import Streams, StreamStack, owned
 from components.kinds.packing import Packing, gather_rows
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
@@ -265,7 +268,7 @@ class DitBlock(nn.Module):
         return out
 
 
-class TinyDit(nn.Module):
+class TinyDit(StreamStack):
     """Predict, for each request's latent tokens, a tensor of the same shape.
 
     Args:
@@ -289,7 +292,11 @@ class TinyDit(nn.Module):
         self.sequence: SequenceGroups | None = None
 
     def forward(
-        self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
+        self,
+        latents: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        context: list[torch.Tensor],
+        cache: StepCache | None = None,
     ) -> list[torch.Tensor]:
         """Predict a tensor shaped like each request's latents.
 
@@ -298,6 +305,8 @@ class TinyDit(nn.Module):
             timesteps: ``(B,)``, each request's diffusion timestep.
             context: ``B x (L_i, context_dim)``, each request's text embeddings (real
                 tokens only: nothing masks padding here).
+            cache: the step cache's view of this step (one row per request), or None
+                to compute every block.
 
         Returns ``B x (N_i, C)``.
 
@@ -311,6 +320,8 @@ class TinyDit(nn.Module):
             )
         if not latents:
             return []
+        if cache is not None:
+            return self._run_cached(latents, timesteps, context, cache)
         if self.is_packed:
             return self._run(latents, timesteps, context)
         return [
@@ -322,30 +333,90 @@ class TinyDit(nn.Module):
         self, latents: list[torch.Tensor], timesteps: torch.Tensor, context: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Run the requests as one packed sequence of ``T`` tokens (this rank's shard of it)."""
-        device = timesteps.device
         counts = [x.shape[0] for x in latents]
-        sequence = self.sequence
-        if sequence is None:
-            packing = Packing.of(counts, device)
-        else:
-            packing = Packing.shard(counts, sequence.size, sequence.rank, device)
-        tokens = torch.cat(latents)  # (sum N_i, C)
-        positions = torch.cat([torch.arange(n, device=device) for n in counts])  # (sum N_i,)
-        if sequence is not None:
-            lo = sequence.rank * packing.token_requests.shape[0]
-            hi = lo + packing.token_requests.shape[0]
-            spare = max(0, hi - tokens.shape[0])
-            tokens = pad(tokens, (0, 0, 0, spare))[lo:hi]  # (T/P, C); padding rows are 0
-            positions = pad(positions, (0, spare))[lo:hi]
-        x = self.proj_in(tokens) + sinusoid(positions, self.dim)  # (T, E)
+        packing = self._packing(counts, timesteps.device)
+        x = self._local(packing, self._embed(latents))  # (T, E)
         cond = self.t_mlp(sinusoid(timesteps, self.dim))  # (B, E)
         for block in self.blocks:
             x = block(x, cond, packing, context)
-        shift, scale = packing.rows(self.final_modulation(silu(cond))).chunk(2, dim=-1)  # (T, E)
-        out = self.proj_out(modulate(self.final_norm(x), shift, scale))  # (T, C)
-        if sequence is not None:
-            out = gather_rows(out, sequence.sp)[: sum(counts)]  # (sum N_i, C) on every rank
+        out = self._project(x, cond, packing)  # (T, C)
+        if self.sequence is not None:
+            out = gather_rows(out, self.sequence.sp)[: sum(counts)]  # (sum N_i, C) on every rank
         return list(torch.split(out, counts))
+
+    def _run_cached(
+        self,
+        latents: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        context: list[torch.Tensor],
+        cache: StepCache,
+    ) -> list[torch.Tensor]:
+        """Run the requests under a step cache: whole rows in, the cache runs the blocks."""
+        counts = [x.shape[0] for x in latents]
+        cond = self.t_mlp(sinusoid(timesteps, self.dim))  # (B, E)
+        streams = run_cached(
+            self,
+            Streams(
+                text=torch.cat(context),
+                image=self._embed(latents),
+                text_counts=tuple(c.shape[0] for c in context),
+                image_counts=tuple(counts),
+                condition=cond,
+            ),
+            cache,
+        )
+        out = self._project(streams.image, cond, Packing.of(counts, timesteps.device))
+        return list(torch.split(out, counts))
+
+    def depth(self) -> int:
+        """Return the blocks of the stack."""
+        return len(self.blocks)
+
+    def run_blocks(self, state: Streams, start: int, stop: int) -> Streams:
+        """Run blocks ``start`` to ``stop`` on every request of ``state``: packed, or one
+        request at a time where the self-attention is dense."""
+        counts = list(state.image_counts)
+        if not self.is_packed and len(counts) > 1:
+            alone = [self.run_blocks(state.select([i]), start, stop) for i in range(len(counts))]
+            return state.with_images([part.image for part in alone])
+        packing = self._packing(counts, state.image.device)
+        x = owned(self._local(packing, state.image), state.image)
+        context = list(torch.split(state.text, list(state.text_counts)))
+        for block in self.blocks[start:stop]:
+            x = block(x, state.condition, packing, context)
+        if self.sequence is not None:
+            x = gather_rows(x, self.sequence.sp)[: sum(counts)]
+        return state._replace(image=x)
+
+    def _packing(self, counts: list[int], device: torch.device) -> Packing:
+        """Describe the requests packed, sharded under sequence parallel."""
+        sequence = self.sequence
+        if sequence is None:
+            return Packing.of(counts, device)
+        return Packing.shard(counts, sequence.size, sequence.rank, device)
+
+    def _local(self, packing: Packing, whole: torch.Tensor) -> torch.Tensor:
+        """Return this rank's shard of whole packed rows ``(sum N_i, ...)`` (padding rows 0)."""
+        sequence = self.sequence
+        if sequence is None:
+            return whole
+        lo = sequence.rank * packing.token_requests.shape[0]
+        hi = lo + packing.token_requests.shape[0]
+        spare = max(0, hi - whole.shape[0])
+        return pad(whole, (0, 0, 0, spare))[lo:hi]  # (T/P, E)
+
+    def _embed(self, latents: list[torch.Tensor]) -> torch.Tensor:
+        """Embed every request's tokens with their positions: ``(sum N_i, E)``."""
+        device = latents[0].device
+        positions = torch.cat([torch.arange(x.shape[0], device=device) for x in latents])
+        embedded: torch.Tensor = self.proj_in(torch.cat(latents)) + sinusoid(positions, self.dim)
+        return embedded
+
+    def _project(self, x: torch.Tensor, cond: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Modulate and project rows ``(T, E)`` to the latents' channels ``(T, C)``."""
+        shift, scale = packing.rows(self.final_modulation(silu(cond))).chunk(2, dim=-1)  # (T, E)
+        out: torch.Tensor = self.proj_out(modulate(self.final_norm(x), shift, scale))
+        return out
 
     def parallelize(self, parallel: ComponentParallel) -> None:
         """Split this DiT over the ranks of ``parallel`` (sequence and tensor parallel).
@@ -394,6 +465,7 @@ class TinyDitLoader(ComponentLoader):
     tensor_parallel = True
     guidance_parallel = True
     fully_shardable = True
+    step_cache = True
     block_stack = "blocks"
     switchable_backends = True  # the denoiser: requests may name its backend (design §4.6)
 
@@ -480,20 +552,45 @@ class TinyDitLoader(ComponentLoader):
         scale = (
             self.options.guidance_scale if batch.guidance_scale is None else batch.guidance_scale
         )
-        for step in range(batch.steps):
-            timesteps = torch.full((batch.size,), 1000.0 * (1 - step / batch.steps), device=device)
-            if scale == 1:
-                predictions = module(latents, timesteps, context)
-            else:
-                cond, uncond = self.predict_branches(module, latents, timesteps, context, negative)
-                predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
-            latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
-            kept = batch.stepped(latents)  # cancelled rows leave here, before the next step
-            if kept is not None:
-                latents = [latents[i] for i in kept]
-                context = [context[i] for i in kept]
-                negative = [negative[i] for i in kept]
+        if self.cache is not None:
+            batch.cache_rows = start_rows(self.cache, batch.cache_wanted(), batch.steps)
+        try:
+            for step in range(batch.steps):
+                timesteps = torch.full(
+                    (batch.size,), 1000.0 * (1 - step / batch.steps), device=device
+                )
+                if scale == 1:
+                    predictions = module(
+                        latents, timesteps, context, self._step_cache(batch, step, 1)
+                    )
+                else:
+                    cond, uncond = self.predict_branches(
+                        module, latents, timesteps, context, negative, step, batch
+                    )
+                    predictions = [u + scale * (c - u) for c, u in zip(cond, uncond, strict=True)]
+                latents = [x - p / batch.steps for x, p in zip(latents, predictions, strict=True)]
+                kept = batch.stepped(latents)  # cancelled rows leave here, before the next step
+                if kept is not None:
+                    latents = [latents[i] for i in kept]
+                    context = [context[i] for i in kept]
+                    negative = [negative[i] for i in kept]
+        finally:
+            release_caches(batch)
         batch.latents = latents
+
+    def _step_cache(
+        self, batch: Batch, step: int, branches: int, branch: int | None = None
+    ) -> StepCache | None:
+        """Return the step cache's view of ``step`` for a forward over ``branches`` guidance
+        branches of the batch's rows (or over one, ``branch``, under CFG parallel), or None
+        when no row of the batch runs a cache."""
+        caches = batch.cache_rows
+        if caches is None or not any_cached(caches):
+            return None
+        if branch is None:
+            return StepCache(step, batch.steps, step_rows(caches, branches))
+        group = None if self.parallel is None else self.parallel.guidance
+        return StepCache(step, batch.steps, [(c, branch) for c in caches], group)
 
     def predict_branches(
         self,
@@ -502,13 +599,22 @@ class TinyDitLoader(ComponentLoader):
         timesteps: torch.Tensor,
         context: list[torch.Tensor],
         negative: list[torch.Tensor],
+        step: int,
+        batch: Batch,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Predict with the text and with the negative context: ``B x (N_i, C)`` each."""
+        """Predict with the text and with the negative context: ``B x (N_i, C)`` each.
+
+        Under a step cache each row's two branches decide together: in one forward, or
+        on two cfg ranks that sum their measured parts first.
+        """
         group = None if self.parallel is None else self.parallel.guidance
         if group is None:
-            both = module(latents + latents, timesteps.repeat(2), context + negative)
+            cache = self._step_cache(batch, step, 2)
+            both = module(latents + latents, timesteps.repeat(2), context + negative, cache)
             return both[: len(latents)], both[len(latents) :]
-        mine = module(latents, timesteps, negative if dist.get_rank(group) else context)
+        rank = dist.get_rank(group)
+        cache = self._step_cache(batch, step, 2, branch=rank)
+        mine = module(latents, timesteps, negative if rank else context, cache)
         rows = torch.cat(mine)  # (sum N_i, C)
         parts = [torch.empty_like(rows) for _ in range(2)]
         record("guidance", rows)

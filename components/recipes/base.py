@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from components.batch import Batch, BatchField, Port, device_of
+from components.cache import StepCache, step_rows
+from components.cache.state import any_cached, release_caches, start_rows
 from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
@@ -77,9 +79,12 @@ class Denoising(ABC):
         rows: its images' positions among the batch's rows (they shift as cancelled rows
             leave the batch).
         timesteps: the scheduler's timesteps (every group of a batch takes as many).
+        branches: how many times its images run through the DiT each step, one after
+            the other (2 under classifier-free guidance: unconditional, then conditional).
     """
 
     timesteps: torch.Tensor
+    branches: int = 1
 
     def __init__(self, group: SizeGroup) -> None:
         self.rows = list(group.rows)
@@ -102,10 +107,13 @@ class Denoising(ABC):
         scheduler's per-image state (``narrow_scheduler``), so they step on as alone."""
 
 
-def predict(module: nn.Module, inputs: Sequence[ModelInputs]) -> list[torch.Tensor]:
-    """Run the DiT on every group: the project's in one packed forward, diffusers' per group."""
+def predict(
+    module: nn.Module, inputs: Sequence[ModelInputs], cache: StepCache | None = None
+) -> list[torch.Tensor]:
+    """Run the DiT on every group: the project's in one packed forward (under ``cache``, the
+    step cache's view of the step, if any), diffusers' per group."""
     if isinstance(module, PackedTransformer):
-        predictions: list[torch.Tensor] = module(inputs)
+        predictions: list[torch.Tensor] = module(inputs, cache)
         return predictions
     return [module(**group._asdict(), return_dict=False)[0] for group in inputs]
 
@@ -365,12 +373,35 @@ class Recipe(ABC):
         module = modules["transformer"]
         device = device_of(module)
         runs = [self.start(batch, group, device) for group in self.size_groups(batch)]
-        for step in range(len(runs[0].timesteps)):
-            predictions = predict(module, [run.inputs(step) for run in runs])
-            for run, prediction in zip(runs, predictions, strict=True):
-                run.advance(step, prediction)
-            runs = step_done(batch, runs)
+        steps = len(runs[0].timesteps)
+        self.start_caches(module, batch, steps)
+        try:
+            for step in range(steps):
+                cache = step_cache(batch, runs, step, steps)
+                predictions = predict(module, [run.inputs(step) for run in runs], cache)
+                for run, prediction in zip(runs, predictions, strict=True):
+                    run.advance(step, prediction)
+                runs = step_done(batch, runs)
+        finally:
+            release_caches(batch)
         batch.latents = in_rows(runs, batch.size)
+
+    def start_caches(self, module: nn.Module, batch: Batch, steps: int) -> None:
+        """Give each row of ``batch`` that runs the transformer's step cache its own state.
+
+        Raises:
+            ValueError: the transformer has a cache its module cannot run (admission
+                refuses that: ``acceleration.cache_unsupported``).
+        """
+        settings = self.transformer.cache
+        if settings is None:
+            return
+        if not isinstance(module, PackedTransformer):
+            raise ValueError(
+                f"the transformer has a {settings.method} step cache, but "
+                f"{type(module).__name__} cannot run one; load it through the custom path"
+            )
+        batch.cache_rows = start_rows(settings, batch.cache_wanted(), steps)
 
     @abstractmethod
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> Denoising:
@@ -492,6 +523,16 @@ def step_options(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
     if "generator" in accepted:
         options["generator"] = generator
     return options
+
+
+def step_cache(batch: Batch, runs: Sequence[Denoising], step: int, steps: int) -> StepCache | None:
+    """Return the step cache's view of ``step`` for one forward over ``runs``, or None
+    when no row of the batch runs a cache: every forward row's cache, group after group."""
+    caches = batch.cache_rows
+    if caches is None or not any_cached(caches):
+        return None
+    rows = [r for run in runs for r in step_rows([caches[i] for i in run.rows], run.branches)]
+    return StepCache(step, steps, rows)
 
 
 def in_rows(runs: Sequence[Denoising], count: int) -> list[torch.Tensor]:

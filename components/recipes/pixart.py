@@ -189,6 +189,7 @@ class PixArtDenoising(Denoising):
         rows = self.rows
         self.scale = recipe.guidance_scale(batch)
         self.guided = self.scale > 1
+        self.branches = 2 if self.guided else 1
         context, mask = _joined(batch.context, batch.context_mask, rows, device)
         if self.guided:
             negative, negative_mask = _joined(

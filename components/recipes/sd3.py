@@ -169,6 +169,7 @@ class Sd3Denoising(Denoising):
         rows = self.rows
         self.scale = recipe.guidance_scale(batch)
         self.guided = self.scale > 1
+        self.branches = 2 if self.guided else 1
         context = torch.stack([batch.context[row] for row in rows])
         pooled = batch.pooled[rows]
         if self.guided:

@@ -18,11 +18,13 @@ import torch
 from attention import ComponentRequests, PlannedSelection, Platform
 from attention import registry as backends
 from components import registry as kinds
+from components.batch import DEFAULT_STEPS
 from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
 from lifecycle.admission.adapters import AdapterAdmission, admit_adapters
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import SharedBudget, budget_refusals, declared_bytes
+from lifecycle.admission.cache import cache_refusals
 from lifecycle.admission.construction import construct_module
 from lifecycle.admission.dtypes import dtype_refusals
 from lifecycle.admission.folder import open_folder
@@ -146,6 +148,10 @@ def admit_pipeline(
         for name, path in paths.items()
         if path is not None
     }
+    folder = None if isinstance(spec.source, msgspec.UnsetType) else open_folder(spec, loaders)
+    default_steps = (
+        DEFAULT_STEPS if folder is None or folder.recipe is None else folder.recipe.default_steps
+    )
     return Admission(
         pipeline=spec.name,
         components=components,
@@ -159,19 +165,17 @@ def admit_pipeline(
             *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
             *dtype_refusals(spec, loaders, platform),
-            *(
-                interface_refusals(spec, loaders)
-                if isinstance(spec.source, msgspec.UnsetType)
-                else open_folder(spec, loaders).refusals
-            ),
+            *(interface_refusals(spec, loaders) if folder is None else folder.refusals),
             *unused_option_refusals(spec, components),
+            *cache_refusals(spec, loaders, paths, default_steps),
         ),
         adapters=admit_adapters(spec, paths, builders),
     )
 
 
 def component_loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
-    """Return each component's loader: its kind's, with its options, in its dtype.
+    """Return each component's loader: its kind's, with its options, in its dtype, with
+    its step cache.
 
     Raises:
         msgspec.ValidationError: an option is bad (decoding the spec refuses that first).
@@ -180,6 +184,7 @@ def component_loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
     for name, component in spec.components.items():
         loader = kinds.get(component.kind).from_options(component.options)
         loader.dtype = TORCH_DTYPES[spec.dtype_of(name)]
+        loader.cache = component.cache_settings
         loaders[name] = loader
     return loaders
 

@@ -6,6 +6,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from attention import DENSE_CROSS_FALLBACK, GLOBAL_BACKEND_FALLBACK, PLATFORM_DEFAULT_FALLBACK
+from components.cache import CacheSteps
 from lifecycle.cli.runner import RunReport
 from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
@@ -93,8 +94,10 @@ def run_summary(report: RunReport) -> str:
         )
     if report.stopped_by is not None:
         head += f"; stopped by {report.stopped_by}"
+    caches = any(c.cache is not None for c in report.components.values())
     rows: list[tuple[str, ...]] = [
         ("component", "state", "onloads", "offloads", "moved", "move time", "attention")
+        + (("cache",) if caches else ())
     ]
     rows += [
         (
@@ -106,6 +109,7 @@ def run_summary(report: RunReport) -> str:
             f"{c.move_seconds * 1e3:.1f} ms",
             ", ".join(c.backends) or "-",
         )
+        + ((_cache_text(c.cache),) if caches else ())
         for name, c in report.components.items()
     ]
     lines = [head, *table(rows)]
@@ -122,3 +126,11 @@ def run_summary(report: RunReport) -> str:
         folder = Path(report.images[0]).parent
         lines.append(f"  images: {count} PNG file{'s' * (count != 1)} written to {folder}")
     return "\n".join(lines)
+
+
+def _cache_text(steps: CacheSteps | None) -> str:
+    """Return a step cache's steps for the summary: ``12 computed, 16 skipped``."""
+    if steps is None:
+        return "-"
+    uncached = f" ({steps.uncached} rows uncached: too few steps)" if steps.uncached else ""
+    return f"{steps.computed} computed, {steps.skipped} skipped{uncached}"

@@ -245,6 +245,9 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
     rows: list[tuple[str, ...]] = [
         ("component", "kind", "loader", "size", "residency", "attention")
     ]
+    caches = any(component.cache is not None for component in snapshot.components.values())
+    if caches:
+        rows[0] += ("cache",)
     for name, component in snapshot.components.items():
         explicit = not isinstance(spec.components[name].residency, UnsetType)
         rows.append(
@@ -257,6 +260,8 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
                 ", ".join(_site_text(site) for site in component.attention) or "-",
             )
         )
+        if caches:
+            rows[-1] += ("-" if component.cache is None else component.cache.describe(),)
     adapters: list[tuple[str, ...]] = [("adapter", "component", "mode", "scale", "path")]
     adapters += [(a.name, a.component, a.mode, f"{a.scale:g}", a.path) for a in snapshot.adapters]
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)

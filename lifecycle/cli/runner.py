@@ -18,11 +18,12 @@ from msgspec import UnsetType
 
 from components import registry
 from components.batch import Batch
+from components.cache import CacheSteps
 from components.loader import ComponentLoader
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.config import PipelineSpec
-from lifecycle.events import Event, Move
+from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.png import write_png
@@ -38,6 +39,8 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         offloads: moves off it.
         bytes_moved: bytes moved either way.
         move_seconds: time spent moving.
+        cache: the image steps its step cache computed and skipped over every request
+            (design §17); None for a component without one.
     """
 
     state: str
@@ -46,6 +49,7 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     offloads: int
     bytes_moved: int
     move_seconds: float
+    cache: CacheSteps | None = None
 
 
 class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,10 +84,12 @@ class _Totals:
     offloads: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    cache: CacheSteps = field(default_factory=CacheSteps)
 
 
 class MoveTally:
-    """An observer of the orchestrator during a run: running totals of each component's moves.
+    """An observer of the orchestrator during a run: running totals of each component's moves
+    (and of its step cache's steps, as each request ends).
 
     Args:
         components: the pipeline's components.
@@ -96,8 +102,12 @@ class MoveTally:
         self.moves: list[Move] | None = [] if keep_moves else None
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, RequestEnded):
+            for name, steps in event.cache.items():
+                self._totals[name].cache += steps
+            return
         if not isinstance(event, Move):
-            return  # only moves add to the totals
+            return  # only moves and ended requests add to the totals
         totals = self._totals[event.component]
         if event.direction == "onload":
             totals.onloads += 1
@@ -121,6 +131,7 @@ class MoveTally:
                 offloads=self._totals[name].offloads,
                 bytes_moved=self._totals[name].bytes,
                 move_seconds=round(self._totals[name].seconds, 6),
+                cache=None if component.cache is None else self._totals[name].cache,
             )
             for name, component in snapshot.components.items()
         }

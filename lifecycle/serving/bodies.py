@@ -60,6 +60,9 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     partial_images: Annotated[int, Meta(ge=0, le=3)] = 0
     lora: dict[str, float | None] | None = None
     """The adapters to run, by name, each at a scale (null: the adapter's own ``scale``)."""
+    cache: bool = True
+    """Whether its images run the denoiser's step cache, where it has one (design §17): false
+    computes every step of them, in the same batch as images that skip steps."""
 
 
 class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

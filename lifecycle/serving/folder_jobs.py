@@ -78,6 +78,7 @@ def folder_image_job(
         seed=seed,
         priority=body.priority,
         size=(height, width),
+        cache=body.cache,
     )
 
 

@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from components.batch import Batch
+from components.cache import CacheSteps, count_steps
 from components.kinds.dit.base import PackedTransformer
 from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
@@ -116,6 +117,12 @@ class Job:
             holds NaN or infinity (never answered as a result), once run.
         size: its images' (height, width) in pixels, for a pipeline from a folder whose
             batches mix sizes (its DiT packs them); None where the key says.
+        cache: whether its images run the denoiser's step cache (design §17); jobs that
+            differ here still share a batch.
+        cache_steps: the image steps the step cache computed and skipped for it, once
+            run; None where its images ran none.
+        uncached: why its images ran every step though they asked for the cache (too
+            few steps to skip any), once run; None otherwise.
     """
 
     id: str
@@ -135,6 +142,9 @@ class Job:
     truncated: list[int] = field(default_factory=list)
     non_finite: bool = False
     size: tuple[int, int] | None = None
+    cache: bool = True
+    cache_steps: CacheSteps | None = None
+    uncached: str | None = None
 
 
 class RequestState(StrEnum):
@@ -237,7 +247,16 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         image_size=key.image_size,
         image_sizes=image_sizes,
         adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
+        cache=_cache_flags(jobs),
     )
+
+
+def _cache_flags(jobs: Sequence[Job]) -> bool | list[bool]:
+    """Return whether the merged batch's rows run the step cache: one flag, or one per row."""
+    flags = {job.cache for job in jobs}
+    if len(flags) == 1:
+        return flags.pop()
+    return [job.cache for job in jobs for _ in job.prompts]
 
 
 def _size(job: Job) -> tuple[int, int]:
@@ -284,6 +303,24 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
         job.non_finite = not bool(job.output.isfinite().all()) or any(
             not bool(latent.isfinite().all()) for latent in latents[here]
         )
+        if batch.cache_rows is not None and job.cache:
+            caches = batch.cache_rows[here]
+            job.cache_steps = count_steps(caches)
+            job.uncached = next((c.uncached for c in caches if c is not None), None)
+
+
+def cache_answer(job: Job) -> dict[str, object] | None:
+    """Return what a response says of the job's step cache: its steps computed and skipped,
+    and why it ran uncached if it did; None where its images ran no cache."""
+    if job.cache_steps is None:
+        return None
+    answer: dict[str, object] = {
+        "computed": job.cache_steps.computed,
+        "skipped": job.cache_steps.skipped,
+    }
+    if job.uncached is not None:
+        answer["uncached"] = job.uncached
+    return answer
 
 
 WARM_UP_LATENT_SIZE = (8, 8)

@@ -18,6 +18,7 @@ from lifecycle.events import (
     Event,
     MemoryWait,
     Move,
+    Observer,
     Refused,
     RequestCancelled,
     RequestEnded,
@@ -77,6 +78,12 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.cache_steps = Counter(
+            "lifecycle_cache_steps",
+            "image steps a component's step cache computed or skipped (design §17)",
+            ["pipeline", "component", "outcome"],
+            registry=r,
+        )
         self.cancelled = Counter(
             "lifecycle_cancelled_requests",
             "requests cancelled, by the stage they stopped in (queued: before any)",
@@ -118,6 +125,19 @@ class ServingMetrics:
             self.request_seconds.observe(event.duration_ms / 1e3)
         elif isinstance(event, RequestCancelled):
             self.cancelled.labels(stage=event.stage or "queued").inc()
+
+    def pipeline_observer(self, pipeline: str) -> Observer:
+        """Return an observer counting what ``pipeline``'s own metrics need: its step caches'
+        steps, as each request ends."""
+
+        def observe(event: Event) -> None:
+            if isinstance(event, RequestEnded):
+                for component, steps in event.cache.items():
+                    labels = {"pipeline": pipeline, "component": component}
+                    self.cache_steps.labels(**labels, outcome="computed").inc(steps.computed)
+                    self.cache_steps.labels(**labels, outcome="skipped").inc(steps.skipped)
+
+        return observe
 
     def refused(self, codes: tuple[str, ...]) -> None:
         """Count each code of a refusal: a transition's, or a request's the HTTP layer answers."""

@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from lifecycle.png import encode_png
 from lifecycle.serving.dispatch import check_finite, job_error, submit_job
 from lifecycle.serving.errors import ApiError, server_error_body
-from lifecycle.serving.jobs import Job
+from lifecycle.serving.jobs import Job, cache_answer
 from lifecycle.serving.preview import preview_png
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
@@ -147,6 +147,7 @@ async def _events(
                 "usage": usage,
                 "seed": seed,
                 "truncated_prompt": bool(done.truncated),
+                "cache": cache_answer(done),
             }
             yield sse(data["type"], data)
     finally:

@@ -124,6 +124,7 @@ class Worker:
         self.board = StatusBoard()
         for orchestrator in orchestrators:
             orchestrator.observe(self.board.observer(orchestrator.spec.name))
+            orchestrator.observe(metrics.pipeline_observer(orchestrator.spec.name))
         self._lifecycle = WorkerMachine("worker").lifecycle("worker")
         self.error: str | None = None
         self.pipelines: dict[str, ServedPipeline] = {}
@@ -259,6 +260,7 @@ class Worker:
             spec, platform=self.platform, shared=self.shared, observer=self.metrics.observe
         )
         orchestrator.observe(self.board.observer(spec.name))
+        orchestrator.observe(self.metrics.pipeline_observer(spec.name))
         return orchestrator
 
     def drain(self) -> bool:

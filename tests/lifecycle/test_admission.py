@@ -314,6 +314,7 @@ kind = "tiny_upsampler"
             "dtype": "float32",
             "bytes": 248588,
             "users": ["unsupported-backend"],
+            "cache": None,
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

@@ -83,6 +83,7 @@ class TestCheck:
             "dtype": "float32",
             "bytes": 248588,
             "users": ["tiny-t2i"],
+            "cache": None,
         }
         assert report["stages"] == {
             "encode": ["text_encoder"],

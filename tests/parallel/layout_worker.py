@@ -45,19 +45,24 @@ class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         held_bytes: the bytes of the compared component's weights it holds.
         moved: the bytes of each weight move the lifecycle made, by component
             (cases that run requests).
+        patterns: each row's step cache decisions (``RowCache.pattern``), for cases
+            whose DiT runs a cache.
     """
 
     sent: dict[str, int]
     held_bytes: int
     moved: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    patterns: list[str] = msgspec.field(default_factory=list)
 
 
 class Ran(NamedTuple):
-    """What running a case here gave: the compared outputs, weights held, moves made."""
+    """What running a case here gave: the compared outputs, weights held, moves made, and
+    each row's step cache decisions."""
 
     outputs: Outputs
     held_bytes: int
     moved: dict[str, list[int]]
+    patterns: tuple[str, ...] = ()
 
 
 CaseRunner = Callable[[Any], Ran]
@@ -73,6 +78,7 @@ class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         direct: build it through its loader outside the lifecycle (DTensor weights).
         guidance: run the spec's ``denoise`` stage on text embeddings with this
             classifier-free guidance scale, and compare the latents it leaves.
+        steps: the denoising steps of that stage.
         requests: run this many seeded requests through every stage of the spec, as
             ``lifecycle run`` does, and compare their images.
     """
@@ -81,6 +87,7 @@ class Case(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     component: str = "transformer"
     direct: bool = False
     guidance: float | None = None
+    steps: int = 3
     requests: int = 0
 
 
@@ -128,14 +135,16 @@ def run_case(case: Case, spec: PipelineSpec | None = None) -> Ran:
         return run_requests(spec, case.requests, case.component)
     if case.guidance is not None:
         generator = torch.Generator().manual_seed(SEED)
-        batch = Batch(generator=generator, size=3, steps=3, guidance_scale=case.guidance)
+        batch = Batch(generator=generator, size=3, steps=case.steps, guidance_scale=case.guidance)
         batch.context = [torch.randn(n, 32, generator=generator) for n in (2, 5, 3)]
         with Orchestrator(spec) as orchestrator:
             orchestrator.load()
             with orchestrator.request() as request:
                 request.run("denoise", batch)
             assert batch.latents is not None
-            return Ran(batch.latents, module_bytes(orchestrator.module(case.component)), {})
+            patterns = tuple(row.pattern for row in batch.cache_rows or () if row is not None)
+            held = module_bytes(orchestrator.module(case.component))
+            return Ran(batch.latents, held, {}, patterns)
     if not case.direct:
         with Orchestrator(spec) as orchestrator:
             orchestrator.load()
@@ -183,7 +192,12 @@ def run_cases(
                 raise
             if rank == 0:
                 torch.save(ran.outputs, out / f"{name}.pt")
-            sent = Sent(sent=traffic.sent, held_bytes=ran.held_bytes, moved=ran.moved)
+            sent = Sent(
+                sent=traffic.sent,
+                held_bytes=ran.held_bytes,
+                moved=ran.moved,
+                patterns=list(ran.patterns),
+            )
             (out / f"{name}.rank{rank}.json").write_bytes(msgspec.json.encode(sent))
 
 

@@ -137,9 +137,8 @@ def dit_alone(folder: str, family: str, packed: bool, sweep: bool) -> tuple[Ran,
 def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
     """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
     split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
-    (alone, alone_bytes, _), block_bytes = dit_alone(
-        case.folder, case.family, case.packed, case.sweep
-    )
+    ran, block_bytes = dit_alone(case.folder, case.family, case.packed, case.sweep)
+    alone, alone_bytes = ran.outputs, ran.held_bytes
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
         assert got.shape == want.shape

@@ -12,6 +12,7 @@ import torch
 
 from components.layout import ParallelLayout
 from lifecycle.config import decode_spec
+from tests.components.smooth_dit import write_smoothed_dit
 from tests.parallel.layout_worker import (
     Case,
     CaseRunner,
@@ -91,6 +92,39 @@ TWO = {
         for name in ("text_encoder", "transformer", "vae", "upsampler")
     },
 }
+CACHED = {
+    "ulysses_cache": ("sp_degree = 2\nulysses_degree = 2", 1.0),
+    "cfg_parallel_cache": ("cfg_parallel = true", 4.0),
+}
+"""Layouts run with a first-block cache on the smoothed tiny DiT: layout, guidance scale."""
+CACHED_DIT = """
+name = "dit"
+device = "cpu"
+[components.transformer]
+kind = "tiny_dit"
+options = {{ weights = "{weights}" }}
+[components.transformer.cache]
+method = "first_block"
+threshold = 0.1
+[parallel]
+timeout_s = 30
+{layout}
+"""
+
+
+def cached_cases(weights: Path) -> dict[str, Case]:
+    """Return the ``CACHED`` cases: 16 guided or unguided steps of three requests, the DiT's
+    weights from ``weights`` (``tests.components.smooth_dit``)."""
+    return {
+        name: Case(
+            spec=CACHED_DIT.format(weights=weights, layout=layout) + STAGE,
+            guidance=guidance,
+            steps=16,
+        )
+        for name, (layout, guidance) in CACHED.items()
+    }
+
+
 FOUR = {
     "ulysses_x_ring": Case(spec=dit("sp_degree = 4\nulysses_degree = 2\nring_degree = 2")),
     "tp_x_ulysses": Case(spec=dit("tp_size = 2\nsp_degree = 2\nulysses_degree = 2"), direct=True),
@@ -135,10 +169,17 @@ def spawn(
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The outputs of every two-rank case, from one spawn of two gloo processes."""
+def smooth_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DiT's weights with a timestep MLP that changes slowly over steps."""
+    return write_smoothed_dit(tmp_path_factory.mktemp("smooth") / "dit.safetensors")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, smooth_weights: Path) -> Path:
+    """The outputs of every two-rank case (the cached ones too), from one spawn of two gloo
+    processes."""
     out_dir = tmp_path_factory.mktemp("two")
-    spawn(2, TWO, out_dir, preload=DTENSOR_OPERATIONS)
+    spawn(2, TWO | cached_cases(smooth_weights), out_dir, preload=DTENSOR_OPERATIONS)
     return out_dir
 
 
@@ -162,7 +203,7 @@ def alone() -> Alone:
 
     def run(case: Case) -> Ran:
         spec = msgspec.structs.replace(decode_spec(case.spec), parallel=ParallelLayout())
-        key = msgspec.json.encode([spec, case.component, case.guidance, case.requests])
+        key = msgspec.json.encode([spec, case.component, case.guidance, case.steps, case.requests])
         if key not in ran:
             ran[key] = run_alone(case)
         return ran[key]
@@ -173,7 +214,8 @@ def alone() -> Alone:
 def assert_equal_to_alone(out_dir: Path, name: str, case: Case, world: int, alone: Alone) -> None:
     """Assert rank 0's outputs of ``name`` equal one process's, and what each rank sent."""
     split: Outputs = torch.load(out_dir / f"{name}.pt")
-    alone_outputs, alone_bytes, _ = alone(case)
+    ran = alone(case)
+    alone_outputs, alone_bytes = ran.outputs, ran.held_bytes
     assert len(split) == len(alone_outputs)
     for got, want in zip(split, alone_outputs, strict=True):
         assert got.shape == want.shape
@@ -214,6 +256,27 @@ class TestTwoRanks:
                 assert 0.45 * whole < shard < 0.55 * whole  # FSDP: half of every weight
             (shard,), (whole,) = moved["transformer"], moved_alone["transformer"]
             assert shard < 0.75 * whole  # TP: half of the attention and MLP weights
+
+
+@pytest.mark.usefixtures("one_thread")
+class TestCachedLayouts:
+    """A step cache under Ulysses and CFG parallel: one decision on every rank."""
+
+    @pytest.mark.parametrize("name", list(CACHED))
+    def test_ranks_skip_alike_and_equal_one_process(
+        self, two: Path, name: str, smooth_weights: Path, alone: Alone
+    ) -> None:
+        """Both ranks skip the same steps of each row (the measured change summed across
+        the cfg group, or gathered whole under Ulysses), the same as one process, and the
+        latents equal one process's within the float32 tolerance."""
+        case = cached_cases(smooth_weights)[name]
+        assert_equal_to_alone(two, name, case, 2, alone)
+        patterns = alone(case).patterns
+        assert len(patterns) == 3
+        assert any("S" in pattern for pattern in patterns), patterns
+        for rank in range(2):
+            did = msgspec.json.decode((two / f"{name}.rank{rank}.json").read_bytes(), type=Sent)
+            assert tuple(did.patterns) == patterns, f"{name} rank {rank}"
 
 
 class TestFourRanks:

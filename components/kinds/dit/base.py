@@ -4,7 +4,9 @@ A ``PackedTransformer`` takes groups of requests, each group as diffusers' class
 batch (one image size, dense tensors), and returns one prediction per group. Inside,
 every request of every group is packed into one sequence (``JointLayout``): requests of
 different sizes and prompt lengths share the forward, and each output equals the
-request run alone.
+request run alone. Under a step cache (design §17) the forward hands its requests to
+``components.cache.run_cached`` as ``Streams``, and runs the parts of its block stack the
+cache asks for (``run_blocks``) on the requests that compute.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from components.cache import StepCache
 from components.kinds.dit.attention import DitAttention
+from components.kinds.dit.streams import StreamStack
 from components.mesh import ComponentParallel, SequenceGroups
 from components.tensor_parallel import split_layers
 
@@ -30,18 +34,23 @@ TensorPlan = dict[str, Split]
 """How tensor parallel splits one block: submodule path -> split."""
 
 
-class PackedTransformer(nn.Module):
+class PackedTransformer(StreamStack):
     """A DiT that runs groups of requests packed into one sequence.
 
-    Subclasses implement ``forward(groups)`` and ``tensor_plans``.
+    Subclasses implement ``forward(groups, cache)``, ``tensor_plans``, ``depth`` and
+    ``run_blocks`` (``StreamStack``).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.sequence: SequenceGroups | None = None
 
-    def forward(self, groups: Sequence[Any]) -> list[torch.Tensor]:
-        """Predict for every group of requests: one tensor per group, as diffusers returns it."""
+    def forward(self, groups: Sequence[Any], cache: StepCache | None = None) -> list[torch.Tensor]:
+        """Predict for every group of requests: one tensor per group, as diffusers returns it.
+
+        ``cache`` is the step cache's view of this step (one row per request of the
+        groups, in order), or None to compute every block.
+        """
         raise NotImplementedError
 
     def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from components.cache import StepCache, run_cached
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
 from components.kinds.dit.layers import (
@@ -25,6 +26,7 @@ from components.kinds.dit.layers import (
     timestep_features,
 )
 from components.kinds.dit.layout import JointLayout, add_gated, modulate
+from components.kinds.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
 # B requests, E width, H heads, D head dim, T joint rows, N_i / L_i image / text tokens
@@ -237,41 +239,94 @@ class FluxTransformer(PackedTransformer):
         self.norm_out = Modulation(dim, 2)
         self.proj_out = nn.Linear(dim, patch * patch * out_channels)
 
-    def forward(self, groups: Sequence[FluxInputs]) -> list[torch.Tensor]:
+    def forward(
+        self, groups: Sequence[FluxInputs], cache: StepCache | None = None
+    ) -> list[torch.Tensor]:
         """Predict ``(B_g, N_g, C)`` for every group, all requests in one packed pass."""
         images = [x for group in groups for x in group.hidden_states]  # (N_i, C_in) each
         texts = [c for group in groups for c in group.encoder_hidden_states]  # (L_i, E_j)
         device = images[0].device
-        layout = JointLayout(
-            [t.shape[0] for t in texts], [x.shape[0] for x in images], device, self.sequence
-        )
-        image = self.x_embedder(layout.image.take(torch.cat(images)))  # (n_i, E)
-        text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+        text_counts, image_counts = [t.shape[0] for t in texts], [x.shape[0] for x in images]
         condition = self.time_text_embed(
-            torch.cat([g.timestep for g in groups]).to(image.dtype) * 1000,
-            _guidance(groups, image.dtype),
+            torch.cat([g.timestep for g in groups]).to(images[0].dtype) * 1000,
+            _guidance(groups, images[0].dtype),
             torch.cat([g.pooled_projections for g in groups]),
         )  # (B, E)
-        rotation = layout.local(
-            torch.cat(
-                [
-                    rotary(torch.cat([g.txt_ids, g.img_ids]), self.axes)
-                    .expand(len(g.timestep), -1, -1)
-                    .flatten(0, 1)
-                    for g in groups
-                ]
+        rotation = torch.cat(
+            [
+                rotary(torch.cat([g.txt_ids, g.img_ids]), self.axes)
+                .expand(len(g.timestep), -1, -1)
+                .flatten(0, 1)
+                for g in groups
+            ]
+        )  # (sum L_i + N_i, D/2)
+        if cache is None:
+            layout = JointLayout(text_counts, image_counts, device, self.sequence)
+            image = self.x_embedder(layout.image.take(torch.cat(images)))  # (n_i, E)
+            text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+            text, image = self._blocks(
+                text, image, condition, layout.local(rotation), layout, 0, self.depth()
             )
-        )  # (T, D/2)
-        for double in self.transformer_blocks:
-            text, image = double(text, image, condition, rotation, layout)
-        x = layout.join(text, image)
-        for single in self.single_transformer_blocks:
-            x = single(x, condition, rotation, layout)
-        image = layout.split(x)[1]
+        else:
+            streams = run_cached(
+                self,
+                Streams(
+                    text=self.context_embedder(torch.cat(texts)),
+                    image=self.x_embedder(torch.cat(images)),
+                    text_counts=tuple(text_counts),
+                    image_counts=tuple(image_counts),
+                    condition=condition,
+                    rotation=rotation,
+                ),
+                cache,
+            )
+            layout, image = JointLayout(text_counts, image_counts, device), streams.image
         scale, shift = self.norm_out(condition)
         out = self.proj_out(modulate(image, layout.image.rows, shift, scale, EPS))
-        counts = [x.shape[0] for x in images]
-        return regroup(layout.gather_image(out), counts, [len(g.timestep) for g in groups])
+        return regroup(layout.gather_image(out), image_counts, [len(g.timestep) for g in groups])
+
+    def depth(self) -> int:
+        """Return the double-stream blocks then the single-stream ones."""
+        return len(self.transformer_blocks) + len(self.single_transformer_blocks)
+
+    def run_blocks(self, state: Streams, start: int, stop: int) -> Streams:
+        """Run blocks ``start`` to ``stop`` (double-stream first) on every request of ``state``."""
+        layout = JointLayout(
+            state.text_counts, state.image_counts, state.image.device, self.sequence
+        )
+        assert state.rotation is not None  # Flux's streams carry their rotation
+        text, image = self._blocks(
+            owned(layout.text.take(state.text), state.text),
+            owned(layout.image.take(state.image), state.image),
+            state.condition,
+            layout.local(state.rotation),
+            layout,
+            start,
+            stop,
+        )
+        text, image = layout.gather_streams(text, image)
+        return state._replace(text=text, image=image)
+
+    def _blocks(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        condition: torch.Tensor,
+        rotation: torch.Tensor,
+        layout: JointLayout,
+        start: int,
+        stop: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run blocks ``start`` to ``stop`` on this rank's text ``(n_t, E)`` and image rows."""
+        doubles = len(self.transformer_blocks)
+        for double in self.transformer_blocks[start:stop]:
+            text, image = double(text, image, condition, rotation, layout)
+        if stop <= doubles:
+            return text, image
+        x = layout.join(text, image)
+        for single in self.single_transformer_blocks[max(start - doubles, 0) : stop - doubles]:
+            x = single(x, condition, rotation, layout)
+        return layout.split(x)
 
     def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
         """Yield both stacks' blocks with their splits over ``shards`` ranks."""

@@ -172,10 +172,35 @@ class JointLayout:
         joint = image.new_zeros((self.rows, image.shape[1]))
         joint.index_copy_(0, self._joint_indices()[1], image)
         everything = self.gather(joint)  # (sum L_i + N_i, C)
-        positions = torch.cat(
-            [torch.arange(a + t, b, device=image.device) for t, (a, b) in self._requests()]
+        return everything.index_select(0, self._positions(image.device, text=False))
+
+    def gather_streams(
+        self, text: torch.Tensor, image: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return every request's text rows ``(sum L_i, E)`` and image rows ``(sum N_i, E)``
+        from this rank's ``(n_t, E)`` and ``(n_i, E)``, in one gather.
+
+        Under sequence parallel every rank of the group gets the whole result.
+        """
+        if self.sequence is None:
+            return text, image
+        everything = self.gather(self.join(text, image))  # (sum L_i + N_i, E)
+        device = image.device
+        return (
+            everything.index_select(0, self._positions(device, text=True)),
+            everything.index_select(0, self._positions(device, text=False)),
         )
-        return everything.index_select(0, positions)
+
+    def _positions(self, device: torch.device, *, text: bool) -> torch.Tensor:
+        """Return where every request's text (or image) tokens lie in the whole joint sequence."""
+        return torch.cat(
+            [
+                torch.arange(a, a + t, device=device)
+                if text
+                else torch.arange(a + t, b, device=device)
+                for t, (a, b) in self._requests()
+            ]
+        )
 
     def _requests(self) -> Iterator[tuple[int, tuple[int, int]]]:
         """Yield each request's text length and the bounds of its joint tokens."""

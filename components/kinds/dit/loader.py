@@ -48,6 +48,7 @@ class DitLoader(FolderLoader):
     sequence_parallel = True
     tensor_parallel = True
     fully_shardable = True
+    step_cache = True
     switchable_backends = True  # the denoiser: requests may name its backend (design §4.6)
 
     def __init__(self, options: DitOptions) -> None:

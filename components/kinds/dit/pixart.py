@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.functional import silu
 
+from components.cache import StepCache, run_cached
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
 from components.kinds.dit.layers import (
@@ -26,6 +27,7 @@ from components.kinds.dit.layers import (
 )
 from components.kinds.dit.layout import JointLayout, add_gated, modulate
 from components.kinds.dit.patches import PatchEmbed, unpatchify
+from components.kinds.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
 # B requests, C channels, E width, h w latent grid, n image rows, L_i text tokens
@@ -177,28 +179,60 @@ class PixArtTransformer(PackedTransformer):
             None if caption is None else TextProjection(int(caption), dim, tanh_gelu=True)
         )
 
-    def forward(self, groups: Sequence[PixArtInputs]) -> list[torch.Tensor]:
+    def forward(
+        self, groups: Sequence[PixArtInputs], cache: StepCache | None = None
+    ) -> list[torch.Tensor]:
         """Predict ``(B_g, C_out, h_g, w_g)`` for every group, all requests in one packed pass."""
         tokens = [self.pos_embed(g.hidden_states) for g in groups]  # (B_g, N_g, E) each
         images = [x for group in tokens for x in group]  # (N_i, E) each
+        counts = [x.shape[0] for x in images]
         device = images[0].device
-        layout = JointLayout([0] * len(images), [x.shape[0] for x in images], device, self.sequence)
-        x = layout.local(torch.cat(images))  # (T, E): no text, so the joint rows are the image
         modulation, embedded = self.adaln_single(
-            torch.cat([g.timestep for g in groups]), _conditions(groups), x.dtype
+            torch.cat([g.timestep for g in groups]), _conditions(groups), images[0].dtype
         )
         text = self._text(groups)
-        for block in self.transformer_blocks:
-            x = block(x, modulation, text, layout)
+        if cache is None:
+            layout = JointLayout([0] * len(images), counts, device, self.sequence)
+            x = layout.local(torch.cat(images))  # (T, E): no text, the joint rows are the image
+            for block in self.transformer_blocks:
+                x = block(x, modulation, text, layout)
+        else:
+            streams = run_cached(
+                self,
+                Streams(
+                    text=torch.cat(text),
+                    image=torch.cat(images),
+                    text_counts=tuple(t.shape[0] for t in text),
+                    image_counts=tuple(counts),
+                    condition=modulation,
+                ),
+                cache,
+            )
+            layout, x = JointLayout([0] * len(images), counts, device), streams.image
         table = self.scale_shift_table[None] + embedded[:, None]
         shift, scale = table.unbind(1)  # (B, E) each
         out = self.proj_out(modulate(x, layout.joint_rows, shift, scale, EPS))
-        counts = [x.shape[0] for x in images]
         stacked = regroup(layout.gather(out), counts, [len(g.timestep) for g in groups])
         return [
             unpatchify(s, g.hidden_states.shape[-2:], self.patch)
             for s, g in zip(stacked, groups, strict=True)
         ]
+
+    def depth(self) -> int:
+        """Return the blocks of the stack."""
+        return len(self.transformer_blocks)
+
+    def run_blocks(self, state: Streams, start: int, stop: int) -> Streams:
+        """Run blocks ``start`` to ``stop`` on every request of ``state`` (its image rows;
+        its text is what each request's cross-attention reads)."""
+        layout = JointLayout(
+            [0] * len(state.image_counts), state.image_counts, state.image.device, self.sequence
+        )
+        x = owned(layout.local(state.image), state.image)  # padding rows too
+        text = list(torch.split(state.text, list(state.text_counts)))
+        for block in self.transformer_blocks[start:stop]:
+            x = block(x, state.condition, text, layout)
+        return state._replace(image=layout.gather(x)[: sum(state.image_counts)])
 
     def _text(self, groups: Sequence[PixArtInputs]) -> list[torch.Tensor]:
         """Return each request's real text tokens, projected: ``(L_i, E)`` each."""

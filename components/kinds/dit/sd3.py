@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from components.cache import StepCache, run_cached
 from components.kinds.dit.attention import DitAttention
 from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
 from components.kinds.dit.layers import (
@@ -25,6 +26,7 @@ from components.kinds.dit.layers import (
 )
 from components.kinds.dit.layout import JointLayout, add_gated, modulate
 from components.kinds.dit.patches import PatchEmbed, unpatchify
+from components.kinds.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
 # B requests, C channels, E width, h w latent grid, T joint rows, L_i text tokens
@@ -153,31 +155,61 @@ class Sd3Transformer(PackedTransformer):
         self.norm_out = Modulation(dim, 2)
         self.proj_out = nn.Linear(dim, self.patch * self.patch * out_channels)
 
-    def forward(self, groups: Sequence[Sd3Inputs]) -> list[torch.Tensor]:
+    def forward(
+        self, groups: Sequence[Sd3Inputs], cache: StepCache | None = None
+    ) -> list[torch.Tensor]:
         """Predict ``(B_g, C_out, h_g, w_g)`` for every group, all requests in one packed pass."""
         tokens = [self.pos_embed(g.hidden_states) for g in groups]  # (B_g, N_g, E) each
         images = [x for group in tokens for x in group]  # (N_i, E) each
         texts = [c for group in groups for c in group.encoder_hidden_states]  # (L_i, E_j)
         device = images[0].device
-        layout = JointLayout(
-            [t.shape[0] for t in texts], [x.shape[0] for x in images], device, self.sequence
-        )
-        image = layout.image.take(torch.cat(images))  # (n_i, E)
-        text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+        text_counts, image_counts = [t.shape[0] for t in texts], [x.shape[0] for x in images]
         condition = self.time_text_embed(
             torch.cat([g.timestep for g in groups]),
             torch.cat([g.pooled_projections for g in groups]),
         )  # (B, E)
-        for block in self.transformer_blocks:
-            text, image = block(text, image, condition, layout)
+        if cache is None:
+            layout = JointLayout(text_counts, image_counts, device, self.sequence)
+            image = layout.image.take(torch.cat(images))  # (n_i, E)
+            text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+            for block in self.transformer_blocks:
+                text, image = block(text, image, condition, layout)
+        else:
+            streams = run_cached(
+                self,
+                Streams(
+                    text=self.context_embedder(torch.cat(texts)),
+                    image=torch.cat(images),
+                    text_counts=tuple(text_counts),
+                    image_counts=tuple(image_counts),
+                    condition=condition,
+                ),
+                cache,
+            )
+            layout, image = JointLayout(text_counts, image_counts, device), streams.image
         scale, shift = self.norm_out(condition)
         out = self.proj_out(modulate(image, layout.image.rows, shift, scale, EPS))
-        counts = [x.shape[0] for x in images]
-        stacked = regroup(layout.gather_image(out), counts, [len(g.timestep) for g in groups])
+        stacked = regroup(layout.gather_image(out), image_counts, [len(g.timestep) for g in groups])
         return [
             unpatchify(s, g.hidden_states.shape[-2:], self.patch)
             for s, g in zip(stacked, groups, strict=True)
         ]
+
+    def depth(self) -> int:
+        """Return the blocks of the stack."""
+        return len(self.transformer_blocks)
+
+    def run_blocks(self, state: Streams, start: int, stop: int) -> Streams:
+        """Run blocks ``start`` to ``stop`` on every request of ``state``."""
+        layout = JointLayout(
+            state.text_counts, state.image_counts, state.image.device, self.sequence
+        )
+        text = owned(layout.text.take(state.text), state.text)
+        image = owned(layout.image.take(state.image), state.image)
+        for block in self.transformer_blocks[start:stop]:
+            text, image = block(text, image, state.condition, layout)
+        text, image = layout.gather_streams(text, image)
+        return state._replace(text=text, image=image)
 
     def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
         """Yield every block with its split."""

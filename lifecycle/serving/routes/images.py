@@ -11,6 +11,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from components.batch import DEFAULT_STEPS
 from lifecycle.png import encode_png
 from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
@@ -25,7 +26,7 @@ from lifecycle.serving.dispatch import (
 )
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.folder_jobs import folder_image_job
-from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.jobs import BatchKey, Job, cache_answer
 from lifecycle.serving.limits import ImageSize, check_images, image_pixels
 from lifecycle.serving.routes.adapters import adapter_set
 from lifecycle.serving.served import ServedPipeline
@@ -34,8 +35,6 @@ from lifecycle.serving.worker import Worker
 
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
-DEFAULT_STEPS = 4
-"""Denoising steps of a pipeline of kinds' image when the request gives no ``steps``."""
 
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
 
@@ -81,6 +80,7 @@ def images_routes(worker: Worker) -> APIRouter:
             "data": data,
             "seed": seed,
             "truncated_prompt": bool(done.truncated),  # cut to the text encoder's longest input
+            "cache": cache_answer(done),
         }
         return job_response(content, done)
 
@@ -109,6 +109,7 @@ def _kinds_job(
         tokens=body.n * latent_size[0] * latent_size[1],
         seed=seed,
         priority=body.priority,
+        cache=body.cache,
     )
 
 

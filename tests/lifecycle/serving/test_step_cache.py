@@ -1,0 +1,90 @@
+"""A step cache over HTTP: per-request ``cache``, what a response says, streams and metrics.
+
+The folder is the tiny Flux one written with ``smooth_time=True`` (its adjacent steps
+differ as a trained model's do, so the cache skips some: every test asserts it does).
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+from httpx_sse import connect_sse
+
+from lifecycle.config import decode_spec
+from tests.conftest import Lifecycle, PipelineFolders
+from tests.lifecycle.serving.conftest import ServeSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BODY: dict[str, Any] = {"prompt": "a red fox", "size": "64x64", "seed": 3}
+"""A request of the pipeline's default 28 steps."""
+
+
+@pytest.fixture
+def folder(pipeline_folder: PipelineFolders) -> Path:
+    """The tiny Flux folder whose steps differ as a trained model's do."""
+    return pipeline_folder("flux", smooth_time=True)
+
+
+def test_cache_false_equals_the_uncached_run_and_responses_say_what_ran(
+    folder: Path, serve_spec: ServeSpec, lifecycle: Lifecycle, tmp_path: Path
+) -> None:
+    """``"cache": false`` makes the PNG ``run`` makes without a cache, byte for byte; the
+    cached request says what it skipped, a 3-step one that it ran uncached, and the
+    metrics count the steps by outcome."""
+    spec = decode_spec(
+        f'source = "{folder}"\nname = "fox"\ndevice = "cpu"\n'
+        '[components.transformer.cache]\nmethod = "first_block"\n'
+    )
+    served = serve_spec(spec)
+    with served.client() as client:
+        off = client.post("/v1/images/generations", json={**BODY, "cache": False})
+        on = client.post("/v1/images/generations", json=BODY)
+        short = client.post("/v1/images/generations", json={**BODY, "steps": 3})
+        metrics = client.get("/metrics").text
+    assert off.status_code == on.status_code == short.status_code == 200
+    assert off.json()["cache"] is None
+    cached = on.json()["cache"]
+    assert cached["computed"] + cached["skipped"] == 28
+    assert cached["skipped"] > 0
+    assert short.json()["cache"] == {
+        "computed": 3,
+        "skipped": 0,
+        "uncached": "3 steps leave nothing to skip: warmup_steps (2) + final_steps (1) are "
+        "always computed",
+    }
+    labels = 'component="transformer",outcome="skipped",pipeline="fox"'
+    assert f"lifecycle_cache_steps_total{{{labels}}} {float(cached['skipped'])}" in metrics
+    result = lifecycle(
+        "run", folder, "--requests", "1", "--threads", "1", "--prompt", BODY["prompt"],
+        "--size", BODY["size"], "--seed", str(BODY["seed"]), "--out", tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plain = (tmp_path / "r1-0.png").read_bytes()
+    assert base64.b64decode(off.json()["data"][0]["b64_json"]) == plain
+    assert base64.b64decode(on.json()["data"][0]["b64_json"]) != plain
+
+
+def test_a_skipped_step_still_streams_its_progress(folder: Path, serve_spec: ServeSpec) -> None:
+    """A streamed request under a cache gets one event per step, skipped steps too, then
+    the image, which says what the cache skipped."""
+    spec = decode_spec(
+        f'source = "{folder}"\ndevice = "cpu"\n'
+        '[components.transformer.cache]\nmethod = "taylor_seer"\n'
+    )
+    served = serve_spec(spec)
+    with (
+        served.client() as client,
+        connect_sse(
+            client, "POST", "/v1/images/generations", json={**BODY, "stream": True}
+        ) as source,
+    ):
+        events = [(sse.event, sse.json()) for sse in source.iter_sse()]
+    steps = [data["step"] for kind, data in events if kind == "image_generation.partial_image"]
+    assert steps == list(range(1, 29))
+    kind, completed = events[-1]
+    assert kind == "image_generation.completed"
+    assert completed["cache"]["skipped"] > 0

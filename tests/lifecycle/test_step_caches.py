@@ -1,0 +1,317 @@
+"""Step caches of a folder's DiT through the lifecycle: spec, check, run and requests.
+
+The folders are the tiny PixArt and Flux ones written with ``smooth_time=True``
+(``benchmarks.make_pipeline --smooth-time``): their timestep MLP reads only the slow
+half of its frequencies, so that adjacent steps differ as a trained model's do (a first
+block changes by ~0.07 a step, not ~0.5) and a cache has steps to skip. Every run here
+asserts that it skipped some.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from attention import Platform
+from components.batch import Batch
+from components.cache import CacheSteps
+from lifecycle.config import decode_spec
+from lifecycle.events import Event, RequestEnded
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.testing import capture_events, events_named
+from tests.conftest import Lifecycle, PipelineFolders, decode_png
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ("pixart", "flux")
+METHODS = ("first_block", "taylor_seer")
+MIN_PSNR = 30.0
+"""The PSNR (dB) of a cached image against the uncached one that the tests hold the
+default settings to; the README names settings under it lossy."""
+SIZE = "64x64"
+
+
+def cache_table(method: str, extra: str = "") -> str:
+    """Return a ``[components.transformer.cache]`` table of ``method`` (and ``extra`` lines)."""
+    return f'[components.transformer.cache]\nmethod = "{method}"\n{extra}\n'
+
+
+def folder_spec(folder: Path, into: Path, cache: str = "") -> Path:
+    """Write a spec over ``folder`` with ``cache`` (a table, or nothing) and return its path."""
+    path = into / f"spec-{abs(hash(cache))}.toml"
+    path.write_text(f'source = "{folder}"\ndevice = "cpu"\n{cache}')
+    return path
+
+
+def psnr(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Return the PSNR of 8-bit images ``ours`` against ``reference`` in dB."""
+    mse = float(((ours.double() - reference.double()) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def run_image(lifecycle: Lifecycle, spec: Path, out: Path) -> tuple[dict[str, object], bytes]:
+    """Run one request of ``spec`` as ``lifecycle run --json --out``; its report and PNG."""
+    result = lifecycle(
+        "run", spec, "--json", "--requests", "1", "--threads", "1", "--size", SIZE,
+        "--prompt", "a red fox in the snow", "--out", out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report: dict[str, object] = json.loads(result.stdout)["summary"]
+    return report, (out / "r1-0.png").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def smooth(pipeline_folder: PipelineFolders) -> dict[str, Path]:
+    """The tiny PixArt and Flux folders whose steps differ as a trained model's do."""
+    return {family: pipeline_folder(family, smooth_time=True) for family in FAMILIES}
+
+
+class TestRun:
+    """``lifecycle run`` with a cache: skipped steps, counted, close to the uncached image."""
+
+    @pytest.mark.parametrize("family", FAMILIES)
+    def test_each_method_skips_within_the_stated_psnr(
+        self, family: str, smooth: dict[str, Path], lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """Both methods skip steps at their defaults (``run --json`` counts them per
+        component), and each image stays above 30 dB of the uncached one."""
+        folder = smooth[family]
+        _, uncached = run_image(lifecycle, folder_spec(folder, tmp_path), tmp_path / "plain")
+        reference = decode_png(uncached)
+        for method in METHODS:
+            spec = folder_spec(folder, tmp_path, cache_table(method))
+            report, png = run_image(lifecycle, spec, tmp_path / method)
+            components = report["components"]
+            assert isinstance(components, dict)
+            counted = components["transformer"]["cache"]
+            steps = {"pixart": 20, "flux": 28}[family]
+            assert counted["computed"] + counted["skipped"] == steps, counted
+            assert counted["skipped"] > 0, (method, counted)
+            assert components["vae"]["cache"] is None
+            assert psnr(decode_png(png), reference) > MIN_PSNR, (method, counted)
+
+    def test_request_end_and_the_summary_say_what_was_skipped(
+        self, smooth: dict[str, Path], lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``request.end`` carries the request's ``cache_skipped``; the table a cache column."""
+        spec = folder_spec(smooth["flux"], tmp_path, cache_table("taylor_seer"))
+        result = lifecycle(
+            "--log-level", "info", "--log-format", "json", "run", spec, "--requests", "1",
+            "--threads", "1", "--size", SIZE, "--prompt", "a fox",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        (ended,) = [
+            e for e in map(json.loads, result.stderr.splitlines()) if e["event"] == "request.end"
+        ]
+        assert ended["cache_skipped"] > 0
+        assert ended["cache_uncached"] == 0
+        header = result.stdout.splitlines()[1].split()
+        assert header[-1] == "cache"
+        row = next(
+            line for line in result.stdout.splitlines() if line.strip().startswith("transformer")
+        )
+        assert f"{28 - ended['cache_skipped']} computed, {ended['cache_skipped']} skipped" in row
+
+
+class TestBatches:
+    """Rows of a packed forward decide alone."""
+
+    def test_three_sizes_with_and_without_the_cache_each_equal_alone(
+        self, smooth: dict[str, Path]
+    ) -> None:
+        """Three sizes in one packed batch, the middle one with ``cache = False``: each
+        image's latents equal its request run alone (1e-5, float32), and so do the skips."""
+        spec = decode_spec(
+            f'source = "{smooth["flux"]}"\ndevice = "cpu"\n' + cache_table("first_block")
+        )
+        sizes = [(32, 32), (48, 32), (64, 64)]
+        flags = [True, False, True]
+        with Orchestrator(spec, platform=Platform("cpu")) as pipeline:
+            pipeline.admit()
+            pipeline.load()
+            recipe = pipeline.recipe
+            assert recipe is not None
+
+            def run(rows: list[int]) -> Batch:
+                latents = [
+                    x
+                    for row in rows
+                    for x in recipe.draw_latents(torch.Generator().manual_seed(row), 1, sizes[row])
+                ]
+                batch = Batch(
+                    generator=torch.Generator().manual_seed(0),
+                    steps=28,
+                    size=len(rows),
+                    prompts=[f"a fox, number {row}" for row in rows],
+                    image_sizes=[sizes[row] for row in rows],
+                    latents=latents,
+                    cache=[flags[row] for row in rows],
+                )
+                with pipeline.request() as request:
+                    request.run("encode", batch)
+                    request.run("denoise", batch)
+                return batch
+
+            together = run([0, 1, 2])
+            for row in range(3):
+                alone = run([row])
+                assert torch.allclose(
+                    (alone.latents or [])[0], (together.latents or [])[row], atol=1e-5
+                )
+                ours, theirs = (together.cache_rows or [])[row], (alone.cache_rows or [])[0]
+                assert (ours is None) == (theirs is None) == (not flags[row])
+                if ours is not None and theirs is not None:
+                    assert ours.pattern == theirs.pattern
+                    assert ours.skipped > 0
+
+    def test_request_end_counts_the_rows_that_ran_the_cache(self, smooth: dict[str, Path]) -> None:
+        """The observer's ``RequestEnded`` counts image steps of the cached rows only, and
+        a request too short to skip counts its rows as uncached; its log line says the same."""
+        spec = decode_spec(
+            f'source = "{smooth["pixart"]}"\ndevice = "cpu"\n' + cache_table("taylor_seer")
+        )
+        ended: list[RequestEnded] = []
+
+        def observe(event: Event) -> None:
+            if isinstance(event, RequestEnded):
+                ended.append(event)
+
+        with (
+            capture_events() as logs,
+            Orchestrator(spec, platform=Platform("cpu"), observer=observe) as pipeline,
+        ):
+            pipeline.admit()
+            pipeline.load()
+            for steps, flags in ((8, [True, False]), (3, [True, True])):
+                batch = Batch(
+                    generator=torch.Generator().manual_seed(0),
+                    steps=steps,
+                    size=2,
+                    prompts=["a fox", "a cat"],
+                    image_size=(64, 64),
+                    cache=flags,
+                )
+                with pipeline.request() as request:
+                    request.run("encode", batch)
+                    request.run("denoise", batch)
+        counted, short = (e.cache["transformer"] for e in ended)
+        assert counted.computed + counted.skipped == 8
+        assert counted.skipped > 0
+        assert counted.uncached == 0
+        assert short == CacheSteps(computed=6, skipped=0, uncached=2)
+        assert ended[1].cache_skipped == 0
+        lines = events_named(logs, "request.end")
+        assert [line["cache"] for line in lines] == [msgspec.to_builtins(e.cache) for e in ended]
+        assert [line["cache_skipped"] for line in lines] == [counted.skipped, 0]
+        assert [line["cache_uncached"] for line in lines] == [0, 2]
+
+
+class TestCheck:
+    """``check`` shows each component's cache, and refuses one nothing would honour."""
+
+    def test_the_cache_is_in_the_table_and_the_json(
+        self, smooth: dict[str, Path], lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """The table gets a cache column with every default; ``--json`` the resolved table,
+        null for components without one."""
+        spec = folder_spec(smooth["flux"], tmp_path, cache_table("first_block", "max_skipped = 3"))
+        table = lifecycle("check", spec)
+        assert table.returncode == 0, table.stderr
+        assert "first_block (threshold 0.08; warmup 2, final 1, max 3 skipped)" in table.stdout
+        result = lifecycle("check", "--json", spec)
+        components = json.loads(result.stdout)["components"]
+        assert components["transformer"]["cache"] == {
+            "method": "first_block",
+            "warmup_steps": 2,
+            "final_steps": 1,
+            "max_skipped": 3,
+            "threshold": 0.08,
+        }
+        assert components["vae"]["cache"] is None
+
+    @pytest.mark.parametrize(
+        ("table", "path", "message"),
+        [
+            (
+                'method = "first_block"\ninterval = 3',
+                "$.components.transformer.cache",
+                'interval is a key of method "taylor_seer", not of "first_block"',
+            ),
+            ('method = "taylor_seer"\norder = 9', "$.components.transformer.cache.order", "<= 4"),
+            (
+                'method = "first_block"\nthreshold = 0',
+                "$.components.transformer.cache.threshold",
+                "> 0",
+            ),
+            (
+                'method = "mag_cache"',
+                "$.components.transformer.cache.method",
+                "first_block | taylor_seer",
+            ),
+        ],
+    )
+    def test_bad_values_are_bad_input(
+        self,
+        table: str,
+        path: str,
+        message: str,
+        smooth: dict[str, Path],
+        lifecycle: Lifecycle,
+        tmp_path: Path,
+    ) -> None:
+        """A key of the other method, or a value out of range, is exit 2 naming the key."""
+        spec = folder_spec(smooth["flux"], tmp_path, f"[components.transformer.cache]\n{table}\n")
+        result = lifecycle("check", "--json", spec)
+        assert result.returncode == 2
+        error = json.loads(result.stdout)["error"]
+        assert error["path"] == path
+        assert message in error["message"]
+
+    @pytest.mark.parametrize(
+        ("component", "table", "code"),
+        [
+            ("text_encoder_2", 'method = "first_block"', "acceleration.cache_unsupported"),
+            ("vae", 'method = "taylor_seer"', "acceleration.cache_unsupported"),
+            (
+                "transformer",
+                'method = "taylor_seer"\nwarmup_steps = 20\nfinal_steps = 8',
+                "acceleration.cache_steps",
+            ),
+        ],
+    )
+    def test_a_cache_nothing_honours_is_refused(
+        self,
+        component: str,
+        table: str,
+        code: str,
+        smooth: dict[str, Path],
+        lifecycle: Lifecycle,
+        tmp_path: Path,
+    ) -> None:
+        """A text encoder or a VAE has no block stack to skip; Flux's 28 default steps leave
+        none to a warm-up of 20 and 8 final steps: refused by ``check --json``, exit 1."""
+        spec = folder_spec(smooth["flux"], tmp_path, f"[components.{component}.cache]\n{table}\n")
+        result = lifecycle("check", "--json", spec)
+        assert result.returncode == 1
+        (refusal,) = json.loads(result.stdout)["refusals"]
+        assert (refusal["code"], refusal["component"]) == (code, component)
+        assert refusal["hint"]
+
+    def test_native_diffusers_class_without_a_hook_is_refused(
+        self, smooth: dict[str, Path], lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """PixArt's diffusers class has no cache hook: a cache on the native path is refused."""
+        cache = cache_table("first_block").replace(
+            "[components.transformer.cache]",
+            '[components.transformer]\nloader = "native"\n[components.transformer.cache]',
+        )
+        result = lifecycle("check", "--json", folder_spec(smooth["pixart"], tmp_path, cache))
+        assert result.returncode == 1
+        (refusal,) = json.loads(result.stdout)["refusals"]
+        assert refusal["code"] == "acceleration.cache_unsupported"
+        assert "native" in refusal["message"]
