@@ -26,15 +26,12 @@ from lifecycle.refusals import AdmissionRefused
 def add_diagram_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Register ``diagram`` through ``command``, which makes a subcommand's parser from its help."""
     diagram = command("diagram", "write the lifecycle diagrams (Mermaid, DOT, SVG)")
-    diagram.add_argument(
-        "--out", type=Path, default=Path("diagrams"), help="output folder (default: %(default)s)"
-    )
+    diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
     diagram.add_argument(
         "--format",
         choices=tuple(diagrams.FORMATS),
         default="all",
-        help="which files: one drawing format, or all of them with the refusal-code table "
-        "(default: %(default)s)",
+        help="which files: one drawing format, or all of them with the refusal-code table",
     )
     diagram.add_argument(
         "--spec",

@@ -63,13 +63,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the epilog's exit-code table as written; end an option's help with its default.
+
+    An option whose help already speaks of its default (one that depends on the spec or
+    the machine) keeps its own words; flags and options without a value by default show
+    none.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is argparse.SUPPRESS:
+            return text
+        if isinstance(default, bool) or default == []:  # flags, repeatable options
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 @functools.cache  # built once: in-process callers (tests, embedders) run main() many times
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lifecycle",
         description="Lifecycle orchestrator for diffusion serving pipelines.",
         epilog=exits.HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _logging_options(parser, default=True)
@@ -85,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
             help=help_text,
             description=help_text,
             epilog=exits.HELP,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            formatter_class=_HelpFormatter,
             parents=[logging_options],
         )
 
@@ -104,9 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = command("run", "run requests of a pipeline (the main job)")
     run.add_argument("spec", type=Path, help=SPEC_HELP)
-    run.add_argument(
-        "--requests", type=positive, default=4, help="requests to run (default: %(default)s)"
-    )
+    run.add_argument("--requests", type=positive, default=4, help="requests to run")
     run.add_argument(
         "--steps",
         type=positive,
@@ -118,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
         type=non_negative,
         default=0,
         help="request i draws its inputs from seed N + i; a pipeline from a folder as "
-        'diffusers\' generator=torch.Generator("cpu").manual_seed(N + i) (default: %(default)s)',
+        'diffusers\' generator=torch.Generator("cpu").manual_seed(N + i)',
     )
     run.add_argument(
         "--size",

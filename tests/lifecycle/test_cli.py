@@ -3,6 +3,7 @@ process of its own (forked from the suite's fork server, ``tests.processes``).""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import ClassVar
@@ -12,6 +13,7 @@ from torch import nn
 
 from components import registry
 from components.loader import ComponentLoader
+from lifecycle.cli.main import _parser
 from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
 from tests.conftest import Lifecycle, decode_png
@@ -338,6 +340,25 @@ class TestOptions:
         assert "(default: warning)" in text
         assert "3 failed while running" in text
         assert "130, 143 `run` stopped by SIGINT, SIGTERM" in text
+
+    def test_help_shows_every_default(self, lifecycle: Lifecycle) -> None:
+        """Every option that has a value by default shows it in its command's ``--help``."""
+        parser = _parser()
+        (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        shown = 0
+        for name, command in [("", parser), *commands.choices.items()]:
+            result = lifecycle(*[name] * bool(name), "--help")
+            text = " ".join(result.stdout.split())
+            for action in command._actions:
+                default = action.default
+                if default in (None, argparse.SUPPRESS, []) or isinstance(default, bool):
+                    continue  # no value: a flag, a repeatable option, or none until given
+                assert f"(default: {default})" in text, f"{name} {action.option_strings}"
+                shown += 1
+        assert shown >= 8  # --log-*, run's, diagram's and serve's
+        serve = " ".join(lifecycle("serve", "--help").stdout.split())
+        assert "address to listen on (default: 127.0.0.1)" in serve
+        assert "port to listen on (default: 8000)" in serve
 
     @pytest.mark.parametrize(
         "args",
