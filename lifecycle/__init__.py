@@ -1,44 +1,106 @@
-"""A typed state-machine orchestrator for the components of a serving pipeline."""
+"""A typed state-machine orchestrator for the components of a serving pipeline.
 
-from components.batch import Cancelled
-from lifecycle.config import (
-    AdapterSpec,
-    AttentionConfig,
-    ComponentSpec,
-    ConfigError,
-    MemoryConfig,
-    PipelineSpec,
-    StageSpec,
-    decode_spec,
-    load_spec,
-)
-from lifecycle.logs import configure_logging
-from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
-from lifecycle.orchestrator import ComponentView, Orchestrator
-from lifecycle.plan import AdapterView, AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
-from lifecycle.refusals import (
-    REFUSAL_CODES,
-    AdmissionRefused,
-    InvalidTransition,
-    Refusal,
-    RefusalCode,
-    Refused,
-    RequestRefused,
-    TransitionFailed,
-    TransitionRefused,
-)
-from lifecycle.shared_device import SharedDevice
-from lifecycle.states import (
-    ADAPTER_TRANSITIONS,
-    PIPELINE_TRANSITIONS,
-    TRANSITIONS,
-    WORKER_TRANSITIONS,
-    AdapterState,
-    ComponentState,
-    PipelineState,
-    TransitionRule,
-    WorkerState,
-)
+The names below are imported on first use (PEP 562): ``import lifecycle`` imports
+neither torch nor the rest of the house, so that the ``lifecycle`` command runs its own
+code first (it catches SIGINT and sets OpenMP's wait policy before torch is loaded).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from components.batch import Cancelled
+    from lifecycle.config import (
+        AdapterSpec,
+        AttentionConfig,
+        ComponentSpec,
+        ConfigError,
+        MemoryConfig,
+        PipelineSpec,
+        StageSpec,
+        decode_spec,
+        load_spec,
+    )
+    from lifecycle.logs import configure_logging
+    from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
+    from lifecycle.orchestrator import ComponentView, Orchestrator
+    from lifecycle.plan import (
+        AdapterView,
+        AdmissionPlan,
+        ComponentPlan,
+        PipelineSnapshot,
+        SitePlan,
+    )
+    from lifecycle.refusals import (
+        REFUSAL_CODES,
+        AdmissionRefused,
+        InvalidTransition,
+        Refusal,
+        RefusalCode,
+        Refused,
+        RequestRefused,
+        TransitionFailed,
+        TransitionRefused,
+    )
+    from lifecycle.shared_device import SharedDevice
+    from lifecycle.states import (
+        ADAPTER_TRANSITIONS,
+        PIPELINE_TRANSITIONS,
+        TRANSITIONS,
+        WORKER_TRANSITIONS,
+        AdapterState,
+        ComponentState,
+        PipelineState,
+        TransitionRule,
+        WorkerState,
+    )
+
+_HOMES = {
+    "Cancelled": "components.batch",
+    "AdapterSpec": "lifecycle.config",
+    "AttentionConfig": "lifecycle.config",
+    "ComponentSpec": "lifecycle.config",
+    "ConfigError": "lifecycle.config",
+    "MemoryConfig": "lifecycle.config",
+    "PipelineSpec": "lifecycle.config",
+    "StageSpec": "lifecycle.config",
+    "decode_spec": "lifecycle.config",
+    "load_spec": "lifecycle.config",
+    "configure_logging": "lifecycle.logs",
+    "ComponentLifecycle": "lifecycle.machine",
+    "LifecycleMachine": "lifecycle.machine",
+    "MoveArgs": "lifecycle.machine",
+    "TransitionContext": "lifecycle.machine",
+    "ComponentView": "lifecycle.orchestrator",
+    "Orchestrator": "lifecycle.orchestrator",
+    "AdapterView": "lifecycle.plan",
+    "AdmissionPlan": "lifecycle.plan",
+    "ComponentPlan": "lifecycle.plan",
+    "PipelineSnapshot": "lifecycle.plan",
+    "SitePlan": "lifecycle.plan",
+    "AdmissionRefused": "lifecycle.refusals",
+    "InvalidTransition": "lifecycle.refusals",
+    "REFUSAL_CODES": "lifecycle.refusals",
+    "Refusal": "lifecycle.refusals",
+    "RefusalCode": "lifecycle.refusals",
+    "Refused": "lifecycle.refusals",
+    "RequestRefused": "lifecycle.refusals",
+    "TransitionFailed": "lifecycle.refusals",
+    "TransitionRefused": "lifecycle.refusals",
+    "SharedDevice": "lifecycle.shared_device",
+    "ADAPTER_TRANSITIONS": "lifecycle.states",
+    "AdapterState": "lifecycle.states",
+    "ComponentState": "lifecycle.states",
+    "PIPELINE_TRANSITIONS": "lifecycle.states",
+    "PipelineState": "lifecycle.states",
+    "TRANSITIONS": "lifecycle.states",
+    "TransitionRule": "lifecycle.states",
+    "WORKER_TRANSITIONS": "lifecycle.states",
+    "WorkerState": "lifecycle.states",
+}
+"""The module each exported name is imported from (the imports above, for the checkers)."""
 
 __all__ = [
     "ADAPTER_TRANSITIONS",
@@ -83,3 +145,19 @@ __all__ = [
     "decode_spec",
     "load_spec",
 ]
+
+
+if not TYPE_CHECKING:  # the checkers see the imports above; a typo stays an error for them
+
+    def __getattr__(name: str) -> Any:
+        """Import ``name`` from its module on first use, and keep it here."""
+        if name not in _HOMES:
+            raise AttributeError(f"module 'lifecycle' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    """List the exported names too, imported yet or not."""
+    return sorted({*globals(), *__all__})

@@ -3,11 +3,12 @@
 import os
 import sys
 
-from lifecycle.cli import main
+from lifecycle.cli.entry import main
 
-# `python -m` puts the working directory first on sys.path. The project's own packages
-# are imported by now; what loads later (plugins, by entry point) must come from
-# installed packages, never from a file lying in the working directory.
+# `python -m` puts the working directory first on sys.path. Only the `lifecycle` package
+# is imported by now (its names load on first use): the rest of the house, the libraries
+# and plugins (by entry point) load later, from installed packages, never from a file
+# lying in the working directory.
 if not sys.flags.safe_path and sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 

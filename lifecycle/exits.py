@@ -9,7 +9,8 @@ class ExitCode(IntEnum):
     """What the ``lifecycle`` command's exit status means.
 
     A run stopped by a signal exits with the shell's code for it instead
-    (130 for SIGINT, 143 for SIGTERM), after printing what completed.
+    (130 for SIGINT, 143 for SIGTERM), after printing what completed; any command
+    that SIGINT stops while it starts exits 130 too (``lifecycle.cli.entry``).
     """
 
     OK = 0
@@ -28,4 +29,5 @@ HELP = """exit codes:
   1  refused: admission or a transition said no (or `diagram --check`: files stale)
   2  bad input: the spec or an argument is wrong, nothing ran
   3  failed while running: I/O, a transition that failed at run time, out of memory
-  130, 143  `run` stopped by SIGINT, SIGTERM (the summary shows what completed)"""
+  130, 143  `run` stopped by SIGINT, SIGTERM (the summary shows what completed);
+            130 also any command SIGINT stopped while it started"""

@@ -131,7 +131,7 @@ def cli_caller(capture: pytest.CaptureFixture[str]) -> Lifecycle:
 
     def call(*args: str | Path) -> CliResult:
         capture.readouterr()  # what the test printed before is not the command's
-        from lifecycle.cli import main
+        from lifecycle.cli.main import main
 
         code = main([str(arg) for arg in args])
         out, err = capture.readouterr()

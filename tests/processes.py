@@ -11,7 +11,7 @@ descriptors.
 
 What Python or torch read once at start (``PYTHONPATH``, ``OMP_NUM_THREADS``) is the
 fork server's: a program takes its own ``sys.path`` entries as ``path``; a test that
-varies the others starts ``python`` itself. The ranks of a gloo
+varies the others starts ``python`` itself (``run_fresh_python``). The ranks of a gloo
 group start here too (``fork_server``).
 
 This module imports nothing of the project: the forked process unpickles its target
@@ -26,12 +26,13 @@ import os
 import runpy
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import NamedTuple
@@ -157,6 +158,26 @@ def run_python(
     """
     with start_python(program, *argv, cwd=cwd, module=module, path=path) as started:
         return started.wait(timeout)
+
+
+def run_fresh_python(
+    *argv: str | Path, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = 120
+) -> Finished:
+    """Run ``python *argv`` in a new interpreter, not forked; return what it left.
+
+    For what only a fresh process shows: what importing does before torch is imported, or
+    what torch's OpenMP reads from ``env`` when it starts (default: this process's).
+    """
+    done = subprocess.run(
+        [sys.executable, *map(str, argv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return Finished(done.returncode, done.stdout, done.stderr)
 
 
 def _run_program(

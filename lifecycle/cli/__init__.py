@@ -1,5 +1,5 @@
-"""The ``lifecycle`` command: nothing else in the project imports this room."""
+"""The ``lifecycle`` command: nothing else in the project imports this room.
 
-from lifecycle.cli.main import main
-
-__all__ = ["main"]
+``lifecycle.cli.entry.main`` is the process's entry point, imported before torch;
+``lifecycle.cli.main.main`` is the command, which in-process callers run.
+"""

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from hypothesis import strategies as st
 
-from lifecycle.cli import main
+from lifecycle.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 BASES = [

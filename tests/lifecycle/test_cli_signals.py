@@ -1,4 +1,5 @@
-"""``lifecycle run`` stopped by SIGINT or SIGTERM, in a process of its own."""
+"""``lifecycle`` stopped by SIGINT or SIGTERM, in a process of its own: while ``run`` runs,
+and while any command starts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import Program, start_python
+from tests.lifecycle.serving.command import free_port
+from tests.processes import Program, run_fresh_python, run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +77,83 @@ def test_signal_stops_cleanly(tmp_path: Path, signum: signal.Signals, code: int)
     assert stdout.startswith("pipeline 'signalled': ")
     assert f"; stopped by {signum.name}\n" in stdout
     assert list(offload_dir.rglob("*")) == []
+
+
+STARTING = """
+import os, signal, sys
+from importlib.metadata import entry_points
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's python has it
+way, at, *argv = sys.argv[1:]
+
+
+def interrupt():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+class Importing:  # SIGINT as the module `at` is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            interrupt()
+
+
+def opening(event, args):  # SIGINT as the file `at` is first opened
+    global at
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and os.fspath(args[0]) == at:
+        at = None
+        interrupt()
+
+
+if way == "import":
+    sys.meta_path.insert(0, Importing())
+else:
+    sys.addaudithook(opening)
+# what the installed `lifecycle` script does
+sys.argv = ["lifecycle", *argv]
+sys.exit(entry_points(group="console_scripts")["lifecycle"].load()())
+"""
+"""``python -c STARTING import|open MODULE|FILE COMMAND...``: the ``lifecycle`` console script,
+sent SIGINT by itself at one moment of its start: as a module is first imported, or as a
+file is first opened (an audit hook)."""
+
+
+def command_line(command: str, spec: Path) -> tuple[str, ...]:
+    """Return the arguments of ``command`` on ``spec``, as a user would type them."""
+    if command == "run":
+        return ("run", str(spec), "--requests", "50", "--threads", "1")
+    if command == "serve":
+        return ("serve", str(spec), "--port", str(free_port()), "--threads", "1")
+    return ("check", str(spec))
+
+
+def assert_stopped_cleanly(returncode: int, stderr: str) -> None:
+    """Exit 130 and one line saying so: no traceback."""
+    assert returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.endswith("lifecycle: stopped by SIGINT\n"), stderr
+
+
+class TestInterruptedWhileStarting:
+    @pytest.mark.parametrize("command", ["run", "check", "serve"])
+    def test_before_torch_is_imported(self, command: str) -> None:
+        """SIGINT as the command first imports torch: exit 130, no traceback."""
+        # a fresh interpreter, the one place torch is not imported yet
+        spec = ROOT / "examples" / "tiny_t2i.toml"
+        argv = ["import", "torch", *command_line(command, spec)]
+        result = run_fresh_python("-c", STARTING, *argv, cwd=ROOT)
+        assert_stopped_cleanly(result.returncode, result.stderr)
+
+    @pytest.mark.parametrize(
+        ("command", "way"),
+        [("run", "import"), ("run", "open"), ("check", "open"), ("serve", "open")],
+        ids=["run-importing-the-house", "run-reading-the-spec", "check-reading", "serve-reading"],
+    )
+    def test_after_torch(self, tmp_path: Path, command: str, way: str) -> None:
+        """SIGINT while the house is imported, or as the spec is read (before ``run`` or
+        ``serve`` catch signals of their own): exit 130, no traceback."""
+        spec = tmp_path / "spec.toml"
+        spec.write_text(SPEC.format(offload_dir=tmp_path / "offload"))
+        at = "lifecycle.orchestrator" if way == "import" else str(spec)
+        result = run_python(STARTING, way, at, *command_line(command, spec), cwd=ROOT)
+        assert_stopped_cleanly(result.returncode, result.stderr)

@@ -1,10 +1,13 @@
-"""What a fresh ``lifecycle`` process imports: a layout's sharding machinery only if it splits."""
+"""What a fresh ``lifecycle`` process imports: nothing heavy before the command starts, a
+layout's sharding machinery only if it splits."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import ast
 from pathlib import Path
+
+import lifecycle
+from tests.processes import run_fresh_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
@@ -15,23 +18,53 @@ SHARDING = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distrib
 # the CLI's entry module, then the command, in the process; what it imported goes last
 CHECK = f"""
 import sys
-from lifecycle.cli import main
+from lifecycle.cli.entry import main
 code = main(["check", sys.argv[1]])
 print(code, sorted(name for name in {SHARDING!r} if name in sys.modules))
 """
 
 
+ENTRY = """
+import sys
+import lifecycle.cli.entry
+print(sorted(name for name in ("torch", "components", "structlog") if name in sys.modules))
+"""
+
+
 class TestFreshProcess:
+    def test_the_entry_point_imports_nothing_heavy(self) -> None:
+        """The console script's module loads without torch or the house: it can catch SIGINT
+        and set OpenMP's wait policy before they load."""
+        result = run_fresh_python("-c", ENTRY, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "[]\n"
+
     def test_check_without_a_layout_imports_no_sharding(self) -> None:
         """``lifecycle check`` of a one-process spec imports no FSDP, DTensor or torchrun."""
         # a fresh interpreter: the fork server of tests/processes.py preloads these modules
-        result = subprocess.run(
-            [sys.executable, "-c", CHECK, str(EXAMPLE)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        result = run_fresh_python("-c", CHECK, EXAMPLE, cwd=ROOT)
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines()[-1] == "0 []"
+
+
+class TestPackage:
+    def test_every_export_resolves_to_its_home(self) -> None:
+        """Each name of ``lifecycle.__all__`` loads on first use as the object its module
+        defines, from the module the type checkers' imports name."""
+        source = (ROOT / "lifecycle" / "__init__.py").read_text()
+        (typing_block,) = [
+            node
+            for node in ast.parse(source).body
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        ]
+        typed = {
+            alias.name: node.module
+            for node in typing_block.body
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
+        assert typed == lifecycle._HOMES
+        assert sorted(lifecycle.__all__) == sorted(typed)
+        for name, home in typed.items():
+            module = __import__(home, fromlist=[name])
+            assert getattr(lifecycle, name) is getattr(module, name)

@@ -125,7 +125,7 @@ class TestRun:
         """A line the launcher wrote but had not flushed is not written again by its forks."""
         program = (
             "import sys\n"
-            "from lifecycle.cli import main\n"
+            "from lifecycle.cli.main import main\n"
             "sys.stdout.reconfigure(line_buffering=False, write_through=False)\n"
             "sys.stdout.write('written before the launch\\n')\n"  # waits in the buffer
             "sys.exit(main(sys.argv[1:]))\n"

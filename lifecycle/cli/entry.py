@@ -1,0 +1,28 @@
+"""The ``lifecycle`` process's entry point: what must happen before torch is imported.
+
+Importing the command takes about a second and a half, most of it torch. SIGINT
+comes first: an interrupt while the command is still importing, or before a command
+installs its own handler (``run``'s ``StopOnSignal``, ``serve``'s drain), ends the
+process with 130 and one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+
+INTERRUPTED = 128 + signal.SIGINT
+"""The shell's code for a process that SIGINT stopped."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lifecycle`` command in this process; return its exit code."""
+    try:
+        from lifecycle.cli.main import main as command  # torch and the whole house
+
+        return command(argv)
+    except KeyboardInterrupt:
+        # os.write: the interrupt may have come inside a buffered write to stderr
+        os.write(2, b"lifecycle: stopped by SIGINT\n")
+        return INTERRUPTED
