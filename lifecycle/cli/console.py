@@ -85,7 +85,7 @@ def run_summary(report: RunReport) -> str:
     head = (
         f"pipeline {report.pipeline!r}: {report.requests} request{'s' * (report.requests != 1)} "
         f"x {report.steps} step{'s' * (report.steps != 1)} "
-        f"on {report.threads} thread{'s' * (report.threads != 1)}"
+        f"on {report.threads} thread{'s' * (report.threads != 1)} ({report.threads_reason})"
     )
     if times:
         head += (

@@ -1,9 +1,10 @@
 """The ``lifecycle`` process's entry point: what must happen before torch is imported.
 
-Importing the command takes about a second and a half, most of it torch. SIGINT
-comes first: an interrupt while the command is still importing, or before a command
-installs its own handler (``run``'s ``StopOnSignal``, ``serve``'s drain), ends the
-process with 130 and one line, never a traceback.
+Importing the command takes about a second and a half, most of it torch. Two things
+come first: OpenMP's wait policy, which its runtime reads once when torch loads it
+(``cores.wait_passively``), and SIGINT: an interrupt while the command is still
+importing, or before a command installs its own handler (``run``'s ``StopOnSignal``,
+``serve``'s drain), ends the process with 130 and one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import os
 import signal
 from collections.abc import Sequence
 
+from lifecycle.cli.cores import wait_passively
+
 INTERRUPTED = 128 + signal.SIGINT
 """The shell's code for a process that SIGINT stopped."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lifecycle`` command in this process; return its exit code."""
+    wait_passively()
     try:
         from lifecycle.cli.main import main as command  # torch and the whole house
 

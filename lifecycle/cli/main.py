@@ -146,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--threads",
         type=positive,
-        help="torch intra-op threads (default: the physical cores this process may use)",
+        help="torch intra-op threads (default: the physical cores this process may use, or "
+        "fewer under its cgroup's CPU quota; the summary says which)",
     )
     run.add_argument(
         "--prompt",

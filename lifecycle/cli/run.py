@@ -21,7 +21,7 @@ from lifecycle.admission import component_loaders
 from lifecycle.admission.folder import open_folder
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
-from lifecycle.cli.cores import torch_threads
+from lifecycle.cli.cores import Threads, torch_threads
 from lifecycle.cli.output import print_json
 from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
 from lifecycle.cli.progress import run_progress
@@ -121,7 +121,7 @@ def _run_here(args: argparse.Namespace) -> int:
     except OutputPathError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
     threads = torch_threads(args.threads, processes=launch.local_world_size())
-    with _torch_threads(threads), StopOnSignal() as stop:
+    with _torch_threads(threads.count), StopOnSignal() as stop:
         outcome = _run(args, spec, asked, threads, stop)
         _report(args, spec, outcome)
         return stop.exit_code or outcome.ending.code
@@ -165,7 +165,7 @@ def _run(
     args: argparse.Namespace,
     spec: PipelineSpec,
     asked: RequestArgs,
-    threads: int,
+    threads: Threads,
     stop: StopOnSignal,
 ) -> RunOutcome:
     """Load the pipeline, run the requests, close it and write the timeline: what happened."""

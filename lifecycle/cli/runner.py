@@ -20,6 +20,7 @@ from components import registry
 from components.batch import Batch
 from components.cache import CacheSteps
 from components.loader import ComponentLoader
+from lifecycle.cli.cores import Threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.config import PipelineSpec
@@ -60,6 +61,7 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         requests: how many requests completed.
         steps: denoising steps per request.
         threads: torch's intra-op threads during the run.
+        threads_reason: what set that count (``--threads``, ``2 physical cores``, ...).
         request_ms: each completed request's wall time.
         components: what each component did.
         neighbours: each embedded sentence's nearest neighbour (pipelines that embed).
@@ -71,6 +73,7 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     requests: int
     steps: int
     threads: int
+    threads_reason: str
     request_ms: tuple[float, ...]
     components: dict[str, ComponentReport]
     neighbours: tuple[Neighbour, ...] = ()
@@ -262,7 +265,7 @@ def summarise(
     outputs: RunOutputs,
     *,
     steps: int,
-    threads: int,
+    threads: Threads,
     stopped_by: str | None = None,
 ) -> RunReport:
     """Return the report of the requests that completed."""
@@ -270,7 +273,8 @@ def summarise(
         pipeline=snapshot.pipeline,
         requests=len(outputs.request_ms),
         steps=steps,
-        threads=threads,
+        threads=threads.count,
+        threads_reason=threads.reason,
         request_ms=tuple(outputs.request_ms),
         components=tally.report(snapshot),
         neighbours=nearest_neighbours(outputs.sentences),

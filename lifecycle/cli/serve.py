@@ -36,8 +36,8 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
     serve.add_argument(
         "--threads",
         type=positive,
-        help="torch intra-op threads (default: the physical cores this process may use, "
-        "less one for the HTTP event loop)",
+        help="torch intra-op threads (default: the physical cores this process may use, or "
+        "fewer under its cgroup's CPU quota, less one for the HTTP event loop)",
     )
     serve.add_argument(
         "--api-key",
@@ -95,7 +95,7 @@ def serve_command(args: argparse.Namespace) -> int:
         args.specs,
         args.host,
         args.port,
-        threads,
+        threads.count,
         keys,
         args.device_budget,
         args.worker,

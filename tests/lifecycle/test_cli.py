@@ -13,6 +13,7 @@ from torch import nn
 
 from components import registry
 from components.loader import ComponentLoader
+from lifecycle.cli.cores import torch_threads
 from lifecycle.cli.main import _parser
 from lifecycle.cli.run import Ending
 from lifecycle.exits import ExitCode
@@ -399,7 +400,7 @@ class TestRunCommand:
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(
-            "pipeline 'tiny-t2i': 2 requests x 2 steps on 1 thread, median "
+            "pipeline 'tiny-t2i': 2 requests x 2 steps on 1 thread (--threads), median "
         )
         assert "{" not in result.stdout
         encoder = next(line for line in result.stdout.splitlines() if "text_encoder" in line)
@@ -409,7 +410,8 @@ class TestRunCommand:
         assert chart.count("resident (r") == 4  # encoder and VAE, one interval per request
 
     def test_json_is_one_object(self, lifecycle: Lifecycle) -> None:
-        """``run --json`` prints one JSON object: summary, per-request times, snapshot."""
+        """``run --json`` prints one JSON object: summary (with the default thread count and
+        why), per-request times, snapshot."""
         result = lifecycle("run", EXAMPLE, "--requests", "2", "--steps", "1", "--json")
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
@@ -421,6 +423,8 @@ class TestRunCommand:
             2,
         )
         assert summary["components"]["vae"]["onloads"] == 2
+        default = torch_threads(None)
+        assert (summary["threads"], summary["threads_reason"]) == (default.count, default.reason)
         assert report["snapshot"]["components"]["vae"]["state"] == "offloaded"
 
     def test_json_logs_go_to_stderr(self, lifecycle: Lifecycle) -> None:

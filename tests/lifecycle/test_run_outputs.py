@@ -1,65 +1,15 @@
-"""The pieces behind ``lifecycle run``'s output: cores, PNG files, neighbours, sizes."""
+"""The pieces behind ``lifecycle run``'s output: PNG files, neighbours, sizes."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from lifecycle.admission.budget import stage_fits
-from lifecycle.cli.cores import physical_cores, torch_threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.png import encode_png
 from lifecycle.sizes import format_sizes
 from tests.conftest import decode_png
-
-
-def topology(tmp_path: Path, siblings: dict[int, str]) -> Path:
-    """Write a ``/sys/devices/system/cpu`` lookalike: each CPU with its sibling list."""
-    for cpu, text in siblings.items():
-        folder = tmp_path / f"cpu{cpu}" / "topology"
-        folder.mkdir(parents=True)
-        (folder / "thread_siblings_list").write_text(text + "\n")
-    return tmp_path
-
-
-class TestPhysicalCores:
-    def test_hyperthreads_of_one_core_count_once(self, tmp_path: Path) -> None:
-        """Two SMT siblings on each of two cores make two physical cores."""
-        root = topology(tmp_path, {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})
-        assert physical_cores({0, 1, 2, 3}, root) == 2
-
-    def test_only_the_allowed_cpus_count(self, tmp_path: Path) -> None:
-        """CPUs outside the process's affinity add nothing."""
-        root = topology(tmp_path, {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})
-        assert physical_cores({0, 2}, root) == 1
-
-    def test_without_topology_every_cpu_counts(self, tmp_path: Path) -> None:
-        """Where SMT cannot be read, each logical CPU counts as a core."""
-        assert physical_cores({0, 1, 2}, tmp_path) == 3
-
-    def test_this_machine_has_at_least_one(self) -> None:
-        """The process's own cores are at least one and at most its logical CPUs."""
-        assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
-
-
-class TestTorchThreads:
-    def test_a_requested_count_wins(self) -> None:
-        """``--threads`` is taken as given, for run and serve alike."""
-        assert torch_threads(7, processes=4, event_loop=True) == 7
-
-    def test_default_is_the_process_share_of_the_cores(self) -> None:
-        """run alone gets every core; the workers of a node split them; serve leaves one."""
-        cores = physical_cores()
-        assert torch_threads(None) == cores
-        assert torch_threads(None, processes=2) == max(1, cores // 2)
-        assert torch_threads(None, event_loop=True) == max(1, cores - 1)
-
-    def test_never_below_one(self) -> None:
-        """More workers than cores, or one core and an event loop, still get one thread."""
-        assert torch_threads(None, processes=4 * physical_cores(), event_loop=True) == 1
 
 
 class TestEncodePng:
