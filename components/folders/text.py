@@ -8,10 +8,11 @@ files alone: nothing is downloaded and no code from the folder runs.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -33,6 +34,8 @@ class TextEncoderOptions(FolderOptions, frozen=True, kw_only=True, forbid_unknow
             it); None takes the one ``tokenizer_config.json`` names.
     """
 
+    files: ClassVar[tuple[str, ...]] = ("weights", "path", "tokenizer")
+
     tokenizer: str | None = None
     tokenizer_class: str | None = None
 
@@ -53,6 +56,10 @@ class TextEncoderLoader(FolderLoader):
     def __init__(self, options: TextEncoderOptions) -> None:
         super().__init__(options)
         self.options: TextEncoderOptions = options
+        # A fast tokenizer keeps its padding and truncation settings in the Rust object
+        # and sets them on every call: two calls with different lengths at once (requests
+        # of a worker's threads) would take each other's, and return other shapes.
+        self._calls = threading.Lock()
 
     def unavailable_reason(self, path: LoaderPath) -> str | None:
         """Say why ``path`` cannot build this component here; a missing tokenizer counts."""
@@ -83,20 +90,22 @@ class TextEncoderLoader(FolderLoader):
 
     def tokenize(self, texts: Sequence[str], length: int) -> Tokens:
         """Tokenise ``texts``, truncated and padded to ``length`` tokens, specials included."""
-        out = self.tokenizer(
-            list(texts),
-            padding="max_length",
-            max_length=length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        )
+        with self._calls:
+            out = self.tokenizer(
+                list(texts),
+                padding="max_length",
+                max_length=length,
+                truncation=True,
+                add_special_tokens=True,
+                return_tensors="pt",
+            )
         return Tokens(out.input_ids, out.attention_mask)
 
     def truncated(self, texts: Sequence[str], length: int) -> list[bool]:
         """Tell which of ``texts`` ``tokenize`` cuts to ``length`` tokens: those that still
         fill ``length + 1``."""
-        longer = self.tokenizer(list(texts), max_length=length + 1, truncation=True).input_ids
+        with self._calls:
+            longer = self.tokenizer(list(texts), max_length=length + 1, truncation=True).input_ids
         return [len(ids) > length for ids in longer]
 
 
