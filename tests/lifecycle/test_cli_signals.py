@@ -4,13 +4,12 @@ and while any command starts."""
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.lifecycle.serving.command import free_port
-from tests.processes import Program, run_fresh_python, run_python, start_python
+from tests.processes import run_fresh_python, run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,15 +46,6 @@ uses = ["vae"]
 """
 
 
-def wait_for_files(folder: Path, program: Program, timeout: float = 90.0) -> None:
-    """Return once ``folder`` holds an offload file: the pipeline is loaded and running."""
-    deadline = time.monotonic() + timeout
-    while not any(folder.glob("*/*")):
-        assert program.process.is_alive(), program.stderr()
-        assert time.monotonic() < deadline, f"no offload file appeared under {folder}"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize(
     ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"]
 )
@@ -68,7 +58,10 @@ def test_signal_stops_cleanly(tmp_path: Path, signum: signal.Signals, code: int)
         "lifecycle", "run", spec, "--requests", "1000000", "--steps", "1", "--threads", "1",
         cwd=ROOT, module=True,
     ) as program:  # fmt: skip
-        wait_for_files(offload_dir, program)
+        # A request's progress line, not the folder: admission's probe and load make and
+        # fill the offload folder before any request runs.
+        program.wait_for_line("lifecycle run: request r1 (1/1000000): done in", timeout=90)
+        assert any(offload_dir.glob("*/*.safetensors"))
         program.send_signal(signum)
         returncode, stdout, stderr = program.wait(timeout=60)
     assert returncode == code, stderr
