@@ -43,6 +43,10 @@ class KindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         weights: a safetensors file to read the weights from.
     """
 
+    files: ClassVar[tuple[str, ...]] = ("weights",)
+    """The options that name a file or folder: a spec reads a relative one from its own
+    folder, as it reads ``source``."""
+
     weights: str | None = None
 
 

@@ -437,7 +437,7 @@ def _decoded(raw: object, base: Path) -> PipelineSpec:
             _convert(component, ComponentSpec, f"$.components.{name}")
     spec = _convert(raw, PipelineSpec, "$")
     _check(spec)
-    return _with_adapter_files(spec, base)
+    return _with_adapter_files(_with_option_files(spec, base), base)
 
 
 def adapter_file(path: str, base: Path) -> str:
@@ -451,6 +451,25 @@ def adapter_file(path: str, base: Path) -> str:
         what = f"{found} is a folder" if found.is_dir() else f"no file at {found}"
         raise ValueError(f"Expected a LoRA safetensors file, got {path!r}: {what}")
     return str(found)
+
+
+def _with_option_files(spec: PipelineSpec, base: Path) -> PipelineSpec:
+    """Return ``spec`` with each component's file options (``weights``, a tokenizer...)
+    read relative to ``base`` when relative: whether they exist is admission's to say."""
+    components = {}
+    for name, component in spec.components.items():
+        files = kinds.get(component.kind).options_type.files
+        found = {
+            key: str(base / value)
+            for key in files
+            if isinstance(value := component.options.get(key), str)
+        }
+        if found:
+            options = {**component.options, **found}
+            components[name] = msgspec.structs.replace(component, options=options)
+    if not components:
+        return spec
+    return msgspec.structs.replace(spec, components={**spec.components, **components})
 
 
 def _with_adapter_files(spec: PipelineSpec, base: Path) -> PipelineSpec:

@@ -57,6 +57,8 @@ class FolderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_field
         ValueError: ``weights`` was given (the folder's own files are the weights).
     """
 
+    files: ClassVar[tuple[str, ...]] = ("weights", "path")
+
     path: str
     class_name: str | None = None
 

@@ -80,6 +80,8 @@ class MiniLmOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_field
             longer sentences are truncated.
     """
 
+    files: ClassVar[tuple[str, ...]] = ("weights", "tokenizer")
+
     tokenizer: str | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=3, le=MAX_POSITIONS)] = MAX_TOKENS
 
