@@ -10,7 +10,8 @@ class ExitCode(IntEnum):
 
     A run stopped by a signal exits with the shell's code for it instead
     (130 for SIGINT, 143 for SIGTERM), after printing what completed; any command
-    that SIGINT stops while it starts exits 130 too (``lifecycle.cli.entry``).
+    that SIGINT stops while it starts exits 130 too (``lifecycle.cli.entry``), and
+    one whose stdout's reader left (``| head -1``) exits 141, quietly.
     """
 
     OK = 0
@@ -30,4 +31,5 @@ HELP = """exit codes:
   2  bad input: the spec or an argument is wrong, nothing ran
   3  failed while running: I/O, a transition that failed at run time, out of memory
   130, 143  `run` stopped by SIGINT, SIGTERM (the summary shows what completed);
-            130 also any command SIGINT stopped while it started"""
+            130 also any command SIGINT stopped while it started
+  141  stdout's reader left before the output was written (`| head -1`)"""

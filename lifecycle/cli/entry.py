@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Sequence
 
 from lifecycle.cli.cores import wait_passively
 
 INTERRUPTED = 128 + signal.SIGINT
 """The shell's code for a process that SIGINT stopped."""
+READER_LEFT = 128 + signal.SIGPIPE
+"""The shell's code for a process whose output's reader left (SIGPIPE)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,8 +28,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from lifecycle.cli.main import main as command  # torch and the whole house
 
-        return command(argv)
+        code = command(argv)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit
+        return code
     except KeyboardInterrupt:
         # os.write: the interrupt may have come inside a buffered write to stderr
         os.write(2, b"lifecycle: stopped by SIGINT\n")
         return INTERRUPTED
+    except BrokenPipeError:
+        # stdout's reader left (`lifecycle run ... | head -1`): nobody wants the rest, so
+        # stop quietly as the shell's own commands do, and let the interpreter's last
+        # flush of stdout go nowhere instead of failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return READER_LEFT

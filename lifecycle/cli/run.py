@@ -96,6 +96,8 @@ def run_command(args: argparse.Namespace) -> int:
     with launch.worker():
         try:
             return _run_here(args)
+        except BrokenPipeError:
+            raise  # stdout's reader left: not a failure of the run (lifecycle.cli.entry)
         except Exception as err:  # a bug: one line naming it, its traceback in the logs
             return launch.crashed(err)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -626,3 +628,21 @@ class TestSmoke:
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["summary"]["requests"] == 1
         assert result.stderr == ""
+
+
+class TestReaderLeft:
+    def test_a_closed_stdout_pipe_is_a_quiet_stop(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``run`` whose stdout's reader left (``| head -1``) exits 141 with no crash line:
+        the run did not fail, nobody reads the rest."""
+        from lifecycle.cli.entry import READER_LEFT, main
+
+        read, write = os.pipe()
+        os.close(read)  # the reader left before a byte was written
+        with os.fdopen(write, "w") as closed:
+            monkeypatch.setattr(sys, "stdout", closed)
+            code = main(["run", str(EXAMPLE), "--requests", "1", "--steps", "1"])
+            monkeypatch.undo()
+        assert code == READER_LEFT == 141
+        assert "failed" not in capsys.readouterr().err
