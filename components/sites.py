@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+from torch import nn
 
 from attention import (
     Attention,
@@ -74,3 +75,48 @@ class AttentionSite(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             default=self.default,
             scale=scale,
         )
+
+
+class SiteLayer(nn.Module):
+    """Hold the attention layer of one declared site, built apart from the module around it.
+
+    A custom-path module is built with empty holders: on ``meta``, to declare its
+    tensors at admission, where no backend is chosen yet. The load gives that very
+    module its layers (``build_layers``, inside the component's attention scope) and
+    its weights, so a component is built once from admission to load.
+
+    Args:
+        site: the declared site of the layer.
+        scale: the layer's softmax scale (see ``AttentionSite.build_layer``).
+    """
+
+    def __init__(self, site: AttentionSite, scale: float | None = None) -> None:
+        super().__init__()
+        self.site = site
+        self.scale = scale
+        self.built: Attention | None = None
+
+    @property
+    def layer(self) -> Attention:
+        """The attention layer.
+
+        Raises:
+            RuntimeError: the module was built for its declaration only (no layer yet).
+        """
+        if self.built is None:
+            raise RuntimeError(
+                f"the '{self.site.name}' attention layer was never built: this module was "
+                "built for its declaration only"
+            )
+        return self.built
+
+
+def build_layers(module: nn.Module) -> None:
+    """Build the attention layer of every ``SiteLayer`` under ``module`` that has none yet.
+
+    Build it inside the component's ``attention.component_attention_scope``: each layer
+    takes its site's planned backend there.
+    """
+    holders = [m for m in module.modules() if isinstance(m, SiteLayer) and m.built is None]
+    for holder in holders:
+        holder.built = holder.site.build_layer(holder.scale)

@@ -4,7 +4,8 @@ Our module names its tensors as the folder's files name them, so loading is the 
 path's without a library: build the module with its parameters on ``meta``, check the
 files' names and shapes against it (strictly: nothing missing, nothing extra, no
 renaming, no conversion), and hand it the mapped tensors (one copy). What admission
-asks is answered from the same module's declaration: no library is imported.
+asks is answered from the same module's declaration, the very module the load then
+fills: no library is imported, and the module is built once.
 """
 
 from __future__ import annotations
@@ -16,28 +17,21 @@ import torch
 from torch import nn
 
 from components.folders.loader import FolderLoader, Layout
-from components.folders.meta import assign_weights, build_empty, expected_tensors
+from components.folders.meta import assign_weights
 from components.loader import LoaderPath, PathUnavailable
-from components.sites import AttentionSite
 
 
 class CustomFolderLoader(FolderLoader):
     """A folder kind with our own module on ``attention.Attention``: the default path.
 
-    Subclasses implement ``assemble`` (our module from ``config``, its attention layers
-    built from ``sites()`` when given them) and may say what of the config the module
-    does not implement (``custom_problem``). ``loader = "native"`` still builds the
-    library's class.
+    Subclasses implement ``custom_module`` (our module from ``config``, on the sites of
+    ``sites()``) and may say what of the config the module does not implement
+    (``custom_problem``). ``loader = "native"`` still builds the library's class.
     """
 
     float16_keeps_float32: ClassVar[tuple[str, ...]] = ()
     """Names of submodules kept in float32 when loading in float16, as the library's class
     keeps them (its ``_keep_in_fp32_modules``)."""
-
-    def assemble(self, sites: tuple[AttentionSite, ...] | None) -> nn.Module:
-        """Construct our module from ``config``; with ``sites`` None only its weights (for
-        declarations), else its attention layers too (inside the component's scope)."""
-        raise NotImplementedError(f"kind '{self.kind}' does not assemble its custom module")
 
     def custom_problem(self) -> str | None:
         """Say what the folder's config asks that our module does not implement, or None."""
@@ -52,13 +46,12 @@ class CustomFolderLoader(FolderLoader):
         return reason
 
     def declared_layout(self) -> Layout:
-        """Return our module's tensors; every stored tensor keeps its own name.
+        """Return our module's tensors (``custom_layout``), also on the native path.
 
         Raises:
             OSError, ValueError: as ``stored`` does.
         """
-        module = build_empty(lambda: self.assemble(None))
-        return Layout(expected_tensors(module), {key: key for key in self.stored})
+        return self.custom_layout()
 
     def float32_rule(self) -> Callable[[str], bool]:
         """Keep ``float16_keeps_float32`` in float32 under float16, as the library does."""
@@ -83,7 +76,7 @@ class CustomFolderLoader(FolderLoader):
                 + '; load it with loader = "native" (the library renames or converts old '
                 "checkpoints)"
             )
-        module = build_empty(lambda: self.assemble(self.sites()))
+        module = self.custom_empty()
         stored = {key: (path, key) for key, (_, path) in self.stored.items()}
         assign_weights(module, stored, self.dtype, self.float32_rule())
         return module

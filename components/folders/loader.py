@@ -24,6 +24,7 @@ from components.folders.meta import Expected, assign_weights, build_empty, expec
 from components.folders.names import module_names
 from components.libraries import Library, library_class, missing
 from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnavailable
+from components.sites import build_layers
 from components.weights import DeclaredTensors, StoredTensor, is_floating, tensor_bytes
 
 CONFIG_FILE = "config.json"
@@ -87,6 +88,7 @@ class FolderLoader(ComponentLoader):
         super().__init__(options)
         self.options: FolderOptions = options
         self._spare: nn.Module | None = None
+        self._custom_spare: nn.Module | None = None
 
     @property
     def folder(self) -> Path:
@@ -179,6 +181,37 @@ class FolderLoader(ComponentLoader):
             return None
         module = self.construct("native")
         return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
+
+    def custom_module(self) -> nn.Module:
+        """Construct the project's module from ``config`` (a kind with a custom path): its
+        weights, and a ``SiteLayer`` where each attention layer goes, not built yet."""
+        raise NotImplementedError(f"kind '{self.kind}' has no module of its own")
+
+    def custom_layout(self) -> Layout:
+        """Return what our module expects; every stored tensor keeps its own name.
+
+        The module, built on ``meta`` for this, is kept: the next custom build gives it
+        its attention layers and weights (``custom_empty``), so it is built once from
+        admission to load.
+
+        Raises:
+            OSError, ValueError: as ``stored`` does.
+        """
+        module = build_empty(self.custom_module)
+        names = {key: key for key in self.stored}
+        self._custom_spare = module
+        return Layout(expected_tensors(module), names)
+
+    def custom_empty(self) -> nn.Module:
+        """Return our module on ``meta``, its attention layers built in the current scope.
+
+        The module the declaration built is taken (once); any later build makes its own.
+        """
+        module, self._custom_spare = self._custom_spare, None
+        if module is None:
+            module = build_empty(self.custom_module)
+        build_layers(module)
+        return module
 
     def tensors(self) -> DeclaredTensors | None:
         """Declare the tensors the class expects (tied names once); None without the library."""

@@ -48,8 +48,9 @@ class AutoencoderKlLoader(CustomFolderLoader):
         """Say which block type or activation of the config our module lacks, if any."""
         return unsupported(self.config)
 
-    def assemble(self, sites: tuple[AttentionSite, ...] | None) -> AutoencoderKl:
-        """Construct our VAE (its ``mid`` layers when ``sites`` are given)."""
+    def custom_module(self) -> AutoencoderKl:
+        """Construct our VAE on the ``mid`` site, if its config adds attention."""
+        sites = self.sites()
         return AutoencoderKl(self.shape, sites[0] if sites else None)
 
     @property

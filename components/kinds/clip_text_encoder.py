@@ -106,10 +106,11 @@ class ClipTextEncoderLoader(CustomFolderLoader, TextEncoderLoader):
             "(the custom path implements those)"
         )
 
-    def assemble(self, sites: tuple[AttentionSite, ...] | None) -> nn.Module:
-        """Construct our text model the way the files store it: the tower alone, or under
-        ``text_model`` (with the projection of ``CLIPTextModelWithProjection``)."""
-        site = None if sites is None else sites[0]
+    def custom_module(self) -> nn.Module:
+        """Construct our text model on the ``self`` site, the way the files store it: the
+        tower alone, or under ``text_model`` (with the projection of
+        ``CLIPTextModelWithProjection``)."""
+        (site,) = self.sites()
         if self.has_projection or any(key.startswith(PREFIX) for key in self.stored):
             projection = int(self.config["projection_dim"]) if self.has_projection else None
             return ClipTextModel(self.shape, projection, site)

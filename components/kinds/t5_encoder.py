@@ -69,9 +69,10 @@ class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
             f"{', '.join(ACTIVATIONS)} (the custom path implements those)"
         )
 
-    def assemble(self, sites: tuple[AttentionSite, ...] | None) -> T5Encoder:
-        """Construct our encoder (its ``self`` layers when ``sites`` are given)."""
-        return T5Encoder(self.shape, None if sites is None else sites[0])
+    def custom_module(self) -> T5Encoder:
+        """Construct our encoder on the ``self`` site."""
+        (site,) = self.sites()
+        return T5Encoder(self.shape, site)
 
     def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
         """Split the heads and feed-forward units over the ``tp`` ranks."""

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 from torch.nn.functional import interpolate, pad, silu
 
-from attention import Attention
-from components.sites import AttentionSite
+from components.sites import AttentionSite, SiteLayer
 
 # B images, C channels, H W spatial size, L latent channels, N = H·W positions
 
@@ -103,37 +102,36 @@ class MidAttention(nn.Module):
     Args:
         channels: C, the query, key and value width.
         groups: groups of the input norm.
-        site: the declared ``mid`` site, or None to build the weights only.
+        site: the declared ``mid`` site.
     """
 
-    def __init__(self, channels: int, groups: int, site: AttentionSite | None) -> None:
+    def __init__(self, channels: int, groups: int, site: AttentionSite) -> None:
         super().__init__()
         self.group_norm = nn.GroupNorm(groups, channels, eps=EPS)
         self.to_q = nn.Linear(channels, channels)
         self.to_k = nn.Linear(channels, channels)
         self.to_v = nn.Linear(channels, channels)
         self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
-        self.attn: Attention | None = None if site is None else site.build_layer()
+        self.attn = SiteLayer(site)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over the ``H·W`` positions of ``(B, C, H, W)``."""
-        if self.attn is None:
-            raise RuntimeError("this VAE module was built for its declaration only (no sites)")
         b, c, h, w = x.shape
         tokens = self.group_norm(x).view(b, c, h * w).transpose(1, 2)  # (B, N, C)
         q, k, v = (p(tokens)[:, None] for p in (self.to_q, self.to_k, self.to_v))  # (B, 1, N, C)
-        o = self.to_out[0](self.attn(q, k, v)[:, 0])  # (B, N, C)
+        o = self.to_out[0](self.attn.layer(q, k, v)[:, 0])  # (B, N, C)
         out: torch.Tensor = o.transpose(1, 2).reshape(b, c, h, w) + x
         return out
 
 
 class MidBlock(nn.Module):
-    """Resnet, attention (when the config adds it), resnet."""
+    """Resnet, attention (on the ``mid`` site, when the config adds it), resnet."""
 
-    def __init__(self, channels: int, groups: int, attention: bool, site: AttentionSite | None):
+    def __init__(self, channels: int, groups: int, site: AttentionSite | None) -> None:
         super().__init__()
         self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups) for _ in range(2)])
-        self.attentions = nn.ModuleList([MidAttention(channels, groups, site)] if attention else [])
+        attentions = [] if site is None else [MidAttention(channels, groups, site)]
+        self.attentions = nn.ModuleList(attentions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``(B, C, H, W)`` to the same shape."""
@@ -223,7 +221,7 @@ class Encoder(nn.Module):
                 for i, width in enumerate(widths)
             ]
         )
-        self.mid_block = MidBlock(widths[-1], shape.groups, shape.attention, site)
+        self.mid_block = MidBlock(widths[-1], shape.groups, site)
         self.conv_norm_out = nn.GroupNorm(shape.groups, widths[-1], eps=EPS)
         self.conv_out = conv3x3(widths[-1], 2 * shape.latent_channels)
 
@@ -244,7 +242,7 @@ class Decoder(nn.Module):
         super().__init__()
         widths = tuple(reversed(shape.channels))
         self.conv_in = conv3x3(shape.latent_channels, widths[0])
-        self.mid_block = MidBlock(widths[0], shape.groups, shape.attention, site)
+        self.mid_block = MidBlock(widths[0], shape.groups, site)
         self.up_blocks = nn.ModuleList(
             [
                 UpBlock(widths[max(i - 1, 0)], width, shape, last=i == len(widths) - 1)
@@ -268,7 +266,7 @@ class AutoencoderKl(nn.Module):
 
     Args:
         shape: the VAE's sizes.
-        site: the declared ``mid`` site, or None to build the weights only.
+        site: the declared ``mid`` site; None when the config adds no attention.
     """
 
     def __init__(self, shape: VaeShape, site: AttentionSite | None) -> None:

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.nn.functional import gelu, pad
 
-from attention import Attention
-from components.sites import AttentionSite
+from components.sites import AttentionSite, SiteLayer
 
 # B prompts, H heads, S tokens, D head dim, E width, F feed-forward width, P pooled width,
 # T packed tokens (sum of S_i)
@@ -120,26 +119,25 @@ class ClipAttention(nn.Module):
 
     Args:
         shape: the model's sizes.
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site.
     """
 
-    def __init__(self, shape: ClipShape, site: AttentionSite | None) -> None:
+    def __init__(self, shape: ClipShape, site: AttentionSite) -> None:
         super().__init__()
         self.k_proj = nn.Linear(shape.width, shape.width)
         self.v_proj = nn.Linear(shape.width, shape.width)
         self.q_proj = nn.Linear(shape.width, shape.width)
         self.out_proj = nn.Linear(shape.width, shape.width)
         self.head_dim = shape.width // shape.heads
-        self.attn: Attention | None = None if site is None else site.build_layer()
+        self.attn = SiteLayer(site)
 
     def forward(self, x: torch.Tensor, packing: Packing | None) -> torch.Tensor:
         """Attend ``x`` ``(B, S, E)`` causally, or packed ``(T, E)`` prompt by prompt."""
-        if self.attn is None:
-            raise RuntimeError("this CLIP module was built for its declaration only (no sites)")
         d = self.head_dim
+        layer = self.attn.layer
         q, k, v = (p(x).unflatten(-1, (-1, d)) for p in (self.q_proj, self.k_proj, self.v_proj))
         if packing is not None:  # (T, H, D)
-            o = self.attn.forward_varlen(
+            o = layer.forward_varlen(
                 q,
                 k,
                 v,
@@ -150,7 +148,7 @@ class ClipAttention(nn.Module):
                 is_causal=True,
             )  # (T, H, D)
         else:  # (B, S, H, D)
-            o = self.attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            o = layer(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             o = o.transpose(1, 2)  # (B, S, H, D)
         out: torch.Tensor = self.out_proj(o.flatten(-2))
         return out
@@ -179,7 +177,7 @@ class ClipMlp(nn.Module):
 class ClipLayer(nn.Module):
     """Pre-norm causal attention and MLP, each with a residual."""
 
-    def __init__(self, shape: ClipShape, site: AttentionSite | None) -> None:
+    def __init__(self, shape: ClipShape, site: AttentionSite) -> None:
         super().__init__()
         self.self_attn = ClipAttention(shape, site)
         self.layer_norm1 = nn.LayerNorm(shape.width, eps=shape.eps)
@@ -196,7 +194,7 @@ class ClipLayer(nn.Module):
 class ClipEncoder(nn.Module):
     """The layer stack (``encoder.layers``)."""
 
-    def __init__(self, shape: ClipShape, site: AttentionSite | None) -> None:
+    def __init__(self, shape: ClipShape, site: AttentionSite) -> None:
         super().__init__()
         self.layers = nn.ModuleList([ClipLayer(shape, site) for _ in range(shape.layers)])
 
@@ -206,10 +204,10 @@ class ClipTextTransformer(nn.Module):
 
     Args:
         shape: the model's sizes.
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site.
     """
 
-    def __init__(self, shape: ClipShape, site: AttentionSite | None) -> None:
+    def __init__(self, shape: ClipShape, site: AttentionSite) -> None:
         super().__init__()
         self.embeddings = ClipEmbeddings(shape)
         self.encoder = ClipEncoder(shape, site)
@@ -263,12 +261,10 @@ class ClipTextModel(nn.Module):
         shape: the model's sizes.
         projection: the projected pooled width, or None (a ``CLIPTextModel`` stored with
             the ``text_model.`` prefix).
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site.
     """
 
-    def __init__(
-        self, shape: ClipShape, projection: int | None, site: AttentionSite | None
-    ) -> None:
+    def __init__(self, shape: ClipShape, projection: int | None, site: AttentionSite) -> None:
         super().__init__()
         self.text_model = ClipTextTransformer(shape, site)
         self.text_projection = (

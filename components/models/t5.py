@@ -17,8 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.functional import gelu, relu
 
-from attention import Attention
-from components.sites import AttentionSite
+from components.sites import AttentionSite, SiteLayer
 from components.tensor_parallel import split_layers
 
 # B batch, H heads, S seq, D head dim (d_kv), E width (d_model), F feed-forward width
@@ -109,10 +108,10 @@ class T5Attention(nn.Module):
     Args:
         shape: the encoder's sizes.
         owns_bias: build the ``relative_attention_bias`` table (the first block).
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site (its layer is built at load, ``build_layers``).
     """
 
-    def __init__(self, shape: T5Shape, owns_bias: bool, site: AttentionSite | None) -> None:
+    def __init__(self, shape: T5Shape, owns_bias: bool, site: AttentionSite) -> None:
         super().__init__()
         inner = shape.heads * shape.head_dim
         self.q = nn.Linear(shape.width, inner, bias=False)
@@ -122,7 +121,7 @@ class T5Attention(nn.Module):
         if owns_bias:
             self.relative_attention_bias = nn.Embedding(shape.buckets, shape.heads)
         self.shape = shape
-        self.attn: Attention | None = None if site is None else site.build_layer(scale=1.0)
+        self.attn = SiteLayer(site, scale=1.0)
 
     def position_bias(self, length: int) -> torch.Tensor:
         """Return the learned bias ``(1, H, S, S)`` (this rank's heads under tensor parallel)."""
@@ -135,12 +134,10 @@ class T5Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Attend ``x`` ``(B, S, E)`` to itself with ``bias`` ``(B or 1, H, S, S)``."""
-        if self.attn is None:
-            raise RuntimeError("this T5 module was built for its declaration only (no sites)")
         b, s, _ = x.shape
         d = self.shape.head_dim
         q, k, v = (p(x).view(b, s, -1, d).transpose(1, 2) for p in (self.q, self.k, self.v))
-        o = self.attn(q, k, v, bias=bias)  # (B, H, S, D)
+        o = self.attn.layer(q, k, v, bias=bias)  # (B, H, S, D)
         out: torch.Tensor = self.o(o.transpose(1, 2).reshape(b, s, -1))
         return out
 
@@ -148,7 +145,7 @@ class T5Attention(nn.Module):
 class T5LayerSelfAttention(nn.Module):
     """Pre-norm self-attention with a residual (``layer.0`` of a block)."""
 
-    def __init__(self, shape: T5Shape, owns_bias: bool, site: AttentionSite | None) -> None:
+    def __init__(self, shape: T5Shape, owns_bias: bool, site: AttentionSite) -> None:
         super().__init__()
         self.SelfAttention = T5Attention(shape, owns_bias, site)
         self.layer_norm = RmsNorm(shape.width, shape.eps)
@@ -218,10 +215,10 @@ class T5Block(nn.Module):
     Args:
         shape: the encoder's sizes.
         first: this is block 0 (it owns the bias table).
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site.
     """
 
-    def __init__(self, shape: T5Shape, first: bool, site: AttentionSite | None) -> None:
+    def __init__(self, shape: T5Shape, first: bool, site: AttentionSite) -> None:
         super().__init__()
         self.layer = nn.ModuleList([T5LayerSelfAttention(shape, first, site), T5LayerFF(shape)])
         self.first = first
@@ -261,7 +258,7 @@ class T5Block(nn.Module):
 class T5Stack(nn.Module):
     """The encoder stack: embedding (tied to ``shared``), blocks, final norm."""
 
-    def __init__(self, shape: T5Shape, shared: nn.Embedding, site: AttentionSite | None) -> None:
+    def __init__(self, shape: T5Shape, shared: nn.Embedding, site: AttentionSite) -> None:
         super().__init__()
         self.embed_tokens = shared
         self.block = nn.ModuleList([T5Block(shape, i == 0, site) for i in range(shape.layers)])
@@ -273,10 +270,10 @@ class T5Encoder(nn.Module):
 
     Args:
         shape: the encoder's sizes.
-        site: the declared ``self`` site, or None to build the weights only.
+        site: the declared ``self`` site.
     """
 
-    def __init__(self, shape: T5Shape, site: AttentionSite | None) -> None:
+    def __init__(self, shape: T5Shape, site: AttentionSite) -> None:
         super().__init__()
         self.shared = nn.Embedding(shape.vocab, shape.width)
         self.encoder = T5Stack(shape, self.shared, site)

@@ -126,11 +126,11 @@ class TestCustomPath:
     def test_tensors_are_diffusers(self, family: str, folders: dict[str, Path]) -> None:
         """The custom module holds diffusers' class's tensors: same names, shapes, buffers."""
         loader = loader_of(folders[family], family)
-        layout = loader.layout
-        assert layout is not None
+        theirs = loader.library_layout
+        assert theirs is not None
         ours = expected_tensors(build_empty(loader.custom_module))
-        assert ours.tensors == layout.expected.tensors
-        assert ours.unstored.keys() == layout.expected.unstored.keys()
+        assert ours.tensors == theirs.expected.tensors
+        assert ours.unstored.keys() == theirs.expected.unstored.keys()
 
     @pytest.mark.parametrize("family", FAMILIES)
     def test_declared_bytes_are_the_module(self, family: str, folders: dict[str, Path]) -> None:
@@ -177,6 +177,9 @@ class TestCustomPath:
         assert str(loader.unavailable_reason("custom")).startswith(reason)
         with pytest.raises(PathUnavailable, match=reason):
             loader.build("custom")
+        declared = loader.tensors()  # diffusers' class's, its second attention included
+        assert declared is not None
+        assert any(".attn2." in name for name in declared)
 
 
 class TestEqualToNative:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from attention import Platform
 from benchmarks.make_pipeline import Family
@@ -156,6 +159,40 @@ class TestCheck:
             orchestrator.load()
             held = {name: _bytes(orchestrator.module(name)) for name in components}
         assert {name: c["bytes"] for name, c in components.items()} == held
+
+
+@contextmanager
+def parameters_registered() -> Iterator[list[str]]:
+    """Yield the names of the parameters modules register inside the block, in order: one
+    per parameter each time a module is built (torch's module-wide registration hook)."""
+    names: list[str] = []
+
+    def note(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+        if parameter is not None:
+            names.append(name)
+
+    handle = register_module_parameter_registration_hook(note)
+    try:
+        yield names
+    finally:
+        handle.remove()
+
+
+class TestLoad:
+    """Admission and load build each component's module once."""
+
+    @pytest.mark.parametrize("family", ["pixart", "flux", "sd3"])
+    def test_admit_and_load_build_each_module_once(
+        self, family: Family, pipeline_folder: PipelineFolders, cpu: Platform
+    ) -> None:
+        """The module admission builds on meta to declare its tensors is the one the load
+        fills: as many parameters are registered as the loaded modules hold."""
+        spec = load_spec(pipeline_folder(family))
+        with parameters_registered() as registered, Orchestrator(spec, platform=cpu) as loaded:
+            loaded.admit()
+            loaded.load()
+            held = [len(list(loaded.module(name).parameters())) for name in spec.components]
+        assert len(registered) == sum(held)
 
 
 def _bytes(module: torch.nn.Module) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 from attention.distributed import packed_sequence_attention
 from components.kinds.dit.layout import JointLayout, Rows
 from components.mesh import SequenceGroups
-from components.sites import AttentionSite
+from components.sites import AttentionSite, SiteLayer
 
 # B requests, H heads, D head dim, E width, n rows, T joint rows, L_i text tokens
 
@@ -29,7 +29,7 @@ class DitAttention(nn.Module):
         dim: the query (and output) width E.
         heads: attention heads H.
         head_dim: each head's width D.
-        site: the declared site the kernel is built for.
+        site: the declared site the kernel is built for (at load, ``build_layers``).
         kdim: the width keys and values are projected from (cross-attention); None is E.
         out: it has an output projection ``to_out.0`` (Flux's single blocks have none).
         context: it projects text rows too (``add_q_proj``, ``add_k_proj``, ``add_v_proj``).
@@ -69,7 +69,7 @@ class DitAttention(nn.Module):
             self.norm_added_q = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
             self.norm_added_k = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
         self.to_add_out = nn.Linear(inner, dim) if context_out else None
-        self.kernel = site.build_layer()
+        self.kernel = SiteLayer(site)
         self.is_varlen = site.requirements.packed_varlen
         self.sequence: SequenceGroups | None = None
 
@@ -109,7 +109,7 @@ class DitAttention(nn.Module):
                 q,
                 k,
                 v,
-                self.kernel,
+                self.kernel.layer,
                 layout.packing.bounds,
                 ulysses=self.sequence.ulysses,
                 ring=self.sequence.ring,
@@ -122,7 +122,7 @@ class DitAttention(nn.Module):
         elif self.is_varlen:
             cu = layout.packing.cu_seqlens
             width = layout.packing.max_seqlen
-            o = self.kernel.forward_varlen(q, k, v, cu, cu, width, width)
+            o = self.kernel.layer.forward_varlen(q, k, v, cu, cu, width, width)
         else:
             o = torch.cat(
                 [self._dense(q[a:b], k[a:b], v[a:b]) for _, a, b in layout.joint_rows.spans()]
@@ -146,5 +146,5 @@ class DitAttention(nn.Module):
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attend one request's ``(S, H, D)`` rows densely: ``(S, H, D)``."""
-        o: torch.Tensor = self.kernel(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+        o: torch.Tensor = self.kernel.layer(*(t.transpose(0, 1)[None] for t in (q, k, v)))
         return o[0].transpose(0, 1)  # from (1, H, S, D)

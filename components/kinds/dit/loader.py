@@ -2,20 +2,19 @@
 
 The custom path builds the project's module (``PackedTransformer``) with its parameters
 on ``meta`` and hands it the folder's mapped tensors under the very names diffusers
-uses: no conversion, no second copy. It needs neither diffusers nor its classes; the
-native path (``loader = "native"``) still builds diffusers' own class.
+uses: no conversion, no second copy. It needs neither diffusers nor its classes, and
+admission declares the module from the one the load then fills; the native path
+(``loader = "native"``) still builds diffusers' own class.
 """
 
 from __future__ import annotations
-
-from functools import cached_property
 
 from torch import nn
 
 from attention import AttentionRequirements, AttentionRole
 from components.folders.files import weight_files
 from components.folders.loader import FolderLoader, FolderOptions, Layout
-from components.folders.meta import assign_weights, build_empty, expected_tensors
+from components.folders.meta import assign_weights
 from components.kinds.dit.base import PackedTransformer
 from components.libraries import missing
 from components.loader import LoaderPath, PathUnavailable
@@ -74,10 +73,6 @@ class DitLoader(FolderLoader):
         """Declare the ``self`` site (subclasses add more)."""
         return (self.self_site(),)
 
-    def custom_module(self) -> PackedTransformer:
-        """Build the project's module from ``config`` (its sites' layers in the current scope)."""
-        raise NotImplementedError
-
     def custom_problem(self) -> str | None:
         """Say which part of ``config`` the custom path does not build, or None."""
         return None
@@ -93,17 +88,17 @@ class DitLoader(FolderLoader):
             return str(err)
         return self.custom_problem()
 
-    @cached_property
-    def layout(self) -> Layout | None:
-        """What the module expects: from diffusers' class where installed, else from ours.
+    def declared_layout(self) -> Layout | None:
+        """What the module expects: our module's (``custom_layout``), which holds diffusers'
+        names and shapes (a test holds them to it); diffusers' class's where our module
+        does not build the config and diffusers is installed.
 
-        Both hold the same names and shapes (a test holds them to it); without diffusers
-        the stored names must be today's, since no library renames them.
+        Raises:
+            OSError, ValueError: as ``stored`` does.
         """
-        if missing(self.library) is None:
-            return super().layout
-        module = build_empty(self.custom_module)
-        return Layout(expected_tensors(module), {name: name for name in self.stored})
+        if self.custom_problem() is not None and missing(self.library) is None:
+            return self.library_layout
+        return self.custom_layout()
 
     def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
         """Shard the packed joint rows (sp) and the heads and MLP units (tp) of the DiT."""
@@ -120,8 +115,10 @@ class DitLoader(FolderLoader):
         reason = self.unavailable_reason("custom")
         if reason is not None:
             raise PathUnavailable(f"the custom path of '{self.kind}' cannot run here: {reason}")
-        module = build_empty(self.custom_module)
-        expected = expected_tensors(module).tensors
+        layout = self.layout
+        assert layout is not None  # our module's: the custom path builds this config
+        expected = layout.expected.tensors
+        module = self.custom_empty()
         extra = sorted(set(self.stored) - set(expected))
         if extra:
             shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")

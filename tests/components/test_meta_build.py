@@ -1,0 +1,125 @@
+"""Building a module empty (``build_empty``, ``SiteLayer``): no initialiser runs on ``meta``,
+and attention layers are built apart from the module around them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attention import Attention, AttentionRole, ComponentRequests, component_attention_scope
+from attention.testing import explicit
+from components.folders.meta import build_empty
+from components.sites import AttentionSite, SiteLayer, build_layers
+
+SAMPLERS = ("uniform_", "normal_")
+"""The in-place samplers that initialisers call: on a meta tensor torch runs their Python
+reference implementation, the cost the build skips."""
+
+
+class MetaOps(TorchDispatchMode):
+    """Record the name of every aten operation that takes a meta tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(isinstance(arg, torch.Tensor) and arg.is_meta for arg in args):
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def layers() -> nn.Module:
+    """Build the layers whose initialisers sample: Linear, Embedding, Conv2d, LayerNorm."""
+    return nn.Sequential(nn.Linear(4, 8), nn.Embedding(10, 8), nn.Conv2d(2, 4, 3), nn.LayerNorm(8))
+
+
+class TestBuildEmpty:
+    def test_no_initialiser_samples_into_a_meta_parameter(self) -> None:
+        """The parameters are meta tensors and no sampler ran on one, where the same layers
+        built plainly on meta run both samplers."""
+        with MetaOps() as plain, torch.device("meta"):
+            layers()
+        with MetaOps() as empty:
+            module = build_empty(layers)
+        assert set(SAMPLERS) <= set(plain.names)
+        assert all(parameter.is_meta for parameter in module.parameters())
+        assert [name for name in empty.names if name in SAMPLERS] == []
+
+    def test_a_real_tensor_is_initialised_as_usual(self) -> None:
+        """A real tensor an initialiser fills during the build is filled, meta or not around it."""
+        real = torch.zeros(64)
+
+        def factory() -> nn.Module:
+            nn.init.normal_(real)
+            return layers()
+
+        build_empty(factory)
+        assert real.abs().sum() > 0
+
+    def test_torch_init_is_left_as_it_is(self) -> None:
+        """Nothing is patched: ``torch.nn.init`` holds the same functions during a build, so a
+        library imported meanwhile keeps the real ones."""
+        before = {name: getattr(nn.init, name) for name in dir(nn.init)}
+        during: dict[str, object] = {}
+
+        def factory() -> nn.Module:
+            during.update({name: getattr(nn.init, name) for name in dir(nn.init)})
+            return layers()
+
+        build_empty(factory)
+        assert during.keys() == before.keys()
+        assert all(during[name] is found for name, found in before.items())
+
+    def test_another_threads_initialisers_run(self) -> None:
+        """While one thread builds empty, another thread's initialisers fill its tensors."""
+        inside, done = threading.Event(), threading.Event()
+        other = torch.zeros(64)
+
+        def fill() -> None:
+            inside.wait(timeout=30)
+            nn.init.normal_(other)
+            done.set()
+
+        def factory() -> nn.Module:
+            inside.set()
+            done.wait(timeout=30)
+            return layers()
+
+        thread = threading.Thread(target=fill)
+        thread.start()
+        build_empty(factory)
+        thread.join(timeout=30)
+        assert done.is_set()
+        assert other.abs().sum() > 0
+
+
+SITE = AttentionSite(name="self", role=AttentionRole.SELF, heads=2)
+
+
+class TestSiteLayer:
+    def test_a_module_built_for_its_declaration_does_not_run(self) -> None:
+        """Until its layer is built, a holder refuses to run, naming its site."""
+        with pytest.raises(RuntimeError, match="the 'self' attention layer was never built"):
+            SiteLayer(SITE).layer  # noqa: B018  (the access is what refuses)
+
+    def test_layers_are_built_in_the_current_scope(self) -> None:
+        """``build_layers`` builds every holder's layer once, taking the scope's backend."""
+        module = nn.ModuleList([SiteLayer(SITE), nn.ModuleList([SiteLayer(SITE, scale=1.0)])])
+        requests = ComponentRequests(component="c", component_backend=explicit("reference"))
+        with component_attention_scope(requests):
+            build_layers(module)
+        holders = [m for m in module.modules() if isinstance(m, SiteLayer)]
+        assert [type(h.layer) for h in holders] == [Attention, Attention]
+        assert [(h.layer.backend_name, h.layer.scale) for h in holders] == [
+            ("reference", None),
+            ("reference", 1.0),
+        ]
+        built = [h.layer for h in holders]
+        build_layers(module)
+        assert [h.layer for h in holders] == built
