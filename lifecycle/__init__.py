@@ -24,15 +24,21 @@ if TYPE_CHECKING:
         load_spec,
     )
     from lifecycle.logs import configure_logging
-    from lifecycle.machine import ComponentLifecycle, LifecycleMachine, MoveArgs, TransitionContext
-    from lifecycle.orchestrator import ComponentView, Orchestrator
-    from lifecycle.plan import (
-        AdapterView,
-        AdmissionPlan,
-        ComponentPlan,
-        PipelineSnapshot,
-        SitePlan,
+    from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
+    from lifecycle.machines.engine import MoveArgs, TransitionContext
+    from lifecycle.machines.tables import (
+        ADAPTER_TRANSITIONS,
+        PIPELINE_TRANSITIONS,
+        TRANSITIONS,
+        WORKER_TRANSITIONS,
+        AdapterState,
+        ComponentState,
+        PipelineState,
+        TransitionRule,
+        WorkerState,
     )
+    from lifecycle.orchestrator import ComponentView, Orchestrator
+    from lifecycle.plan import AdapterView, AdmissionPlan, ComponentPlan, PipelineSnapshot, SitePlan
     from lifecycle.refusals import (
         REFUSAL_CODES,
         AdmissionRefused,
@@ -45,17 +51,6 @@ if TYPE_CHECKING:
         TransitionRefused,
     )
     from lifecycle.shared_device import SharedDevice
-    from lifecycle.states import (
-        ADAPTER_TRANSITIONS,
-        PIPELINE_TRANSITIONS,
-        TRANSITIONS,
-        WORKER_TRANSITIONS,
-        AdapterState,
-        ComponentState,
-        PipelineState,
-        TransitionRule,
-        WorkerState,
-    )
 
 _HOMES = {
     "Cancelled": "components.batch",
@@ -69,10 +64,10 @@ _HOMES = {
     "decode_spec": "lifecycle.config",
     "load_spec": "lifecycle.config",
     "configure_logging": "lifecycle.logs",
-    "ComponentLifecycle": "lifecycle.machine",
-    "LifecycleMachine": "lifecycle.machine",
-    "MoveArgs": "lifecycle.machine",
-    "TransitionContext": "lifecycle.machine",
+    "ComponentLifecycle": "lifecycle.machines.component",
+    "LifecycleMachine": "lifecycle.machines.component",
+    "MoveArgs": "lifecycle.machines.engine",
+    "TransitionContext": "lifecycle.machines.engine",
     "ComponentView": "lifecycle.orchestrator",
     "Orchestrator": "lifecycle.orchestrator",
     "AdapterView": "lifecycle.plan",
@@ -90,15 +85,15 @@ _HOMES = {
     "TransitionFailed": "lifecycle.refusals",
     "TransitionRefused": "lifecycle.refusals",
     "SharedDevice": "lifecycle.shared_device",
-    "ADAPTER_TRANSITIONS": "lifecycle.states",
-    "AdapterState": "lifecycle.states",
-    "ComponentState": "lifecycle.states",
-    "PIPELINE_TRANSITIONS": "lifecycle.states",
-    "PipelineState": "lifecycle.states",
-    "TRANSITIONS": "lifecycle.states",
-    "TransitionRule": "lifecycle.states",
-    "WORKER_TRANSITIONS": "lifecycle.states",
-    "WorkerState": "lifecycle.states",
+    "ADAPTER_TRANSITIONS": "lifecycle.machines.tables",
+    "AdapterState": "lifecycle.machines.tables",
+    "ComponentState": "lifecycle.machines.tables",
+    "PIPELINE_TRANSITIONS": "lifecycle.machines.tables",
+    "PipelineState": "lifecycle.machines.tables",
+    "TRANSITIONS": "lifecycle.machines.tables",
+    "TransitionRule": "lifecycle.machines.tables",
+    "WORKER_TRANSITIONS": "lifecycle.machines.tables",
+    "WorkerState": "lifecycle.machines.tables",
 }
 """The module each exported name is imported from (the imports above, for the checkers)."""
 

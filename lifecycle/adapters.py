@@ -30,18 +30,18 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from components.adapters import LoraMatrices, attach, linear_layers, merged_weight, read_matrices
-from lifecycle.adapter_machine import AdapterLifecycle, AdapterMachine
 from lifecycle.admission.adapters import AdapterAdmission
 from lifecycle.config import AdapterSpec
 from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
-from lifecycle.machine import Check, MoveArgs, TransitionContext, Work
+from lifecycle.machines.adapter import AdapterLifecycle, AdapterMachine
+from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work
+from lifecycle.machines.tables import AdapterState
 from lifecycle.plan import AdapterView
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.residency import Residency
 from lifecycle.shown import shown
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import AdapterState
 
 log = get_logger("lifecycle")
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 
 from lifecycle.admission.budget import EvictionRank, fits, plan_onload
-from lifecycle.machine import MoveArgs, TransitionContext
+from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
 from lifecycle.timeline import Timeline

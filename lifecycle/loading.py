@@ -32,7 +32,7 @@ from lifecycle.admission import ComponentAdmission
 from lifecycle.admission.construction import construct_module
 from lifecycle.config import PipelineSpec
 from lifecycle.distributed import setup_parallel
-from lifecycle.machine import TransitionContext
+from lifecycle.machines.engine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.residency import Residency
 from lifecycle.slots import ComponentSlot

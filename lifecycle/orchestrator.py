@@ -5,7 +5,7 @@ module carries them out on the lifecycle machine, whose guards read those
 decisions back and whose work does the side effects (building modules,
 arming attention, moving weights) with an undo step for each. The pipeline
 itself sleeps, wakes, drains and is released on the pipeline machine
-(``lifecycle.pipeline_machine``); several orchestrators on one ``SharedDevice``
+(``lifecycle.machines.pipeline``); several orchestrators on one ``SharedDevice``
 share its budget, its line of waiting requests and their equal components.
 """
 
@@ -40,16 +40,11 @@ from lifecycle.distributed import world_refusals
 from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
-from lifecycle.machine import (
-    Check,
-    ComponentLifecycle,
-    MoveArgs,
-    TransitionContext,
-    Work,
-    report_refused,
-)
+from lifecycle.machines.component import ComponentLifecycle
+from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work, report_refused
+from lifecycle.machines.pipeline import PipelineLifecycle
+from lifecycle.machines.tables import AdapterState, ComponentState, PipelineState
 from lifecycle.override import BackendSwitch
-from lifecycle.pipeline_machine import PipelineLifecycle
 from lifecycle.plan import (
     AdapterView,
     AdmissionPlan,
@@ -71,7 +66,6 @@ from lifecycle.residency import Residency
 from lifecycle.shared_device import SharedDevice
 from lifecycle.sharing import ComponentIdentity, component_identity
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import AdapterState, ComponentState, PipelineState
 from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 

@@ -13,7 +13,7 @@ from types import MappingProxyType
 import msgspec
 
 from attention import SelectionCode
-from lifecycle.states import AnyState, ComponentState
+from lifecycle.machines.tables import AnyState, ComponentState
 
 
 class RefusalCode(StrEnum):

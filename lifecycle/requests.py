@@ -16,11 +16,11 @@ from components.recipes import Recipe
 from lifecycle.adapters import AdapterKeeper, Rows
 from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
-from lifecycle.machine import MoveArgs
+from lifecycle.machines.engine import MoveArgs
+from lifecycle.machines.tables import ComponentState
 from lifecycle.residency import Residency
 from lifecycle.shared_device import SharedDevice
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState
 from lifecycle.waiting import WaitTerms
 
 log = get_logger("lifecycle")

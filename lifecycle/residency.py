@@ -24,11 +24,11 @@ from lifecycle import offload_folder
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Direction, Move
 from lifecycle.logs import get_logger
-from lifecycle.machine import MoveArgs, TransitionContext
+from lifecycle.machines.engine import MoveArgs, TransitionContext
+from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.shared_device import SharedDevice
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState
 from lifecycle.timeline import Timeline
 
 log = get_logger("lifecycle")

@@ -27,11 +27,11 @@ from lifecycle.config import PipelineSpec, WorkerFile
 from lifecycle.device_budget import DeviceBudget
 from lifecycle.events import Observers
 from lifecycle.logs import get_logger
-from lifecycle.machine import LifecycleMachine
-from lifecycle.pipeline_machine import PipelineLifecycle, PipelineMachine
+from lifecycle.machines.component import LifecycleMachine
+from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
+from lifecycle.machines.tables import ComponentState
 from lifecycle.sharing import ComponentIdentity
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import ComponentState
 from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 

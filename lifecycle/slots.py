@@ -15,7 +15,7 @@ from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
 from lifecycle.config import ComponentSpec
 from lifecycle.events import Observers
-from lifecycle.machine import ComponentLifecycle
+from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
 
 if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here

@@ -25,6 +25,20 @@ ADMISSION_READS = ("lifecycle.config", "lifecycle.plan", "lifecycle.refusals", "
 PROBE = ("lifecycle.admission.offload_dir", "lifecycle.offload_folder")
 """The one I/O admission does: the offload-dir check probes the folder it would write."""
 
+ROOMS = {
+    "lifecycle.machines": ("lifecycle.events", "lifecycle.logs", "lifecycle.refusals"),
+    "lifecycle.pictures": (
+        "lifecycle.machines",
+        "lifecycle.config",
+        "lifecycle.plan",
+        "lifecycle.refusals",
+        "lifecycle.events",
+    ),
+}
+"""Each room of ``lifecycle`` and what else of ``lifecycle`` it may import: the machines
+know no device, orchestrator or spec; pictures only read the machines, the spec and what
+admission and the orchestrator report."""
+
 IO_MODULES = (
     "asyncio",
     "http",
@@ -119,6 +133,18 @@ def floor(name: str) -> int:
     return FLOORS.index(name.split(".")[0])
 
 
+def room_breaches(imports: list[Import]) -> list[str]:
+    """Return each import of a room of ``lifecycle`` that reaches outside what it may read."""
+    return [
+        str(found)
+        for found in imports
+        for room, reads in ROOMS.items()
+        if within(found.importer, room)
+        and within(found.target, "lifecycle")
+        and not within(found.target, room, *reads)
+    ]
+
+
 def package_imports(*packages: str) -> list[Import]:
     """Return every import of every module of ``packages``."""
     return [
@@ -185,6 +211,24 @@ class TestArrows:
             )
         ]
         assert wrong == []
+
+    def test_rooms_import_only_what_they_may_read(self) -> None:
+        """Each room of ``lifecycle`` imports only itself and the parts ``ROOMS`` lets it read."""
+        assert all(any(within(f.importer, room) for f in ALL) for room in ROOMS), "a room is empty"
+        assert room_breaches(ALL) == []
+
+    def test_a_room_reaching_outside_is_caught(self) -> None:
+        """An import from a room to a part it may not read is named (the rule can fail)."""
+        wrong = read_imports(
+            "from lifecycle.orchestrator import Orchestrator\n", "lifecycle.machines.x"
+        )
+        allowed = read_imports(
+            "from lifecycle.machines.engine import Guarded\n", "lifecycle.pictures.x"
+        )
+        assert room_breaches(wrong) == [
+            "lifecycle.machines.x:1 imports lifecycle.orchestrator",
+        ]
+        assert room_breaches(allowed) == []
 
     def test_kinds_do_not_import_the_registry_that_lists_them(self) -> None:
         """The built-in kinds know nothing of ``components.registry``: no import cycle."""

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attention import Platform
-from lifecycle import diagrams
 from lifecycle.cli.console import format_refusals
 from lifecycle.cli.paths import OutputPathError, prepare_folder
 from lifecycle.config import ConfigError, load_spec
 from lifecycle.exits import ExitCode
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures import diagrams
 from lifecycle.refusals import AdmissionRefused
 
 

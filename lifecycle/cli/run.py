@@ -38,8 +38,8 @@ from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.config import ConfigError, PipelineSpec, load_spec
 from lifecycle.events import Move
 from lifecycle.exits import ExitCode
-from lifecycle.gantt import residency_gantt
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.gantt import residency_gantt
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
 

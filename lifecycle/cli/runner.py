@@ -26,8 +26,8 @@ from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.png import write_png
 from lifecycle.plan import PipelineSnapshot
-from lifecycle.png import write_png
 
 
 class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

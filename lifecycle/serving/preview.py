@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lifecycle.png import encode_png
+from lifecycle.pictures.png import encode_png
 
 # N latent tokens, C latent channels, h, w latent grid, s pixels per token side
 

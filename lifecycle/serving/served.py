@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lifecycle.config import PipelineSpec, ServingConfig
+from lifecycle.machines.tables import PipelineState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.gate import Gate
 from lifecycle.serving.jobs import Job, Shapes
-from lifecycle.states import PipelineState
 
 
 @dataclass

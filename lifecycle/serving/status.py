@@ -26,8 +26,8 @@ import time
 import msgspec
 
 from components import ResidencyMode
-from lifecycle.gantt import resident_intervals
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.gantt import resident_intervals
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.board import StatusBoard
 from lifecycle.serving.worker import Phase, Worker

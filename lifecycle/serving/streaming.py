@@ -28,7 +28,7 @@ import msgspec
 import torch
 from fastapi.responses import StreamingResponse
 
-from lifecycle.png import encode_png
+from lifecycle.pictures.png import encode_png
 from lifecycle.serving.dispatch import check_finite, job_error, submit_job
 from lifecycle.serving.errors import ApiError, server_error_body
 from lifecycle.serving.jobs import Job, cache_answer

@@ -24,6 +24,8 @@ import msgspec
 
 from lifecycle.config import PipelineSpec, ServingConfig
 from lifecycle.logs import get_logger
+from lifecycle.machines.tables import PipelineState, WorkerState
+from lifecycle.machines.worker import WorkerMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import RefusalCode, TransitionRefused
 from lifecycle.serving.batcher import Batcher, Draining
@@ -32,8 +34,6 @@ from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.shown import shown
-from lifecycle.states import PipelineState, WorkerState
-from lifecycle.worker_machine import WorkerMachine
 
 log = get_logger("lifecycle")
 
@@ -45,7 +45,7 @@ REMOVED = "removed"
 
 Phase = WorkerState
 """Where the worker stands: readiness follows it (``lifecycle.WorkerState``, moved by the
-worker's own machine, ``lifecycle.worker_machine``)."""
+worker's own machine, ``lifecycle.machines.worker``)."""
 
 
 class Startup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

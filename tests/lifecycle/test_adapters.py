@@ -18,10 +18,10 @@ from components import registry as kinds
 from components.batch import Batch
 from lifecycle.config import AdapterSpec, ConfigError, decode_spec
 from lifecycle.events import AdapterSwitched, AdapterTransitioned
+from lifecycle.machines.tables import AdapterState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
 from lifecycle.shared_device import SharedDevice
-from lifecycle.states import AdapterState
 from lifecycle.testing import EventRecorder
 from tests.conftest import Lifecycle
 

@@ -12,9 +12,9 @@ import torch
 from attention import Attention, Platform
 from components.batch import Batch, Cancelled, StepDone
 from lifecycle.events import MemoryWait, Move, RequestCancelled
+from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.requests import Request
-from lifecycle.states import ComponentState
 from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, ReferenceSpec, VaePipeline
 from tests.lifecycle.test_requests import NEXT_USES

@@ -17,19 +17,20 @@ from typing import Any
 
 import pytest
 
-from lifecycle import diagrams
-from lifecycle.adapter_machine import AdapterMachine
-from lifecycle.machine import GuardedMachine, LifecycleMachine
-from lifecycle.pipeline_machine import PipelineMachine
-from lifecycle.states import (
+from lifecycle.machines.adapter import AdapterMachine
+from lifecycle.machines.component import LifecycleMachine
+from lifecycle.machines.engine import GuardedMachine
+from lifecycle.machines.pipeline import PipelineMachine
+from lifecycle.machines.tables import (
     ADAPTER_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     TRANSITIONS,
     WORKER_TRANSITIONS,
     TransitionRule,
 )
-from lifecycle.svg import CHAR_PX
-from lifecycle.worker_machine import WorkerMachine
+from lifecycle.machines.worker import WorkerMachine
+from lifecycle.pictures import diagrams
+from lifecycle.pictures.svg import CHAR_PX
 
 SVG = "{http://www.w3.org/2000/svg}"
 HALO_PX = 2

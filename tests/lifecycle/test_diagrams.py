@@ -7,21 +7,21 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from attention import Platform
-from lifecycle import diagrams
-from lifecycle.adapter_machine import AdapterMachine
 from lifecycle.config import load_spec
-from lifecycle.machine import ComponentLifecycle, LifecycleMachine
-from lifecycle.orchestrator import Orchestrator
-from lifecycle.pipeline_machine import PipelineMachine
-from lifecycle.refusals import RefusalCode
-from lifecycle.states import (
+from lifecycle.machines.adapter import AdapterMachine
+from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
+from lifecycle.machines.pipeline import PipelineMachine
+from lifecycle.machines.tables import (
     ADAPTER_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     TRANSITIONS,
     WORKER_TRANSITIONS,
     ComponentState,
 )
-from lifecycle.worker_machine import WorkerMachine
+from lifecycle.machines.worker import WorkerMachine
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures import diagrams
+from lifecycle.refusals import RefusalCode
 from tests.lifecycle.test_machine import passing_checks
 
 

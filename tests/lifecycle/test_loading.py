@@ -14,9 +14,9 @@ from components.loader import ComponentLoader
 from components.sites import AttentionSite
 from lifecycle.admission import admit_pipeline
 from lifecycle.config import decode_spec
+from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, RefusalCode, TransitionFailed
-from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import SelfAttentionNet
 

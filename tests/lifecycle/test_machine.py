@@ -9,16 +9,10 @@ from collections.abc import Callable, Iterable
 import pytest
 import structlog
 
-from lifecycle.machine import (
-    Check,
-    ComponentLifecycle,
-    LifecycleMachine,
-    MoveArgs,
-    TransitionContext,
-    Work,
-)
+from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
+from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work
+from lifecycle.machines.tables import GUARDS, TRANSITIONS, TRIGGERS, ComponentState
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.states import GUARDS, TRANSITIONS, TRIGGERS, ComponentState
 from lifecycle.testing import capture_events, events_named
 
 ALL_CHECKS = (*GUARDS, *(r.postcondition for r in TRANSITIONS if r.postcondition))

@@ -19,11 +19,11 @@ from attention import (
 )
 from components import ResidencyMode, registry
 from lifecycle.config import ComponentSpec, StageSpec, load_spec
-from lifecycle.machine import ComponentLifecycle
+from lifecycle.machines.component import ComponentLifecycle
+from lifecycle.machines.tables import TRANSITIONS, ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.slots import ComponentSlot
-from lifecycle.states import TRANSITIONS, ComponentState
 from lifecycle.timeline import Timeline
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 

@@ -13,10 +13,10 @@ import pytest
 
 from attention import Platform
 from lifecycle.config import ConfigError, PipelineSpec, decode_spec
+from lifecycle.machines.tables import ComponentState, PipelineState
 from lifecycle.offload_folder import OWNER_FILE, boot_id
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed
-from lifecycle.states import ComponentState, PipelineState
 from lifecycle.testing import capture_events, events_named
 from tests.components.test_disk_offload import zero_in_place
 from tests.lifecycle.conftest import ReferenceSpec

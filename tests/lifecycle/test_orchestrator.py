@@ -14,6 +14,7 @@ from attention import Attention, NotResidentError, Platform
 from components import registry as kinds
 from components.loader import ComponentLoader, PathUnavailable
 from lifecycle.config import decode_spec
+from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import (
     AdmissionRefused,
@@ -21,7 +22,6 @@ from lifecycle.refusals import (
     TransitionFailed,
     TransitionRefused,
 )
-from lifecycle.states import ComponentState
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import (
     BrokenKind,

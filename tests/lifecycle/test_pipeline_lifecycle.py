@@ -11,25 +11,20 @@ import torch
 
 from attention import Platform
 from lifecycle.events import PipelineSlept, PipelineWoke
-from lifecycle.machine import Check, TransitionContext
-from lifecycle.orchestrator import Orchestrator
-from lifecycle.pipeline_machine import PipelineLifecycle, PipelineMachine
-from lifecycle.refusals import (
-    InvalidTransition,
-    Refusal,
-    RefusalCode,
-    TransitionRefused,
-)
-from lifecycle.shared_device import SharedDevice
-from lifecycle.states import (
+from lifecycle.machines.engine import Check, TransitionContext
+from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
+from lifecycle.machines.tables import (
     PIPELINE_TRANSITIONS,
     WORKER_TRANSITIONS,
     ComponentState,
     PipelineState,
     WorkerState,
 )
+from lifecycle.machines.worker import WorkerMachine
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import InvalidTransition, Refusal, RefusalCode, TransitionRefused
+from lifecycle.shared_device import SharedDevice
 from lifecycle.testing import EventRecorder
-from lifecycle.worker_machine import WorkerMachine
 from tests.lifecycle.conftest import T2iPipeline
 from tests.lifecycle.test_shared_device import generate
 

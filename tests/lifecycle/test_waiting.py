@@ -13,9 +13,9 @@ import structlog
 from attention import Platform
 from lifecycle.events import MemoryWait, Move, Refused
 from lifecycle.logs import configure_logging
+from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
-from lifecycle.states import ComponentState
 from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 from tests.lifecycle.test_requests import NEXT_USES

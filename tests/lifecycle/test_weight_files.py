@@ -15,9 +15,9 @@ from components.weights import nonfinite
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.weight_files import weights_refusals
 from lifecycle.config import decode_spec
+from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal, RefusalCode, TransitionFailed
-from lifecycle.states import ComponentState
 
 
 def spec_text(weights: Path, options: str = "") -> str:

@@ -6,7 +6,8 @@ that text in its message, and no other line may be reported.
 
 from __future__ import annotations
 
-from lifecycle.machine import ComponentLifecycle, MoveArgs, TransitionContext
+from lifecycle.machines.component import ComponentLifecycle
+from lifecycle.machines.engine import MoveArgs, TransitionContext
 
 
 def typed(component: ComponentLifecycle, context: TransitionContext) -> int:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from components.batch import DEFAULT_STEPS
-from lifecycle.png import encode_png
+from lifecycle.pictures.png import encode_png
 from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.bodies import ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import (

@@ -16,7 +16,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
-from lifecycle import diagrams
+from lifecycle.pictures import diagrams
 from lifecycle.serving.auth import page_door
 from lifecycle.serving.worker import Worker
 

@@ -1,6 +1,6 @@
 """The adapter lifecycle (design §14): configured, admitted, loaded, active, released.
 
-Built from ``lifecycle.states.ADAPTER_TRANSITIONS`` on the same guarded machine as the
+Built from ``lifecycle.machines.tables.ADAPTER_TRANSITIONS`` on the same guarded machine as the
 components (every guard checked, refusals with reasons, atomic work), and on the lock
 of the components' machine, so that an adapter never changes a component's weights
 while a transition of that component (or a request's hold on it) is half done. Guards
@@ -13,7 +13,7 @@ import msgspec
 
 from lifecycle.events import AdapterTransitioned, Observers
 from lifecycle.logs import get_logger
-from lifecycle.machine import (
+from lifecycle.machines.engine import (
     NO_ARGS,
     Check,
     Guarded,
@@ -22,7 +22,7 @@ from lifecycle.machine import (
     TransitionContext,
     Work,
 )
-from lifecycle.states import ADAPTER_TRANSITIONS, INITIAL_ADAPTER_STATE, AdapterState
+from lifecycle.machines.tables import ADAPTER_TRANSITIONS, INITIAL_ADAPTER_STATE, AdapterState
 
 log = get_logger("lifecycle")
 

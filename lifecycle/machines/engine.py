@@ -1,4 +1,4 @@
-"""The guarded lifecycles: components (and pipelines) on shared ``transitions`` machines.
+"""The guarded engine every lifecycle runs on: ``transitions`` machines with refusals.
 
 Two extension points of ``transitions`` carry the project's semantics:
 
@@ -21,10 +21,8 @@ work travels on typed fields of the ``TransitionContext``.
 
 The machine knows no loader and no kernel: guards and work are injected per
 component by whoever owns the component (the orchestrator). ``GuardedMachine``
-holds what the component machine, the pipeline machine
-(``lifecycle.pipeline_machine``) and the adapter machine (``lifecycle.adapter_machine``)
-share; each is built from its own table in
-``lifecycle.states``.
+holds what the machines of this package share (component, pipeline, adapter, worker:
+one module each); each is built from its own table in ``lifecycle.machines.tables``.
 """
 
 from __future__ import annotations
@@ -38,12 +36,9 @@ from typing import Any, ClassVar, TypeAlias
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
 
-from lifecycle.events import Observers, Refused, Transitioned
+from lifecycle.events import Observers, Refused
 from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
-from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
-from lifecycle.states import (
-    INITIAL_STATE,
-    TRANSITIONS,
+from lifecycle.machines.tables import (
     AdapterState,
     AnyState,
     ComponentState,
@@ -51,6 +46,7 @@ from lifecycle.states import (
     TransitionRule,
     WorkerState,
 )
+from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 
 log = get_logger("lifecycle")
 
@@ -214,85 +210,6 @@ class Guarded:
 
     def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
         """Return whether the trigger named ``trigger_name`` would pass now."""
-        raise NotImplementedError
-
-
-class ComponentLifecycle(Guarded):
-    """One component's place in the lifecycle; the triggers are typed methods.
-
-    Create it, then ``LifecycleMachine.add_component`` it (see ``Guarded`` for the
-    arguments).
-    """
-
-    rules = TRANSITIONS
-    noun = "component"
-    state: ComponentState
-
-    # The machine binds these; the bodies exist so that type checkers see them.
-    def admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Configured -> admitted."""
-        raise NotImplementedError
-
-    def load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Admitted -> loaded."""
-        raise NotImplementedError
-
-    def onload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Loaded or offloaded -> resident."""
-        raise NotImplementedError
-
-    def offload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Loaded or resident -> offloaded."""
-        raise NotImplementedError
-
-    def release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Any state but released -> released."""
-        raise NotImplementedError
-
-    def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``admit`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``load`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_onload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``onload`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_offload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``offload`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    # transitions also binds one state test per state; declaring them keeps it from
-    # warning, per model and state, that it skipped them (noise in an embedder's logs)
-    def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)
-        """Return whether the component is CONFIGURED."""
-        raise NotImplementedError
-
-    def is_ADMITTED(self) -> bool:  # noqa: N802
-        """Return whether the component is ADMITTED."""
-        raise NotImplementedError
-
-    def is_LOADED(self) -> bool:  # noqa: N802
-        """Return whether the component is LOADED."""
-        raise NotImplementedError
-
-    def is_RESIDENT(self) -> bool:  # noqa: N802
-        """Return whether the component is RESIDENT."""
-        raise NotImplementedError
-
-    def is_OFFLOADED(self) -> bool:  # noqa: N802
-        """Return whether the component is OFFLOADED."""
-        raise NotImplementedError
-
-    def is_RELEASED(self) -> bool:  # noqa: N802
-        """Return whether the component is RELEASED."""
         raise NotImplementedError
 
 
@@ -524,7 +441,7 @@ def report_refused(refused: Refused, observers: Observers) -> None:
 
 
 class GuardedMachine(Machine):
-    """A ``transitions`` machine built from one table of ``lifecycle.states``.
+    """A ``transitions`` machine built from one table of ``lifecycle.machines.tables``.
 
     Triggers are serialised on ``lock`` (re-entrant, so the work of one transition
     may fire another, e.g. an onload that evicts, a sleep that offloads). Subclasses
@@ -606,41 +523,3 @@ class GuardedMachine(Machine):
         for per_source in self.events[trigger].transitions.values():
             found.extend(t for t in per_source if isinstance(t, GuardedTransition))
         return found
-
-
-class LifecycleMachine(GuardedMachine):
-    """The one machine every component of a ``SharedDevice`` shares.
-
-    Built from ``lifecycle.states.TRANSITIONS``.
-
-    Args:
-        name: the machine's name.
-        lock: the lock its triggers run under; a fresh one by default.
-    """
-
-    states_enum = ComponentState
-    rules = TRANSITIONS
-    initial_state = INITIAL_STATE
-
-    def __init__(self, name: str = "lifecycle", lock: threading.RLock | None = None) -> None:
-        super().__init__(name, lock)
-
-    def add_component(self, component: ComponentLifecycle) -> None:
-        """Attach ``component`` in the initial state; its triggers become live."""
-        with self.lock:
-            self.add_model(component)
-
-    def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
-        """Log ``lifecycle.transition`` and emit ``Transitioned``."""
-        done = Transitioned(
-            component=model.name,
-            trigger=context.trigger,
-            source=context.source.value,
-            dest=context.dest.value,
-            duration_ms=duration_ms,
-            request_id=context.request_id,
-        )
-        if context.is_logged:
-            log.info("lifecycle.transition", **msgspec.structs.asdict(done))
-        if model.observers.attached:
-            model.observers.emit(done)

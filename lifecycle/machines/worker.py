@@ -1,6 +1,6 @@
 """The serving worker's lifecycle (design §13): starting, ready, failed, draining.
 
-Built from ``lifecycle.states.WORKER_TRANSITIONS`` on the same guarded machine as the
+Built from ``lifecycle.machines.tables.WORKER_TRANSITIONS`` on the same guarded machine as the
 components and the pipelines, so that a worker's own moves are checked against the one
 table the diagrams draw (``diagrams/worker_lifecycle.*``): a trigger not valid from
 where the worker stands raises ``InvalidTransition`` and changes nothing.
@@ -9,8 +9,8 @@ where the worker stands raises ``InvalidTransition`` and changes nothing.
 from __future__ import annotations
 
 from lifecycle.logs import get_logger
-from lifecycle.machine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
-from lifecycle.states import INITIAL_WORKER_STATE, WORKER_TRANSITIONS, WorkerState
+from lifecycle.machines.engine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.machines.tables import INITIAL_WORKER_STATE, WORKER_TRANSITIONS, WorkerState
 
 log = get_logger("lifecycle")
 

@@ -1,6 +1,6 @@
 """The pipeline lifecycle (design §13): serving, sleeping, swapping, draining, released.
 
-Built from ``lifecycle.states.PIPELINE_TRANSITIONS`` on the same guarded machine as the
+Built from ``lifecycle.machines.tables.PIPELINE_TRANSITIONS`` on the same guarded machine as the
 components (every guard checked, refusals with reasons, atomic work), and on the lock
 of the components' machine, so that a sleep's offloads and a request's onloads never
 interleave. Guards and work are injected by the orchestrator that owns the pipeline.
@@ -12,8 +12,8 @@ import msgspec
 
 from lifecycle.events import PipelineSlept, PipelineTransitioned, PipelineWoke
 from lifecycle.logs import get_logger
-from lifecycle.machine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
-from lifecycle.states import INITIAL_PIPELINE_STATE, PIPELINE_TRANSITIONS, PipelineState
+from lifecycle.machines.engine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.machines.tables import INITIAL_PIPELINE_STATE, PIPELINE_TRANSITIONS, PipelineState
 
 log = get_logger("lifecycle")
 

@@ -1,0 +1,2 @@
+"""The state machines: their tables, the guarded engine, one module per machine
+(component, pipeline, adapter, worker)."""
