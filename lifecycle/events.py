@@ -26,7 +26,12 @@ ReloadOutcome: TypeAlias = Literal["unchanged", "swapped", "refused", "restored"
 
 
 class Move(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="residency.moved"
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="residency.moved",
+    omit_defaults=True,
 ):
     """One movement of a component's weights (``residency.moved``).
 
@@ -38,6 +43,9 @@ class Move(
         seconds: how long the move took.
         request_id: the request it happened for, or None.
         at: seconds since the orchestrator started, when the move finished.
+        streamed: on the offload of a layerwise component, the bytes of its blocks that
+            streamed onto the device and off while it was resident (blocks a step cache
+            skipped streamed none); 0, and left out, otherwise.
     """
 
     component: str
@@ -47,6 +55,7 @@ class Move(
     seconds: float
     request_id: str | None
     at: float
+    streamed: int = 0
 
 
 class Transitioned(

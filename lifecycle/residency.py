@@ -188,10 +188,11 @@ class Residency:
             moved = slot.store.nbytes
         else:
             moved = slot.store.offload()
+        streamed = slot.store.take_streamed()
         if self.budget.refund(slot):
             context.on_rollback(lambda: self.budget.charge(slot))
         if context.is_logged or slot.lifecycle.observers.attached:
-            self._record(slot, "offload", moved, started, context)
+            self._record(slot, "offload", moved, started, context, streamed)
 
     def release(self, name: str, context: TransitionContext) -> None:
         """Disarm ``name`` and drop its module, its store and any offload file."""
@@ -325,6 +326,7 @@ class Residency:
         moved: int,
         started: float,
         context: TransitionContext,
+        streamed: int = 0,
     ) -> None:
         """Log one move and hand it to the observers (called only when one of them reads it)."""
         finished = time.perf_counter()
@@ -337,6 +339,7 @@ class Residency:
             seconds=round(finished - started, 6),
             request_id=context.request_id,
             at=round(finished - self._started, 6),
+            streamed=streamed,
         )
         if context.is_logged:
             log.info(
@@ -347,6 +350,7 @@ class Residency:
                 bytes=move.bytes,
                 seconds=move.seconds,
                 request_id=move.request_id,
+                **({"streamed": streamed} if streamed else {}),
             )
         observers = slot.lifecycle.observers
         if observers.attached:

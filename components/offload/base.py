@@ -248,6 +248,13 @@ class WeightStore(ABC):
     def resident_bytes(self) -> int:
         """Return the bytes the module holds on the compute device, placeholders excluded."""
 
+    def take_streamed(self) -> int:
+        """Return the bytes of blocks streamed onto the device (and off) since the last call.
+
+        Only a store that moves parts of the module while it runs streams any: 0 here.
+        """
+        return 0
+
     @abstractmethod
     def close(self) -> None:
         """Drop the store's files and host copies; the module must not be used afterwards."""

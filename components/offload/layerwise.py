@@ -60,6 +60,8 @@ class LayerwiseStore(WeightStore):
     Attributes:
         peak_bytes: the most bytes resident during the last forward of ``module``.
 
+    ``take_streamed`` counts the block bytes that streamed through the device.
+
     Raises:
         OffloadError: an argument is out of range or ``blocks`` is not part of
             ``module`` (every problem named), or the store cannot be built.
@@ -106,6 +108,7 @@ class LayerwiseStore(WeightStore):
             self._hooks.append(block.register_forward_pre_hook(partial(self._before_block, index)))
             self._hooks.append(block.register_forward_hook(partial(self._after_block, index)))
         self.peak_bytes = self.resident_bytes()
+        self._streamed = 0
 
     @classmethod
     def from_options(
@@ -205,6 +208,13 @@ class LayerwiseStore(WeightStore):
         """Return the bytes on the device now, blocks streamed in (or in flight) included."""
         return sum(group.held_bytes() for group in (self._rest, *self._blocks))
 
+    def take_streamed(self) -> int:
+        """Return the bytes of blocks streamed in and out since the last call: each block
+        counted as it leaves the device, prefetched ones that never ran too (a block a
+        forward does not call, under a step cache, streams nothing)."""
+        streamed, self._streamed = self._streamed, 0
+        return streamed
+
     def close(self) -> None:
         """Drop the file, then remove the hooks and drop the host copies.
 
@@ -251,7 +261,7 @@ class LayerwiseStore(WeightStore):
             return  # an earlier pre-hook raised before this store's took the lock
         try:
             for group in self._blocks[self.resident_layers :]:
-                group.offload()
+                self._streamed += group.offload()  # prefetched, never run
         finally:
             self._runner = None
             self._running.release()
@@ -267,7 +277,7 @@ class LayerwiseStore(WeightStore):
         self, index: int, block: nn.Module, args: tuple[object, ...], output: object
     ) -> None:
         if index >= self.resident_layers:
-            self._blocks[index].offload()
+            self._streamed += self._blocks[index].offload()
 
 
 def _bound(rest: int, blocks: list[int], streamed: int) -> int:

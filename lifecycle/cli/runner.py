@@ -40,6 +40,8 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         offloads: moves off it.
         bytes_moved: bytes moved either way.
         move_seconds: time spent moving.
+        bytes_streamed: bytes of blocks a layerwise component streamed in and out while
+            it ran (``Move.streamed``).
         cache: the image steps its step cache computed and skipped over every request
             (design §17); None for a component without one.
     """
@@ -50,6 +52,7 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     offloads: int
     bytes_moved: int
     move_seconds: float
+    bytes_streamed: int = 0
     cache: CacheSteps | None = None
 
 
@@ -87,6 +90,7 @@ class _Totals:
     offloads: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    streamed: int = 0
     cache: CacheSteps = field(default_factory=CacheSteps)
 
 
@@ -117,6 +121,7 @@ class MoveTally:
         else:
             totals.offloads += 1
         totals.bytes += event.bytes
+        totals.streamed += event.streamed
         totals.seconds += event.seconds
         if self.moves is not None:
             self.moves.append(event)
@@ -134,6 +139,7 @@ class MoveTally:
                 offloads=self._totals[name].offloads,
                 bytes_moved=self._totals[name].bytes,
                 move_seconds=round(self._totals[name].seconds, 6),
+                bytes_streamed=self._totals[name].streamed,
                 cache=None if component.cache is None else self._totals[name].cache,
             )
             for name, component in snapshot.components.items()

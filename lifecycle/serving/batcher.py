@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from components.batch import Batch, Cancelled, StepDone, StepHook
+from components.cache import count_steps
 from lifecycle.config import ServingConfig
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
@@ -76,11 +77,12 @@ class QueueView:
 
     Attributes:
         queued: each waiting job with when it arrived (``time.monotonic``), first in line first.
-        running: each running batch's id with its jobs and the denoising steps it has done.
+        running: each running batch's id with its jobs, the denoising steps it has done,
+            and the image steps its step cache skipped so far (design §17).
     """
 
     queued: tuple[tuple[Job, float], ...]
-    running: tuple[tuple[str, tuple[Job, ...], int], ...]
+    running: tuple[tuple[str, tuple[Job, ...], int, int], ...]
 
 
 @dataclass
@@ -167,7 +169,12 @@ class Batcher:
             return QueueView(
                 queued=tuple((entry.job, entry.arrived) for entry in self._queue),
                 running=tuple(
-                    (batch_id, tuple(entry.job for entry in group), _steps_done(group))
+                    (
+                        batch_id,
+                        tuple(entry.job for entry in group),
+                        _steps_done(group),
+                        _skipped(group),
+                    )
                     for batch_id, group in self._running.items()
                 ),
             )
@@ -408,6 +415,13 @@ def _steps_done(group: list[_Entry]) -> int:
     """Return the denoising steps a running batch has done (0 until its batch is made)."""
     batch = group[0].batch
     return 0 if batch is None else batch.step
+
+
+def _skipped(group: list[_Entry]) -> int:
+    """Return the image steps a running batch's step cache has skipped so far."""
+    batch = group[0].batch
+    rows = None if batch is None else batch.cache_rows
+    return 0 if rows is None else count_steps(rows).skipped
 
 
 def _steps_hook(group: list[_Entry], on_change: QueueObserver | None) -> StepHook | None:

@@ -102,6 +102,7 @@ class RunningBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         stage: the stage whose components it holds now; None between stages.
         step: the denoising steps it has done in its stage.
         steps: the denoising steps it runs.
+        skipped: the image steps its step cache skipped so far (design §17).
     """
 
     id: str
@@ -110,6 +111,7 @@ class RunningBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stage: str | None
     steps: int
     step: int
+    skipped: int = 0
 
 
 class ResidentInterval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -260,8 +262,9 @@ def pipeline_status(
                 ),
                 steps=jobs[0].key.steps,
                 step=step,
+                skipped=skipped,
             )
-            for batch_id, jobs, step in view.running
+            for batch_id, jobs, step, skipped in view.running
         )
     intervals = resident_intervals(list(spec.components), board.recent_moves(spec.name))
     timeline = tuple(

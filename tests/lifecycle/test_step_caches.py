@@ -21,7 +21,7 @@ from attention import Platform
 from components.batch import Batch
 from components.cache import CacheSteps
 from lifecycle.config import decode_spec
-from lifecycle.events import Event, RequestEnded
+from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
@@ -209,6 +209,52 @@ class TestBatches:
         assert [line["cache"] for line in lines] == [msgspec.to_builtins(e.cache) for e in ended]
         assert [line["cache_skipped"] for line in lines] == [counted.skipped, 0]
         assert [line["cache_uncached"] for line in lines] == [0, 2]
+
+
+class TestResidency:
+    """A cache under layerwise offload: the same output, and blocks it skips never stream."""
+
+    def test_layerwise_offload_streams_only_the_blocks_that_run(
+        self, smooth: dict[str, Path]
+    ) -> None:
+        """Streaming Flux's blocks (prefetch 1), taylor_seer's output equals the resident
+        cached run's, and the block bytes ``residency.moved`` reports fall with the steps
+        skipped, exactly: a predicted step calls no block."""
+        folder = smooth["flux"]
+
+        def run(residency: str, cache: str) -> tuple[torch.Tensor, int, int]:
+            table = f'[components.transformer]\nresidency = "{residency}"\n' if residency else ""
+            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{table}{cache}')
+            streamed = [0]
+
+            def observe(event: Event) -> None:
+                if isinstance(event, Move) and event.component == "transformer":
+                    streamed[0] += event.streamed
+
+            with Orchestrator(spec, platform=Platform("cpu"), observer=observe) as pipeline:
+                pipeline.admit()
+                pipeline.load()
+                batch = Batch(
+                    generator=torch.Generator().manual_seed(0),
+                    steps=12,
+                    prompts=["a fox"],
+                    image_size=(64, 64),
+                )
+                with pipeline.request() as request:
+                    request.run("encode", batch)
+                    request.run("denoise", batch)
+            rows = batch.cache_rows
+            computed = 12 if rows is None or rows[0] is None else rows[0].computed
+            return (batch.latents or [])[0], streamed[0], computed
+
+        taylor = cache_table("taylor_seer")
+        resident, _, computed = run("", taylor)
+        streaming, streamed, also = run("layerwise_offload", taylor)
+        _, uncached, _ = run("layerwise_offload", "")
+        assert torch.equal(streaming, resident)
+        assert also == computed < 12
+        assert uncached > 0
+        assert streamed * 12 == uncached * computed
 
 
 class TestCheck:

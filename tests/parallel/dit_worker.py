@@ -10,12 +10,16 @@ case runs the same seeded mixed-size groups, or the prompt-length sweep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 import torch
 
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from components import ParallelLayout, registry
 from components.accounting import module_bytes
+from components.cache import CacheSettings, RowCache, StepCache
 from components.kinds.dit.loader import DitLoader
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
@@ -45,6 +49,8 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         direct: build through the loader outside the lifecycle (DTensor weights).
         packed: the DiT's ``packed_sequences`` option.
         sweep: run the prompt-length sweep (many forwards) instead of the mixed groups.
+        cache: run the mixed groups over ``CACHE_STEPS`` steps under a step cache of this
+            method (``cached_steps``) instead, the folder's time embedding smoothed.
     """
 
     family: str
@@ -53,6 +59,7 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     direct: bool = False
     packed: bool = True
     sweep: bool = False
+    cache: str = ""
 
     def spec(self, *, split: bool = True) -> str:
         """Return the one-DiT spec (without its layout unless ``split``)."""
@@ -88,7 +95,30 @@ def _run(case: DitCase, *, split: bool) -> tuple[Ran, int]:
         return _measured(loader, _built_outside(loader, spec.parallel), forwards)
     with Orchestrator(spec) as orchestrator:
         orchestrator.load()
-        return _measured(loader, orchestrator.module("transformer"), forwards)
+        module = orchestrator.module("transformer")
+        if case.cache:
+            outputs, patterns = cached_steps(module, case.family, loader.config, case.cache)
+            return Ran(outputs, module_bytes(module), {}, patterns), 0
+        return _measured(loader, module, forwards)
+
+
+CACHE_STEPS = 10
+
+
+def cached_steps(
+    module: torch.nn.Module, family: str, config: Mapping[str, Any], method: str
+) -> tuple[Outputs, tuple[str, ...]]:
+    """Run the mixed groups over ``CACHE_STEPS`` steps, their timesteps falling by half, each
+    request under its own cache of ``method``; every step's outputs and each row's pattern."""
+    settings = CacheSettings(method=method)  # type: ignore[arg-type]
+    groups = mixed_groups(family, config)
+    rows = [RowCache(settings, CACHE_STEPS) for group in groups for _ in group.timestep]
+    outputs: Outputs = []
+    for step in range(CACHE_STEPS):
+        now = [g._replace(timestep=g.timestep * (1 - step / (2 * CACHE_STEPS))) for g in groups]
+        with torch.inference_mode():
+            outputs += module(now, StepCache(step, CACHE_STEPS, [(row, 0) for row in rows]))
+    return outputs, tuple(row.pattern for row in rows)
 
 
 def _measured(

@@ -87,6 +87,28 @@ def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dic
     return found
 
 
+CACHED = {
+    "pixart-ulysses-cache": ("pixart", "ulysses", "taylor_seer"),
+    "flux-ulysses-cache": ("flux", "ulysses", "first_block"),
+    "flux-ring-cache": ("flux", "ring", "taylor_seer"),
+}
+"""Cases of a step cache under sequence parallel, on the smoothed folders: family,
+layout, method."""
+
+
+def cached_cases(folders: dict[str, Path]) -> dict[str, DitCase]:
+    """Return the ``CACHED`` cases."""
+    return {
+        name: DitCase(
+            family=family,
+            folder=str(folders[f"{family}-smooth"]),
+            layout=TWO[layout][0],
+            cache=method,
+        )
+        for name, (family, layout, method) in CACHED.items()
+    }
+
+
 def with_heads(folder: Path, into: Path, heads: int) -> Path:
     """Write a seeded copy of ``folder``'s DiT with ``heads`` heads of the same width each."""
     import diffusers
@@ -107,6 +129,7 @@ def folders(
 ) -> dict[str, Path]:
     """The tiny folders (and four-head copies), written before any rank starts."""
     found = {family: pipeline_folder(family) for family in (*FAMILIES, "sd3")}
+    found |= {f"{f}-smooth": pipeline_folder(f, smooth_time=True) for f in FAMILIES}
     for family in FAMILIES:
         found[f"{family}-wide"] = with_heads(found[family], tmp_path_factory.mktemp(family), 4)
     return found
@@ -116,7 +139,7 @@ def folders(
 def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every two-rank case's outputs, from one spawn of two gloo processes."""
     out_dir = tmp_path_factory.mktemp("dit_two")
-    spawn(2, cases(TWO, folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
+    spawn(2, cases(TWO, folders) | cached_cases(folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
     return out_dir
 
 
@@ -129,15 +152,19 @@ def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @functools.cache
-def dit_alone(folder: str, family: str, packed: bool, sweep: bool) -> tuple[Ran, int]:
+def dit_alone(
+    folder: str, family: str, packed: bool, sweep: bool, cache: str = ""
+) -> tuple[Ran, int]:
     """Run a folder's DiT alone once: every layout of it compares with the same outputs."""
-    return run_dit_alone(DitCase(family=family, folder=folder, packed=packed, sweep=sweep))
+    return run_dit_alone(
+        DitCase(family=family, folder=folder, packed=packed, sweep=sweep, cache=cache)
+    )
 
 
 def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -> None:
     """Assert rank 0's outputs equal one process's, and what each rank sent and held."""
     split: list[torch.Tensor] = torch.load(out_dir / f"{name}.pt")
-    ran, block_bytes = dit_alone(case.folder, case.family, case.packed, case.sweep)
+    ran, block_bytes = dit_alone(case.folder, case.family, case.packed, case.sweep, case.cache)
     alone, alone_bytes = ran.outputs, ran.held_bytes
     assert len(split) == len(alone)
     for got, want in zip(split, alone, strict=True):
@@ -175,6 +202,26 @@ class TestTwoRanks:
         """Every prompt length and image size, wherever the shard boundary falls (a shard
         without text or image rows, a request wholly in one shard), equals one process."""
         assert_equal_to_alone(two, name, cases(TWO, folders)[name], 2)
+
+
+@pytest.mark.usefixtures("one_thread")
+class TestCachedLayouts:
+    """A step cache on the folder DiTs under sequence parallel: each part of the stack
+    gathers its rows whole, so both ranks decide alike."""
+
+    @pytest.mark.parametrize("name", list(CACHED))
+    def test_ranks_skip_alike_and_equal_one_process(
+        self, two: Path, folders: dict[str, Path], name: str
+    ) -> None:
+        """Ten steps of requests of three sizes: both ranks skip the steps one process does,
+        and every step's output equals one process's within 1e-5."""
+        case = cached_cases(folders)[name]
+        assert_equal_to_alone(two, name, case, 2)
+        patterns = dit_alone(case.folder, case.family, case.packed, case.sweep, case.cache)[0]
+        assert any("S" in pattern for pattern in patterns.patterns), patterns.patterns
+        for rank in range(2):
+            did = msgspec.json.decode((two / f"{name}.rank{rank}.json").read_bytes(), type=Sent)
+            assert tuple(did.patterns) == patterns.patterns, f"{name} rank {rank}"
 
 
 class TestFourRanks:

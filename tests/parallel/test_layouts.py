@@ -94,6 +94,10 @@ TWO = {
 }
 CACHED = {
     "ulysses_cache": ("sp_degree = 2\nulysses_degree = 2", 1.0),
+    "ring_cache": ("sp_degree = 2\nring_degree = 2", 4.0),
+    "kv_gather_cache": ("sp_degree = 2\nkv_gather_degree = 2", 1.0),
+    "tensor_parallel_cache": ("tp_size = 2", 4.0),
+    "data_parallel_cache": ("dp_size = 2", 4.0),
     "cfg_parallel_cache": ("cfg_parallel = true", 4.0),
 }
 """Layouts run with a first-block cache on the smoothed tiny DiT: layout, guidance scale."""
@@ -260,15 +264,15 @@ class TestTwoRanks:
 
 @pytest.mark.usefixtures("one_thread")
 class TestCachedLayouts:
-    """A step cache under Ulysses and CFG parallel: one decision on every rank."""
+    """A step cache under every two-rank layout of the tiny DiT: one decision on every rank."""
 
     @pytest.mark.parametrize("name", list(CACHED))
     def test_ranks_skip_alike_and_equal_one_process(
         self, two: Path, name: str, smooth_weights: Path, alone: Alone
     ) -> None:
         """Both ranks skip the same steps of each row (the measured change summed across
-        the cfg group, or gathered whole under Ulysses), the same as one process, and the
-        latents equal one process's within the float32 tolerance."""
+        the cfg group, or gathered whole under sequence parallel), the same as one process,
+        and the latents equal one process's within the float32 tolerance."""
         case = cached_cases(smooth_weights)[name]
         assert_equal_to_alone(two, name, case, 2, alone)
         patterns = alone(case).patterns

@@ -100,6 +100,18 @@ class DitLoader(FolderLoader):
             return self.library_layout
         return self.custom_layout()
 
+    def cache_problem(self, path: LoaderPath) -> str | None:
+        """Refuse a step cache on the native path: diffusers' class runs every request of a
+        group in one call, and its cache hooks (``CacheMixin``, where it has them) keep one
+        state for the module, so its requests could not decide apart (design §17)."""
+        if path == "native":
+            return (
+                f"its native path runs diffusers' {self.class_name}, which decides one step "
+                "for every request it runs at once (its cache hooks, where it has them, keep "
+                "one state for the whole module), so requests could not skip apart"
+            )
+        return super().cache_problem(path)
+
     def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
         """Shard the packed joint rows (sp) and the heads and MLP units (tp) of the DiT."""
         assert isinstance(module, PackedTransformer)  # the custom path builds one

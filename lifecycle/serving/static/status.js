@@ -156,7 +156,8 @@ function renderQueue(view) {
     el("tr", { "data-batch-id": r.id },
       el("td", { class: "id" }, ...r.request_ids.flatMap((id, i) => i ? ["+", el("wbr"), id] : [id])),
       el("td", { class: "stage" }, r.stage ?? "—"),
-      el("td", { class: "step num" }, `${r.step ?? "—"} / ${r.steps}`))));
+      el("td", { class: "step num" },
+        `${r.step ?? "—"} / ${r.steps}` + (r.skipped ? ` (${r.skipped} skipped)` : "")))));
 }
 
 function renderTimeline(view) {

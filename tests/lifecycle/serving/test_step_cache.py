@@ -1,4 +1,4 @@
-"""A step cache over HTTP: per-request ``cache``, what a response says, streams and metrics.
+"""A step cache served: per-request ``cache``, what a response says, streams, metrics, status.
 
 The folder is the tiny Flux one written with ``smooth_time=True`` (its adjacent steps
 differ as a trained model's do, so the cache skips some: every test asserts it does).
@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from httpx_sse import connect_sse
 
 from lifecycle.config import decode_spec
+from lifecycle.serving.bodies import ImagesBody
+from lifecycle.serving.folder_jobs import folder_image_job
+from lifecycle.serving.status import RunningBatch, worker_status
 from tests.conftest import Lifecycle, PipelineFolders
-from tests.lifecycle.serving.conftest import ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,3 +92,34 @@ def test_a_skipped_step_still_streams_its_progress(folder: Path, serve_spec: Ser
     kind, completed = events[-1]
     assert kind == "image_generation.completed"
     assert completed["cache"]["skipped"] > 0
+
+
+def test_the_status_shows_the_steps_a_running_batch_skipped(
+    folder: Path, serve_spec: ServeSpec
+) -> None:
+    """Read on the runner thread at step 20, the status page's running batch says how many
+    image steps its cache skipped so far: what the finished job then reports."""
+    spec = decode_spec(
+        f'source = "{folder}"\ndevice = "cpu"\n'
+        '[components.transformer.cache]\nmethod = "taylor_seer"\n'
+    )
+    served = serve_spec(spec)
+    worker = served.worker
+    batcher, recipe = worker.batcher, worker.orchestrator.recipe
+    assert batcher is not None
+    assert recipe is not None
+    job = folder_image_job(recipe, ImagesBody(**BODY), "watched", 3, mixes_sizes=True)
+    seen: list[RunningBatch] = []
+
+    def at_step(step: int, steps: int, latents: list[torch.Tensor]) -> None:
+        if step in (2, 20):
+            (pipeline,) = worker_status(worker).pipelines
+            seen.extend(pipeline.running)
+
+    job.on_step = at_step
+    done = batcher.submit(job).result(timeout=WATCHDOG_S)
+    early, late = seen
+    assert (early.id, early.step, early.skipped) == ("watched", 2, 0)  # the warm-up
+    assert (late.step, late.steps) == (20, 28)
+    assert done.cache_steps is not None
+    assert 0 < late.skipped <= done.cache_steps.skipped
