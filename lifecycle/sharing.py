@@ -32,8 +32,8 @@ class ComponentIdentity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         weights: each tensor of its weights file with its checksum; empty for weights
             made from a seed (``options`` holds the seed).
         build: its admitted plan (loader path, attention sites and their backends) as JSON.
-        keeping: how it is kept: residency mode, layerwise settings, offload target and
-            verification, parallel layout and device, as JSON.
+        keeping: how it is kept and run: residency mode, layerwise settings, offload
+            target and verification, parallel layout, device and step cache, as JSON.
     """
 
     kind: str
@@ -69,6 +69,8 @@ def component_identity(slot: ComponentSlot, spec: PipelineSpec, device: str) -> 
                 "verify": memory.verify_offload,
                 "parallel": spec.parallel,
                 "device": device,
+                # a step cache is how its kind runs it: pipelines that run it apart hold it apart
+                "cache": slot.spec.cache_settings,
             }
         ),
     )

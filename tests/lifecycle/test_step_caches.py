@@ -23,6 +23,7 @@ from components.cache import CacheSteps
 from lifecycle.config import decode_spec
 from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.shared_device import SharedDevice
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 
@@ -209,6 +210,86 @@ class TestBatches:
         assert [line["cache"] for line in lines] == [msgspec.to_builtins(e.cache) for e in ended]
         assert [line["cache_skipped"] for line in lines] == [counted.skipped, 0]
         assert [line["cache_uncached"] for line in lines] == [0, 2]
+
+
+class TestOptions:
+    """A cache with adapters and a per-request attention backend: each still applies."""
+
+    def test_adapters_and_an_override_run_under_the_cache(
+        self, smooth: dict[str, Path], tmp_path: Path
+    ) -> None:
+        """A merged and an unmerged LoRA, and a request on the reference backend, each skip
+        steps and stay above 30 dB of the same request uncached; the LoRA changes the image."""
+        from benchmarks.make_adapter import DEFAULT_TARGETS, linear_shapes, write_lora
+
+        folder = smooth["flux"]
+        shapes = linear_shapes(folder, "transformer", DEFAULT_TARGETS)
+        lora = write_lora(shapes, tmp_path / "lora.safetensors", prefix="transformer")
+        adapters = "".join(
+            f'[adapters.{mode}]\npath = "{lora}"\nmode = "{mode}"\nscale = 2.0\n'
+            for mode in ("merged", "unmerged")
+        )
+
+        asked = ((None, None), ("merged", None), ("unmerged", None), (None, "reference"))
+
+        def run(cache: str) -> list[torch.Tensor]:
+            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{cache}{adapters}')
+            found = []
+            with Orchestrator(spec, platform=Platform("cpu")) as pipeline:
+                pipeline.admit()
+                pipeline.load()
+                for adapter, backend in asked:
+                    batch = Batch(
+                        generator=torch.Generator().manual_seed(0),
+                        steps=28,
+                        prompts=["a fox"],
+                        image_size=(64, 64),
+                        adapters=None if adapter is None else [{adapter: 2.0}],
+                    )
+                    with pipeline.request(attention_backend=backend) as request:
+                        request.run("encode", batch)
+                        request.run("denoise", batch)
+                    rows = batch.cache_rows
+                    if rows is not None:
+                        assert rows[0] is not None
+                        assert rows[0].skipped > 0, (adapter, backend, rows[0].pattern)
+                    found.append((batch.latents or [])[0])
+            return found
+
+        cached, uncached = run(cache_table("first_block")), run("")
+        for (adapter, backend), ours, reference in zip(asked, cached, uncached, strict=True):
+            peak = float(reference.max() - reference.min())
+            mse = float(((ours - reference) ** 2).mean())
+            assert 10 * math.log10(peak**2 / mse) > MIN_PSNR, (adapter, backend)
+            if adapter is not None:
+                assert not torch.allclose(ours, cached[0], atol=1e-3)
+
+
+class TestSharing:
+    """Pipelines on one device share a component only when they run it alike."""
+
+    def test_a_component_with_another_cache_is_held_apart(self, root: Path) -> None:
+        """Two tiny-t2i pipelines differing only in the DiT's cache share the text encoder
+        and VAE, not the DiT: each request runs its own pipeline's cache (or none)."""
+        text = (root / "examples" / "tiny_t2i.toml").read_text()
+        cached = text.replace('name = "tiny-t2i"', 'name = "cached"') + cache_table(
+            "taylor_seer"
+        ).replace("\n\n", "\n")
+        device = SharedDevice()
+        with (
+            Orchestrator(decode_spec(cached), shared=device) as a,
+            Orchestrator(decode_spec(text), shared=device) as b,
+        ):
+            for pipeline in (a, b):
+                pipeline.admit()
+                pipeline.load()
+            assert a.module("vae") is b.module("vae")
+            assert a.module("transformer") is not b.module("transformer")
+            for pipeline, expect in ((a, True), (b, False)):
+                batch = Batch(generator=torch.Generator().manual_seed(0), steps=12)
+                with pipeline.request() as request:
+                    request.run_all(batch)
+                assert (batch.cache_rows is not None) == expect
 
 
 class TestResidency:
