@@ -31,12 +31,13 @@ from benchmarks.folders import SIZE, STEPS, load_ours, request_ours
 from benchmarks.make_adapter import DEFAULT_TARGETS, linear_shapes, write_lora
 from benchmarks.make_pipeline import write_pipeline
 from components.libraries import is_importable
-from lifecycle.config import AdapterSpec, decode_spec, load_spec
 from lifecycle.events import AdapterSwitched
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Worker
+from lifecycle.spec.reading import decode_spec, load_spec
+from lifecycle.spec.structs import AdapterSpec
 
 RANKS = (4, 16, 64)
 ROUNDS = 5

@@ -42,9 +42,9 @@ from benchmarks.folders import load_diffusers
 from benchmarks.make_pipeline import write_pipeline
 from components.batch import Batch
 from components.libraries import is_importable
-from lifecycle.config import decode_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import decode_spec
 
 STEPS = 28
 SIZE = (256, 256)

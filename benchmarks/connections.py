@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from benchmarks._environment import announce
-from lifecycle.config import ServingConfig
 from lifecycle.serving.connections import guarded_protocol
+from lifecycle.spec.structs import ServingConfig
 
 ROUNDS = 9
 REQUESTS = 1000

@@ -34,9 +34,10 @@ import torch
 
 from benchmarks._environment import announce
 from components.batch import Batch
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.events import Event, MemoryWait, Move
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "tiny_t2i.toml"
 THREADS = (4, 16)

@@ -41,8 +41,8 @@ from benchmarks.attention_overhead import interleaved, threads
 from benchmarks.make_pipeline import Family, write_pipeline
 from components.batch import Batch
 from components.libraries import is_importable
-from lifecycle.config import load_spec
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
 
 FAMILIES: tuple[Family, ...] = ("pixart", "flux", "sd3")
 PROMPT = "A watercolour painting of a lighthouse in a storm at dusk"

@@ -31,8 +31,9 @@ from safetensors.torch import save_file
 
 from benchmarks._environment import announce
 from components import registry
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 7

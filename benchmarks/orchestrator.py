@@ -45,13 +45,14 @@ from components.batch import Batch
 from components.loader import ComponentLoader
 from components.offload import HostStore
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.logs import configure_logging
 from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
 from lifecycle.machines.engine import TransitionContext
 from lifecycle.machines.tables import GUARDS
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal
+from lifecycle.spec.reading import decode_spec, load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = Platform("cpu")

@@ -45,12 +45,13 @@ import torch
 from components import registry as kinds
 from components.batch import Batch
 from lifecycle.admission.budget import declared_bytes
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving import changes
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Worker
 from lifecycle.shared_device import SharedDevice
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "t2i_minilm.toml"

@@ -12,17 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from components.batch import Cancelled
-    from lifecycle.config import (
-        AdapterSpec,
-        AttentionConfig,
-        ComponentSpec,
-        ConfigError,
-        MemoryConfig,
-        PipelineSpec,
-        StageSpec,
-        decode_spec,
-        load_spec,
-    )
     from lifecycle.logs import configure_logging
     from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
     from lifecycle.machines.engine import MoveArgs, TransitionContext
@@ -51,18 +40,28 @@ if TYPE_CHECKING:
         TransitionRefused,
     )
     from lifecycle.shared_device import SharedDevice
+    from lifecycle.spec.errors import ConfigError
+    from lifecycle.spec.reading import decode_spec, load_spec
+    from lifecycle.spec.structs import (
+        AdapterSpec,
+        AttentionConfig,
+        ComponentSpec,
+        MemoryConfig,
+        PipelineSpec,
+        StageSpec,
+    )
 
 _HOMES = {
     "Cancelled": "components.batch",
-    "AdapterSpec": "lifecycle.config",
-    "AttentionConfig": "lifecycle.config",
-    "ComponentSpec": "lifecycle.config",
-    "ConfigError": "lifecycle.config",
-    "MemoryConfig": "lifecycle.config",
-    "PipelineSpec": "lifecycle.config",
-    "StageSpec": "lifecycle.config",
-    "decode_spec": "lifecycle.config",
-    "load_spec": "lifecycle.config",
+    "AdapterSpec": "lifecycle.spec.structs",
+    "AttentionConfig": "lifecycle.spec.structs",
+    "ComponentSpec": "lifecycle.spec.structs",
+    "ConfigError": "lifecycle.spec.errors",
+    "MemoryConfig": "lifecycle.spec.structs",
+    "PipelineSpec": "lifecycle.spec.structs",
+    "StageSpec": "lifecycle.spec.structs",
+    "decode_spec": "lifecycle.spec.reading",
+    "load_spec": "lifecycle.spec.reading",
     "configure_logging": "lifecycle.logs",
     "ComponentLifecycle": "lifecycle.machines.component",
     "LifecycleMachine": "lifecycle.machines.component",

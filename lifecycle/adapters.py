@@ -31,7 +31,6 @@ from torch.utils.hooks import RemovableHandle
 
 from components.adapters import LoraMatrices, attach, linear_layers, merged_weight, read_matrices
 from lifecycle.admission.adapters import AdapterAdmission
-from lifecycle.config import AdapterSpec
 from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.adapter import AdapterLifecycle, AdapterMachine
@@ -42,6 +41,7 @@ from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.residency import Residency
 from lifecycle.shown import shown
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import AdapterSpec
 
 log = get_logger("lifecycle")
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from components.mesh import ParallelMesh
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import PipelineSpec
 
 
 def launched_world() -> int:

@@ -35,7 +35,6 @@ from lifecycle.adapters import AdapterKeeper
 from lifecycle.admission.adapters import admit_adapter
 from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
-from lifecycle.config import AdapterSpec, ComponentSpec, PipelineSpec, load_spec
 from lifecycle.distributed import world_refusals
 from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
@@ -66,6 +65,8 @@ from lifecycle.residency import Residency
 from lifecycle.shared_device import SharedDevice
 from lifecycle.sharing import ComponentIdentity, component_identity
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import AdapterSpec, ComponentSpec, PipelineSpec
 from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 

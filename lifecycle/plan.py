@@ -9,9 +9,9 @@ from components import ResidencyMode
 from components.cache import CacheSettings
 from components.dtypes import DType
 from components.loader import LoaderPath
-from lifecycle.config import AdapterMode
 from lifecycle.machines.tables import AdapterState, ComponentState
 from lifecycle.refusals import RefusalCode
+from lifecycle.spec.structs import AdapterMode
 
 
 class SitePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

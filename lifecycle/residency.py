@@ -21,7 +21,6 @@ from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from components.offload.removal import remove_path
 from lifecycle import offload_folder
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Direction, Move
 from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs, TransitionContext
@@ -29,6 +28,7 @@ from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.shared_device import SharedDevice
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.timeline import Timeline
 
 log = get_logger("lifecycle")

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-from lifecycle.config import PipelineSpec, WorkerFile
 from lifecycle.device_budget import DeviceBudget
 from lifecycle.events import Observers
 from lifecycle.logs import get_logger
@@ -32,6 +31,7 @@ from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
 from lifecycle.machines.tables import ComponentState
 from lifecycle.sharing import ComponentIdentity
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import PipelineSpec, WorkerFile
 from lifecycle.timeline import Timeline
 from lifecycle.waiting import MemoryWaiter
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 
 from components.weights import TensorChecksum, tensor_checksums
-from lifecycle.config import PipelineSpec
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import PipelineSpec
 
 
 class ComponentIdentity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

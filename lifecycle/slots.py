@@ -13,10 +13,10 @@ from components import ResidencyMode
 from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
-from lifecycle.config import ComponentSpec
 from lifecycle.events import Observers
 from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.plan import ComponentPlan
+from lifecycle.spec.structs import ComponentSpec
 
 if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here
     from lifecycle.sharing import ComponentIdentity

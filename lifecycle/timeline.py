@@ -6,7 +6,7 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from lifecycle.config import StageSpec
+from lifecycle.spec.structs import StageSpec
 
 
 class Timeline:

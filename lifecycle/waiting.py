@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from components.batch import Cancelled
-from lifecycle.config import StageSpec
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
 from lifecycle.priorities import PriorityQueue
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.structs import StageSpec
 
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
 

@@ -19,24 +19,26 @@ FLOORS = ("lifecycle", "components", "attention")
 OUTSIDE_CORE = ("lifecycle.serving", "lifecycle.cli", "lifecycle.__main__")
 """What serves the core: ``__main__`` is the CLI's entry point (``python -m lifecycle``)."""
 
-ADMISSION_READS = ("lifecycle.config", "lifecycle.plan", "lifecycle.refusals", "lifecycle.sizes")
-"""What admission reads of the rest of ``lifecycle``: the spec, the plan, refusals, sizes."""
+ADMISSION_READS = ("lifecycle.spec", "lifecycle.plan", "lifecycle.refusals")
+"""What admission reads of the rest of ``lifecycle``: the spec (sizes too), the plan, refusals."""
 
 PROBE = ("lifecycle.admission.offload_dir", "lifecycle.offload_folder")
 """The one I/O admission does: the offload-dir check probes the folder it would write."""
 
 ROOMS = {
     "lifecycle.machines": ("lifecycle.events", "lifecycle.logs", "lifecycle.refusals"),
+    "lifecycle.spec": ("lifecycle.shown",),
     "lifecycle.pictures": (
         "lifecycle.machines",
-        "lifecycle.config",
+        "lifecycle.spec",
         "lifecycle.plan",
         "lifecycle.refusals",
         "lifecycle.events",
     ),
 }
 """Each room of ``lifecycle`` and what else of ``lifecycle`` it may import: the machines
-know no device, orchestrator or spec; pictures only read the machines, the spec and what
+know no device, orchestrator or spec; the spec knows no machine (it reads one helper
+that cuts values short in errors); pictures only read the machines, the spec and what
 admission and the orchestrator report."""
 
 IO_MODULES = (
@@ -164,7 +166,7 @@ class TestArrows:
         source = (
             "from typing import TYPE_CHECKING\n"
             "from . import sibling\n"
-            "from lifecycle import config, logs\n"
+            "from lifecycle import spec, logs\n"
             "if TYPE_CHECKING:\n"
             "    from components.loader import LoaderPath\n"
             "def late() -> None:\n"
@@ -172,7 +174,7 @@ class TestArrows:
         )
         found = {(i.target, i.line, i.typing_only) for i in read_imports(source, "attention.x.y")}
         assert ("attention.x", 2, False) in found
-        assert {("lifecycle.config", 3, False), ("lifecycle.logs", 3, False)} <= found
+        assert {("lifecycle.spec", 3, False), ("lifecycle.logs", 3, False)} <= found
         assert ("lifecycle", 3, False) not in found  # the modules, not their package
         assert ("components.loader", 5, True) in found
         assert ("lifecycle.cli", 7, False) in found

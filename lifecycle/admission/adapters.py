@@ -25,8 +25,8 @@ from torch import nn
 
 from components import ResidencyMode
 from components.adapters import AdapterFile, KeyProblem, LoraTarget, target_problems
-from lifecycle.config import AdapterSpec, PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import AdapterSpec, PipelineSpec
 
 
 @dataclass(frozen=True)

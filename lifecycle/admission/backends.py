@@ -21,8 +21,8 @@ from attention import (
 )
 from components.loader import ComponentLoader
 from components.sites import AttentionSite
-from lifecycle.config import ALL_ROLES, PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import ALL_ROLES, PipelineSpec
 
 
 def backend_requests(

@@ -18,9 +18,9 @@ from msgspec import UnsetType
 
 from components import ResidencyMode
 from components.loader import ComponentLoader
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.sizes import format_sizes
+from lifecycle.spec.sizes import format_sizes
+from lifecycle.spec.structs import PipelineSpec
 
 
 class SharedBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from components.loader import ComponentLoader, LoaderPath
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 
 def cache_refusals(

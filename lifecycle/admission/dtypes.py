@@ -11,8 +11,8 @@ from torch.nn import functional
 from attention import Platform
 from components.dtypes import TORCH_DTYPES, DType
 from components.loader import ComponentLoader
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 
 def dtype_refusals(

@@ -19,8 +19,8 @@ from components.folders.problems import Problem
 from components.loader import ComponentLoader
 from components.recipes import Recipe
 from components.recipes.base import RecipeError
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 _CODES = {code.value: code for code in RefusalCode}
 """Each refusal code by its value: a folder's problems name theirs as strings."""

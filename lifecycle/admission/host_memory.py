@@ -25,9 +25,9 @@ from pathlib import Path
 from components import ResidencyMode
 from components.loader import ComponentLoader
 from lifecycle.admission.budget import declared_bytes
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.sizes import format_sizes
+from lifecycle.spec.sizes import format_sizes
+from lifecycle.spec.structs import PipelineSpec
 
 MEMINFO = Path("/proc/meminfo")
 SHOWN = 3

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 from components.batch import Port
 from components.loader import ComponentLoader
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 
 def interface_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> list[Refusal]:

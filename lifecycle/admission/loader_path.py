@@ -5,8 +5,8 @@ from __future__ import annotations
 from msgspec import UnsetType
 
 from components.loader import ComponentLoader, LoaderPath
-from lifecycle.config import ALL_ROLES, ComponentSpec, PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import ALL_ROLES, ComponentSpec, PipelineSpec
 
 
 def choose_path(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from components import ResidencyMode
 from lifecycle import offload_folder
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 
 def disk_offloaded(spec: PipelineSpec) -> list[str]:

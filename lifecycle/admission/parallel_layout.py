@@ -16,8 +16,8 @@ from attention import Platform
 from components import ParallelLayout, ResidencyMode
 from components.loader import ComponentLoader, LoaderPath
 from components.sites import AttentionSite
-from lifecycle.config import PipelineSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 
 class Split(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -45,9 +45,9 @@ from lifecycle.admission.parallel_layout import (
 )
 from lifecycle.admission.residency import residency_refusals
 from lifecycle.admission.weight_files import weights_refusals
-from lifecycle.config import ComponentSpec, PipelineSpec
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import ComponentSpec, PipelineSpec
 
 ATTENTION_PLAN = "attention_plan"
 LOADER_PATH = "loader_path"

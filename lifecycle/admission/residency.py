@@ -11,8 +11,8 @@ from components import ResidencyMode
 from components.loader import ComponentLoader
 from components.offload import OffloadError
 from components.offload.layerwise_limits import layerwise_problems
-from lifecycle.config import ComponentSpec
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.structs import ComponentSpec
 
 ModuleBuilder = Callable[[], nn.Module]
 """Constructs a component's module through its admitted path, without weights."""

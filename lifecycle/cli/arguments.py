@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
-from lifecycle.sizes import ByteSize
+from lifecycle.spec.sizes import ByteSize
 
 
 def positive(text: str) -> int:

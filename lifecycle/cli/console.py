@@ -10,7 +10,7 @@ from components.cache import CacheSteps
 from lifecycle.cli.runner import RunReport
 from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
-from lifecycle.sizes import format_bytes
+from lifecycle.spec.sizes import format_bytes
 
 PIPELINE_COLUMN = "(pipeline)"
 """The component column of a refusal about the whole pipeline (a layout, a stage)."""

@@ -16,11 +16,12 @@ from pathlib import Path
 from attention import Platform
 from lifecycle.cli.console import format_refusals
 from lifecycle.cli.paths import OutputPathError, prepare_folder
-from lifecycle.config import ConfigError, load_spec
 from lifecycle.exits import ExitCode
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures import diagrams
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import load_spec
 
 
 def add_diagram_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from components.batch import StepDone
 from lifecycle.events import Event, Move
-from lifecycle.sizes import format_bytes
+from lifecycle.spec.sizes import format_bytes
 
 
 class RunProgress(Protocol):

@@ -35,13 +35,15 @@ from lifecycle.cli.runner import (
     unrunnable_components,
 )
 from lifecycle.cli.signals import Abandoned, StopOnSignal
-from lifecycle.config import ConfigError, PipelineSpec, load_spec
 from lifecycle.events import Move
 from lifecycle.exits import ExitCode
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.gantt import residency_gantt
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 DEFAULT_STEPS = 8
 """Denoising steps per request of a pipeline of kinds, when ``--steps`` is not given."""

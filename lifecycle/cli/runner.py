@@ -23,11 +23,11 @@ from components.loader import ComponentLoader
 from lifecycle.cli.cores import Threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.png import write_png
 from lifecycle.plan import PipelineSnapshot
+from lifecycle.spec.structs import PipelineSpec
 
 
 class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

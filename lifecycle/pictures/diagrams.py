@@ -12,7 +12,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from components import ResidencyMode
-from lifecycle.config import PipelineSpec
 from lifecycle.machines.adapter import AdapterMachine
 from lifecycle.machines.component import LifecycleMachine
 from lifecycle.machines.engine import GuardedMachine, GuardedTransition
@@ -21,6 +20,7 @@ from lifecycle.machines.worker import WorkerMachine
 from lifecycle.pictures.svg import PlanBox, plan_svg, state_svg
 from lifecycle.plan import AdmissionPlan
 from lifecycle.refusals import RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 
 DIAGRAM_NAME = "component_lifecycle"
 ADAPTER_DIAGRAM_NAME = "adapter_lifecycle"

@@ -35,8 +35,8 @@ from fastapi import Depends, Request
 from fastapi.params import Depends as Dependency
 from msgspec import UnsetType
 
-from lifecycle.config import StatusPage
 from lifecycle.serving.errors import ApiError
+from lifecycle.spec.structs import StatusPage
 
 API_KEY_VARIABLE = "LIFECYCLE_API_KEY"
 ADMIN_KEY_VARIABLE = "LIFECYCLE_ADMIN_KEY"

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from components.batch import Batch, Cancelled, StepDone, StepHook
 from components.cache import count_steps
-from lifecycle.config import ServingConfig
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.priorities import PriorityQueue
@@ -43,6 +42,7 @@ from lifecycle.serving.jobs import (
     merged_batch,
     split_outputs,
 )
+from lifecycle.spec.structs import ServingConfig
 
 log = get_logger("lifecycle")
 

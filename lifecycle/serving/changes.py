@@ -25,13 +25,15 @@ from typing import Literal
 
 import msgspec
 
-from lifecycle.config import ConfigError, PipelineSpec, load_spec
 from lifecycle.events import PipelineReloaded, PipelineRestored, PipelineSwapped, ReloadOutcome
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, RefusalCode
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import REMOVED, SWAPPING, Worker
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 log = get_logger("lifecycle")
 

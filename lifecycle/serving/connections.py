@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from lifecycle.config import ServingConfig
+from lifecycle.spec.structs import ServingConfig
 
 
 class _Reading(Enum):

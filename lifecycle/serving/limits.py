@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lifecycle.config import ServingConfig
 from lifecycle.serving.bodies import EmbeddingsBody, ImagesBody
 from lifecycle.serving.errors import ApiError, error_response
 from lifecycle.shown import shown
+from lifecycle.spec.structs import ServingConfig
 
 JSON_TYPE = "application/json"
 _SIZE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")

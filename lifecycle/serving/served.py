@@ -6,12 +6,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lifecycle.config import PipelineSpec, ServingConfig
 from lifecycle.machines.tables import PipelineState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.gate import Gate
 from lifecycle.serving.jobs import Job, Shapes
+from lifecycle.spec.structs import PipelineSpec, ServingConfig
 
 
 @dataclass

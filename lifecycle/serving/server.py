@@ -24,14 +24,6 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from lifecycle.config import (
-    ConfigError,
-    PipelineSpec,
-    ServingConfig,
-    WorkerFile,
-    load_spec,
-    load_worker_file,
-)
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
@@ -44,6 +36,9 @@ from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.shared_device import SharedDevice, worker_budget
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import load_spec, load_worker_file
+from lifecycle.spec.structs import PipelineSpec, ServingConfig, WorkerFile
 
 log = get_logger("lifecycle")
 

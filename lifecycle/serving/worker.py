@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-from lifecycle.config import PipelineSpec, ServingConfig
 from lifecycle.logs import get_logger
 from lifecycle.machines.tables import PipelineState, WorkerState
 from lifecycle.machines.worker import WorkerMachine
@@ -34,6 +33,7 @@ from lifecycle.serving.jobs import Job, RequestStatus, Shapes, warm_up
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.shown import shown
+from lifecycle.spec.structs import PipelineSpec, ServingConfig
 
 log = get_logger("lifecycle")
 

@@ -30,8 +30,9 @@ from attention import Platform
 from components import ResidencyMode
 from components.offload import StoreOptions, make_store
 from components.residency import OffloadTarget
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.components.dit_inputs import MIXED, group_of
 from tests.components.test_dit_kinds import build, custom_outputs, loader_of
 from tests.lifecycle.test_requests import generate

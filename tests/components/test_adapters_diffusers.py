@@ -204,8 +204,8 @@ def test_through_the_orchestrator_equals_diffusers(
 ) -> None:
     """A folder spec with ``[adapters]``: requests naming them equal diffusers' LoRA images."""
     from attention import Platform
-    from lifecycle.config import load_spec
     from lifecycle.orchestrator import Orchestrator
+    from lifecycle.spec.reading import load_spec
 
     fam, request = families[family], CASES[family]
     spec = tmp_path / "spec.toml"

@@ -32,7 +32,8 @@ from components.kinds.t5_encoder import T5EncoderLoader
 from components.loader import PathUnavailable
 from components.offload import LayerwiseStore
 from lifecycle import AdmissionRefused, Orchestrator
-from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.components.encoder_outputs import TEXTS, outputs
 from tests.conftest import PipelineFolders
 

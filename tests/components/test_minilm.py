@@ -31,7 +31,7 @@ from components.loader import PathUnavailable
 from components.offload import LayerwiseStore
 from components.weights import stored_bytes
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import load_spec
+from lifecycle.spec.reading import load_spec
 from tests.blocked_imports import blocking
 from tests.conftest import Lifecycle
 from tests.processes import run_python
@@ -353,7 +353,7 @@ from attention import Platform, arm_layers
 from components.batch import Batch
 from components.kinds.minilm_text_encoder import MiniLmLoader
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import decode_spec, load_spec
+from lifecycle.spec import decode_spec, load_spec
 
 loader = MiniLmLoader.from_options({})
 print(loader.unavailable_reason("native"))
@@ -381,7 +381,7 @@ WITHOUT_TOKENIZERS_OR_WEIGHTS = """
 from attention import Platform
 from components.kinds.minilm_text_encoder import MiniLmLoader
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import load_spec
+from lifecycle.spec import load_spec
 
 loader = MiniLmLoader.from_options({})
 print(loader.unavailable_reason("custom"))

@@ -11,8 +11,9 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import decode_spec, load_spec
+from lifecycle.spec.structs import PipelineSpec
 
 ReferenceSpec: TypeAlias = Callable[..., PipelineSpec]
 """``reference_spec(target="host", **components)``: the reference spec with overrides."""

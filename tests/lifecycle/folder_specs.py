@@ -8,8 +8,9 @@ from typing import Literal, get_args
 import torch
 
 from attention import Platform
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.components.folder_runs import Request
 
 Mode = Literal["resident", "host", "disk", "layerwise", "budget"]

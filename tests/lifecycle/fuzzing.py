@@ -223,7 +223,7 @@ def lifecycle(*argv: str) -> Outcome:
 
 def world_size(text: str, fmt: str) -> int:
     """Return the processes an admitted spec's layout needs (1 unless it says otherwise)."""
-    from lifecycle.config import decode_spec
+    from lifecycle.spec.reading import decode_spec
 
     return decode_spec(text, fmt).parallel.world_size
 

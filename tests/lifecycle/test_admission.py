@@ -16,10 +16,11 @@ from components import registry
 from components.loader import ComponentLoader
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.host_memory import available_host_bytes, held_at_once, host_memory_refusals
-from lifecycle.config import PipelineSpec, decode_spec, load_spec
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
+from lifecycle.spec.reading import decode_spec, load_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import ValueDependentKind

@@ -11,8 +11,10 @@ import pytest
 import yaml
 
 from components import ParallelLayout, ResidencyMode
-from lifecycle.config import ConfigError, PipelineSpec, decode_spec, load_spec, spec_schema
-from lifecycle.sizes import SIZE_PATTERN, ByteSize
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import decode_spec, load_spec, spec_schema
+from lifecycle.spec.sizes import SIZE_PATTERN, ByteSize
+from lifecycle.spec.structs import PipelineSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.config import (
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import (
     MAX_SPEC_BYTES,
     MAX_SPEC_DEPTH,
     MAX_SPEC_VALUES,
-    ConfigError,
     decode_spec,
     load_spec,
 )
-from lifecycle.sizes import MAX_BYTES, ByteSize
+from lifecycle.spec.sizes import MAX_BYTES, ByteSize
 
 YAML_BASE = "name: p\ncomponents:\n"
 

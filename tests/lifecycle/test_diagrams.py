@@ -7,7 +7,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from attention import Platform
-from lifecycle.config import load_spec
 from lifecycle.machines.adapter import AdapterMachine
 from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
 from lifecycle.machines.pipeline import PipelineMachine
@@ -22,6 +21,7 @@ from lifecycle.machines.worker import WorkerMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures import diagrams
 from lifecycle.refusals import RefusalCode
+from lifecycle.spec.reading import load_spec
 from tests.lifecycle.test_machine import passing_checks
 
 

@@ -10,17 +10,10 @@ import pytest
 
 from attention import Platform
 from lifecycle import residency
-from lifecycle.config import load_spec
-from lifecycle.events import (
-    Event,
-    Move,
-    Refused,
-    RequestBegan,
-    RequestEnded,
-    Transitioned,
-)
+from lifecycle.events import Event, Move, Refused, RequestBegan, RequestEnded, Transitioned
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
+from lifecycle.spec.reading import load_spec
 from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.test_requests import generate

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from attention import Platform
 from benchmarks.make_pipeline import DIMS, Family, t5
-from lifecycle.config import decode_spec, load_spec
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused
+from lifecycle.spec.reading import decode_spec, load_spec
 from tests.components.folder_runs import Request, batch_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders
 from tests.lifecycle.folder_specs import largest_stage

@@ -15,9 +15,10 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from attention import Platform
 from benchmarks.make_pipeline import Family
-from lifecycle.config import ConfigError, decode_spec, load_spec
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import decode_spec, load_spec
 from tests.components.folder_runs import KINDS, batch_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import (

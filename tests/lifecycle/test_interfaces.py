@@ -9,10 +9,10 @@ import pytest
 
 from attention import Platform
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import PipelineSpec
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, Refusal, RefusalCode
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.conftest import ReferenceSpec
 
 

@@ -13,10 +13,10 @@ from components import registry as kinds
 from components.loader import ComponentLoader
 from components.sites import AttentionSite
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import decode_spec
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, RefusalCode, TransitionFailed
+from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import SelfAttentionNet
 

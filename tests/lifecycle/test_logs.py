@@ -10,10 +10,10 @@ import pytest
 import structlog
 
 from attention import Platform
-from lifecycle.config import PipelineSpec
 from lifecycle.logs import configure_logging, get_logger
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 from tests.lifecycle.test_requests import NEXT_USES

@@ -18,12 +18,13 @@ from attention import (
     component_attention_scope,
 )
 from components import ResidencyMode, registry
-from lifecycle.config import ComponentSpec, StageSpec, load_spec
 from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.machines.tables import TRANSITIONS, ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.slots import ComponentSlot
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import ComponentSpec, StageSpec
 from lifecycle.timeline import Timeline
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 

@@ -12,11 +12,13 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle.config import ConfigError, PipelineSpec, decode_spec
 from lifecycle.machines.tables import ComponentState, PipelineState
 from lifecycle.offload_folder import OWNER_FILE, boot_id
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import capture_events, events_named
 from tests.components.test_disk_offload import zero_in_place
 from tests.lifecycle.conftest import ReferenceSpec
@@ -111,9 +113,9 @@ KILLED_OWNER = """
 import os, signal, sys
 import msgspec
 from attention import Platform
-from lifecycle.config import PipelineSpec
+from lifecycle.spec import PipelineSpec
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.config import load_spec
+from lifecycle.spec import load_spec
 
 raw = msgspec.to_builtins(load_spec("examples/tiny_t2i.toml"))
 raw["memory"].update(offload_target="disk", offload_dir=sys.argv[1] + "/offload")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lifecycle.config import decode_spec
 from lifecycle.exits import ExitCode
+from lifecycle.spec.reading import decode_spec
 from tests.processes import run_python
 
 SPEC = """

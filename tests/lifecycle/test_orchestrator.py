@@ -13,7 +13,6 @@ import torch
 from attention import Attention, NotResidentError, Platform
 from components import registry as kinds
 from components.loader import ComponentLoader, PathUnavailable
-from lifecycle.config import decode_spec
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import (
@@ -22,6 +21,7 @@ from lifecycle.refusals import (
     TransitionFailed,
     TransitionRefused,
 )
+from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.kinds_for_tests import (
     BrokenKind,
@@ -281,7 +281,7 @@ class TestGenericLoader:
 
     def test_unknown_kind_is_a_config_error(self) -> None:
         """An unknown kind is refused when the spec is decoded, listing the installed kinds."""
-        from lifecycle.config import ConfigError
+        from lifecycle.spec.errors import ConfigError
 
         with pytest.raises(ConfigError) as err:
             decode_spec(one_component("my_model"))
@@ -291,7 +291,7 @@ class TestGenericLoader:
 
     def test_a_spec_cannot_name_a_factory(self) -> None:
         """``options.factory`` is an unknown option: a spec never names code to import."""
-        from lifecycle.config import ConfigError
+        from lifecycle.spec.errors import ConfigError
 
         with pytest.raises(ConfigError) as err:
             decode_spec(one_component("test_generic", 'options = { factory = "os:fork" }'))

@@ -12,11 +12,11 @@ from safetensors.torch import save_file
 
 from attention import Platform
 from components import registry as kinds
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Transitioned
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import PlainGenericKind

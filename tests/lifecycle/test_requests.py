@@ -13,11 +13,12 @@ from safetensors.torch import load_file
 
 from attention import Attention, Platform
 from components.batch import Batch
-from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.events import Move
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionFailed, TransitionRefused
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import VAE_BYTES, ReferenceSpec, VaePipeline
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lifecycle.cli.runner import MoveTally, RequestArgs, RunOutputs, run_requests
-from lifecycle.config import load_spec
 from lifecycle.logs import configure_logging
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

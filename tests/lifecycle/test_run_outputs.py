@@ -8,7 +8,7 @@ import torch
 from lifecycle.admission.budget import stage_fits
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.pictures.png import encode_png
-from lifecycle.sizes import format_sizes
+from lifecycle.spec.sizes import format_sizes
 from tests.conftest import decode_png
 
 

@@ -11,12 +11,13 @@ import torch
 from attention import Platform
 from components.batch import Batch
 from lifecycle.admission.budget import EvictionRank, eviction_order
-from lifecycle.config import WorkerFile, decode_spec, load_worker_file
 from lifecycle.events import Move, RequestBegan, Transitioned
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, RefusalCode
 from lifecycle.shared_device import SharedDevice, worker_budget
+from lifecycle.spec.reading import decode_spec, load_worker_file
+from lifecycle.spec.structs import WorkerFile
 from lifecycle.testing import EventRecorder, capture_events, events_named
 from tests.lifecycle.conftest import DIT_BYTES, ENCODER_BYTES, VAE_BYTES, T2iPipeline
 

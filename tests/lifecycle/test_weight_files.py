@@ -14,10 +14,10 @@ from components.generic import GenericLoader
 from components.weights import nonfinite
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.weight_files import weights_refusals
-from lifecycle.config import decode_spec
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal, RefusalCode, TransitionFailed
+from lifecycle.spec.reading import decode_spec
 
 
 def spec_text(weights: Path, options: str = "") -> str:

@@ -23,7 +23,7 @@ from components.cache import CacheSettings, RowCache, StepCache
 from components.kinds.dit.loader import DitLoader
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
-from lifecycle.config import decode_spec
+from lifecycle.spec.reading import decode_spec
 from tests.components.dit_inputs import KINDS, mixed_groups, sweep_forwards
 from tests.parallel.layout_worker import Outputs, Ran
 

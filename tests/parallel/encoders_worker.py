@@ -20,7 +20,7 @@ from components import registry
 from components.accounting import module_bytes
 from components.folders.custom import CustomFolderLoader
 from lifecycle import Orchestrator
-from lifecycle.config import load_spec
+from lifecycle.spec.reading import load_spec
 from tests.components.encoder_outputs import outputs
 from tests.ranks import joined
 

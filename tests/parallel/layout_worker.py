@@ -28,7 +28,8 @@ from components.kinds.tiny_dit import TinyDitOptions, example_inputs
 from components.layout import ParallelLayout
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
-from lifecycle.config import PipelineSpec, decode_spec
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.ranks import joined
 
 SEED = 20261130

@@ -13,7 +13,7 @@ from components import ParallelLayout, registry
 from lifecycle import AdmissionRefused, ComponentState, Orchestrator, TransitionRefused
 from lifecycle.admission import admit_pipeline
 from lifecycle.admission.parallel_layout import asked_splits
-from lifecycle.config import decode_spec
+from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle
 from tests.lifecycle.kinds_for_tests import NativeOnlyKind
 

@@ -22,7 +22,7 @@ import torch
 
 from attention import Platform
 from lifecycle.admission import admit_pipeline
-from lifecycle.config import decode_spec
+from lifecycle.spec.reading import decode_spec
 from tests.components.dit_inputs import KINDS, MIXED
 from tests.conftest import PipelineFolders
 from tests.parallel.dit_worker import DitCase, run_dit_alone, run_dit_case

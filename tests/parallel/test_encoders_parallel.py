@@ -12,7 +12,7 @@ import torch
 from benchmarks.make_pipeline import Family
 from components.folders.pipeline import FolderPipeline
 from lifecycle import AdmissionRefused, Orchestrator
-from lifecycle.config import load_spec
+from lifecycle.spec.reading import load_spec
 from tests.conftest import PipelineFolders
 from tests.parallel.encoders_worker import run_rank, run_spec
 from tests.ranks import DIFFUSERS_MODELS, run_ranks

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from components.layout import ParallelLayout
-from lifecycle.config import decode_spec
+from lifecycle.spec.reading import decode_spec
 from tests.components.smooth_dit import write_smoothed_dit
 from tests.parallel.layout_worker import (
     Case,

@@ -17,7 +17,8 @@ from attention import registry as backends
 from attention.registry import BackendRegistry
 from components import registry as kinds
 from components.registry import KindRegistry
-from lifecycle.config import ConfigError, decode_spec
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle
 from tests.plugin.installed import dist_info
 from tests.processes import run_python

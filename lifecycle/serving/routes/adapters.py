@@ -21,7 +21,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from lifecycle.config import AdapterSpec, adapter_file
 from lifecycle.refusals import TransitionRefused
 from lifecycle.serving.auth import ADMIN, API_KEY
 from lifecycle.serving.bodies import AdapterBody, decode_body, documented
@@ -30,6 +29,8 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
 from lifecycle.shown import shown
+from lifecycle.spec.reading import adapter_file
+from lifecycle.spec.structs import AdapterSpec
 
 ADAPTER_BODY = msgspec.json.Decoder(AdapterBody)
 

@@ -20,7 +20,6 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from lifecycle.config import ConfigError
 from lifecycle.refusals import InvalidTransition, Refused, TransitionFailed, TransitionRefused
 from lifecycle.serving import changes
 from lifecycle.serving.auth import ADMIN, API_KEY
@@ -28,6 +27,7 @@ from lifecycle.serving.bodies import PipelineBody, decode_body, documented
 from lifecycle.serving.dispatch import unknown_model
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.worker import Phase, UnknownModel, Worker
+from lifecycle.spec.errors import ConfigError
 
 T = TypeVar("T")
 

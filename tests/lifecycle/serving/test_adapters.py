@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from benchmarks.make_adapter import write_lora
-from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.serving.auth import DoorKeys, Secret
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.conftest import decode_png
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.serving.conftest import Served, ServeSpec, run_alone

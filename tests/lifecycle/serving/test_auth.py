@@ -11,8 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from lifecycle.config import PipelineSpec
 from lifecycle.serving.auth import DoorKeys, Secret
+from lifecycle.spec.structs import PipelineSpec
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import reference_maker
 from tests.lifecycle.serving.command import free_port, serving

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from lifecycle.config import PipelineSpec
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, ServeSpec, run_alone
 
 PROMPTS = ("a red fox", "an astronaut riding a horse on the moon", "ramen", "a lighthouse")

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lifecycle.config import PipelineSpec
 from lifecycle.events import RequestCancelled
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job, JobCancelled
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.conftest import decode_png
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, run_alone

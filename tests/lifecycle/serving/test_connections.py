@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lifecycle.config import PipelineSpec
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
 
 SpecMaker = Callable[..., PipelineSpec]

@@ -10,10 +10,11 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from lifecycle.config import PipelineSpec, decode_spec
 from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE
+from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments

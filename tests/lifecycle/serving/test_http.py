@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from components.batch import Batch
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.logs import configure_logging, saved_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.conftest import decode_png
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,

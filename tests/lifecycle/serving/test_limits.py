@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 
 from components import registry
 from components.batch import Batch
-from lifecycle.config import PipelineSpec, load_spec
 from lifecycle.serving.jobs import BatchKey, Job, split_outputs
+from lifecycle.spec.reading import load_spec
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, SharedT2i
 from tests.lifecycle.serving.test_metrics import counted
 

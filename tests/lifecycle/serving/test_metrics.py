@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from lifecycle.config import PipelineSpec
 from lifecycle.logs import configure_logging
 from lifecycle.refusals import TransitionRefused
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
 from tests.lifecycle.test_waiting import until
 

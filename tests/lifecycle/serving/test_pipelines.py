@@ -16,10 +16,10 @@ from fastapi.routing import APIRoute
 from safetensors.torch import save_file
 
 from components import registry
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, RequestBegan
 from lifecycle.serving.auth import DoorKeys, Secret, require_admin
 from lifecycle.serving.routes.pipelines import pipelines_routes
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.conftest import DIT_BYTES, ENCODER_BYTES, VAE_BYTES, T2iPipeline
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpecs
 from tests.lifecycle.serving.streams import EventReader, is_snapshot

@@ -10,8 +10,8 @@ from concurrent.futures import Future
 
 import httpx
 
-from lifecycle.config import PipelineSpec
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 from tests.lifecycle.serving.test_cancelling import generate, occupy_runners, release
 from tests.lifecycle.test_waiting import until

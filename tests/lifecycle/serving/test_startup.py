@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attention import Platform
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Event, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import capture_events, events_named
 from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client

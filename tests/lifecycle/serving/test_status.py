@@ -14,11 +14,11 @@ from pathlib import Path
 import msgspec
 from msgspec import UNSET
 
-from lifecycle.config import PipelineSpec
 from lifecycle.events import Move, Refused, Transitioned
 from lifecycle.machines.tables import ComponentState
 from lifecycle.serving.auth import DoorKeys, Secret, page_access
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.command import metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import (

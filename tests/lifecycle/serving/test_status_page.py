@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from lifecycle.config import PipelineSpec
 from lifecycle.serving.board import server_sent
 from lifecycle.serving.status import QueuedRequest, RunningBatch, StatusSnapshot, worker_status
+from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race

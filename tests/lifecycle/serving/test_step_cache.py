@@ -14,10 +14,10 @@ import pytest
 import torch
 from httpx_sse import connect_sse
 
-from lifecycle.config import decode_spec
 from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.status import RunningBatch, worker_status
+from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle, PipelineFolders
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from lifecycle.config import PipelineSpec
 from lifecycle.events import RequestCancelled
 from lifecycle.serving.streaming import preview_steps
+from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.conftest import decode_png
 from tests.lifecycle.serving.conftest import ServeSpec
