@@ -27,6 +27,7 @@ from attention import AttentionRequirements, AttentionRole
 from attention.masks import additive_mask
 from components.batch import Batch, Port, device_of
 from components.kinds import tensors
+from components.kinds.micro_batches import encode_rows
 from components.kinds.minilm_files import (
     CONFIG_FILE,
     DISTRIBUTION,
@@ -115,6 +116,15 @@ class Padding(NamedTuple):
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Gather the real tokens of ``(B, S, E)``: ``(T, E)``."""
         return x.flatten(0, 1)[self.positions]
+
+
+class Encoded(NamedTuple):
+    """Sentences encoded for the rows of a batch that stayed (``encode_rows``)."""
+
+    hidden: torch.Tensor  # (B', S, E), zeros at padding positions
+    mask: torch.Tensor  # (B', S) bool, True = real token
+    truncated: tuple[bool, ...]  # (B,) whether each sentence given was cut
+    kept: list[int]  # (B',) the position among the sentences given of each row that stayed
 
 
 class Embeddings(nn.Module):
@@ -406,8 +416,12 @@ class MiniLmLoader(ComponentLoader):
     def run(self, module: nn.Module, batch: Batch) -> None:
         """Encode the request's prompts (seeded ones if none) and negative prompts.
 
+        The rows run in micro-batches (``components.kinds.micro_batches``): rows
+        cancelled meanwhile leave the batch between two.
+
         Raises:
             ValueError: ``batch.prompts`` does not hold ``batch.size`` sentences.
+            Cancelled: every row of the batch was cancelled.
         """
         prompts = batch.prompts or example_prompts(batch.size, batch.generator)
         if len(prompts) != batch.size:
@@ -415,23 +429,24 @@ class MiniLmLoader(ComponentLoader):
                 f"the request carries {len(prompts)} prompts but size = {batch.size}; "
                 "give one prompt per image"
             )
-        hidden, mask, truncated = self._encode(module, prompts)
-        batch.prompts = prompts
+        encoded = self._encode(module, prompts, batch)
+        hidden, mask = encoded.hidden, encoded.mask
+        batch.prompts = [prompts[i] for i in encoded.kept]
         batch.context = [hidden[i][mask[i]] for i in range(batch.size)]  # (L_i, E)
         batch.sentence_embeddings = mean_pool(hidden, mask)  # (B, E)
-        batch.mark_truncated(list(truncated))
+        batch.mark_truncated([encoded.truncated[i] for i in encoded.kept])
         if batch.negative_prompts is not None:
-            hidden, mask, _ = self._encode(module, batch.negative_prompts)
-            batch.negative_context = [hidden[i][mask[i]] for i in range(len(mask))]
+            encoded = self._encode(module, batch.negative_prompts, batch)
+            hidden, mask = encoded.hidden, encoded.mask
+            batch.negative_context = [hidden[i][mask[i]] for i in range(batch.size)]
 
-    def _encode(
-        self, module: nn.Module, sentences: list[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[bool, ...]]:
-        """Return hidden states ``(B, S, E)``, token mask ``(B, S)``, and which were cut."""
+    def _encode(self, module: nn.Module, sentences: list[str], batch: Batch) -> Encoded:
+        """Encode one sentence per row of ``batch``, a micro-batch at a time."""
         device = device_of(module)
         tokens = self.tokenizer(sentences)
         mask = tokens.mask.to(device)  # (B, S)
-        return module(tokens.ids.to(device), mask), mask, tokens.truncated
+        hidden, kept = encode_rows(batch, tokens.ids.to(device), mask, module)
+        return Encoded(hidden, mask[kept], tokens.truncated, kept)
 
     def build_custom(self) -> MiniLmEncoder:
         """Build the project's BERT on ``attention.Attention`` layers of site ``self``.

@@ -10,14 +10,17 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from torch import nn
 
 from lifecycle.events import RequestCancelled
 from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job, JobCancelled
+from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.conftest import decode_png
@@ -298,3 +301,118 @@ class TestRequestIds:
             ids = [client.get("/healthz").headers["x-request-id"] for _ in range(3)]
         assert all(re.fullmatch(r"req-\d+-[0-9a-f]{12}", rid) for rid in ids)
         assert len(set(ids)) == 3
+
+
+class EncoderGate:
+    """Holds every forward of a served text encoder (a micro-batch each) until the test opens
+    it, counting those that start and end, and the rows of each.
+
+    Args:
+        module: the encoder's module.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+        self.started = 0
+        self.ended = 0
+        self.rows: list[int] = []
+        module.register_forward_pre_hook(self._start)
+        module.register_forward_hook(self._end)
+
+    def _start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.started += 1
+        self.rows.append(int(args[0].shape[0]))
+        self.reached.set()
+        assert self.opened.wait(WATCHDOG_S)
+
+    def _end(self, *_: Any) -> None:
+        self.ended += 1
+
+
+EMBEDDINGS = [f"sentence {i} of a large request about a red fox" for i in range(512)]
+"""A request of 512 inputs: several micro-batches of the encoder."""
+
+
+def embed(served: Served, request_id: str) -> httpx.Response:
+    """POST ``EMBEDDINGS`` as request ``request_id`` on a client of its own."""
+    with served.client() as client:
+        return client.post(
+            "/v1/embeddings", json={"input": EMBEDDINGS}, headers={"x-request-id": request_id}
+        )
+
+
+class TestEmbeddings:
+    """A large embeddings request stops within one micro-batch of its cancel (a 2048-input
+    job whose client left ran 3.9 s more: its one forward ended first)."""
+
+    @pytest.fixture
+    def minilm(self, serve_spec: ServeSpec, root: Path) -> Served:
+        """A worker of its own serving examples/minilm_embed.toml."""
+        pytest.importorskip("tokenizers")
+        return serve_spec(load_spec(root / "examples" / "minilm_embed.toml"))
+
+    def stopped(self, served: Served, gate: EncoderGate, request_id: str) -> RequestCancelled:
+        """Open the gate, wait until the worker is idle; return the request's cancel event."""
+        observed = EventRecorder()
+        served.worker.orchestrator.observe(observed)
+        gate.opened.set()
+        batcher = served.worker.batcher
+        assert batcher is not None
+        until(lambda: batcher.in_flight == 0)
+        (stopped,) = [e for e in observed.of(RequestCancelled) if e.request_id == request_id]
+        return stopped
+
+    def test_delete_stops_it_after_the_micro_batch_in_flight(self, minilm: Served) -> None:
+        """DELETE while the first micro-batch runs: it is the last one computed, and
+        request.cancelled (stage encode) follows it."""
+        gate = EncoderGate(minilm.worker.orchestrator.module("text_encoder"))
+        with ThreadPoolExecutor(1) as pool, minilm.client() as client:
+            posted = pool.submit(embed, minilm, "big-1")
+            assert gate.reached.wait(WATCHDOG_S)
+            deleted = client.delete("/v1/requests/big-1")
+            started, ended = gate.started, gate.ended
+            stopped = self.stopped(minilm, gate, "big-1")
+            answer = posted.result(timeout=WATCHDOG_S)
+        assert deleted.json()["state"] == "cancelled"
+        assert answer.json()["error"]["code"] == "request_cancelled"
+        assert stopped.stage == "encode"
+        assert (started, ended) == (1, 0)  # the cancel came during the first micro-batch
+        assert gate.started == started  # none started after it
+        assert gate.ended - ended <= 1  # the one in flight ended
+        assert gate.rows[0] < len(EMBEDDINGS)  # and it was a micro-batch, not the request
+
+    def test_a_client_that_leaves_stops_it_after_the_micro_batch_in_flight(
+        self, minilm: Served
+    ) -> None:
+        """A client that disconnects while the first micro-batch runs: it is the last one
+        computed, and request.cancelled (stage encode) follows it."""
+        gate = EncoderGate(minilm.worker.orchestrator.module("text_encoder"))
+
+        async def leave_midway() -> tuple[int, int]:
+            async with httpx.AsyncClient(base_url=minilm.url, timeout=WATCHDOG_S) as client:
+                post = asyncio.create_task(
+                    client.post(
+                        "/v1/embeddings",
+                        json={"input": EMBEDDINGS},
+                        headers={"x-request-id": "big-2"},
+                    )
+                )
+                assert await asyncio.to_thread(gate.reached.wait, WATCHDOG_S)
+                post.cancel()  # httpx closes the connection: the client is gone
+                with contextlib.suppress(asyncio.CancelledError):
+                    await post
+                for _ in range(int(WATCHDOG_S / 0.005)):  # until the worker noticed
+                    status = (await client.get("/v1/requests/big-2")).json()
+                    if status["state"] == "cancelled":
+                        break
+                    await asyncio.sleep(0.005)
+                return gate.started, gate.ended
+
+        started, ended = asyncio.run(leave_midway())
+        stopped = self.stopped(minilm, gate, "big-2")
+        assert stopped.stage == "encode"
+        assert (started, ended) == (1, 0)
+        assert gate.started == started
+        assert gate.ended - ended <= 1
+        assert gate.rows[0] < len(EMBEDDINGS)
