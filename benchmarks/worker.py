@@ -45,11 +45,11 @@ import torch
 from components import registry as kinds
 from components.batch import Batch
 from lifecycle.admission.budget import declared_bytes
+from lifecycle.device.shared import SharedDevice
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving import changes
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Worker
-from lifecycle.shared_device import SharedDevice
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 
@@ -211,7 +211,7 @@ from lifecycle.logs import configure_logging
 configure_logging("json", "error")
 from benchmarks.worker import variant
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.shared_device import SharedDevice
+from lifecycle.device.shared import SharedDevice
 
 def rss():
     with open("/proc/self/statm") as file:

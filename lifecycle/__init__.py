@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from components.batch import Cancelled
+    from lifecycle.device.shared import SharedDevice
     from lifecycle.logs import configure_logging
     from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
     from lifecycle.machines.engine import MoveArgs, TransitionContext
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
         TransitionFailed,
         TransitionRefused,
     )
-    from lifecycle.shared_device import SharedDevice
     from lifecycle.spec.errors import ConfigError
     from lifecycle.spec.reading import decode_spec, load_spec
     from lifecycle.spec.structs import (
@@ -83,7 +83,7 @@ _HOMES = {
     "RequestRefused": "lifecycle.refusals",
     "TransitionFailed": "lifecycle.refusals",
     "TransitionRefused": "lifecycle.refusals",
-    "SharedDevice": "lifecycle.shared_device",
+    "SharedDevice": "lifecycle.device.shared",
     "ADAPTER_TRANSITIONS": "lifecycle.machines.tables",
     "AdapterState": "lifecycle.machines.tables",
     "ComponentState": "lifecycle.machines.tables",

@@ -31,6 +31,8 @@ from torch.utils.hooks import RemovableHandle
 
 from components.adapters import LoraMatrices, attach, linear_layers, merged_weight, read_matrices
 from lifecycle.admission.adapters import AdapterAdmission
+from lifecycle.device.moves import Residency
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.adapter import AdapterLifecycle, AdapterMachine
@@ -38,9 +40,7 @@ from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work
 from lifecycle.machines.tables import AdapterState
 from lifecycle.plan import AdapterView
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
-from lifecycle.residency import Residency
 from lifecycle.shown import shown
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import AdapterSpec
 
 log = get_logger("lifecycle")

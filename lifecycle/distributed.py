@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from components.mesh import ParallelMesh
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec
 
 

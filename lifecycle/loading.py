@@ -30,11 +30,11 @@ from components.loader import LoaderPath, SeededOptions
 from components.mesh import ParallelMesh
 from lifecycle.admission import ComponentAdmission
 from lifecycle.admission.construction import construct_module
+from lifecycle.device.moves import Residency
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.distributed import setup_parallel
 from lifecycle.machines.engine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.residency import Residency
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec
 
 

@@ -126,7 +126,8 @@ REQUEST_ID = context_variable("request_id")
 """The ``request_id`` every event inside a request carries (``...`` outside one)."""
 
 MAY_WAIT = context_variable("may_wait")
-"""True while a stage tries to onload: a refusal then may mean a wait (``lifecycle.waiting``)."""
+"""True while a stage tries to onload: a refusal then may mean a wait
+(``lifecycle.device.waiting``)."""
 
 
 def get_logger(name: str) -> EventLogger:

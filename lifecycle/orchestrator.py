@@ -35,6 +35,12 @@ from lifecycle.adapters import AdapterKeeper
 from lifecycle.admission.adapters import admit_adapter
 from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
+from lifecycle.device.moves import Residency
+from lifecycle.device.shared import SharedDevice
+from lifecycle.device.sharing import ComponentIdentity, component_identity
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.timeline import Timeline
+from lifecycle.device.waiting import MemoryWaiter
 from lifecycle.distributed import world_refusals
 from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
 from lifecycle.loading import Loading
@@ -61,14 +67,8 @@ from lifecycle.refusals import (
     RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
-from lifecycle.residency import Residency
-from lifecycle.shared_device import SharedDevice
-from lifecycle.sharing import ComponentIdentity, component_identity
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import AdapterSpec, ComponentSpec, PipelineSpec
-from lifecycle.timeline import Timeline
-from lifecycle.waiting import MemoryWaiter
 
 log = get_logger("lifecycle")
 
@@ -273,7 +273,7 @@ class Orchestrator:
         Resident components end RESIDENT, offloaded ones OFFLOADED (all of them while
         the pipeline sleeps; ``wake`` onloads the resident ones). Admits first when that
         has not happened. On a shared device, a component equal to one another pipeline
-        loaded (``lifecycle.sharing``) is not loaded again: the pipeline uses that one.
+        loaded (``lifecycle.device.sharing``) is not loaded again: the pipeline uses that one.
         Components are built in parallel threads where that changes nothing but the
         time: in one process, with weights from a file or a seed, and not offloaded to
         disk (the host memory check counts those one at a time). Their transitions
@@ -383,7 +383,7 @@ class Orchestrator:
         ``attention_backend`` switches the switchable sites for this request only
         (design §4.6); it is validated and prepared before the request opens.
         ``priority`` orders its stages among those waiting for memory (higher first,
-        with ageing: ``lifecycle.waiting``). ``request.cancel()`` stops it from any
+        with ageing: ``lifecycle.device.waiting``). ``request.cancel()`` stops it from any
         thread (design §15).
 
         Raises:
@@ -701,7 +701,7 @@ class Orchestrator:
         slot.lifecycle.release()
 
     def identities(self) -> dict[str, ComponentIdentity]:
-        """Return what makes each admitted component itself (``lifecycle.sharing``), by name.
+        """Return what makes each admitted component itself (``lifecycle.device.sharing``), by name.
 
         Reads each weights file to checksum it. A swap compares the new pipeline's with
         the old one's to keep what they share loaded.

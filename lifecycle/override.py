@@ -29,11 +29,11 @@ from attention import registry as backends
 from attention.backend import AttentionImpl
 from components.loader import ComponentLoader
 from lifecycle.admission import ComponentAdmission
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.logs import get_logger
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.refusals import RequestRefused as RequestRefused  # its first home: re-exported
 from lifecycle.shown import shown
-from lifecycle.slots import ComponentSlot
 
 log = get_logger("lifecycle")
 

@@ -14,14 +14,14 @@ from components.batch import Batch, Cancelled, Left
 from components.cache import CacheSteps, count_steps
 from components.recipes import Recipe
 from lifecycle.adapters import AdapterKeeper, Rows
+from lifecycle.device.moves import Residency
+from lifecycle.device.shared import SharedDevice
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.waiting import WaitTerms
 from lifecycle.events import Observers, RequestCancelled
 from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs
 from lifecycle.machines.tables import ComponentState
-from lifecycle.residency import Residency
-from lifecycle.shared_device import SharedDevice
-from lifecycle.slots import ComponentSlot
-from lifecycle.waiting import WaitTerms
 
 log = get_logger("lifecycle")
 
@@ -73,7 +73,7 @@ class StageKeeper:
         """Use the stage's components for ``request_id`` and make them resident.
 
         While other requests use the memory it needs it waits its turn, by priority
-        with ageing (``lifecycle.waiting``); ``check`` raises ``Cancelled`` to stop
+        with ageing (``lifecycle.device.waiting``); ``check`` raises ``Cancelled`` to stop
         waiting.
 
         Raises:

@@ -28,6 +28,16 @@ PROBE = ("lifecycle.admission.offload_dir", "lifecycle.offload_folder")
 ROOMS = {
     "lifecycle.machines": ("lifecycle.events", "lifecycle.logs", "lifecycle.refusals"),
     "lifecycle.spec": ("lifecycle.shown",),
+    "lifecycle.device": (
+        "lifecycle.machines",
+        "lifecycle.spec",
+        "lifecycle.admission",
+        "lifecycle.offload_folder",
+        "lifecycle.plan",
+        "lifecycle.refusals",
+        "lifecycle.events",
+        "lifecycle.logs",
+    ),
     "lifecycle.pictures": (
         "lifecycle.machines",
         "lifecycle.spec",
@@ -38,7 +48,9 @@ ROOMS = {
 }
 """Each room of ``lifecycle`` and what else of ``lifecycle`` it may import: the machines
 know no device, orchestrator or spec; the spec knows no machine (it reads one helper
-that cuts values short in errors); pictures only read the machines, the spec and what
+that cuts values short in errors); the device knows no orchestrator, request or
+adapter keeper, and admission knows no device (``offload_folder`` stays below
+both); pictures only read the machines, the spec and what
 admission and the orchestrator report."""
 
 IO_MODULES = (

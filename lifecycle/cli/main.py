@@ -25,12 +25,12 @@ from lifecycle.cli.launch import CRASHED
 from lifecycle.cli.output import print_json
 from lifecycle.cli.run import DEFAULT_STEPS, run_command
 from lifecycle.cli.serve import add_budget_options, add_serve_command
+from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.exits import ExitCode
 from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
-from lifecycle.shared_device import SharedDevice, worker_budget
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, load_worker_file, spec_schema
 from lifecycle.spec.sizes import format_bytes

@@ -2,7 +2,7 @@
 draining on shutdown.
 
 Jobs wait in one queue ordered by priority, FIFO within a priority, with ageing
-(``lifecycle.priorities``: a turn is a batch starting; it states the bound). A
+(``lifecycle.device.priorities``: a turn is a batch starting; it states the bound). A
 dispatcher thread takes the first job as soon as a runner is free, gives it
 ``serving.batch_window_ms`` to gather company while another batch runs (an idle
 worker starts it at once), and adds every queued job with the same ``BatchKey`` (in
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from components.batch import Batch, Cancelled, StepDone, StepHook
 from components.cache import count_steps
+from lifecycle.device.priorities import PriorityQueue
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.priorities import PriorityQueue
 from lifecycle.serving.jobs import (
     Job,
     JobCancelled,

@@ -111,7 +111,7 @@ class Job:
         queued_turn: the batches the worker had started when it was queued.
         started_turn: the batches it had started when this job's batch started:
             ``started_turn - queued_turn`` batches passed it over
-            (``lifecycle.priorities`` bounds them).
+            (``lifecycle.device.priorities`` bounds them).
         truncated: the indices of its prompts a text encoder cut, once run.
         non_finite: whether its output, or the latents its images were decoded from,
             holds NaN or infinity (never answered as a result), once run.

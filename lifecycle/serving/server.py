@@ -24,6 +24,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
@@ -35,7 +36,6 @@ from lifecycle.serving.auth import DoorKeys, page_access
 from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
-from lifecycle.shared_device import SharedDevice, worker_budget
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.structs import PipelineSpec, ServingConfig, WorkerFile

@@ -89,7 +89,7 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             cancelled (design §15).
         max_priority: the highest ``priority`` a request may carry (0 is the
             default and the lowest); it also sets the ageing bound of
-            ``lifecycle.priorities``.
+            ``lifecycle.device.priorities``.
         status_page: who may read the status page (``GET /``, ``/status``) and its event
             stream (``GET /v1/events``), which show every client's request ids and
             moves: ``open`` to every client, like ``/healthz``, or ``private``: only

@@ -16,11 +16,11 @@ from attention import Platform
 from benchmarks.make_adapter import write_lora
 from components import registry as kinds
 from components.batch import Batch
+from lifecycle.device.shared import SharedDevice
 from lifecycle.events import AdapterSwitched, AdapterTransitioned
 from lifecycle.machines.tables import AdapterState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
-from lifecycle.shared_device import SharedDevice
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import AdapterSpec

@@ -9,7 +9,6 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle import residency
 from lifecycle.events import Event, Move, Refused, RequestBegan, RequestEnded, Transitioned
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
@@ -75,10 +74,6 @@ class TestEvents:
         assert (refused.trigger, refused.source) == ("admit", "configured")
         assert refused.codes == ("residency.undeclared_use",)
         assert refused.request_id is None
-
-    def test_move_stays_importable_from_residency(self) -> None:
-        """``lifecycle.residency.Move`` is the event type, re-exported where it used to live."""
-        assert residency.Move is Move
 
 
 class TestObservers:

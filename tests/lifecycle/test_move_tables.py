@@ -18,14 +18,14 @@ from attention import (
     component_attention_scope,
 )
 from components import ResidencyMode, registry
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.timeline import Timeline
 from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.machines.tables import TRANSITIONS, ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import ComponentSpec, StageSpec
-from lifecycle.timeline import Timeline
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attention import Platform
+from lifecycle.device.shared import SharedDevice
 from lifecycle.events import PipelineSlept, PipelineWoke
 from lifecycle.machines.engine import Check, TransitionContext
 from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
@@ -23,7 +24,6 @@ from lifecycle.machines.tables import (
 from lifecycle.machines.worker import WorkerMachine
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import InvalidTransition, Refusal, RefusalCode, TransitionRefused
-from lifecycle.shared_device import SharedDevice
 from lifecycle.testing import EventRecorder
 from tests.lifecycle.conftest import T2iPipeline
 from tests.lifecycle.test_shared_device import generate

@@ -1,4 +1,4 @@
-"""The order of waiting requests (``lifecycle.priorities``): priority, FIFO, ageing."""
+"""The order of waiting requests (``lifecycle.device.priorities``): priority, FIFO, ageing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from lifecycle.priorities import PriorityQueue
+from lifecycle.device.priorities import PriorityQueue
 
 MAX_PRIORITY = 5
 

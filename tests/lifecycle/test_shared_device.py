@@ -11,11 +11,11 @@ import torch
 from attention import Platform
 from components.batch import Batch
 from lifecycle.admission.budget import EvictionRank, eviction_order
+from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.events import Move, RequestBegan, Transitioned
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, RefusalCode
-from lifecycle.shared_device import SharedDevice, worker_budget
 from lifecycle.spec.reading import decode_spec, load_worker_file
 from lifecycle.spec.structs import WorkerFile
 from lifecycle.testing import EventRecorder, capture_events, events_named

@@ -20,9 +20,9 @@ import torch
 from attention import Platform
 from components.batch import Batch
 from components.cache import CacheSteps
+from lifecycle.device.shared import SharedDevice
 from lifecycle.events import Event, Move, RequestEnded
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.shared_device import SharedDevice
 from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle, PipelineFolders, decode_png

@@ -17,12 +17,12 @@ import torch
 from attention import Platform, register_backend
 from attention.backends.torch_flash import TorchFlashBackend, TorchFlashImpl
 from attention.registry import unregister_backend
+from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.events import Event, Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.jobs import Job, merged_batch, split_outputs
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
-from lifecycle.shared_device import SharedDevice, worker_budget
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.conftest import ReferenceSpec, reference_maker

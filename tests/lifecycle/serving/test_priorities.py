@@ -1,5 +1,5 @@
 """Priorities in the worker's queue (design §15): higher first, FIFO within a priority,
-ageing with a stated bound (``lifecycle.priorities``), 429 per priority."""
+ageing with a stated bound (``lifecycle.device.priorities``), 429 per priority."""
 
 from __future__ import annotations
 

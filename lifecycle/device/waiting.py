@@ -2,7 +2,7 @@
 components waits its turn, by priority with ageing, instead of being refused
 (design §5.5, §15).
 
-The order and its bound are ``lifecycle.priorities``'s: a turn is a stage granted to
+The order and its bound are ``lifecycle.device.priorities``'s: a turn is a stage granted to
 a waiter; every other waiter ages by one. With one priority the order is FIFO.
 
 Why this cannot deadlock:
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from components.batch import Cancelled
+from lifecycle.device.priorities import PriorityQueue
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
-from lifecycle.priorities import PriorityQueue
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import StageSpec
 
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does

@@ -21,19 +21,17 @@ from components import ResidencyMode
 from components.offload import StoreOptions, WeightStore, device_footprint, make_store
 from components.offload.removal import remove_path
 from lifecycle import offload_folder
+from lifecycle.device.shared import SharedDevice
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.timeline import Timeline
 from lifecycle.events import Direction, Move
 from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.shared_device import SharedDevice
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec
-from lifecycle.timeline import Timeline
 
 log = get_logger("lifecycle")
-
-__all__ = ["Move", "Residency"]  # Move lives in lifecycle.events; kept importable from here
 
 
 class Residency:

@@ -19,7 +19,7 @@ from lifecycle.plan import ComponentPlan
 from lifecycle.spec.structs import ComponentSpec
 
 if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here
-    from lifecycle.sharing import ComponentIdentity
+    from lifecycle.device.sharing import ComponentIdentity
 
 
 class ComponentSlot:
@@ -36,7 +36,7 @@ class ComponentSlot:
         key: its key on the device, unique among every pipeline's components.
         home: the pipeline that declared it and built it.
         users: each pipeline using it (its key) with the name it has there: its home,
-            and every pipeline that shares it (``lifecycle.sharing``).
+            and every pipeline that shares it (``lifecycle.device.sharing``).
         spec: what the pipeline spec says of it.
         mode: its residency mode, ``resident`` when none was written.
         lifecycle: its place on the lifecycle machine.
@@ -52,7 +52,7 @@ class ComponentSlot:
         reserved: whether a prefetch started its onload and holds its footprint
             in the budget until the onload transition completes it.
         identity: what makes it itself, once loaded on a device pipelines share
-            (``lifecycle.sharing``); None otherwise.
+            (``lifecycle.device.sharing``); None otherwise.
     """
 
     def __init__(

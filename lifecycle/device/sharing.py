@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from components.weights import TensorChecksum, tensor_checksums
-from lifecycle.slots import ComponentSlot
+from lifecycle.device.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec
 
 

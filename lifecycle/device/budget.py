@@ -11,10 +11,10 @@ import math
 from collections.abc import Mapping
 
 from lifecycle.admission.budget import EvictionRank, fits, plan_onload
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.timeline import Timeline
 from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
-from lifecycle.slots import ComponentSlot
-from lifecycle.timeline import Timeline
 
 
 class DeviceBudget:

@@ -11,7 +11,7 @@ that:
 - one ``DeviceBudget`` charges every resident component, and an onload may evict any
   pipeline's idle component (the pipeline asked for least recently first);
 - one ``MemoryWaiter`` queues the requests of every pipeline, first come first served;
-- equal components are held once (``lifecycle.sharing``): the device keeps each
+- equal components are held once (``lifecycle.device.sharing``): the device keeps each
   loaded component by its identity, and a pipeline loading an equal one uses it.
 """
 
@@ -23,17 +23,17 @@ from collections.abc import Sequence
 
 import msgspec
 
-from lifecycle.device_budget import DeviceBudget
+from lifecycle.device.budget import DeviceBudget
+from lifecycle.device.sharing import ComponentIdentity
+from lifecycle.device.slots import ComponentSlot
+from lifecycle.device.timeline import Timeline
+from lifecycle.device.waiting import MemoryWaiter
 from lifecycle.events import Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.component import LifecycleMachine
 from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
 from lifecycle.machines.tables import ComponentState
-from lifecycle.sharing import ComponentIdentity
-from lifecycle.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec, WorkerFile
-from lifecycle.timeline import Timeline
-from lifecycle.waiting import MemoryWaiter
 
 log = get_logger("lifecycle")
 

@@ -3,7 +3,7 @@ a priority, with ageing so that none waits without bound (design §15).
 
 Two queues follow it: a serving worker's job queue (``lifecycle.serving.batcher``,
 where a *turn* is a batch starting) and the stages waiting for memory
-(``lifecycle.waiting``, where a turn is a stage granted its components).
+(``lifecycle.device.waiting``, where a turn is a stage granted its components).
 
 Every turn served to another while a request waits *passes it over* and ages it by
 one: its effective priority is its ``priority`` plus the turns served since it
