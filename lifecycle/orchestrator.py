@@ -28,6 +28,7 @@ from attention import Platform
 from attention.override import REQUEST_BACKEND
 from components import ResidencyMode
 from components.batch import Left
+from components.compile import Compilation
 from components.mesh import ParallelMesh
 from components.recipes import Recipe
 from lifecycle import admission as adm
@@ -559,6 +560,15 @@ class Orchestrator:
             users=tuple(sorted(slot.users)),
         )
 
+    def compilations(self) -> dict[str, Compilation]:
+        """Return what torch.compile did for each loaded compiled component (design §17):
+        graphs compiled, recompiles after its first forward, seconds inductor took."""
+        return {
+            name: slot.compilation
+            for name, slot in self._slots.items()
+            if slot.compilation is not None
+        }
+
     def module(self, name: str) -> nn.Module:
         """Return the module of ``name``: the same object from LOADED until RELEASED.
 
@@ -593,6 +603,8 @@ class Orchestrator:
                     cache=None
                     if slot.spec.cache_settings is None
                     else slot.spec.cache_settings.resolved(),
+                    compile=slot.spec.compile_mode,
+                    quantization=slot.spec.quantization_mode,
                 )
                 for name, slot in self._slots.items()
             },

@@ -7,8 +7,10 @@ import msgspec
 from attention import AttentionRole, Provenance
 from components import ResidencyMode
 from components.cache import CacheSettings
+from components.compile import CompileMode
 from components.dtypes import DType
 from components.loader import LoaderPath
+from components.quantize import Quantization
 from lifecycle.machines.tables import AdapterState, ComponentState
 from lifecycle.refusals import RefusalCode
 from lifecycle.spec.structs import AdapterMode
@@ -70,6 +72,9 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         users: the pipelines (their keys on the device) that hold it: more than one
             when it is shared (design §13).
         cache: its step cache with every default written out (design §17); None: none.
+        compile: how torch.compile compiles it (design §17).
+        quantization: how torchao holds its linear weights (design §17); ``bytes`` counts
+            them quantized (data and scales).
     """
 
     kind: str
@@ -81,6 +86,8 @@ class ComponentSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     bytes: int | None = None
     users: tuple[str, ...] = ()
     cache: CacheSettings | None = None
+    compile: CompileMode = "off"
+    quantization: Quantization = "off"
 
 
 class RefusalReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -220,6 +220,38 @@ class RefusalCode(StrEnum):
         "a step cache's warm-up and final steps take every one of the pipeline's default "
         "denoising steps, so the cache could never skip one",
     )
+    COMPILER_MISSING = (
+        "acceleration.compiler_missing",
+        True,
+        "a component is compiled (compile = blocks or whole) on a CPU device, where "
+        "inductor builds C++, and the compiler it runs (CXX, else g++ on PATH) is missing "
+        "or cannot build a one-line file",
+    )
+    NOT_COMPILABLE = (
+        "acceleration.not_compilable",
+        True,
+        "a component's compile mode cannot run on it: blocks on a kind with no block stack, "
+        "whole with an explicit attention backend whose kernel cannot be traced, or a "
+        "component the layout splits across ranks",
+    )
+    MISSING_PACKAGE = (
+        "acceleration.missing_package",
+        True,
+        "a component asks for an acceleration whose optional package is not installed "
+        "(quantization needs torchao, the [accel] extra)",
+    )
+    QUANTIZED_SPLIT = (
+        "parallel.quantized_split",
+        True,
+        "the layout splits a quantized component's weights across ranks (tensor parallel or "
+        "FSDP), which is not built for quantized weights",
+    )
+    ADAPTER_QUANTIZED_COMPONENT = (
+        "adapter.quantized_component",
+        True,
+        "a merged adapter names a quantized component: merging into int8 or float8 weights "
+        "rounds them, so unmerging could not put the base back bit for bit",
+    )
 
 
 REFUSAL_CODES: Mapping[str, str] = MappingProxyType(

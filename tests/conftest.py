@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
@@ -32,6 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
+    # inductor's compiled code of this run only, in a folder of its own: never the user's
+    # cache, and the compile tests of one process share what they built
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifecycle-inductor-")
+        config.add_cleanup(partial(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True))
     import torch
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from components.accounting import local_shard, module_bytes
+from components.accounting import inner_tensors, local_shard, module_bytes
 from components.residency import OffloadTarget, OffloadVerify
 
 
@@ -62,9 +62,11 @@ def collect_slots(module: nn.Module) -> list[Slot]:
         module.named_parameters(remove_duplicate=False),
         module.named_buffers(remove_duplicate=False),
     )
-    for name, tensor in named:
-        names.setdefault(id(tensor), []).append(name)
-        tensors[id(tensor)] = tensor
+    for name, held in named:
+        # a quantized weight moves as its inner tensors (data, scales), each a slot
+        for path, tensor in inner_tensors(held):
+            names.setdefault(id(tensor), []).append(f"{name}.{path}" if path else name)
+            tensors[id(tensor)] = tensor
 
     problems: list[str] = []
     storage_owner: dict[int, str] = {}

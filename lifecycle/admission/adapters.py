@@ -174,6 +174,16 @@ def _placement_refusal(
     residency = declared.residency_mode
     if adapter.mode != "merged":
         return None
+    if declared.quantization_mode != "off":
+        return Refusal(
+            code=RefusalCode.ADAPTER_QUANTIZED_COMPONENT,
+            component=name,
+            message=f"merged adapter '{name}' changes component '{component}', whose linear "
+            f"weights are quantized ({declared.quantization_mode}): a merge would round the "
+            "adapted weights to the quantized grid, and an unmerge could not put the base back",
+            hint=f'set adapters.{name}.mode = "unmerged" (its delta is added on top of the '
+            f"quantized base), or remove components.{component}.quantization",
+        )
     if residency is not ResidencyMode.RESIDENT:
         why = f"whose residency is {residency.value}"
     elif not declared.is_pinned and not isinstance(spec.memory.device_budget, UnsetType):

@@ -229,8 +229,10 @@ def budget_refusals(
 
 
 def declared_bytes(loader: ComponentLoader) -> int | None:
-    """Return the declared size, or None when unknown or unreadable (refused elsewhere)."""
+    """Return the declared size as the loaded module holds it (quantized weights as
+    quantized), or None when unknown or unreadable (refused elsewhere)."""
     try:
-        return loader.declared_bytes()
+        declared = loader.declared_bytes()
     except (OSError, ValueError):
         return None  # a missing or broken weights file is the loader path's refusal
+    return None if declared is None else declared - loader.quantized_saving

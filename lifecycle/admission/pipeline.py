@@ -21,6 +21,7 @@ from components import registry as kinds
 from components.batch import DEFAULT_STEPS
 from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
+from lifecycle.admission.acceleration import acceleration_refusals, size_quantized
 from lifecycle.admission.adapters import AdapterAdmission, admit_adapters
 from lifecycle.admission.backends import backend_requests, plan_sites, unconsumed_refusals
 from lifecycle.admission.budget import SharedBudget, budget_refusals, declared_bytes
@@ -168,6 +169,13 @@ def admit_pipeline(
             *(interface_refusals(spec, loaders) if folder is None else folder.refusals),
             *unused_option_refusals(spec, components),
             *cache_refusals(spec, loaders, paths, default_steps),
+            *acceleration_refusals(
+                spec,
+                loaders,
+                paths,
+                {name: admitted.plan.attention for name, admitted in components.items()},
+                platform,
+            ),
         ),
         adapters=admit_adapters(spec, paths, builders),
     )
@@ -175,7 +183,7 @@ def admit_pipeline(
 
 def component_loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
     """Return each component's loader: its kind's, with its options, in its dtype, with
-    its step cache.
+    its step cache, quantization and compile mode.
 
     Raises:
         msgspec.ValidationError: an option is bad (decoding the spec refuses that first).
@@ -185,6 +193,8 @@ def component_loaders(spec: PipelineSpec) -> dict[str, ComponentLoader]:
         loader = kinds.get(component.kind).from_options(component.options)
         loader.dtype = TORCH_DTYPES[spec.dtype_of(name)]
         loader.cache = component.cache_settings
+        loader.quantization = component.quantization_mode
+        loader.compile = component.compile_mode
         loaders[name] = loader
     return loaders
 
@@ -251,6 +261,8 @@ def admit_component(
         )
     )
     refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
+    if construct is not None:
+        size_quantized(loader, construct)
     return ComponentAdmission(
         plan=ComponentPlan(
             kind=component.kind,

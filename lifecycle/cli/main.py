@@ -267,6 +267,12 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
     caches = any(component.cache is not None for component in snapshot.components.values())
     if caches:
         rows[0] += ("cache",)
+    accelerated = any(
+        component.compile != "off" or component.quantization != "off"
+        for component in snapshot.components.values()
+    )
+    if accelerated:
+        rows[0] += ("compile", "quantization")
     for name, component in snapshot.components.items():
         explicit = not isinstance(spec.components[name].residency, UnsetType)
         rows.append(
@@ -281,6 +287,8 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
         )
         if caches:
             rows[-1] += ("-" if component.cache is None else component.cache.describe(),)
+        if accelerated:
+            rows[-1] += (component.compile, component.quantization)
     adapters: list[tuple[str, ...]] = [("adapter", "component", "mode", "scale", "path")]
     adapters += [(a.name, a.component, a.mode, f"{a.scale:g}", a.path) for a in snapshot.adapters]
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)

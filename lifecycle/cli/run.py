@@ -180,6 +180,7 @@ def _run(
         ending = _requests(args, asked, orchestrator, outputs, stop)
     finally:
         snapshot = orchestrator.snapshot()
+        compilations = orchestrator.compilations()
         closing = _close(orchestrator)
     if closing is not None:
         ending = ending.failed(closing)
@@ -187,6 +188,7 @@ def _run(
         snapshot,
         tally,
         outputs,
+        compilations,
         steps=asked.steps,
         threads=threads,
         stopped_by=None if stop.received is None else stop.received.name,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from msgspec import UnsetType
 from components import registry
 from components.batch import Batch
 from components.cache import CacheSteps
+from components.compile import Compilation
 from components.loader import ComponentLoader
 from lifecycle.cli.cores import Threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
@@ -44,6 +45,9 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             it ran (``Move.streamed``).
         cache: the image steps its step cache computed and skipped over every request
             (design §17); None for a component without one.
+        recompiles: the graphs inductor compiled after its first forward (design §17);
+            None for a component that is not compiled.
+        compile_seconds: the seconds inductor spent compiling it; None when not compiled.
     """
 
     state: str
@@ -54,6 +58,8 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     move_seconds: float
     bytes_streamed: int = 0
     cache: CacheSteps | None = None
+    recompiles: int | None = None
+    compile_seconds: float | None = None
 
 
 class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,8 +132,11 @@ class MoveTally:
         if self.moves is not None:
             self.moves.append(event)
 
-    def report(self, snapshot: PipelineSnapshot) -> dict[str, ComponentReport]:
-        """Return each component's totals with its state and backends from ``snapshot``."""
+    def report(
+        self, snapshot: PipelineSnapshot, compilations: Mapping[str, Compilation]
+    ) -> dict[str, ComponentReport]:
+        """Return each component's totals with its state and backends from ``snapshot``,
+        and what compiling did for those in ``compilations``."""
         return {
             name: ComponentReport(
                 state=component.state.value,
@@ -141,6 +150,10 @@ class MoveTally:
                 move_seconds=round(self._totals[name].seconds, 6),
                 bytes_streamed=self._totals[name].streamed,
                 cache=None if component.cache is None else self._totals[name].cache,
+                recompiles=None if name not in compilations else compilations[name].recompiles,
+                compile_seconds=None
+                if name not in compilations
+                else round(compilations[name].seconds, 3),
             )
             for name, component in snapshot.components.items()
         }
@@ -269,6 +282,7 @@ def summarise(
     snapshot: PipelineSnapshot,
     tally: MoveTally,
     outputs: RunOutputs,
+    compilations: Mapping[str, Compilation],
     *,
     steps: int,
     threads: Threads,
@@ -282,7 +296,7 @@ def summarise(
         threads=threads.count,
         threads_reason=threads.reason,
         request_ms=tuple(outputs.request_ms),
-        components=tally.report(snapshot),
+        components=tally.report(snapshot, compilations),
         neighbours=nearest_neighbours(outputs.sentences),
         images=tuple(outputs.images),
         stopped_by=stopped_by,

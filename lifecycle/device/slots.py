@@ -10,6 +10,7 @@ from torch import nn
 from attention import Attention
 from attention.layer import find_layers
 from components import ResidencyMode
+from components.compile import Compilation
 from components.loader import ComponentLoader
 from components.offload import WeightStore
 from lifecycle.admission import ComponentAdmission
@@ -75,6 +76,8 @@ class ComponentSlot:
         self._module: nn.Module | None = None
         self.layers: tuple[Attention, ...] = ()
         self.store: WeightStore | None = None
+        self.compilation: Compilation | None = None
+        """What torch.compile did for it (design §17); None when it is not compiled."""
         self.footprint = 0
         self.in_use_by: Counter[str] = Counter()
         self.reserved = False
@@ -156,4 +159,5 @@ class ComponentSlot:
             self.store.close()
         self.module = None
         self.store = None
+        self.compilation = None
         self.footprint = 0

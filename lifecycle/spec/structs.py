@@ -13,7 +13,9 @@ from msgspec import UNSET, UnsetType
 
 from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMode
 from components.cache import CacheSettings
+from components.compile import CompileMode
 from components.dtypes import DType
+from components.quantize import Quantization
 from lifecycle.spec.sizes import ByteSize
 
 Loader = Literal["custom", "native"]
@@ -172,6 +174,10 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         layerwise: block streaming settings, for ``layerwise_offload`` only.
         dtype: the dtype of its floating weights; the pipeline's ``dtype`` when absent.
         cache: its step cache (design §17), for a denoiser; none when absent.
+        compile: how torch.compile compiles it (design §17): ``blocks`` (each block of
+            its stack, one compiled code per block class), ``whole`` or ``off`` (absent).
+        quantization: how torchao holds its linear weights (design §17); ``off`` when
+            absent.
         options: the kind's own options, validated by the kind.
     """
 
@@ -182,7 +188,19 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     layerwise: LayerwiseConfig | UnsetType = UNSET
     dtype: DType | UnsetType = UNSET
     cache: CacheSettings | UnsetType = UNSET
+    compile: CompileMode | UnsetType = UNSET
+    quantization: Quantization | UnsetType = UNSET
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def compile_mode(self) -> CompileMode:
+        """Return how it is compiled, ``off`` when nothing was written."""
+        return "off" if isinstance(self.compile, UnsetType) else self.compile
+
+    @property
+    def quantization_mode(self) -> Quantization:
+        """Return how its linear weights are quantized, ``off`` when nothing was written."""
+        return "off" if isinstance(self.quantization, UnsetType) else self.quantization
 
     @property
     def cache_settings(self) -> CacheSettings | None:

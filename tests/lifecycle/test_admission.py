@@ -21,11 +21,20 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.spec.reading import decode_spec, load_spec
 from lifecycle.spec.structs import PipelineSpec
+from tests.blocked_imports import blocking
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import ValueDependentKind
 from tests.plugin.ext import SequentialStackKind
+from tests.processes import run_python
 
+CHECK_JSON = """
+import sys
+
+from lifecycle.cli.entry import main
+
+sys.exit(main(["check", "--json", sys.argv[1]]))
+"""
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFUSED = sorted((EXAMPLES / "refused").glob("*.toml"))
 ADMITTED = sorted(EXAMPLES.glob("*.toml"))
@@ -38,6 +47,16 @@ def expected_code(path: Path) -> str:
     return match.group(1)
 
 
+def needs_of(path: Path) -> tuple[dict[str, str], list[str]]:
+    """Return what an example is refused under: its ``# run with: NAME=VALUE ...`` variables
+    and the packages of its ``# run without: PACKAGE ...`` line (a machine that lacks them)."""
+    text = path.read_text()
+    env = re.search(r"^# run with: (.+)$", text, re.MULTILINE)
+    without = re.search(r"^# run without: (.+)$", text, re.MULTILINE)
+    pairs = dict(item.split("=", 1) for item in env.group(1).split()) if env else {}
+    return pairs, without.group(1).split() if without else []
+
+
 class TestExamples:
     @pytest.mark.parametrize("path", ADMITTED, ids=lambda p: p.name)
     def test_every_example_is_admitted(self, cpu: Platform, path: Path) -> None:
@@ -46,8 +65,23 @@ class TestExamples:
         assert admission.refusals() == ()
 
     @pytest.mark.parametrize("path", REFUSED, ids=lambda p: p.stem)
-    def test_each_refused_example_gives_its_code(self, cpu: Platform, path: Path) -> None:
-        """Each example under examples/refused/ is refused with exactly the code it names."""
+    def test_each_refused_example_gives_its_code(
+        self, cpu: Platform, path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each example under examples/refused/ is refused with exactly the code it names
+        (where it says so, under its variables, or by `check --json` in a process that
+        cannot import the packages it names)."""
+        env, without = needs_of(path)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        if without:
+            program = blocking(*without) + CHECK_JSON
+            done = run_python(program, path, cwd=path.parent)
+            assert done.returncode == 1, done.stderr
+            refusals = json.loads(done.stdout)["refusals"]
+            assert {r["code"] for r in refusals} == {expected_code(path)}
+            assert all(r["hint"] for r in refusals)
+            return
         admission = admit_pipeline(load_spec(path), cpu)
         codes = {r.code for r in admission.refusals()}
         assert codes == {expected_code(path)}
@@ -312,6 +346,8 @@ kind = "tiny_upsampler"
             "bytes": 248588,
             "users": ["unsupported-backend"],
             "cache": None,
+            "compile": "off",
+            "quantization": "off",
         }
         (refusal,) = report["refusals"]
         assert list(refusal) == ["component", "trigger", "code", "message", "hint"]

@@ -89,6 +89,8 @@ class TestCheck:
             "bytes": 248588,
             "users": ["tiny-t2i"],
             "cache": None,
+            "compile": "off",
+            "quantization": "off",
         }
         assert report["stages"] == {
             "encode": ["text_encoder"],

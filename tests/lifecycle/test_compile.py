@@ -1,0 +1,66 @@
+"""Compiled components: equal to eager, compiled once, no recompile when offload moves them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.compile import Compilation
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import decode_spec
+from tests.conftest import Lifecycle
+from tests.lifecycle.test_quantization import images, tiny_t2i
+
+pytestmark = pytest.mark.long  # one compile by inductor: tens of CPU-seconds
+
+REQUESTS = 6
+DIT = 'residency = "component_offload"'
+"""The tiny DiT (two blocks) offloaded whole after every request: each request moves it back."""
+
+
+def run(root: Path, folder: Path, keys: str) -> tuple[list[torch.Tensor], Compilation | None]:
+    """Run ``REQUESTS`` requests of the tiny pipeline with ``keys`` on its DiT, on disk;
+    return the images and what compiling the DiT did."""
+    with Orchestrator(decode_spec(tiny_t2i(root, folder, f"{keys}\n{DIT}", "disk"))) as pipeline:
+        pipeline.admit()
+        pipeline.load()
+        return images(pipeline, REQUESTS), pipeline.compilations().get("transformer")
+
+
+@pytest.fixture(scope="module")
+def eager(root: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The images of the DiT uncompiled."""
+    return run(root, tmp_path_factory.mktemp("eager"), "")[0]
+
+
+class TestCompileBlocks:
+    def test_blocks_equal_eager_and_never_recompile_across_disk_moves(
+        self, root: Path, tmp_path: Path, eager: list[torch.Tensor]
+    ) -> None:
+        """A DiT compiled by blocks makes eager's images within 1e-5, compiles its block
+        class at the first request, and recompiles nothing over the later requests, each of
+        which onloads its weights again from the disk file."""
+        found, compilation = run(root, tmp_path, 'compile = "blocks"')
+        for image, reference in zip(found, eager, strict=True):
+            torch.testing.assert_close(image, reference, rtol=0, atol=1e-5)
+        assert compilation is not None
+        assert compilation.graphs > 0
+        assert compilation.recompiles == 0
+        assert compilation.calls >= REQUESTS
+
+    def test_run_json_counts_recompiles(
+        self, lifecycle: Lifecycle, root: Path, tmp_path: Path
+    ) -> None:
+        """run --json reports a compiled component's recompiles (0 over requests of one
+        size after the first) and its compile seconds; an uncompiled one reports null."""
+        spec = tmp_path / "spec.toml"
+        spec.write_text(tiny_t2i(root, tmp_path / "offload", f'compile = "blocks"\n{DIT}', "disk"))
+        done = lifecycle("run", spec, "--json", "--requests", "3", "--steps", "2")
+        assert done.returncode == 0, done.stderr
+        components = json.loads(done.stdout)["summary"]["components"]
+        assert components["transformer"]["recompiles"] == 0
+        assert components["transformer"]["compile_seconds"] >= 0
+        assert components["vae"]["recompiles"] is None

@@ -1,0 +1,147 @@
+"""Quantized components through torchao: the bytes admission counts, offload, adapters, quality."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from components.accounting import inner_tensors, module_bytes
+from components.batch import Batch
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.reading import decode_spec
+from tests.components.test_step_cache import psnr
+
+pytest.importorskip("torchao")
+
+QUANTIZATIONS = ("int8_weight_only", "int8_dynamic", "float8_weight_only")
+FLOOR_DB = {"int8_weight_only": 50.0, "int8_dynamic": 50.0, "float8_weight_only": 40.0}
+"""The PSNR of the tiny pipeline's images against float32 each quantization keeps (4 steps,
+3 requests; measured 57.6-58.8, 55.4-56.3 and 46.3-47.2 dB)."""
+LORA = Path(__file__).resolve().parents[2] / "examples" / "refused" / "weights"
+
+
+def tiny_t2i(root: Path, folder: Path, transformer: str, target: str = "host") -> str:
+    """Return examples/tiny_t2i.toml with ``transformer`` keys on its DiT, offloading to
+    ``target`` (disk files under ``folder``)."""
+    text = (root / "examples" / "tiny_t2i.toml").read_text()
+    text = text.replace('kind = "tiny_dit"\n', f'kind = "tiny_dit"\n{transformer}\n')
+    return text.replace(
+        'offload_target = "host"', f'offload_target = "{target}"\noffload_dir = "{folder}"'
+    )
+
+
+def images(pipeline: Orchestrator, requests: int = 3) -> list[torch.Tensor]:
+    """Run ``requests`` seeded 4-step requests through every stage; return their images."""
+    found = []
+    for seed in range(requests):
+        batch = Batch(generator=torch.Generator().manual_seed(seed), steps=4)
+        with pipeline.request(f"r{seed}") as request:
+            request.run_all(batch)
+        assert batch.images is not None
+        found.append(batch.images)
+    return found
+
+
+@pytest.fixture(scope="module")
+def float32_images(root: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The tiny pipeline's images, nothing quantized."""
+    folder = tmp_path_factory.mktemp("offload")
+    with Orchestrator(decode_spec(tiny_t2i(root, folder, ""))) as pipeline:
+        pipeline.admit()
+        pipeline.load()
+        return images(pipeline)
+
+
+@pytest.fixture
+def quantized(root: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Orchestrator]:
+    """A loaded tiny pipeline whose DiT is quantized as the test's parameter says."""
+    with Orchestrator(
+        decode_spec(tiny_t2i(root, tmp_path, f'quantization = "{request.param}"'))
+    ) as pipeline:
+        pipeline.admit()
+        pipeline.load()
+        yield pipeline
+
+
+class TestQuantized:
+    @pytest.mark.parametrize("quantized", QUANTIZATIONS, indirect=True)
+    def test_admitted_bytes_are_the_bytes_the_module_holds(self, quantized: Orchestrator) -> None:
+        """The bytes admission counts from the shapes equal, to the byte, what the loaded
+        module's tensors hold (int8 or float8 data, scales, zero points), and are fewer."""
+        planned = quantized.snapshot().components["transformer"].bytes
+        module = quantized.module("transformer")
+        held = sum(
+            inner.numel() * inner.element_size()
+            for tensor in (*module.parameters(), *module.buffers())
+            for _, inner in inner_tensors(tensor)
+        )
+        assert planned == held == module_bytes(module)
+        assert any(
+            inner is not tensor
+            for tensor in module.parameters()
+            for _, inner in inner_tensors(tensor)
+        )
+
+    @pytest.mark.parametrize("quantized", QUANTIZATIONS, indirect=True)
+    def test_images_keep_the_stated_psnr(
+        self, quantized: Orchestrator, float32_images: list[torch.Tensor]
+    ) -> None:
+        """Each quantization's images stay within its stated PSNR of the float32 ones."""
+        name = quantized.spec.components["transformer"].quantization_mode
+        for image, reference in zip(images(quantized), float32_images, strict=True):
+            assert psnr(image, reference) >= FLOOR_DB[name]
+
+
+class TestOffload:
+    def test_disk_offload_of_int8_weights_is_bit_for_bit(self, root: Path, tmp_path: Path) -> None:
+        """A quantized DiT offloaded to disk between requests makes the images the one never
+        offloaded makes, bit for bit; its file holds the int8 data and the float32 scales."""
+        keys = 'quantization = "int8_dynamic"'
+        with Orchestrator(decode_spec(tiny_t2i(root, tmp_path / "a", keys))) as resident:
+            resident.admit()
+            resident.load()
+            expected = images(resident)
+        moved = tiny_t2i(root, tmp_path / "b", keys + '\nresidency = "component_offload"', "disk")
+        with Orchestrator(decode_spec(moved)) as offloaded:
+            offloaded.admit()
+            offloaded.load()
+            files = list((tmp_path / "b").rglob("*transformer*.safetensors"))
+            assert len(files) == 1
+            with safe_open(files[0], "pt") as stored:
+                names = stored.keys()  # safe_open is not iterable
+                dtypes = {
+                    name.rsplit(".", 1)[-1]: stored.get_slice(name).get_dtype() for name in names
+                }
+            assert dtypes["qdata"] == "I8"
+            assert dtypes["scale"] == "F32"
+            found = images(offloaded)
+        for image, reference in zip(found, expected, strict=True):
+            assert torch.equal(image, reference)
+
+
+class TestAdapters:
+    def test_unmerged_adapter_adds_its_delta_on_a_quantized_base(
+        self, root: Path, tmp_path: Path
+    ) -> None:
+        """An unmerged LoRA over an int8 DiT changes its images, and a request without it
+        makes the base's images again."""
+        text = tiny_t2i(root, tmp_path, 'quantization = "int8_dynamic"')
+        text += (
+            f'\n[adapters.style]\npath = "{LORA / "dit_mlp_lora.safetensors"}"\nmode = "unmerged"\n'
+        )
+        with Orchestrator(decode_spec(text)) as pipeline:
+            pipeline.admit()
+            pipeline.load()
+            base = images(pipeline, 1)[0]
+            batch = Batch(
+                generator=torch.Generator().manual_seed(0), steps=4, adapters=[{"style": 1.0}]
+            )
+            with pipeline.request("styled") as request:
+                request.run_all(batch)
+            assert batch.images is not None
+            assert not torch.equal(batch.images, base)
+            assert torch.equal(images(pipeline, 1)[0], base)
