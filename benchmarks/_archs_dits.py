@@ -36,10 +36,10 @@ from torch import nn
 from attention import arm_layers
 from benchmarks.attention_overhead import interleaved, threads
 from components import registry
-from components.kinds.dit.flux import FluxInputs
-from components.kinds.dit.loader import DitLoader
-from components.kinds.dit.pixart import PixArtInputs
-from components.kinds.dit.sd3 import Sd3Inputs
+from components.kinds.dit_loader import DitLoader
+from components.models.dit.flux import FluxInputs
+from components.models.dit.pixart import PixArtInputs
+from components.models.dit.sd3 import Sd3Inputs
 
 ROUNDS = 5
 DTYPES = (torch.float32, torch.bfloat16)

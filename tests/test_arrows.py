@@ -53,6 +53,13 @@ adapter keeper, and admission knows no device (``offload_folder`` stays below
 both); pictures only read the machines, the spec and what
 admission and the orchestrator report."""
 
+ONE_WAY = (
+    ("components.recipes", "components.folders"),
+    ("components.kinds", "components.models"),
+)
+"""Rooms of ``components`` that import one another one way only: a recipe reads a folder
+(a folder never names a recipe), a kind builds our models (a model knows no kind)."""
+
 IO_MODULES = (
     "asyncio",
     "http",
@@ -243,6 +250,17 @@ class TestArrows:
             "lifecycle.machines.x:1 imports lifecycle.orchestrator",
         ]
         assert room_breaches(allowed) == []
+
+    def test_rooms_of_components_import_one_way(self) -> None:
+        """Recipes import folders and kinds import models, never the other way round."""
+        back = [
+            str(found)
+            for found in ALL
+            for upper, lower in ONE_WAY
+            if within(found.importer, lower) and within(found.target, upper)
+        ]
+        assert all(any(within(f.importer, lower) for f in ALL) for _, lower in ONE_WAY)
+        assert back == []
 
     def test_kinds_do_not_import_the_registry_that_lists_them(self) -> None:
         """The built-in kinds know nothing of ``components.registry``: no import cycle."""

@@ -4,7 +4,7 @@ Two stacks run in turn, double-stream ``transformer_blocks`` (text and image tok
 apart, attending jointly) then single-stream ``single_transformer_blocks``; layerwise
 offload streams the first then the second. The DiT reads latents packed two by two
 (``in_channels`` is four times the VAE's latent channels) and CLIP's pooled vector.
-The custom path (the default) is ``components.kinds.dit.flux``; ``loader = "native"``
+The custom path (the default) is ``components.models.dit.flux``; ``loader = "native"``
 builds diffusers' class.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 from components.batch import Port
-from components.kinds.dit.flux import FluxTransformer
-from components.kinds.dit.loader import DitLoader
+from components.kinds.dit_loader import DitLoader
+from components.models.dit.flux import FluxTransformer
 
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents are packed into one."""

@@ -3,7 +3,7 @@
 A DiT with cross-attention to T5's token states; its ``transformer_blocks`` stream
 under layerwise offload. Its output may carry a learned variance beside the noise
 (``out_channels`` twice the latent channels), which the recipe drops. The custom path
-(the default) is ``components.kinds.dit.pixart``; ``loader = "native"`` builds
+(the default) is ``components.models.dit.pixart``; ``loader = "native"`` builds
 diffusers' class.
 """
 
@@ -13,8 +13,8 @@ from typing import ClassVar
 
 from attention import AttentionRole
 from components.batch import Port
-from components.kinds.dit.loader import DitLoader
-from components.kinds.dit.pixart import PixArtTransformer
+from components.kinds.dit_loader import DitLoader
+from components.models.dit.pixart import PixArtTransformer
 from components.sites import AttentionSite
 
 BUILT_NORM = "ada_norm_single"

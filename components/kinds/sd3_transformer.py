@@ -3,7 +3,7 @@
 Text and image tokens attend jointly in its ``transformer_blocks``, which stream under
 layerwise offload. It reads the text of both CLIP encoders and T5, joined along the
 sequence, and the two CLIP pooled vectors side by side. The custom path (the default)
-is ``components.kinds.dit.sd3``; ``loader = "native"`` builds diffusers' class.
+is ``components.models.dit.sd3``; ``loader = "native"`` builds diffusers' class.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 from components.batch import Port
-from components.kinds.dit.loader import DitLoader
-from components.kinds.dit.sd3 import RMS_NORM, Sd3Transformer
+from components.kinds.dit_loader import DitLoader
+from components.models.dit.sd3 import RMS_NORM, Sd3Transformer
 
 
 class Sd3TransformerLoader(DitLoader):

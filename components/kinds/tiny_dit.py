@@ -26,12 +26,12 @@ from components.batch import Batch, Port, device_of
 from components.cache import StepCache, run_cached, step_rows
 from components.cache.state import any_cached, release_caches, start_rows
 from components.kinds import tensors
-from components.kinds.dit.streams import Streams, StreamStack, owned
-from components.kinds.packing import Packing, gather_rows
 from components.kinds.projections import MultiheadProjections
 from components.kinds.tiny_text_encoder import DEFAULT_DIM
 from components.loader import ComponentLoader, SeededOptions
 from components.mesh import ComponentParallel, SequenceGroups
+from components.models.dit.streams import Streams, StreamStack, owned
+from components.models.packing import Packing, gather_rows
 from components.sites import NO_REQUIREMENTS, AttentionSite
 from components.tensor_parallel import split_layers
 from components.weights import DeclaredTensors

@@ -28,9 +28,9 @@ from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
-from components.kinds.dit.base import PackedTransformer
 from components.libraries import library_class
 from components.loader import ComponentLoader
+from components.models.dit.base import PackedTransformer
 
 # B images, C latent channels, h w latent grid, N latent positions (h * w), L tokens, E width
 

@@ -21,8 +21,8 @@ from torch import nn
 from components.batch import Batch
 from components.folders.problems import Problem
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
-from components.kinds.dit.flux import FluxInputs
 from components.kinds.t5_encoder import T5EncoderLoader
+from components.models.dit.flux import FluxInputs
 from components.recipes.base import (
     DECODE,
     DENOISE,

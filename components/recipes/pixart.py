@@ -22,9 +22,9 @@ from torch import nn
 
 from components.batch import Batch
 from components.folders.problems import Problem
-from components.kinds.dit.pixart import PixArtInputs
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.libraries import is_importable
+from components.models.dit.pixart import PixArtInputs
 from components.recipes.base import (
     DECODE,
     DENOISE,

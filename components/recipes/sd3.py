@@ -20,8 +20,8 @@ from torch.nn import functional
 from components.batch import Batch
 from components.folders.problems import Problem
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
-from components.kinds.dit.sd3 import Sd3Inputs
 from components.kinds.t5_encoder import T5EncoderLoader
+from components.models.dit.sd3 import Sd3Inputs
 from components.recipes.base import (
     DECODE,
     DENOISE,

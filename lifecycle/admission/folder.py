@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from components.folders.index import PIPELINE
-from components.folders.pipeline import FolderPipeline
 from components.folders.problems import Problem
 from components.loader import ComponentLoader
 from components.recipes import Recipe
 from components.recipes.base import RecipeError
+from components.recipes.folder import FolderPipeline
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 

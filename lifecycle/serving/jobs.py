@@ -19,7 +19,7 @@ import torch
 
 from components.batch import Batch
 from components.cache import CacheSteps, count_steps
-from components.kinds.dit.base import PackedTransformer
+from components.models.dit.base import PackedTransformer
 from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.folders.pipeline import FolderPipeline
+from components.recipes.folder import FolderPipeline
 
 SOURCE = "source"
 """The spec key that names a pipeline folder."""

@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from components.kinds.dit.flux import FluxInputs
-from components.kinds.dit.pixart import PixArtInputs
-from components.kinds.dit.sd3 import Sd3Inputs
+from components.models.dit.flux import FluxInputs
+from components.models.dit.pixart import PixArtInputs
+from components.models.dit.sd3 import Sd3Inputs
 from components.recipes.flux import FluxRecipe
 from components.recipes.pixart import PixArtSigmaRecipe
 from components.recipes.sd3 import Sd3Recipe

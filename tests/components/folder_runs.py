@@ -11,8 +11,8 @@ from torch import nn
 
 from components.batch import Batch
 from components.folders.loader import FolderLoader
-from components.folders.pipeline import FolderPipeline
 from components.recipes import Recipe
+from components.recipes.folder import FolderPipeline
 
 KINDS = {
     "pixart": {

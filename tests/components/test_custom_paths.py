@@ -25,12 +25,12 @@ from attention.testing import explicit, rel_err
 from benchmarks.make_pipeline import Family
 from components.accounting import module_bytes
 from components.folders.custom import CustomFolderLoader
-from components.folders.pipeline import FolderPipeline
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.loader import PathUnavailable
 from components.offload import LayerwiseStore
+from components.recipes.folder import FolderPipeline
 from lifecycle import AdmissionRefused, Orchestrator
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import PipelineSpec

@@ -25,9 +25,9 @@ from components import registry
 from components.accounting import module_bytes
 from components.folders.files import weight_files
 from components.folders.meta import build_empty, expected_tensors
-from components.kinds.dit.base import PackedTransformer
-from components.kinds.dit.loader import DitLoader
+from components.kinds.dit_loader import DitLoader
 from components.loader import PathUnavailable
+from components.models.dit.base import PackedTransformer
 from components.offload.disk import DiskStore
 from components.offload.layerwise import LayerwiseStore
 from tests.blocked_imports import blocking
@@ -358,9 +358,9 @@ def _cast(group: Any, dtype: torch.dtype) -> Any:
 
 def test_custom_module_packs() -> None:
     """The custom modules are PackedTransformers: recipes run them once per step."""
-    from components.kinds.dit.flux import FluxTransformer
-    from components.kinds.dit.pixart import PixArtTransformer
-    from components.kinds.dit.sd3 import Sd3Transformer
+    from components.models.dit.flux import FluxTransformer
+    from components.models.dit.pixart import PixArtTransformer
+    from components.models.dit.sd3 import Sd3Transformer
 
     assert all(
         issubclass(c, PackedTransformer)

@@ -14,8 +14,8 @@ from components import registry
 from components.accounting import module_bytes
 from components.folders.files import UnsafeWeightsError, weight_files
 from components.folders.loader import FolderLoader
-from components.folders.pipeline import FolderPipeline
 from components.loader import PathUnavailable
+from components.recipes.folder import FolderPipeline
 from tests.conftest import PipelineFolders
 
 pytestmark = pytest.mark.usefixtures("one_thread")

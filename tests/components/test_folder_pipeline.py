@@ -13,8 +13,8 @@ import pytest
 from components import registry
 from components.folders.index import PipelineIndex
 from components.folders.loader import FolderLoader
-from components.folders.pipeline import FolderPipeline, kind_for_class
 from components.folders.problems import Problem
+from components.recipes.folder import FolderPipeline, kind_for_class
 from components.weights import read_header, stored_bytes
 from tests.blocked_imports import blocking
 from tests.components.folder_runs import KINDS
@@ -207,7 +207,7 @@ import torch
 
 from attention import ComponentRequests, arm_layers, component_attention_scope
 from components import registry
-from components.folders.pipeline import FolderPipeline
+from components.recipes.folder import FolderPipeline
 
 folder = Path(sys.argv[1])
 pipeline = FolderPipeline.read(folder)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from components.folders.pipeline import FolderPipeline
 from components.folders.text import TextEncoderLoader
+from components.recipes.folder import FolderPipeline
 from tests.conftest import PipelineFolders
 
 ROUNDS = 400

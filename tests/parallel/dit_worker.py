@@ -20,7 +20,7 @@ from attention import ComponentRequests, Platform, arm_layers, component_attenti
 from components import ParallelLayout, registry
 from components.accounting import module_bytes
 from components.cache import CacheSettings, RowCache, StepCache
-from components.kinds.dit.loader import DitLoader
+from components.kinds.dit_loader import DitLoader
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
 from lifecycle.spec.reading import decode_spec

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.make_pipeline import Family
-from components.folders.pipeline import FolderPipeline
+from components.recipes.folder import FolderPipeline
 from lifecycle import AdmissionRefused, Orchestrator
 from lifecycle.spec.reading import load_spec
 from tests.conftest import PipelineFolders

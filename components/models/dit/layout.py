@@ -8,7 +8,7 @@ its own tokens (varlen), so its output equals the request run alone.
 Double-stream blocks (Flux, SD3) hold each stream's rows apart: the text rows of every
 request back to back, and the image rows likewise; attention and single-stream blocks
 hold the joint rows. Under sequence parallel a rank holds one contiguous shard of the
-padded joint sequence (``components.kinds.packing.Packing.shard``): a request may
+padded joint sequence (``components.models.packing.Packing.shard``): a request may
 straddle ranks, and a rank may hold only part of its text or of its image.
 """
 
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.functional import layer_norm
 
-from components.kinds.packing import Packing, gather_rows
 from components.mesh import SequenceGroups
+from components.models.packing import Packing, gather_rows
 
 # B requests, E width, T joint rows on this rank, L_i / N_i text / image tokens of request i
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from attention.distributed import packed_sequence_attention
-from components.kinds.dit.layout import JointLayout, Rows
 from components.mesh import SequenceGroups
+from components.models.dit.layout import JointLayout, Rows
 from components.sites import AttentionSite, SiteLayer
 
 # B requests, H heads, D head dim, E width, n rows, T joint rows, L_i text tokens

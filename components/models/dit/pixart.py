@@ -17,17 +17,17 @@ from torch import nn
 from torch.nn.functional import silu
 
 from components.cache import StepCache, run_cached
-from components.kinds.dit.attention import DitAttention
-from components.kinds.dit.base import PackedTransformer, TensorPlan, regroup
-from components.kinds.dit.layers import (
+from components.models.dit.attention import DitAttention
+from components.models.dit.base import PackedTransformer, TensorPlan, regroup
+from components.models.dit.layers import (
     FeedForward,
     TextProjection,
     TimestepEmbedding,
     timestep_features,
 )
-from components.kinds.dit.layout import JointLayout, add_gated, modulate
-from components.kinds.dit.patches import PatchEmbed, unpatchify
-from components.kinds.dit.streams import Streams, owned
+from components.models.dit.layout import JointLayout, add_gated, modulate
+from components.models.dit.patches import PatchEmbed, unpatchify
+from components.models.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
 # B requests, C channels, E width, h w latent grid, n image rows, L_i text tokens

@@ -15,10 +15,10 @@ from attention import AttentionRequirements, AttentionRole
 from components.folders.files import weight_files
 from components.folders.loader import FolderLoader, FolderOptions, Layout
 from components.folders.meta import assign_weights
-from components.kinds.dit.base import PackedTransformer
 from components.libraries import missing
 from components.loader import LoaderPath, PathUnavailable
 from components.mesh import ComponentParallel
+from components.models.dit.base import PackedTransformer
 from components.sites import NO_REQUIREMENTS, AttentionSite
 
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from components.cache import StepCache
-from components.kinds.dit.attention import DitAttention
-from components.kinds.dit.streams import StreamStack
 from components.mesh import ComponentParallel, SequenceGroups
+from components.models.dit.attention import DitAttention
+from components.models.dit.streams import StreamStack
 from components.tensor_parallel import split_layers
 
 if TYPE_CHECKING:
