@@ -10,6 +10,7 @@ from msgspec import Meta
 
 from lifecycle.serving.errors import ApiError
 from lifecycle.shown import SHOWN_CHARS, shown
+from lifecycle.spec.checks import NAME_PATTERN
 
 MAX_GUIDANCE_SCALE = 100.0
 """The largest ``guidance_scale`` taken: pipelines use 1 to 20, and far beyond that the
@@ -18,6 +19,10 @@ guided prediction overflows float32 into an image of NaN."""
 Priority = Annotated[int, Meta(ge=0)]
 """A request's ``priority``: higher first; at most ``serving.max_priority`` (checked
 against the spec once decoded)."""
+
+WorkerPath = Annotated[str, Meta(min_length=1, max_length=4096)]
+"""A file on the worker's disk: no longer than Linux's PATH_MAX, so a path no file
+system could name is a 400 before anything looks it up."""
 
 Timeout = Annotated[float, Meta(gt=0)]
 """A request's ``timeout`` in seconds, queued and running; at most, and by default,
@@ -68,16 +73,16 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/pipelines``: a spec on the worker's disk to admit and load."""
 
-    path: Annotated[str, Meta(min_length=1)]
+    path: WorkerPath
 
 
 class AdapterBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/adapters``: an ``[adapters.NAME]`` table with its name, and
     the pipeline (``model``; None: the only one served)."""
 
-    name: str
+    name: Annotated[str, Meta(pattern=NAME_PATTERN, max_length=128)]  # as a spec's names
     model: str | None = None
-    path: str
+    path: WorkerPath
     component: str | None = None
     scale: float = 1.0
     mode: Literal["merged", "unmerged"] = "merged"

@@ -18,7 +18,10 @@ from components.loader import ComponentLoader
 from lifecycle.spec.errors import ConfigError, convert, decoding_at
 from lifecycle.spec.structs import ALL_ROLES, DEFAULT_OFFLOAD_DIR, ComponentSpec, PipelineSpec
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
+"""What a component, stage or adapter may be called: letters, digits, '_' and '-',
+starting with a letter or '_'."""
+_NAME = re.compile(NAME_PATTERN)
 
 
 def check_spec(spec: PipelineSpec) -> None:

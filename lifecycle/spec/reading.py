@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from components import registry as kinds
+from lifecycle.shown import shown
 from lifecycle.spec.checks import check_spec
 from lifecycle.spec.errors import ConfigError, convert
 from lifecycle.spec.sizes import SIZE_PATTERN, ByteSize
@@ -44,7 +45,7 @@ def load_spec(path: str | Path) -> PipelineSpec:
     """
     source = str(path)
     try:
-        if Path(path).is_dir():
+        if _lookup_error(Path(path)) is None and Path(path).is_dir():
             return _decoded({SOURCE: source}, Path())
         text, fmt, _ = _read(path, "spec")
         return decode_spec(text, fmt, Path(path).parent)
@@ -131,10 +132,23 @@ def adapter_file(path: str, base: Path) -> str:
         ValueError: no file is there; the message names ``path`` as given and as read.
     """
     found = (base / path).resolve()
+    refused = _lookup_error(found)
+    if refused is not None:
+        raise ValueError(f"Expected a LoRA safetensors file, got {path!r}: {refused}")
     if not found.is_file():
         what = f"{found} is a folder" if found.is_dir() else f"no file at {found}"
         raise ValueError(f"Expected a LoRA safetensors file, got {path!r}: {what}")
     return str(found)
+
+
+def _lookup_error(path: Path) -> str | None:
+    """Say why the file system refuses to look ``path`` up at all (a name longer than it
+    allows), or None; whether anything is there is not asked."""
+    try:
+        path.exists()
+    except OSError as err:
+        return f"the file system cannot look it up ({err.strerror})"
+    return None
 
 
 def _with_option_files(spec: PipelineSpec, base: Path) -> PipelineSpec:
@@ -148,6 +162,13 @@ def _with_option_files(spec: PipelineSpec, base: Path) -> PipelineSpec:
             for key in files
             if isinstance(value := component.options.get(key), str)
         }
+        for key, path in found.items():
+            refused = _lookup_error(Path(path))
+            if refused is not None:
+                raise ConfigError(
+                    f"Expected a path, got {shown(path)}: {refused}",
+                    f"$.components.{name}.options.{key}",
+                )
         if found:
             options = {**component.options, **found}
             components[name] = msgspec.structs.replace(component, options=options)

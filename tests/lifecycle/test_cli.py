@@ -53,6 +53,36 @@ class TestCheck:
             "an error (set attention_backend to choose)"
         )
 
+    @pytest.mark.parametrize(
+        ("where", "key"),
+        [
+            ("spec", None),
+            ("adapter", "$.adapters.s.path"),
+            ("weights", "$.components.vae.options.weights"),
+        ],
+    )
+    def test_a_name_too_long_to_look_up_is_bad_input(
+        self, lifecycle: Lifecycle, tmp_path: Path, where: str, key: str | None
+    ) -> None:
+        """A path with a name longer than the file system allows, as the spec, an adapter
+        file or a weights option, is bad input at its key: exit 2, no traceback."""
+        long = "x" * 300  # over NAME_MAX (255)
+        spec = EXAMPLE.read_text()
+        if where == "adapter":
+            spec += f'\n[adapters.s]\npath = "{long}.safetensors"\n'
+        if where == "weights":
+            spec = spec.replace(
+                'kind = "tiny_vae"', f'kind = "tiny_vae"\noptions = {{ weights = "{long}" }}'
+            )
+        path = tmp_path / (f"{long}.toml" if where == "spec" else "spec.toml")
+        if where != "spec":
+            path.write_text(spec)
+        result = lifecycle("check", path)
+        assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+        assert "File name too long" in result.stderr
+        if key is not None:
+            assert key in result.stderr
+
     def test_no_legend_without_a_fallback(self, lifecycle: Lifecycle, tmp_path: Path) -> None:
         """A plan whose every site runs the backend asked for explains no fallback."""
         unpacked = EXAMPLE.read_text().replace(

@@ -183,6 +183,28 @@ class TestAdaptersOverHttp:
             "worker's working directory"
         )
 
+    def test_names_and_paths_no_spec_could_hold_are_400s(
+        self, serve_spec: ServeSpec, lora_spec: PipelineSpec
+    ) -> None:
+        """A name a spec could not give an adapter and a path longer than any file system
+        names are 400s at their field, answered in a few hundred bytes; a file name too
+        long for the file system is a 400 too (it was a 500)."""
+        served = with_admin_key(serve_spec(lora_spec, ADMIN))
+        path = lora_spec.adapters["mlp"].path
+        long_name = "x" * 300  # one path component over NAME_MAX (255)
+        bodies = {
+            ("name", 400): {"name": "a" * 20_000, "path": path},
+            ("name", 400, "space"): {"name": "a b", "path": path},
+            ("path", 400): {"name": "late", "path": "p" * 20_000},
+            ("path", 400, "component"): {"name": "late", "path": long_name + ".safetensors"},
+        }
+        with served.client() as client:
+            answers = {key: client.post("/v1/adapters", json=body) for key, body in bodies.items()}
+        for (field, status, *_), answer in answers.items():
+            assert answer.status_code == status, answer.text
+            assert answer.json()["error"]["param"] == field
+            assert len(answer.content) < 1_000
+
     def test_refused_add_is_409_with_the_refusal(
         self, serve_spec: ServeSpec, lora_spec: PipelineSpec, tmp_path: Path
     ) -> None:

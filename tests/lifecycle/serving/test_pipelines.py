@@ -288,6 +288,22 @@ class TestChanges:
         assert codes == {"attention.unsupported_backend"}
         assert after == before
 
+    def test_paths_no_file_system_names_are_400s(self, twins: Served) -> None:
+        """A path longer than PATH_MAX, or with a name longer than the file system allows,
+        is a 400 at ``path`` in a short answer (the second was a 500), the worker as before."""
+        with twins.client() as client:
+            before = listed(client)
+            answers = [
+                client.post("/v1/pipelines", json={"path": "p" * 20_000}),
+                client.post("/v1/pipelines", json={"path": "x" * 300 + ".toml"}),
+            ]
+            after = listed(client)
+        for answer in answers:
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "path"
+            assert len(answer.content) < 1_000
+        assert after == before
+
     def test_reload_unchanged_then_changed(
         self, twins: Served, t2i_pipeline: T2iPipeline, tmp_path: Path
     ) -> None:
