@@ -8,10 +8,12 @@ value. None of them reads the log, so the counts do not depend on the log level.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from lifecycle.events import (
     Direction,
@@ -36,11 +38,19 @@ class ServingMetrics:
     Args:
         queue_depth: reads how many jobs wait for a batch.
         resident_bytes: reads the bytes resident on the device now.
+        recompiles: reads each compiled component's recompiles by (pipeline, component)
+            (design §17), read at every scrape.
     """
 
-    def __init__(self, queue_depth: Callable[[], int], resident_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        resident_bytes: Callable[[], int],
+        recompiles: Callable[[], Mapping[tuple[str, str], int]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_Recompiles(recompiles))
         self.requests = Counter(
             "lifecycle_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )
@@ -147,3 +157,21 @@ class ServingMetrics:
     def render(self) -> bytes:
         """Return the Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _Recompiles(Collector):
+    """``lifecycle_recompiles_total{pipeline, component}``: the graphs inductor compiled
+    after a compiled component's first forward, read from the orchestrators at a scrape."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "lifecycle_recompiles",
+            "graphs inductor compiled after a compiled component's first forward (design §17)",
+            labels=["pipeline", "component"],
+        )
+        for (pipeline, component), count in sorted(self._read().items()):
+            family.add_metric([pipeline, component], count)
+        yield family

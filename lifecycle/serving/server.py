@@ -190,6 +190,7 @@ def _serve(
     metrics = ServingMetrics(
         queue_depth=lambda: sum(p.batcher.depth for p in list(worker.pipelines.values())),
         resident_bytes=shared.resident_bytes,
+        recompiles=lambda: worker.recompiles(),
     )
     orchestrators = []
     admit_ms = {}

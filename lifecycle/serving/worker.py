@@ -59,6 +59,8 @@ class Startup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         parallel: the components built in parallel threads.
         warmup_ms: the warm-up requests together.
         warmup: how many warm-up requests ran (``serving.warmup``).
+        compile_s: the seconds inductor spent compiling each compiled component during
+            the warm-up (design §17; its first forward of each shape class compiles).
     """
 
     admit_ms: float
@@ -67,6 +69,7 @@ class Startup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     parallel: tuple[str, ...]
     warmup_ms: float
     warmup: int
+    compile_s: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class UnknownModel(LookupError):
@@ -179,6 +182,14 @@ class Worker:
         """Return what the one pipeline served produces."""
         return self.only.shapes
 
+    def recompiles(self) -> dict[tuple[str, str], int]:
+        """Return each compiled component's recompiles by (pipeline, component) (design §17)."""
+        return {
+            (name, component): compilation.recompiles
+            for name, served in list(self.pipelines.items())
+            for component, compilation in served.orchestrator.compilations().items()
+        }
+
     def submit(self, job: Job) -> Future[Job]:
         """Queue ``job`` on the one pipeline served (see ``Batcher.submit``)."""
         return self.only.submit(job)
@@ -228,6 +239,10 @@ class Worker:
             components_ms=loaded.components,
             parallel=loaded.parallel,
             warmup_ms=round((time.perf_counter() - warming) * 1e3, 3),
+            compile_s={
+                name: round(compilation.seconds, 3)
+                for name, compilation in orchestrator.compilations().items()
+            },
             warmup=warmup,
         )
         batcher = Batcher(

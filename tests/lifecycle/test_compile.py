@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attention import Platform
 from components.compile import Compilation
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.metrics import ServingMetrics
+from lifecycle.serving.worker import Phase, Worker
 from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle
 from tests.lifecycle.test_quantization import images, tiny_t2i
@@ -64,3 +67,25 @@ class TestCompileBlocks:
         assert components["transformer"]["recompiles"] == 0
         assert components["transformer"]["compile_seconds"] >= 0
         assert components["vae"]["recompiles"] is None
+
+    def test_serving_reports_compile_seconds_and_recompiles(
+        self, cpu: Platform, root: Path, tmp_path: Path
+    ) -> None:
+        """A worker's warm-up compiles the DiT: its startup (serving.ready, /readyz) gives the
+        compile seconds, and /metrics counts lifecycle_recompiles_total for it."""
+        spec = decode_spec(tiny_t2i(root, tmp_path, f'compile = "blocks"\n{DIT}', "disk"))
+        holder: list[Worker] = []
+        metrics = ServingMetrics(lambda: 0, lambda: 0, lambda: holder[0].recompiles())
+        worker = Worker([Orchestrator(spec, platform=cpu, observer=metrics.observe)], metrics)
+        holder.append(worker)
+        worker.start()
+        try:
+            assert worker.phase is Phase.READY, worker.error
+            assert worker.startup[spec.name].compile_s["transformer"] > 0
+            text = metrics.render().decode()
+            line = (
+                f'lifecycle_recompiles_total{{component="transformer",pipeline="{spec.name}"}} 0.0'
+            )
+            assert line in text
+        finally:
+            worker.drain()
