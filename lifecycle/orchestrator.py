@@ -34,9 +34,9 @@ from components.recipes import Recipe
 from lifecycle import admission as adm
 from lifecycle.adapters import AdapterKeeper
 from lifecycle.admission.adapters import admit_adapter
-from lifecycle.admission.budget import declared_bytes
 from lifecycle.admission.folder import open_folder
 from lifecycle.device.moves import Residency
+from lifecycle.device.pipeline_life import PipelineLife
 from lifecycle.device.shared import SharedDevice
 from lifecycle.device.sharing import ComponentIdentity, component_identity
 from lifecycle.device.slots import ComponentSlot
@@ -48,7 +48,6 @@ from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work, report_refused
-from lifecycle.machines.pipeline import PipelineLifecycle
 from lifecycle.machines.tables import AdapterState, ComponentState, PipelineState
 from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
@@ -64,7 +63,6 @@ from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
     Refusal,
-    RefusalCode,
     RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
@@ -72,9 +70,6 @@ from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import AdapterSpec, ComponentSpec, PipelineSpec
 
 log = get_logger("lifecycle")
-
-_STAYING = (PipelineState.SERVING, PipelineState.SLEEPING, PipelineState.SWAPPING)
-"""The states of a pipeline that still holds its components: not yet on its way out."""
 
 
 class ComponentView(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -173,14 +168,14 @@ class Orchestrator:
             slot = ComponentSlot(name, component, lifecycle, loaders[name], self.key)
             self._slots[name] = slot
             self.shared.add_slot(slot)
-        self._pipeline = PipelineLifecycle(
+        self._life = PipelineLife(
             spec.name,
-            checks=self._pipeline_checks(),
-            work=self._pipeline_work(),
-            observers=self._observers,
+            self.key,
+            self.shared,
+            self._slots,
+            self._observers,
+            spec.serving.drain_timeout,
         )
-        self.shared.pipelines.add_pipeline(self._pipeline)
-        self.shared.lifecycles[self.key] = self._pipeline
         self.recipe: Recipe | None = (
             None if isinstance(spec.source, UnsetType) else open_folder(spec, loaders).recipe
         )
@@ -249,7 +244,10 @@ class Orchestrator:
                 )
             loaders = {name: slot.loader for name, slot in self._slots.items()}
             admission = adm.admit_pipeline(
-                self.spec, self.platform, loaders, None if self._owns_device else self._budget()
+                self.spec,
+                self.platform,
+                loaders,
+                None if self._owns_device else self._life.admission_budget(),
             )
             self._admission = admission
             for name, slot in self._slots.items():
@@ -306,7 +304,7 @@ class Orchestrator:
                         slot = self._load_or_share(name, slot)
                     if slot.lifecycle.state is ComponentState.LOADED:
                         placing = time.perf_counter()
-                        if self.key in self.shared.asleep:
+                        if self.shared.is_asleep(self.key):
                             slot.lifecycle.offload(MoveArgs(sleeping=True))
                         elif slot.spec.residency_mode is ResidencyMode.RESIDENT:
                             slot.lifecycle.onload()
@@ -329,7 +327,7 @@ class Orchestrator:
     def pipeline_state(self) -> PipelineState:
         """Return where the pipeline stands: serving, sleeping, swapping, draining or
         released."""
-        return self._pipeline.state
+        return self._life.state
 
     def sleep(self, timeout: float | None = None) -> None:
         """Put the pipeline to sleep: every component it does not share with a pipeline
@@ -344,13 +342,7 @@ class Orchestrator:
             TransitionRefused: requests were still open after ``timeout``; nothing moved.
             TransitionFailed: an offload failed; what moved was put back.
         """
-        limit = self.spec.serving.drain_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with self._machine.lock:
-            if self._pipeline.state is PipelineState.SERVING:
-                while self._open_requests() and (remaining := deadline - time.monotonic()) > 0:
-                    self.shared.requests_ended.wait(remaining)
-            self._pipeline.sleep()
+        self._life.sleep(timeout)
 
     def wake(self) -> None:
         """Wake the pipeline: its components go back where ``load`` put them.
@@ -362,7 +354,7 @@ class Orchestrator:
             TransitionFailed: an onload failed or was refused (other requests hold the
                 device); the pipeline still sleeps, nothing moved.
         """
-        self._pipeline.wake()
+        self._life.wake()
 
     @property
     def parallel(self) -> ParallelMesh | None:
@@ -391,18 +383,14 @@ class Orchestrator:
             ValueError: a request with that id is already open.
             RequestRefused: ``attention_backend`` breaks a rule; nothing was switched.
         """
-        rid = request_id or f"r{next(self.shared.request_ids)}"
+        rid = request_id or self.shared.next_request_id()
         if attention_backend is not None:
             try:
                 self._switch.prepare(attention_backend)
             except RequestRefused as err:
                 self._report(err.refusals, trigger="request", request_id=rid)
                 raise
-        with self._machine.lock:
-            if rid in self._stages.open_requests:
-                raise ValueError(f"request {rid!r} is already open; give each request its own id")
-            self._stages.open_requests[rid] = self.key
-            self.shared.asked(self.key)
+        self.shared.open_request(rid, self.key)
         request = Request(self._stages, rid, priority, self.recipe)
         started = time.perf_counter()
         # both context variables set and reset by token, not through context managers:
@@ -642,19 +630,19 @@ class Orchestrator:
                     self._adapters.remove(name)
                 except Exception as err:  # reported below, after the others are released
                     failures.append(err)
-            if self._pipeline.state in _STAYING:
-                self._pipeline.drain()
-            for name, slot in self._slots.items():
+            if self._life.is_staying:
+                self._life.drain()
+            for slot in self._slots.values():
                 try:
-                    self._let_go(name, slot)
+                    self._life.let_go(slot)
                 except Exception as err:  # reported below, after the others are released
                     failures.append(err)
             try:
                 self._residency.close()
             except OSError as err:
                 failures.append(err)
-            if not failures and self._pipeline.state is PipelineState.DRAINING:
-                self._pipeline.release()
+            if not failures:
+                self._life.release()
         if failures:
             raise ExceptionGroup(
                 f"closing pipeline {self.spec.name!r} left {len(failures)} failure(s): "
@@ -699,19 +687,6 @@ class Orchestrator:
         self.shared.join(found, self.key, name, self._observers)
         return found
 
-    def _let_go(self, name: str, slot: ComponentSlot) -> None:
-        """Release ``slot`` (the pipeline's ``name``), or leave it to the others using it.
-
-        Raises:
-            TransitionRefused: an open request is using it; the pipeline still holds it.
-        """
-        if slot.lifecycle.state is ComponentState.RELEASED or self.key not in slot.users:
-            return
-        if len(slot.users) > 1:
-            self.shared.leave(slot, self.key)
-            return
-        slot.lifecycle.release()
-
     def identities(self) -> dict[str, ComponentIdentity]:
         """Return what makes each admitted component itself (``lifecycle.device.sharing``), by name.
 
@@ -734,7 +709,7 @@ class Orchestrator:
         Raises:
             InvalidTransition: it is neither serving nor sleeping.
         """
-        self._pipeline.swap()
+        self._life.begin_swap()
 
     def drain(self) -> None:
         """Mark the pipeline DRAINING: it is on its way out (a worker sends it nothing new).
@@ -745,7 +720,7 @@ class Orchestrator:
         Raises:
             InvalidTransition: it drains already, or was released.
         """
-        self._pipeline.drain()
+        self._life.drain()
 
     def release_unshared(self, keep: Collection[ComponentIdentity]) -> None:
         """Release the components of a draining pipeline, but those whose identity is in
@@ -756,125 +731,7 @@ class Orchestrator:
             TransitionRefused: an open request still uses a component; the others were
                 released.
         """
-        with self._machine.lock:
-            state = self._pipeline.state
-            if state is not PipelineState.DRAINING:
-                raise InvalidTransition(
-                    self.spec.name, "release_unshared", state, ("draining",), noun="pipeline"
-                )
-            for name, slot in self._slots.items():
-                if slot.identity is None or slot.identity not in keep:
-                    self._let_go(name, slot)
-
-    def _budget(self) -> adm.SharedBudget | None:
-        """Return the device's budget as admission weighs it, beside the others' pinned.
-
-        A draining pipeline's components leave with it: they are not counted.
-        """
-        limit = self.shared.budget.limit
-        if limit is None:
-            return None
-        staying = {
-            key for key, pipeline in self.shared.lifecycles.items() if pipeline.state in _STAYING
-        }
-        pinned = {
-            slot.key: slot.footprint or declared_bytes(slot.loader) or 0
-            for slot in self.shared.slots.values()
-            if slot.home != self.key
-            and slot.spec.is_pinned
-            and slot.lifecycle.state is not ComponentState.RELEASED
-            and not staying.isdisjoint(slot.users)
-        }
-        others = tuple(sorted({self.shared.names[key] for key in staying if key != self.key}))
-        return adm.SharedBudget(
-            limit=limit, key=self.shared.budget.key, pinned=pinned, others=others
-        )
-
-    # -- the pipeline's guards and work ------------------------------------------
-
-    def _open_requests(self) -> list[str]:
-        """Return the open requests of this pipeline (call with the lock held)."""
-        return sorted(rid for rid, key in self.shared.open_requests.items() if key == self.key)
-
-    def _own_slots(self) -> list[ComponentSlot]:
-        """Return the pipeline's components, each once (two names may share one)."""
-        return list({id(slot): slot for slot in self._slots.values()}.values())
-
-    def _pipeline_checks(self) -> dict[str, Check]:
-        def requests_ended(context: TransitionContext) -> list[Refusal]:
-            open_now = self._open_requests()
-            if not open_now:
-                return []
-            return [
-                Refusal(
-                    code=RefusalCode.IN_USE,
-                    component=self.spec.name,
-                    message=f"pipeline '{self.spec.name}' has open request(s) "
-                    f"{', '.join(open_now)}",
-                    hint="wait for them to end (a sleep waits serving.drain_timeout), or "
-                    "stop sending requests to this pipeline first",
-                )
-            ]
-
-        return {"requests_ended": requests_ended, "memory_budget": self._wake_fits}
-
-    def _wake_fits(self, context: TransitionContext) -> list[Refusal]:
-        """Refuse a wake whose resident components cannot fit beside what others pin."""
-        limit = self.shared.budget.limit
-        if limit is None:
-            return []
-        waking = [slot for slot in self._own_slots() if self._wakes(slot)]
-        pinned = [
-            slot
-            for slot in self.shared.budget.charged
-            if slot.spec.is_pinned and self.key not in slot.users
-        ]
-        sizes = {slot.label(self.key): slot.footprint for slot in (*waking, *pinned)}
-        uses = tuple(slot.label(self.key) for slot in waking)
-        held = tuple(slot.label(self.key) for slot in pinned)
-        if not uses:
-            return []
-        refusal = adm.stage_fits(
-            "wake()", sizes, uses, held, limit, budget_key=self.shared.budget.key
-        )
-        return [] if refusal is None else [refusal]
-
-    def _wakes(self, slot: ComponentSlot) -> bool:
-        """Tell whether waking onloads ``slot``: kept resident, and off the device now."""
-        return (
-            slot.mode is ResidencyMode.RESIDENT and slot.lifecycle.state is ComponentState.OFFLOADED
-        )
-
-    def _pipeline_work(self) -> dict[str, Work]:
-        return {"sleep": self._sleep, "wake": self._wake, "release": self._unregister}
-
-    def _sleep(self, context: TransitionContext) -> None:
-        """Offload what only sleeping pipelines use; mark the pipeline asleep."""
-        asleep, key = self.shared.asleep, self.key
-        args = MoveArgs(sleeping=True)
-        for slot in self._own_slots():
-            awake_users = [user for user in slot.users if user != key and user not in asleep]
-            if slot.lifecycle.state is ComponentState.RESIDENT and not awake_users:
-                slot.lifecycle.offload(args)
-                context.on_rollback(slot.lifecycle.onload)
-        asleep.add(key)
-        context.on_rollback(lambda: asleep.discard(key))
-
-    def _wake(self, context: TransitionContext) -> None:
-        """Mark the pipeline awake; onload what ``load`` keeps resident."""
-        asleep, key = self.shared.asleep, self.key
-        asleep.discard(key)
-        context.on_rollback(lambda: asleep.add(key))
-        back_off = MoveArgs(sleeping=True)
-        for slot in self._own_slots():
-            if self._wakes(slot):
-                lifecycle = slot.lifecycle
-                lifecycle.onload()
-                context.on_rollback(partial(lifecycle.offload, back_off))
-
-    def _unregister(self, context: TransitionContext) -> None:
-        self.shared.unregister(self.key)
-        self.shared.lifecycles.pop(self.key, None)
+        self._life.release_unshared(keep)
 
     # -- guards (pure: they read decisions, touch nothing) -------------------
 

@@ -40,7 +40,7 @@ class StageKeeper:
         slots: the orchestrator's components by name.
         residency: what moves weights (and prefetches the next stage's).
         shared: the device: its lock, held while counts and states change together,
-            and its line of requests waiting for memory.
+            its open requests and its line of requests waiting for memory.
         observers: who hears of every wait for memory.
         adapters: the pipeline's adapters: a stage's components get the merged adapters
             its rows name before they are used.
@@ -62,8 +62,7 @@ class StageKeeper:
         self.timeline = residency.timeline
         self.lock = shared.lock
         self.observers = observers
-        self.open_requests = shared.open_requests
-        self.requests_ended = shared.requests_ended
+        self.shared = shared
         self.waiter = shared.waiter
         self.terms = WaitTerms(residency.spec.memory.wait_timeout, observers, slots)
 
@@ -147,8 +146,7 @@ class StageKeeper:
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
         with self.lock:
-            self.open_requests.pop(request_id, None)
-            self.requests_ended.notify_all()  # a sleep or a drain may wait for it
+            self.shared.close_request(request_id)  # a sleep or a drain may wait for it
             self.rows.pop(request_id, None)
             try:
                 self.residency.cancel_prefetch(touched)

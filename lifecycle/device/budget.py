@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Protocol
 
 from lifecycle.admission.budget import EvictionRank, fits, plan_onload
 from lifecycle.device.slots import ComponentSlot
 from lifecycle.device.timeline import Timeline
 from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
+
+
+class Pipelines(Protocol):
+    """What the budget asks of the pipelines on its device (``SharedDevice`` answers)."""
+
+    def pipeline_of(self, request_id: str) -> str | None:
+        """Return the key of the pipeline ``request_id`` is open for, if any."""
+
+    def timeline_of(self, key: str) -> Timeline:
+        """Return the request timeline of the pipeline ``key``."""
+
+    def last_asked(self, key: str) -> int:
+        """Return when the pipeline ``key`` last opened a request (a device-wide count)."""
 
 
 class DeviceBudget:
@@ -24,9 +38,8 @@ class DeviceBudget:
         limit: the most bytes resident at once; None: no limit.
         key: where the limit was set (``memory.device_budget``, ``--device-budget``),
             for the hints.
-        open_requests: the pipeline (its key) of each open request, by request id.
-        timelines: each pipeline's request timeline, by its key.
-        last_asked: when each pipeline (by key) last opened a request (a device-wide count).
+        pipelines: the pipelines on the device: whose request moves a component, their
+            timelines, when each was last asked for.
 
     Attributes:
         charged: each component on the device (or reserved there by a prefetch), with
@@ -38,9 +51,7 @@ class DeviceBudget:
         self,
         limit: int | None,
         key: str,
-        open_requests: Mapping[str, str],
-        timelines: Mapping[str, Timeline],
-        last_asked: Mapping[str, int],
+        pipelines: Pipelines,
     ) -> None:
         self.limit = None if limit is None else int(limit)  # a plain int: it is encoded
         self.key = key
@@ -49,9 +60,7 @@ class DeviceBudget:
         # what adapters hold on the device (their matrices, the bases merges keep) by
         # key: counted in the total, never evicted
         self._held: dict[str, int] = {}
-        self._open_requests = open_requests
-        self._timelines = timelines
-        self._last_asked = last_asked
+        self._pipelines = pipelines
 
     def memory_budget(
         self, slots: Mapping[str, ComponentSlot], name: str, context: TransitionContext
@@ -86,14 +95,15 @@ class DeviceBudget:
         component's own) calls them; those it does not use by their device key.
         """
         rid = context.request_id
-        served = (self._open_requests.get(rid) if rid is not None else None) or slot.home
-        timeline = self._timelines[served]
+        pipelines = self._pipelines
+        served = (pipelines.pipeline_of(rid) if rid is not None else None) or slot.home
+        timeline = pipelines.timeline_of(served)
         after = context.args.position
         eviction = MoveArgs(eviction=True, request_id=rid)
         others = {other.label(served): other for other in self.charged if other is not slot}
         evictable = {
             label: EvictionRank(
-                last_asked=max(self._last_asked.get(user, 0) for user in other.users),
+                last_asked=max(pipelines.last_asked(user) for user in other.users),
                 distance=timeline.distance_to_next_use(other.users[served], after)
                 if served in other.users
                 else math.inf,

@@ -70,7 +70,6 @@ class Residency:
         self.budget = shared.budget
         self.key = key
         self._shared = shared
-        self._asleep = shared.asleep
         self._started = time.perf_counter()
         self._folder: Path | None = None
         self._closed = False
@@ -83,11 +82,8 @@ class Residency:
         ``wake`` takes its pipeline off the sleeping set before it onloads, so its own
         onloads pass.
         """
-        asleep = self._asleep
-        if not asleep:
-            return []
         slot = self.slots[name]
-        if not all(user in asleep for user in slot.users):
+        if not self._shared.all_asleep(slot.users):
             return []
         sleepers = ", ".join(sorted(slot.users))
         return [

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -32,7 +33,7 @@ from lifecycle.events import Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.component import LifecycleMachine
 from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
-from lifecycle.machines.tables import ComponentState
+from lifecycle.machines.tables import ComponentState, PipelineState
 from lifecycle.spec.structs import PipelineSpec, WorkerFile
 
 log = get_logger("lifecycle")
@@ -40,6 +41,10 @@ log = get_logger("lifecycle")
 
 class SharedDevice:
     """What the orchestrators on one device share.
+
+    The device owns what it knows of its pipelines and their requests: each is written
+    through one of its methods (``register``, ``open_request``, ``sleep``, ...), under
+    its lock, and read through the others.
 
     Args:
         device_budget: the most bytes resident at once, for every pipeline together;
@@ -52,12 +57,6 @@ class SharedDevice:
         pipelines: the machine of every pipeline.
         budget: the device budget and its running total.
         waiter: the line of requests waiting for memory.
-        slots: every component on the device, by its key.
-        open_requests: the pipeline (its key) of each open request, by request id.
-        asleep: the pipelines (keys) that sleep: their unshared components stay off.
-        requests_ended: notified whenever a request ends (a sleep waits on it).
-        lifecycles: each pipeline's lifecycle, by its key.
-        names: each pipeline's name, by its key.
     """
 
     def __init__(
@@ -66,23 +65,23 @@ class SharedDevice:
         self.lock = threading.RLock()
         self.machine = LifecycleMachine("components", self.lock)
         self.pipelines = PipelineMachine("pipelines", self.lock)
-        self.slots: dict[str, ComponentSlot] = {}
-        self.open_requests: dict[str, str] = {}
-        self.asleep: set[str] = set()
-        self.timelines: dict[str, Timeline] = {}
-        self.last_asked: dict[str, int] = {}
-        self.request_ids = itertools.count(1)
-        self.budget = DeviceBudget(
-            device_budget, budget_key, self.open_requests, self.timelines, self.last_asked
-        )
-        self.waiter = MemoryWaiter(self.slots, self.lock)
-        self.requests_ended = threading.Condition(self.lock)
+        self._slots: dict[str, ComponentSlot] = {}
+        self._open_requests: dict[str, str] = {}  # request id -> its pipeline's key
+        self._asleep: set[str] = set()
+        self._timelines: dict[str, Timeline] = {}
+        self._last_asked: dict[str, int] = {}
+        self._lifecycles: dict[str, PipelineLifecycle] = {}
+        self._names: dict[str, str] = {}  # key -> the pipeline's name
+        self._counts: dict[str, int] = {}  # name -> pipelines of that name registered
+        self._request_ids = itertools.count(1)
         self._clock = itertools.count(1)
+        self._requests_ended = threading.Condition(self.lock)
         self._loaded: dict[ComponentIdentity, ComponentSlot] = {}
-        self._names: dict[str, int] = {}
         self._kind: str | None = None
-        self.lifecycles: dict[str, PipelineLifecycle] = {}
-        self.names: dict[str, str] = {}
+        self.budget = DeviceBudget(device_budget, budget_key, self)
+        self.waiter = MemoryWaiter(self._slots, self.lock)
+
+    # -- pipelines -------------------------------------------------------------
 
     def register(self, name: str, timeline: Timeline, kind: str) -> str:
         """Take in the pipeline ``name`` with its timeline; return its key on this device.
@@ -101,34 +100,122 @@ class SharedDevice:
                     f"{self._kind}; give every spec the same device, or serve it elsewhere"
                 )
             self._kind = kind
-            count = self._names[name] = self._names.get(name, 0) + 1
-            key = name if count == 1 and name not in self.timelines else f"{name}#{count}"
-            self.timelines[key] = timeline
-            self.last_asked[key] = 0
-            self.names[key] = name
+            count = self._counts[name] = self._counts.get(name, 0) + 1
+            key = name if count == 1 and name not in self._timelines else f"{name}#{count}"
+            self._timelines[key] = timeline
+            self._last_asked[key] = 0
+            self._names[key] = name
             return key
+
+    def add_pipeline(self, key: str, lifecycle: PipelineLifecycle) -> None:
+        """Put the lifecycle of the pipeline ``key`` on the pipelines' machine."""
+        with self.lock:
+            self.pipelines.add_pipeline(lifecycle)
+            self._lifecycles[key] = lifecycle
 
     def unregister(self, key: str) -> None:
         """Forget the pipeline ``key`` (released): its timeline, its sleep, its recency."""
         with self.lock:
-            self.timelines.pop(key, None)
-            self.last_asked.pop(key, None)
-            self.asleep.discard(key)
-            self.names.pop(key, None)
+            self._timelines.pop(key, None)
+            self._last_asked.pop(key, None)
+            self._asleep.discard(key)
+            self._names.pop(key, None)
+            self._lifecycles.pop(key, None)
 
-    def asked(self, key: str) -> None:
-        """Note that the pipeline ``key`` opened a request now (call with the lock held)."""
-        self.last_asked[key] = next(self._clock)
+    def name_of(self, key: str) -> str:
+        """Return the name of the pipeline ``key`` (the key itself once it is gone)."""
+        return self._names.get(key, key)
+
+    def timeline_of(self, key: str) -> Timeline:
+        """Return the request timeline of the pipeline ``key``."""
+        return self._timelines[key]
+
+    def last_asked(self, key: str) -> int:
+        """Return when the pipeline ``key`` last opened a request (a device-wide count)."""
+        return self._last_asked.get(key, 0)
+
+    def keys_in(self, states: Collection[PipelineState]) -> set[str]:
+        """Return the keys of the pipelines whose lifecycle is in one of ``states``."""
+        with self.lock:
+            return {key for key, life in self._lifecycles.items() if life.state in states}
+
+    def sleep(self, key: str) -> None:
+        """Mark the pipeline ``key`` asleep: its unshared components stay off the device."""
+        with self.lock:
+            self._asleep.add(key)
+
+    def wake(self, key: str) -> None:
+        """Mark the pipeline ``key`` awake."""
+        with self.lock:
+            self._asleep.discard(key)
+
+    def is_asleep(self, key: str) -> bool:
+        """Tell whether the pipeline ``key`` sleeps."""
+        return key in self._asleep
+
+    def all_asleep(self, keys: Iterable[str]) -> bool:
+        """Tell whether every pipeline of ``keys`` sleeps (none does, most of the time)."""
+        asleep = self._asleep
+        return bool(asleep) and all(key in asleep for key in keys)
+
+    # -- requests --------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        """Return a request id no request on this device had (``r1``, ``r2``, ...)."""
+        return f"r{next(self._request_ids)}"
+
+    def open_request(self, request_id: str, key: str) -> None:
+        """Open ``request_id`` for the pipeline ``key``, which was asked for now.
+
+        Raises:
+            ValueError: a request with that id is open already.
+        """
+        with self.lock:
+            if request_id in self._open_requests:
+                raise ValueError(
+                    f"request {request_id!r} is already open; give each request its own id"
+                )
+            self._open_requests[request_id] = key
+            self._last_asked[key] = next(self._clock)
+
+    def close_request(self, request_id: str) -> None:
+        """Close ``request_id``; wake whoever waits for requests to end (a sleep, a drain)."""
+        with self.lock:
+            self._open_requests.pop(request_id, None)
+            self._requests_ended.notify_all()
+
+    def pipeline_of(self, request_id: str) -> str | None:
+        """Return the key of the pipeline ``request_id`` is open for; None when it is not."""
+        return self._open_requests.get(request_id)
+
+    def open_requests_of(self, key: str) -> list[str]:
+        """Return the open requests of the pipeline ``key``, sorted."""
+        with self.lock:
+            return sorted(rid for rid, owner in self._open_requests.items() if owner == key)
+
+    def wait_for_requests(self, key: str, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the open requests of the pipeline ``key`` to end."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.open_requests_of(key) and (remaining := deadline - time.monotonic()) > 0:
+                self._requests_ended.wait(remaining)
+
+    # -- components ------------------------------------------------------------
+
+    @property
+    def slots(self) -> Mapping[str, ComponentSlot]:
+        """Every component on the device, by its key."""
+        return self._slots
 
     def add_slot(self, slot: ComponentSlot) -> None:
         """Put ``slot`` on the device (its lifecycle is on ``machine`` already)."""
         with self.lock:
-            self.slots[slot.key] = slot
+            self._slots[slot.key] = slot
 
     def drop_slot(self, slot: ComponentSlot) -> None:
         """Take ``slot`` off the device: released, or replaced by an equal shared one."""
         with self.lock:
-            self.slots.pop(slot.key, None)
+            self._slots.pop(slot.key, None)
             for identity, loaded in list(self._loaded.items()):
                 if loaded is slot:
                     del self._loaded[identity]

@@ -221,7 +221,7 @@ def pipeline_status(
             state=view.state.value,
             users=view.in_use_by,
             shared_with=tuple(
-                sorted({shared.names.get(k, k) for k in view.users if k != orchestrator.key})
+                sorted({shared.name_of(k) for k in view.users if k != orchestrator.key})
             ),
             residency=view.spec.residency_mode,
             target=None
@@ -235,7 +235,7 @@ def pipeline_status(
     waiting = tuple(  # the device's one line holds every pipeline's waiters: its own
         WaitingRequest(request_id=rid, stage=stage.name, components=stage.uses)
         for rid, stage in orchestrator.waiter.waiting()
-        if shared.open_requests.get(rid) == orchestrator.key
+        if shared.pipeline_of(rid) == orchestrator.key
     )
     queued: tuple[QueuedRequest, ...] = ()
     running: tuple[RunningBatch, ...] = ()

@@ -532,7 +532,7 @@ class Worker:
                     "components": {
                         name: {
                             "state": component.state.value,
-                            "users": sorted({self.shared.names.get(k, k) for k in component.users}),
+                            "users": sorted({self.shared.name_of(k) for k in component.users}),
                             "kind": component.kind,
                             "residency": component.residency.value,
                         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from attention import Platform
 from components.batch import Batch
 from lifecycle.admission.budget import EvictionRank, eviction_order
 from lifecycle.device.shared import SharedDevice, worker_budget
+from lifecycle.device.timeline import Timeline
 from lifecycle.events import Move, RequestBegan, Transitioned
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
@@ -130,6 +132,57 @@ class TestSharedBudget:
             generate(a)
             assert a.state("transformer") is ComponentState.RESIDENT
         assert [m.direction for m in seen.of(Move) if m.component == "transformer"] == ["onload"]
+
+
+class TestDeviceState:
+    """The device owns what it knows of its pipelines and requests: its methods write it."""
+
+    def test_a_request_id_is_open_once_on_the_device(self) -> None:
+        """Opening an open request id again is refused; once closed, the id may open again."""
+        device = SharedDevice()
+        key = device.register("a", Timeline(()), "cpu")
+        device.open_request("r1", key)
+        with pytest.raises(ValueError, match="request 'r1' is already open"):
+            device.open_request("r1", key)
+        assert (device.open_requests_of(key), device.pipeline_of("r1")) == (["r1"], "a")
+        device.close_request("r1")
+        assert (device.open_requests_of(key), device.pipeline_of("r1")) == ([], None)
+        device.open_request("r1", key)
+
+    def test_a_closed_request_ends_the_wait_for_its_pipeline(self) -> None:
+        """A wait for a pipeline's requests returns once its last open request closes
+        (whether the wait began before the close or after it)."""
+        device = SharedDevice()
+        key = device.register("a", Timeline(()), "cpu")
+        device.open_request("r1", key)
+        waiting = threading.Thread(target=device.wait_for_requests, args=(key, 600.0))
+        waiting.start()
+        device.close_request("r1")
+        waiting.join(timeout=600.0)
+        assert not waiting.is_alive()
+
+    def test_asleep_only_while_every_user_sleeps(self) -> None:
+        """A component's users are all asleep only when each of them sleeps."""
+        device = SharedDevice()
+        a, b = (device.register(name, Timeline(()), "cpu") for name in ("a", "b"))
+        assert not device.all_asleep([a, b])
+        device.sleep(a)
+        assert (device.is_asleep(a), device.all_asleep([a]), device.all_asleep([a, b])) == (
+            True,
+            True,
+            False,
+        )
+        device.wake(a)
+        assert not device.is_asleep(a)
+
+    def test_the_second_pipeline_of_a_name_has_its_own_key(self) -> None:
+        """Two pipelines of one name on the device get two keys, each named after it."""
+        device = SharedDevice()
+        keys = [device.register("a", Timeline(()), "cpu") for _ in range(2)]
+        assert keys == ["a", "a#2"]
+        assert [device.name_of(key) for key in keys] == ["a", "a"]
+        device.unregister("a#2")
+        assert device.name_of("a#2") == "a#2"
 
 
 class TestEvictionOrder:
