@@ -293,19 +293,21 @@ class TestSharing:
 
 
 class TestResidency:
-    """A cache under layerwise offload: the same output, and blocks it skips never stream."""
+    """A cache under offload: the same output, and blocks it skips never stream."""
 
-    def test_layerwise_offload_streams_only_the_blocks_that_run(
-        self, smooth: dict[str, Path]
+    def test_offload_keeps_the_output_and_streams_only_the_blocks_that_run(
+        self, smooth: dict[str, Path], tmp_path: Path
     ) -> None:
-        """Streaming Flux's blocks (prefetch 1), taylor_seer's output equals the resident
-        cached run's, and the block bytes ``residency.moved`` reports fall with the steps
-        skipped, exactly: a predicted step calls no block."""
+        """Streaming Flux's blocks (prefetch 1) or offloading it whole to disk, taylor_seer's
+        output equals the resident cached run's, and the block bytes ``residency.moved``
+        reports fall with the steps skipped, exactly: a predicted step calls no block."""
         folder = smooth["flux"]
+        disk = f'[memory]\noffload_target = "disk"\noffload_dir = "{tmp_path}"\n'
 
         def run(residency: str, cache: str) -> tuple[torch.Tensor, int, int]:
             table = f'[components.transformer]\nresidency = "{residency}"\n' if residency else ""
-            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{table}{cache}')
+            memory = disk if residency == "component_offload" else ""
+            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{memory}{table}{cache}')
             streamed = [0]
 
             def observe(event: Event) -> None:
@@ -332,7 +334,9 @@ class TestResidency:
         resident, _, computed = run("", taylor)
         streaming, streamed, also = run("layerwise_offload", taylor)
         _, uncached, _ = run("layerwise_offload", "")
+        on_disk, _, _ = run("component_offload", taylor)
         assert torch.equal(streaming, resident)
+        assert torch.equal(on_disk, resident)
         assert also == computed < 12
         assert uncached > 0
         assert streamed * 12 == uncached * computed
