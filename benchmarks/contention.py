@@ -10,13 +10,21 @@ an order rotated every round:
 - the same ``T * REQUESTS`` requests one after another on one thread, on an
   orchestrator of its own;
 
-each without a budget too, the control: what threads cost where nothing waits for memory.
+each without a budget too, the control: what threads cost where nothing waits for memory;
+and under the budget with the disk offload target, where every move reads or writes a
+file, so that moves cost time on a CPU too (the host target's are pointer swaps there).
 
 Request ``i`` draws from seed ``i`` wherever it runs; every image of the threaded run is
 compared with the sequential one (``torch.equal``). The table gives the throughput of
 the threaded run over the sequential one (median and range over rounds), the memory
-waits per run (``MemoryWait`` events), and the bytes moved per request, both ways, with
-the sequential run's beside it.
+waits per run (``MemoryWait`` events), and the moves (``Move`` events, onloads and
+offloads) and bytes moved per request, with the sequential run's beside them.
+
+Threads: torch's intra-op thread count is pinned once for the process before anything
+runs (``benchmarks._environment.pin_threads``: ``BENCH_THREADS``, 1 by default), and
+torch applies it in every thread, so each request thread computes on one intra-op
+thread and the sequential run on the same one: the ratio is the budget's and the
+threads' own, not the CLI's default thread policy.
 
 Run: ``python -m benchmarks contention``.
 """
@@ -24,6 +32,7 @@ Run: ``python -m benchmarks contention``.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,9 +59,10 @@ STAGES = ("encode", "denoise", "decode")
 
 @dataclass
 class Tally:
-    """What one run's observer saw: memory waits and bytes moved (from any thread)."""
+    """What one run's observer saw: memory waits, moves and bytes moved (from any thread)."""
 
     waits: int = 0
+    moves: int = 0
     moved: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -62,6 +72,7 @@ class Tally:
                 self.waits += 1
         elif isinstance(event, Move):
             with self.lock:
+                self.moves += 1
                 self.moved += event.bytes
 
 
@@ -120,9 +131,24 @@ def run(spec: PipelineSpec, threads: int, requests: int) -> Run:
 
 
 def main() -> None:
-    """Print the table: threaded over sequential throughput, waits, bytes moved."""
-    budgeted = budgeted_spec()
-    specs = {"none": load_spec(SPEC), f"{budgeted.memory.device_budget:,} bytes": budgeted}
+    """Print the table: threaded over sequential throughput, waits, moves, bytes moved."""
+    with tempfile.TemporaryDirectory(prefix="contention-") as folder:
+        budgeted = budgeted_spec()
+        on_disk = msgspec.structs.replace(
+            budgeted.memory, offload_target="disk", offload_dir=folder
+        )
+        limit = f"{budgeted.memory.device_budget:,} bytes"
+        measure(
+            {
+                "none": load_spec(SPEC),
+                f"{limit}, host": budgeted,
+                f"{limit}, disk": msgspec.structs.replace(budgeted, memory=on_disk),
+            }
+        )
+
+
+def measure(specs: dict[str, PipelineSpec]) -> None:
+    """Run every spec of ``specs`` (by the budget's name) in interleaved rounds; print."""
     modes = [
         (budget, count, threads) for budget in specs for count in THREADS for threads in (count, 1)
     ]
@@ -135,14 +161,16 @@ def main() -> None:
                 runs[budget, count, threads].append(result)
     print(
         f"### {REQUESTS} requests a thread, {STEPS} steps, tiny-t2i without a budget and "
-        f"under one of its two largest components; {ROUNDS} interleaved rounds"
+        f"under one of its two largest components (host, disk offload); {ROUNDS} interleaved "
+        "rounds"
     )
     print()
     print(
         "| budget | threads | throughput vs one at a time (median, range) | memory waits a run "
-        "| bytes moved a request (one at a time) | images equal |"
+        "| moves a request (one at a time) | bytes moved a request (one at a time) "
+        "| images equal |"
     )
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for budget, count, threads in modes:
         if threads == 1:
             continue
@@ -153,12 +181,15 @@ def main() -> None:
         )
         requests = count * REQUESTS
         waits = statistics.median(t.tally.waits for t in threaded)
+        moves = statistics.median(t.tally.moves for t in threaded) / requests
+        moves_alone = statistics.median(a.tally.moves for a in alone) / requests
         moved = statistics.median(t.tally.moved for t in threaded) / requests
         moved_alone = statistics.median(a.tally.moved for a in alone) / requests
         print(
             f"| {budget} | {count} | {statistics.median(ratios):.2f}x "
-            f"({min(ratios):.2f}-{max(ratios):.2f}) | {waits:.0f} | {moved:,.0f} "
-            f"({moved_alone:,.0f}) | {'yes' if equal else 'NO'} |"
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {waits:.0f} | {moves:.2f} "
+            f"({moves_alone:.2f}) | {moved:,.0f} ({moved_alone:,.0f}) | "
+            f"{'yes' if equal else 'NO'} |"
         )
     print()
 

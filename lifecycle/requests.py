@@ -155,8 +155,9 @@ class StageKeeper:
                 self.waiter.released()
 
     def _put_back(self, names: Iterable[str], request_id: str) -> None:
+        wanted = self.waiter.wanted()
         for name in names:
-            if self._is_left_on(name):
+            if self._is_left_on(name) and (not wanted or self.slots[name] not in wanted):
                 self.slots[name].lifecycle.offload(MoveArgs(request_id=request_id))
 
     def _is_left_on(self, name: str) -> bool:

@@ -19,22 +19,67 @@ passed it over. One that arrived after ``d`` of those turns has aged ``d`` less,
 it is served first only if its priority exceeds ``p + d``: once ``d >= P - p``
 none can, and only those already waiting are served first, each once. In a worker,
 with ``serving.max_queue`` jobs per priority, ``W <= (P + 1) * max_queue``.
+
+A *lead* ``L`` lets *ready* items go early: those whose turn costs the others nothing
+(stages whose components are all resident already; the memory waiter's ``LEAD``,
+while the job queue has none). One may be served before the items ahead of it when
+its effective priority plus ``L`` exceeds each of theirs (on a tie, the earlier
+arrival goes first) and none of those that are not ready has a higher priority.
+Every one that may goes at once, in no set order, and the first in line waits for
+them (see ``may_go``). Whoever is served is then within ``L`` of every item it
+passes, so the argument above holds with ``P + L`` for ``P``: the bound is
+``(P + L - p) + (W - 1)``, with ``W`` the requests waiting once ``P + L - p`` turns
+have passed it over.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Container, Iterator, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
 
-class _Place(NamedTuple, Generic[T]):
+class Place(NamedTuple, Generic[T]):
+    """Where one item waits: the queue is sorted on ``(rank, arrival)``.
+
+    Attributes:
+        rank: the turns served before it arrived, less its priority.
+        arrival: how many items were queued before it, ever.
+        priority: the priority it was queued with.
+        item: what waits.
+    """
+
     rank: int
     arrival: int
+    priority: int
     item: T
+
+
+def may_go(places: Sequence[Place[T]], ready: Container[T], lead: int) -> list[T]:
+    """Return the items of ``places`` (sorted on rank, then arrival) that may be served now,
+    first in line first.
+
+    A *ready* item (one whose turn costs the others nothing: a stage whose components
+    are all resident already) may when it is first in line, or less than ``lead`` turns
+    of ageing behind every item ahead of it (on a tie, the earlier arrival goes first)
+    with at least the priority of each of those that is not ready. Only when none may
+    does the first in line go: it may need a move that would undo theirs. With ``lead``
+    0 or nothing ready, only the first may.
+    """
+    head = places[0]
+    going: list[T] = []
+    highest: int | None = None  # the highest priority of those not ready so far
+    for place in places:
+        if place is not head and (place.rank - lead, place.arrival) >= (head.rank, head.arrival):
+            break  # it is ``lead`` turns behind the first, and so is every one after it
+        if place.item not in ready:
+            highest = place.priority if highest is None else max(highest, place.priority)
+        elif highest is None or place.priority >= highest:
+            going.append(place.item)
+    return going or [head.item]
 
 
 class PriorityQueue(Generic[T]):
@@ -45,13 +90,13 @@ class PriorityQueue(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._places: list[_Place[T]] = []
+        self._places: list[Place[T]] = []
         self._arrivals = itertools.count()
         self.turns = 0
 
     def push(self, item: T, priority: int) -> None:
         """Queue ``item`` with ``priority``."""
-        place = _Place(self.turns - priority, next(self._arrivals), item)
+        place = Place(self.turns - priority, next(self._arrivals), priority, item)
         bisect.insort(self._places, place, key=lambda p: (p.rank, p.arrival))
 
     def remove(self, item: T) -> None:
@@ -84,6 +129,15 @@ class PriorityQueue(Generic[T]):
             IndexError: the queue is empty.
         """
         return self._places[0].item
+
+    def going(self, ready: Container[T], lead: int) -> list[T]:
+        """Return the items that may be served now, ``ready`` ones going up to ``lead``
+        turns ahead (``may_go``), first in line first.
+
+        Raises:
+            IndexError: the queue is empty.
+        """
+        return may_go(self._places, ready, lead)
 
     def __iter__(self) -> Iterator[T]:
         """Yield the queued items, the next to be served first."""

@@ -2,8 +2,16 @@
 components waits its turn, by priority with ageing, instead of being refused
 (design §5.5, §15).
 
-The order and its bound are ``lifecycle.device.priorities``'s: a turn is a stage granted to
-a waiter; every other waiter ages by one. With one priority the order is FIFO.
+The order and its bound are ``lifecycle.device.priorities``'s: a turn is a stage
+granted to a waiter; every other waiter ages by one. With one priority the order is FIFO, but
+for one rule that keeps the device from thrashing: a stage whose components are all
+resident needs no move, so it may go ahead of older stages, by up to ``LEAD`` turns
+of their ageing and never ahead of a higher priority that needs a move; those that
+may go at once, in no set order, while the first in line waits
+(``priorities.may_go``). And a stage that lets go of a component a request that may
+go now uses hands it over: it stays resident instead of being offloaded and
+onloaded again at once. So requests that need what is on the device go while it is
+there, and a component moves once for all of those waiting for it, not once each.
 
 Why this cannot deadlock:
 
@@ -17,9 +25,11 @@ Why this cannot deadlock:
 3. *The head always fits eventually.* Admission refuses a pipeline whose largest
    stage does not fit the budget together with the pinned components; so once
    every holder has dropped its holds, the head's stage fits after evicting idle
-   components. Only the head acquires, so while it waits the set of holders only
-   shrinks; a newcomer that goes ahead of it holds nothing either, and ageing
-   bounds how often that happens.
+   components (one handed over is idle too). Only requests that may go acquire:
+   the head, or one that goes ahead of it, holding nothing either and needing no
+   move; every such turn ages the head, which bounds how often that happens
+   (``lifecycle.device.priorities``). Past that only the head acquires, and the set of
+   holders only shrinks.
 
 Hence the head of the queue always progresses, and every waiter becomes the head.
 ``memory.wait_timeout`` bounds the wait anyway: past it the request is refused with
@@ -44,12 +54,23 @@ from lifecycle.device.priorities import PriorityQueue
 from lifecycle.device.slots import ComponentSlot
 from lifecycle.events import MemoryWait, Observers
 from lifecycle.logs import MAY_WAIT, get_logger
+from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.spec.structs import StageSpec
 
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
 
 T = TypeVar("T")
+
+_RESIDENT = ComponentState.RESIDENT
+
+LEAD = 32
+"""The turns of ageing by which a stage whose components are all resident may go ahead of
+older stages (``lifecycle.device.priorities.may_go``); each stage that does ages them, so that
+past it they go first. A holder's stage lasts about a turn of every other open request,
+so the lead is two turns for each of 16: at 16 threads (``benchmarks/contention.py``)
+a lead of 16 still left 117 of 320 denoising stages that needed no move queued behind
+one that did, 32 left 10."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,7 @@ class MemoryWaiter:
         self._turns = threading.Condition(lock)
         self._queue: PriorityQueue[str] = PriorityQueue()
         self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
+        self._uses: dict[str, tuple[ComponentSlot, ...]] = {}  # and its components
 
     def acquire(
         self,
@@ -109,17 +131,20 @@ class MemoryWaiter:
             TransitionFailed: an onload failed.
             Cancelled: ``check`` said the request was cancelled while it waited.
         """
+        last: TransitionRefused | None = None
         if not self._queue:
             try:
                 return self._try(attempt, request_id, position)
             except TransitionRefused as err:
                 if not self._should_wait(err, request_id):
                     raise
+                last = err
         started = time.monotonic()
         deadline = started + terms.timeout
-        last: TransitionRefused | None = None
         self._queue.push(request_id, priority)
         self._stages[request_id] = stage
+        self._uses[request_id] = tuple(terms.slots[name] for name in stage.uses)
+        waited = False
         try:
             while True:
                 try:
@@ -127,7 +152,7 @@ class MemoryWaiter:
                 except Cancelled:
                     self._record(request_id, stage, started, "cancelled", terms)
                     raise
-                if self._queue.head() is request_id:
+                if request_id in self._going():
                     try:
                         result = self._try(attempt, request_id, position)
                     except TransitionRefused as err:
@@ -137,7 +162,8 @@ class MemoryWaiter:
                     else:
                         self._queue.served()  # every other waiter was passed over: it ages
                         try:
-                            self._record(request_id, stage, started, "acquired", terms)
+                            if waited or last is not None:  # else it never waited
+                                self._record(request_id, stage, started, "acquired", terms)
                         except BaseException:
                             # an event that cannot be written must not keep the stage
                             release(request_id, position)
@@ -147,11 +173,23 @@ class MemoryWaiter:
                 if remaining <= 0:
                     self._record(request_id, stage, started, "refused", terms)
                     raise self._timed_out(last, stage.uses, terms)
+                waited = True
                 self._turns.wait(remaining)
         finally:
             self._queue.remove(request_id)
             del self._stages[request_id]
+            del self._uses[request_id]
             self._turns.notify_all()  # the next in line may try now
+
+    def _going(self) -> list[str]:
+        """Return the waiting requests that may go now (call with the lock held): those
+        whose stage needs no move, up to ``LEAD`` turns behind the first in line, else
+        the first in line (``lifecycle.device.priorities.may_go``)."""
+        uses = self._uses
+        ready = {
+            rid for rid, slots in uses.items() if all(s.lifecycle.state is _RESIDENT for s in slots)
+        }
+        return self._queue.going(ready, LEAD)
 
     @staticmethod
     def _try(attempt: Callable[[str, int], T], request_id: str, position: int) -> T:
@@ -171,6 +209,14 @@ class MemoryWaiter:
         """Return each waiting request with the stage it waits to enter, first in line first."""
         stages = dict(self._stages)  # one copy: the waiting threads change it under the lock
         return tuple((rid, stages[rid]) for rid in tuple(self._queue) if rid in stages)
+
+    def wanted(self) -> set[ComponentSlot]:
+        """Return the components of the waiting requests that may go now (none when none
+        waits): a stage that lets go of one of them hands it over instead of putting it
+        back (call with the lock held)."""
+        if not self._queue:
+            return set()
+        return {slot for rid in self._going() for slot in self._uses[rid]}
 
     def released(self) -> None:
         """Wake the waiters: a request dropped holds (call with the lock held)."""

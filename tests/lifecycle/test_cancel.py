@@ -162,7 +162,8 @@ class TestPriorityWhileWaiting:
     def test_higher_priority_waiter_goes_first(
         self, cpu: Platform, vae_pipeline: VaePipeline
     ) -> None:
-        """Stages waiting for memory enter by priority, FIFO within one priority."""
+        """Stages waiting for memory that need a move enter by priority, FIFO within one
+        priority."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
         release = threading.Event()
         entered: list[str] = []
@@ -174,9 +175,9 @@ class TestPriorityWhileWaiting:
                     entered.append("r1")
                     release.wait(WATCHDOG_S)
 
-            def queued(rid: str, priority: int, after: tuple[str, ...]) -> None:
+            def queued(rid: str, priority: int, stage: str, after: tuple[str, ...]) -> None:
                 until(lambda: entered == ["r1"] and orch.waiter.queue == after)
-                with orch.request(rid, priority=priority) as request, request.stage("s1"):
+                with orch.request(rid, priority=priority) as request, request.stage(stage):
                     entered.append(rid)
 
             def releaser() -> None:
@@ -186,9 +187,9 @@ class TestPriorityWhileWaiting:
             errors = run_threads(
                 [
                     holder,
-                    lambda: queued("low1", 0, ()),
-                    lambda: queued("low2", 0, ("low1",)),
-                    lambda: queued("high", 5, ("low1", "low2")),
+                    lambda: queued("low1", 0, "s1", ()),
+                    lambda: queued("low2", 0, "s2", ("low1",)),
+                    lambda: queued("high", 5, "s4", ("low1", "low2")),
                     releaser,
                 ]
             )

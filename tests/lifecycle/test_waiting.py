@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
 import structlog
 
 from attention import Platform
+from lifecycle.device.waiting import LEAD
 from lifecycle.events import MemoryWait, Move, Refused
 from lifecycle.logs import configure_logging
 from lifecycle.machines.tables import ComponentState
@@ -79,6 +81,39 @@ def wait_behind(orch: Orchestrator) -> tuple[list[BaseException], list[str]]:
     return run_threads([holder, waiter, releaser]), entered
 
 
+def queue_behind(
+    orch: Orchestrator, stages: dict[str, str]
+) -> tuple[list[BaseException], list[str]]:
+    """Run r1 in stage s0 while each request of ``stages`` queues for its stage, in
+    order; let r1 go once they all wait.
+
+    Return the requests' errors, and who entered a stage, in order.
+    """
+    release = threading.Event()
+    entered: list[str] = []
+    order = tuple(stages)
+
+    def holder() -> None:
+        with orch.request("r1") as request, request.stage("s0"):
+            entered.append("r1")
+            release.wait(WATCHDOG_S)
+
+    def queued(index: int) -> Callable[[], None]:
+        def run() -> None:
+            until(lambda: entered == ["r1"] and orch.waiter.queue == order[:index])
+            rid = order[index]
+            with orch.request(rid) as request, request.stage(stages[rid]):
+                entered.append(rid)
+
+        return run
+
+    def releaser() -> None:
+        until(lambda: orch.waiter.queue == order)
+        release.set()
+
+    return run_threads([holder, *(queued(i) for i in range(len(order))), releaser]), entered
+
+
 class TestWaiting:
     def test_blocked_onload_waits_for_the_holder(
         self, cpu: Platform, vae_pipeline: VaePipeline
@@ -104,41 +139,30 @@ class TestWaiting:
     def test_turns_are_first_come_first_served(
         self, cpu: Platform, vae_pipeline: VaePipeline
     ) -> None:
-        """Requests blocked on memory enter in the order they started waiting."""
+        """Requests blocked on memory that need a move enter in the order they started
+        waiting."""
         spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
-        release = threading.Event()
-        entered: list[str] = []
         with Orchestrator(spec, platform=cpu) as orch:
             orch.load()
-
-            def holder() -> None:
-                with orch.request("r1") as request, request.stage("s0"):
-                    entered.append("r1")
-                    release.wait(WATCHDOG_S)
-
-            def queued(rid: str, stage: str, after: tuple[str, ...]) -> Callable[[], None]:
-                def run() -> None:
-                    until(lambda: entered == ["r1"] and orch.waiter.queue == after)
-                    with orch.request(rid) as request, request.stage(stage):
-                        entered.append(rid)
-
-                return run
-
-            def releaser() -> None:
-                until(lambda: orch.waiter.queue == ("r2", "r3", "r4"))
-                release.set()
-
-            errors = run_threads(
-                [
-                    holder,
-                    queued("r2", "s1", ()),
-                    queued("r3", "s2", ("r2",)),
-                    queued("r4", "s1", ("r2", "r3")),
-                    releaser,
-                ]
-            )
+            errors, entered = queue_behind(orch, {"r2": "s1", "r3": "s2", "r4": "s2"})
         assert errors == []
         assert entered == ["r1", "r2", "r3", "r4"]
+
+    def test_a_stage_on_resident_components_goes_first(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
+        """A waiting stage whose component stayed resident (b, used again at s4) goes ahead
+        of an older one that needs a move, and b is onloaded once for both."""
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        observed = EventRecorder()
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
+            orch.load()
+            observed.clear()
+            errors, entered = queue_behind(orch, {"r2": "s1", "r3": "s2", "r4": "s1"})
+        assert errors == []
+        assert entered == ["r1", "r2", "r4", "r3"]
+        onloads = [m.component for m in observed.of(Move) if m.direction == "onload"]
+        assert onloads == ["a", "b", "c"]
 
     def test_wait_is_bounded_and_names_the_holders(
         self, cpu: Platform, vae_pipeline: VaePipeline
@@ -207,6 +231,119 @@ class TestWaiting:
                     pass
                 assert "waited" not in err.value.refusals[0].message
                 assert observed.of(MemoryWait) == []
+
+
+T2I = {"encode": ["a"], "denoise": ["b"], "decode": ["c"]}
+"""Three offloaded VAEs in the stages of a text-to-image pipeline."""
+
+
+def hold(orch: Orchestrator, rid: str, stage: str, entered: list[str]) -> Callable[[], None]:
+    """Enter ``stage`` of a new request ``rid`` on a thread and stay in it; return once it
+    is in, with what lets it go and waits until its request has ended."""
+    gate = threading.Event()
+
+    def run() -> None:
+        with orch.request(rid) as request, request.stage(stage):
+            entered.append(rid)
+            gate.wait(WATCHDOG_S)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    until(lambda: rid in entered)
+
+    def let_go() -> None:
+        gate.set()
+        thread.join(WATCHDOG_S)
+        assert not thread.is_alive()
+
+    return let_go
+
+
+class TestResidentFirst:
+    def test_requests_waiting_for_one_component_move_it_once(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
+        """Six requests waiting to encode while two others denoise and decode under a
+        budget of two components make 4 moves in all, not 2 for each of them."""
+        spec = vae_pipeline(2 * VAE_BYTES + 1000, T2I, wait_timeout=60.0)
+        observed = EventRecorder()
+        entered: list[str] = []
+        waiting = [f"q{i}" for i in range(6)]
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
+            orch.load()
+            denoising = hold(orch, "r0", "denoise", entered)
+            decoding = hold(orch, "r1", "decode", entered)
+            observed.clear()
+
+            def encode(index: int) -> Callable[[], None]:
+                def run() -> None:
+                    until(lambda: orch.waiter.queue == tuple(waiting[:index]))
+                    with orch.request(waiting[index]) as request, request.stage("encode"):
+                        entered.append(waiting[index])
+
+                return run
+
+            def releaser() -> None:
+                until(lambda: orch.waiter.queue == tuple(waiting))
+                decoding()
+
+            errors = run_threads([encode(i) for i in range(len(waiting))] + [releaser])
+            denoising()
+        assert errors == []
+        assert entered[:2] == ["r0", "r1"]
+        assert sorted(entered[2:]) == waiting  # once a is on, they go at once, in any order
+        moves = Counter((m.component, m.direction) for m in observed.of(Move))
+        assert moves == {
+            ("c", "offload"): 1,  # the decode ended: the encoders need its room
+            ("a", "onload"): 1,  # once for the six
+            ("a", "offload"): 1,
+            ("b", "offload"): 1,  # the denoise ended
+        }
+
+    def test_resident_stages_go_ahead_by_the_lead_and_no_further(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
+        """While an encode waits for room, LEAD decodes on the resident decoder go ahead of
+        it without waiting; the next one waits behind it, so that it cannot starve."""
+        spec = vae_pipeline(2 * VAE_BYTES + 1000, T2I, wait_timeout=60.0)
+        observed = EventRecorder()
+        entered: list[str] = []
+        with Orchestrator(spec, platform=cpu, observer=observed) as orch:
+            orch.load()
+            denoising = hold(orch, "r0", "denoise", entered)
+            decoding = hold(orch, "r1", "decode", entered)
+
+            def stage(rid: str, name: str) -> Callable[[], None]:
+                def run() -> None:
+                    with orch.request(rid) as request, request.stage(name):
+                        entered.append(rid)
+
+                return run
+
+            threads = [threading.Thread(target=stage("w", "encode"), daemon=True)]
+            threads[0].start()
+            until(lambda: orch.waiter.queue == ("w",))
+
+            def settled(rid: str) -> bool:
+                """Tell whether ``rid`` entered or waits (under the lock: a request is in
+                the queue outside it only while it waits)."""
+                with orch.shared.lock:
+                    return rid in entered or rid in orch.waiter.queue
+
+            for index in range(LEAD + 1):
+                rid = f"n{index}"
+                threads.append(threading.Thread(target=stage(rid, "decode"), daemon=True))
+                threads[-1].start()
+                until(lambda: settled(rid))  # noqa: B023
+            assert entered == ["r0", "r1", *(f"n{i}" for i in range(LEAD))]
+            assert orch.waiter.queue == ("w", f"n{LEAD}")
+            decoding()
+            denoising()
+            for thread in threads:
+                thread.join(WATCHDOG_S)
+            assert not any(thread.is_alive() for thread in threads)
+        assert entered[-2:] == ["w", f"n{LEAD}"]
+        assert [wait.request_id for wait in observed.of(MemoryWait)] == ["w", f"n{LEAD}"]
 
 
 PAIRS = {"ab": ["a", "b"], "bc": ["b", "c"], "ca": ["c", "a"]}
