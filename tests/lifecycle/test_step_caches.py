@@ -26,6 +26,7 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
+from tests.lifecycle.folder_specs import largest_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -298,21 +299,30 @@ class TestResidency:
     def test_offload_keeps_the_output_and_streams_only_the_blocks_that_run(
         self, smooth: dict[str, Path], tmp_path: Path
     ) -> None:
-        """Streaming Flux's blocks (prefetch 1) or offloading it whole to disk, taylor_seer's
-        output equals the resident cached run's, and the block bytes ``residency.moved``
-        reports fall with the steps skipped, exactly: a predicted step calls no block."""
+        """Streaming Flux's blocks (prefetch 1), offloading it whole to disk, or under a
+        budget of its largest stage (each stage evicts the last), taylor_seer's output
+        equals the resident cached run's, and the block bytes ``residency.moved`` reports
+        fall with the steps skipped, exactly: a predicted step calls no block."""
         folder = smooth["flux"]
-        disk = f'[memory]\noffload_target = "disk"\noffload_dir = "{tmp_path}"\n'
+        budget = largest_stage(decode_spec(f'source = "{folder}"\ndevice = "cpu"'), Platform("cpu"))
+        memory = {
+            "component_offload": f'[memory]\noffload_target = "disk"\noffload_dir = "{tmp_path}"\n',
+            "budget": f"[memory]\ndevice_budget = {budget}\n",
+        }
 
-        def run(residency: str, cache: str) -> tuple[torch.Tensor, int, int]:
+        def run(mode: str, cache: str) -> tuple[torch.Tensor, int, int]:
+            residency = "" if mode in ("", "budget") else mode
             table = f'[components.transformer]\nresidency = "{residency}"\n' if residency else ""
-            memory = disk if residency == "component_offload" else ""
-            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{memory}{table}{cache}')
+            memory_table = memory.get(mode, "")
+            spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{memory_table}{table}{cache}')
             streamed = [0]
+            onloads: list[str | None] = []
 
             def observe(event: Event) -> None:
                 if isinstance(event, Move) and event.component == "transformer":
                     streamed[0] += event.streamed
+                    if event.direction == "onload":
+                        onloads.append(event.request_id)
 
             with Orchestrator(spec, platform=Platform("cpu"), observer=observe) as pipeline:
                 pipeline.admit()
@@ -326,6 +336,8 @@ class TestResidency:
                 with pipeline.request() as request:
                     request.run("encode", batch)
                     request.run("denoise", batch)
+            if mode == "budget":  # evicted before the request: it came back for it
+                assert onloads[-1] is not None
             rows = batch.cache_rows
             computed = 12 if rows is None or rows[0] is None else rows[0].computed
             return (batch.latents or [])[0], streamed[0], computed
@@ -335,8 +347,10 @@ class TestResidency:
         streaming, streamed, also = run("layerwise_offload", taylor)
         _, uncached, _ = run("layerwise_offload", "")
         on_disk, _, _ = run("component_offload", taylor)
+        evicting, _, _ = run("budget", taylor)
         assert torch.equal(streaming, resident)
         assert torch.equal(on_disk, resident)
+        assert torch.equal(evicting, resident)
         assert also == computed < 12
         assert uncached > 0
         assert streamed * 12 == uncached * computed
