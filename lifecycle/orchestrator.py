@@ -66,6 +66,7 @@ from lifecycle.refusals import (
     RequestRefused,
 )
 from lifecycle.requests import Request, StageKeeper
+from lifecycle.spec.model_ids import source_revision
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import AdapterSpec, ComponentSpec, PipelineSpec
 
@@ -598,6 +599,9 @@ class Orchestrator:
             },
             stages={stage.name: stage.uses for stage in self.spec.stages},
             source=None if isinstance(self.spec.source, UnsetType) else self.spec.source,
+            revision=None
+            if isinstance(self.spec.source, UnsetType)
+            else source_revision(self.spec.source),
             adapters=tuple(self._adapters.views()),
             refusals=tuple(
                 RefusalReport(

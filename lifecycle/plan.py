@@ -134,7 +134,10 @@ class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         components: each component's snapshot.
         refusals: every reason admission was refused (empty when admitted).
         stages: each stage's components, in timeline order.
-        source: the folder the pipeline comes from, if any.
+        source: the folder the pipeline comes from, if any, or the model id it was read
+            from, pinned at its commit (``ORG/NAME@COMMIT``).
+        revision: the commit of a model id's source (the revision it resolved to in the
+            Hugging Face cache); None for a folder's path.
         adapters: each adapter (LoRA), by name.
     """
 
@@ -144,6 +147,7 @@ class PipelineSnapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     refusals: tuple[RefusalReport, ...] = ()
     stages: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     source: str | None = None
+    revision: str | None = None
     adapters: tuple[AdapterView, ...] = ()
 
 

@@ -89,8 +89,8 @@ class RefusalCode(StrEnum):
         "loader.unavailable",
         True,
         "no loading path can build the component here: an explicit path the kind lacks "
-        "or cannot import, a missing weights file, a CUDA device that is not there, or a "
-        "dtype the kind or the device cannot run",
+        "or cannot import, a missing weights file, a weights variant its folder lacks, a "
+        "CUDA device that is not there, or a dtype the kind or the device cannot run",
     )
     UNSAFE_WEIGHTS = (
         "loader.unsafe_weights",

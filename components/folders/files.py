@@ -2,21 +2,37 @@
 
 diffusers writes ``diffusion_pytorch_model.safetensors`` and transformers
 ``model.safetensors``; a large model is split into shards listed by a
-``*.safetensors.index.json`` (its ``weight_map``: tensor name -> shard file). Only
-safetensors are ever read: a folder whose weights are only pickled files (``.bin``,
-``.pt``, ...) is refused, since unpickling runs whatever code the file names.
+``*.safetensors.index.json`` (its ``weight_map``: tensor name -> shard file). A hub
+repository may also ship *variant* files beside them, the same weights in half
+precision: ``diffusion_pytorch_model.fp16.safetensors``, or shards listed by
+``model.safetensors.index.bf16.json``. A variant is read only when asked for, and
+an asked one is never replaced by another. Only safetensors are ever read: a folder
+whose weights are only pickled files (``.bin``, ``.pt``, ...) is refused, since
+unpickling runs whatever code the file names; anything else there (a README,
+``.gitattributes``, other frameworks' weights) is not looked at.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Literal
 
 from components.weights import StoredTensor, read_header
 
 WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 """The stems diffusers and transformers give a component's weights."""
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+Variant = Literal["fp16", "bf16"]
+"""The variants of a component's weight files that may be asked for (diffusers' ``variant``)."""
+
+_SAFETENSORS = re.compile(
+    rf"^(?:{'|'.join(WEIGHT_NAMES)})"
+    r"(?:\.(?P<file>[A-Za-z0-9_]+))?(?:-\d+-of-\d+)?\.safetensors$"
+    rf"|^(?:{'|'.join(WEIGHT_NAMES)})\.safetensors\.index(?:\.(?P<index>[A-Za-z0-9_]+))?\.json$"
+)
+"""A safetensors weights file or shard index, and the variant in its name, if any."""
 
 
 class UnsafeWeightsError(ValueError):
@@ -37,32 +53,73 @@ class UnsafeWeightsError(ValueError):
         )
 
 
-def weight_files(folder: Path) -> tuple[Path, ...]:
-    """Return the safetensors files holding the weights of the component in ``folder``.
+class VariantError(ValueError):
+    """A component folder has safetensors weights, but not of the variant asked for.
+
+    Attributes:
+        folder: the component folder.
+        variant: the variant asked for; None for the full-precision files.
+        variants: the variants its safetensors files are of (None: no variant), sorted
+            with None first.
+        files: every weights file there, safetensors or pickled, by name.
+    """
+
+    def __init__(
+        self, folder: Path, variant: str | None, variants: list[str | None], files: list[str]
+    ) -> None:
+        self.folder = folder
+        self.variant = variant
+        self.variants = variants
+        self.files = files
+        if variant is None:
+            message = f"{folder} holds its weights only in variant files ({', '.join(files)})"
+        else:
+            message = f"{folder} has no {variant} variant of its weights: its weights files "
+            message += f"are {', '.join(files)}"
+        super().__init__(message)
+
+
+def weight_files(folder: Path, variant: Variant | None = None) -> tuple[Path, ...]:
+    """Return the safetensors files of ``variant`` holding the weights of the component in
+    ``folder`` (None: the files without a variant).
 
     A sharded index wins over a single file, as in diffusers; every shard it lists
     must exist.
 
     Raises:
         UnsafeWeightsError: the only weights there are pickled files.
+        VariantError: there are safetensors weights, but none of ``variant``.
         FileNotFoundError: there are no weights at all, or a listed shard is missing
             (the message names the path).
         ValueError: the shard index is not valid JSON with a ``weight_map``.
     """
+    infix = "" if variant is None else f".{variant}"
     for stem in WEIGHT_NAMES:
-        index = folder / f"{stem}.safetensors.index.json"
+        index = folder / f"{stem}.safetensors.index{infix}.json"
         if index.is_file():
             return _shards(index)
-        single = folder / f"{stem}.safetensors"
+        single = folder / f"{stem}{infix}.safetensors"
         if single.is_file():
             return (single,)
-    pickled = sorted(p for p in folder.glob("*") if p.suffix in PICKLE_SUFFIXES)
+    found = sorted(folder.iterdir()) if folder.is_dir() else []
+    variants = {_variant(path.name) for path in found if _SAFETENSORS.match(path.name)}
+    pickled = [path for path in found if path.suffix in PICKLE_SUFFIXES]
+    if variants and variant not in variants:
+        named = sorted(p.name for p in found if _SAFETENSORS.match(p.name) or p in pickled)
+        raise VariantError(folder, variant, sorted(variants, key=lambda v: v or ""), named)
     if pickled:
         raise UnsafeWeightsError(folder, pickled)
     expected = " or ".join(f"{stem}.safetensors" for stem in WEIGHT_NAMES)
     raise FileNotFoundError(
         f"{folder} holds no weights: expected {expected} (or a sharded .safetensors.index.json)"
     )
+
+
+def _variant(name: str) -> str | None:
+    """Return the variant a safetensors weights file's name carries, None for none."""
+    found = _SAFETENSORS.match(name)
+    assert found is not None
+    return found["file"] or found["index"]
 
 
 def _shards(index: Path) -> tuple[Path, ...]:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from components.folders.files import stored_tensors, weight_files
+from components.folders.files import Variant, stored_tensors, weight_files
 from components.folders.meta import Expected, assign_weights, build_empty, expected_tensors
 from components.folders.names import module_names
 from components.libraries import Library, library_class, missing
@@ -53,6 +53,9 @@ class FolderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_field
         path: the component folder (``config.json`` and safetensors weights).
         class_name: the library class to build (``model_index.json`` names it); None takes
             the one ``config.json`` names.
+        variant: the variant of the weight files to read (``fp16``: the
+            ``*.fp16.safetensors`` files a hub repository ships beside the full ones);
+            None reads the files without a variant.
 
     Raises:
         ValueError: ``weights`` was given (the folder's own files are the weights).
@@ -62,6 +65,7 @@ class FolderOptions(KindOptions, frozen=True, kw_only=True, forbid_unknown_field
 
     path: str
     class_name: str | None = None
+    variant: Variant | None = None
 
     def __post_init__(self) -> None:
         if self.weights is not None:
@@ -134,7 +138,7 @@ class FolderLoader(ComponentLoader):
     def _folder_problem(self) -> str | None:
         try:
             self.config  # noqa: B018  (read to find a missing or broken file early)
-            weight_files(self.folder)
+            weight_files(self.folder, self.options.variant)
         except (OSError, ValueError) as err:
             return str(err)
         if self.class_name not in self.classes:
@@ -147,10 +151,11 @@ class FolderLoader(ComponentLoader):
 
         Raises:
             UnsafeWeightsError: the folder's weights are only pickled files.
+            VariantError: it has no safetensors of the variant asked for.
             FileNotFoundError: it has no weights, or a listed shard is missing.
             ValueError: a file is not safetensors, or two hold the same tensor.
         """
-        return stored_tensors(weight_files(self.folder))
+        return stored_tensors(weight_files(self.folder, self.options.variant))
 
     @cached_property
     def layout(self) -> Layout | None:

@@ -83,7 +83,7 @@ class DitLoader(FolderLoader):
             return super().unavailable_reason(path)
         try:
             self.config  # noqa: B018  (read to find a missing or broken file early)
-            weight_files(self.folder)
+            weight_files(self.folder, self.options.variant)
         except (OSError, ValueError) as err:
             return str(err)
         return self.custom_problem()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from components import registry
-from components.folders.files import UnsafeWeightsError, weight_files
+from components.folders.files import UnsafeWeightsError, VariantError, weight_files
 from components.folders.index import INDEX_FILE, PIPELINE, Entry, PipelineIndex
 from components.folders.loader import CONFIG_FILE
 from components.folders.problems import Problem
@@ -88,6 +88,8 @@ class FolderPipeline(NamedTuple):
             except UnsafeWeightsError as err:
                 problems.append(_unsafe_weights(name, err))
                 continue
+            except VariantError:
+                pass  # safetensors of a variant: admission holds them to the variant asked
             kind = kind_for_class(entry.class_name)
             if kind is None:
                 problems.append(_unsupported_component(name, entry.class_name))

@@ -10,7 +10,6 @@ states are joined side by side, not handed from one encoder to the next).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import NamedTuple
 
 from components.folders.index import PIPELINE
@@ -20,6 +19,7 @@ from components.recipes import Recipe
 from components.recipes.base import RecipeError
 from components.recipes.folder import FolderPipeline
 from lifecycle.refusals import Refusal, RefusalCode
+from lifecycle.spec.model_ids import source_folder
 from lifecycle.spec.structs import PipelineSpec
 
 _CODES = {code.value: code for code in RefusalCode}
@@ -45,9 +45,8 @@ def open_folder(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> O
     Never raises for what the folder holds: a file that went missing since the spec was
     decoded, or a config the recipe cannot read, is a ``loader.unavailable`` refusal.
     """
-    folder = Path(str(spec.source))
     try:
-        pipeline = FolderPipeline.read(folder)
+        pipeline = FolderPipeline.read(source_folder(str(spec.source)))
         refusals = _refusals(spec, pipeline.problems)
         if refusals or pipeline.recipe is None:
             return OpenedFolder(None, refusals)
@@ -63,7 +62,7 @@ def open_folder(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> O
                 Refusal(
                     code=RefusalCode.LOADER_UNAVAILABLE,
                     component=spec.name,
-                    message=f"the pipeline folder {folder} cannot be read: {what}",
+                    message=f"the pipeline folder {spec.source} cannot be read: {what}",
                     hint="restore the folder as save_pretrained wrote it, or point source at "
                     "another",
                 )

@@ -45,6 +45,7 @@ from lifecycle.admission.parallel_layout import (
     split_refusals,
 )
 from lifecycle.admission.residency import residency_refusals
+from lifecycle.admission.variants import variant_refusals
 from lifecycle.admission.weight_files import weights_refusals
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
@@ -241,7 +242,13 @@ def admit_component(
         RESIDENCY_USE: [],
         BACKENDS_CONSUMABLE: [],
     }
-    path = choose_path(name, component, loader, refusals[LOADER_PATH])
+    # a variant the folder lacks would make each loading path say so again
+    refusals[LOADER_PATH] += variant_refusals(name, loader)
+    path = (
+        None
+        if refusals[LOADER_PATH]
+        else choose_path(name, component, loader, refusals[LOADER_PATH])
+    )
     if path is not None:
         refusals[LOADER_PATH] += weights_refusals(name, loader)
     declared = loader.sites() if path == "custom" else None

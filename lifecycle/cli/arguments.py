@@ -67,3 +67,13 @@ def image_size(text: str) -> ImageSize:
             f"expected WIDTHxHEIGHT in pixels, such as 512x768, got {text!r}"
         )
     return ImageSize(int(width), int(height))
+
+
+def add_download_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--download``: a model id the Hugging Face cache lacks is fetched into it."""
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="download a model id (ORG/NAME[@REVISION]) the Hugging Face cache lacks "
+        "(default: read the cache only, never the network)",
+    )

@@ -136,7 +136,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--requests", str(args.requests), "--seed", str(args.seed)]
     for prompt in args.prompt:
         argv += ["--prompt", prompt]
-    for flag in ("json", "json_logs"):
+    for flag in ("json", "json_logs", "download"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
     options = ("steps", "size", "threads", "out", "timeline", "guidance_scale", "negative_prompt")

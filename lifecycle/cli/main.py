@@ -18,7 +18,7 @@ import msgspec
 from msgspec import UnsetType
 
 from lifecycle import exits
-from lifecycle.cli.arguments import image_size, non_negative, positive
+from lifecycle.cli.arguments import add_download_option, image_size, non_negative, positive
 from lifecycle.cli.console import fallback_legend, format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.launch import CRASHED
@@ -32,12 +32,16 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.model_ids import parse_model_id, snapshot_folder
 from lifecycle.spec.reading import load_spec, load_worker_file, spec_schema
 from lifecycle.spec.sizes import format_bytes
 from lifecycle.spec.structs import PipelineSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-SPEC_HELP = "the spec file (.toml, .json, .yaml), or a diffusers-format pipeline folder"
+SPEC_HELP = (
+    "the spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a model id "
+    "ORG/NAME[@REVISION] in the Hugging Face cache (an existing path of that name wins)"
+)
 DEFAULT_LOG_LEVEL = "warning"
 DEFAULT_LOG_FORMAT = "auto"
 
@@ -115,10 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="spec",
         nargs="+",
         type=Path,
-        help="a spec file (.toml, .json, .yaml), or a diffusers-format pipeline folder; "
-        "several are checked as one worker serves them, under one device budget",
+        help="a spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a "
+        "model id ORG/NAME[@REVISION] in the Hugging Face cache; several are checked as one "
+        "worker serves them, under one device budget",
     )
     check.add_argument("--json", action="store_true", help="print one JSON object")
+    add_download_option(check)
     add_budget_options(check)
     check.set_defaults(handler=_check, prints_refusals=True)
 
@@ -174,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
     )
+    add_download_option(run)
     run.set_defaults(handler=run_command, prints_refusals=True)
 
     add_diagram_command(command)
@@ -185,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
         "spec", "print the effective spec of a pipeline folder (or spec file) as TOML to edit"
     )
     effective.add_argument("spec", type=Path, help=SPEC_HELP)
+    add_download_option(effective)
     effective.set_defaults(handler=_spec)
 
     add_serve_command(command)
@@ -219,7 +227,7 @@ def _version() -> str:
 def _check(args: argparse.Namespace) -> int:
     """Admit every spec; several (or a worker budget) as one worker serves them."""
     try:
-        specs = [load_spec(path) for path in args.specs]
+        specs = [load_spec(path, download=args.download) for path in args.specs]
         settings = None if args.worker is None else load_worker_file(args.worker)
     except ConfigError as err:
         if args.json:
@@ -292,7 +300,7 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
     adapters: list[tuple[str, ...]] = [("adapter", "component", "mode", "scale", "path")]
     adapters += [(a.name, a.component, a.mode, f"{a.scale:g}", a.path) for a in snapshot.adapters]
     timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
-    source = [] if isinstance(spec.source, UnsetType) else [f"  source: {spec.source}"]
+    source = [] if snapshot.source is None else [f"  source: {_source_text(snapshot)}"]
     reasons = {site.reason for c in snapshot.components.values() for site in c.attention}
     return "\n".join(
         [
@@ -304,6 +312,14 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
             *fallback_legend(reasons),
         ]
     )
+
+
+def _source_text(snapshot: PipelineSnapshot) -> str:
+    """Say where the pipeline's folder is: its path, or its model id's revision and folder."""
+    model_id = None if snapshot.source is None else parse_model_id(snapshot.source)
+    if model_id is None:
+        return str(snapshot.source)
+    return f"{model_id.repo} at revision {snapshot.revision} ({snapshot_folder(model_id)})"
 
 
 def _site_text(site: SitePlan) -> str:
@@ -318,7 +334,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _spec(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.spec)
+        spec = load_spec(args.spec, download=args.download)
     except ConfigError as err:
         print(f"lifecycle spec: {args.spec}: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT

@@ -106,7 +106,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run_here(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.spec)
+        spec = load_spec(args.spec, download=args.download)
     except ConfigError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"path": err.path, "message": err.message})
     problems = unrunnable_components(spec)

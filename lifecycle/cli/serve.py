@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lifecycle.cli.arguments import byte_size, port_number, positive
+from lifecycle.cli.arguments import add_download_option, byte_size, port_number, positive
 from lifecycle.cli.cores import torch_threads
 from lifecycle.exits import ExitCode
 
@@ -28,8 +28,9 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
         metavar="spec",
         nargs="+",
         type=Path,
-        help="a spec file (.toml, .json, .yaml), or a pipeline folder; several share one "
-        "device budget, and a request's model names its pipeline",
+        help="a spec file (.toml, .json, .yaml), a pipeline folder, or a model id "
+        "ORG/NAME[@REVISION] in the Hugging Face cache; several share one device budget, and "
+        "a request's model names its pipeline",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port_number, default=8000, help="port to listen on")
@@ -50,6 +51,7 @@ def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) ->
         "Authorization: Bearer KEY (default: $LIFECYCLE_ADMIN_KEY)",
     )
     add_budget_options(serve)
+    add_download_option(serve)
     serve.set_defaults(handler=serve_command)
 
 
@@ -100,4 +102,5 @@ def serve_command(args: argparse.Namespace) -> int:
         args.device_budget,
         args.worker,
         announce=announce,
+        download=args.download,
     )

@@ -133,6 +133,7 @@ def serve(
     device_budget: int | None = None,
     worker_file: Path | None = None,
     announce: TextIO | None = None,
+    download: bool = False,
 ) -> int:
     """Admit and serve the pipelines at ``spec_paths`` on ``threads`` torch threads until drained.
 
@@ -141,10 +142,12 @@ def serve(
     admitted or loaded, so a port that is taken or not allowed is bad input. ``keys``
     lock the door (``lifecycle.serving.auth``). ``announce`` gets a line for a person
     when the worker is ready and when it drains (``lifecycle.serving.announce``).
+    ``download`` lets a model id among ``spec_paths`` be fetched into the Hugging Face
+    cache at start; a reload and ``POST /v1/pipelines`` read the cache only.
     Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec or address, 3 jobs
     or components left when the drain timed out, or a pipeline failed to load.
     """
-    specs = _read_specs(spec_paths)
+    specs = _read_specs(spec_paths, download)
     if specs is None:
         return ExitCode.BAD_INPUT
     try:
@@ -298,12 +301,13 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _read_specs(paths: Sequence[Path]) -> list[PipelineSpec] | None:
-    """Decode every spec; print what is wrong (a bad spec, two of one name) and return None."""
+def _read_specs(paths: Sequence[Path], download: bool) -> list[PipelineSpec] | None:
+    """Decode every spec (``download``: model ids may be fetched); print what is wrong (a bad
+    spec, two of one name) and return None."""
     specs = []
     for path in paths:
         try:
-            specs.append(load_spec(path))
+            specs.append(load_spec(path, download=download))
         except ConfigError as err:
             print(f"lifecycle serve: {path}: {err}", file=sys.stderr)
             return None

@@ -7,7 +7,8 @@ anything that involves several keys or the platform is left to admission, which 
 
 ``structs`` holds the Structs; ``reading`` reads a file within bounds and decodes it;
 ``errors`` says where a key is wrong; ``checks`` checks what the types cannot say;
-``sources`` resolves a diffusers-format folder; ``sizes`` parses byte sizes.
+``sources`` resolves a diffusers-format folder, ``model_ids`` says what a model id
+names; ``sizes`` parses byte sizes.
 """
 
 from lifecycle.spec.errors import ConfigError

@@ -32,6 +32,19 @@ def check_spec(spec: PipelineSpec) -> None:
             'name a pipeline folder with source = "path"',
             "$.components",
         )
+    if isinstance(spec.source, UnsetType) and not isinstance(spec.variant, UnsetType):
+        raise ConfigError(
+            "Expected no variant without source: it picks the weight files of a pipeline "
+            "folder's components; name the folder with source, or set a folder component's "
+            "own in [components.NAME.options]",
+            "$.variant",
+        )
+    if isinstance(spec.source, UnsetType) and spec.source_download is True:
+        raise ConfigError(
+            "Expected no source_download without source: it lets a source model id be "
+            "downloaded; name one with source, or drop the key",
+            "$.source_download",
+        )
     _check_memory(spec)
     _check_attention(spec)
     _check_components(spec)

@@ -19,6 +19,7 @@ from components import registry as kinds
 from lifecycle.shown import shown
 from lifecycle.spec.checks import check_spec
 from lifecycle.spec.errors import ConfigError, convert
+from lifecycle.spec.model_ids import parse_model_id
 from lifecycle.spec.sizes import SIZE_PATTERN, ByteSize
 from lifecycle.spec.sources import SOURCE, SourceError, resolve_source
 from lifecycle.spec.structs import ComponentSpec, PipelineSpec, WorkerFile
@@ -34,21 +35,27 @@ _TOO_LARGE = (
 _YAML_MERGE = "tag:yaml.org,2002:merge"
 
 
-def load_spec(path: str | Path) -> PipelineSpec:
+def load_spec(path: str | Path, *, download: bool = False) -> PipelineSpec:
     """Read and decode the spec at ``path``; the format follows its extension.
 
     A folder is read as the spec ``source = "path"``: the pipeline a diffusers-format
-    folder holds, with nothing overridden.
+    folder holds, with nothing overridden; so is a model id ``ORG/NAME[@REVISION]`` where
+    no file or folder has that name (``lifecycle.spec.model_ids``), which ``download``
+    lets be fetched into the Hugging Face cache (also for a spec's ``source``).
 
     Raises:
-        ConfigError: the file is missing or unreadable, or the spec (or its folder) is bad.
+        ConfigError: the file is missing or unreadable, the model id is not in the cache,
+            or the spec (or its folder) is bad.
     """
     source = str(path)
     try:
-        if _lookup_error(Path(path)) is None and Path(path).is_dir():
-            return _decoded({SOURCE: source}, Path())
+        found = Path(path)
+        if _lookup_error(found) is None and (
+            found.is_dir() or (not found.exists() and parse_model_id(source) is not None)
+        ):
+            return _decoded({SOURCE: source}, Path(), download)
         text, fmt, _ = _read(path, "spec")
-        return decode_spec(text, fmt, Path(path).parent)
+        return decode_spec(text, fmt, Path(path).parent, download=download)
     except ConfigError as err:
         raise ConfigError(err.message, err.path, source) from None
 
@@ -88,31 +95,34 @@ def _read(path: str | Path, what: str) -> tuple[str, str, str]:
     return text, Path(path).suffix.lstrip(".").lower(), source
 
 
-def decode_spec(text: str, fmt: str = "toml", base: Path | None = None) -> PipelineSpec:
+def decode_spec(
+    text: str, fmt: str = "toml", base: Path | None = None, *, download: bool = False
+) -> PipelineSpec:
     """Decode the spec in ``text`` written in ``fmt`` (toml, json, yaml or yml).
 
     A ``source`` folder and the adapters' files are read relative to ``base`` (the spec
-    file's folder; the working directory when None).
+    file's folder; the working directory when None); ``download`` lets a ``source`` model
+    id be fetched into the Hugging Face cache.
 
     Raises:
         ConfigError: bad syntax, unknown keys, wrong types or values, unknown
             backend names, a stage naming an undeclared component, a ``source``
-            folder that is missing, malformed, or does not have what the spec names, or
-            an adapter file that is not there.
+            folder that is missing, malformed, or does not have what the spec names (or a
+            model id the cache lacks), or an adapter file that is not there.
     """
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise ConfigError(_TOO_LARGE)
     raw = _parse(text, fmt)
     _check_shape(raw)
-    return _decoded(raw, base or Path())
+    return _decoded(raw, base or Path(), download)
 
 
-def _decoded(raw: object, base: Path) -> PipelineSpec:
+def _decoded(raw: object, base: Path, download: bool = False) -> PipelineSpec:
     """Decode a parsed spec, its ``source`` folder and adapter files (read relative to
-    ``base``) resolved."""
+    ``base``) resolved; ``download`` lets a model id be fetched."""
     if isinstance(raw, dict) and SOURCE in raw:
         try:
-            raw = resolve_source(raw, base)
+            raw = resolve_source(raw, base, download=download)
         except SourceError as err:
             raise ConfigError(err.message, err.path) from None
     # msgspec writes a dict key as `[...]` in its error paths; converting each

@@ -7,10 +7,16 @@ and options. This resolves the parsed spec before it is decoded, so what comes o
 an ordinary spec with every component spelled out, and resolving that again changes
 nothing (``lifecycle spec FOLDER`` prints it for a user to edit).
 
-Reading the folder touches its JSON files only. A missing or malformed file is bad
-input (``SourceError``, naming the path); a folder that is whole but cannot run
-(an unsupported class, code of its own, pickled weights) resolves, leaving out the
-components it refuses, and admission refuses it with every reason.
+``source`` may also be a model id, ``ORG/NAME[@REVISION]``, read from the Hugging Face
+cache (``lifecycle.spec.model_ids``; an existing path of that name wins); it resolves to the
+id pinned at its commit. A top-level ``variant`` becomes each component's
+``options.variant`` unless the component sets its own.
+
+Reading the folder touches its JSON files only. A missing or malformed file, or a model
+id the cache lacks, is bad input (``SourceError``, naming the path); a folder that is
+whole but cannot run (an unsupported class, code of its own, pickled weights, a variant
+it lacks) resolves, leaving out the components it refuses, and admission refuses it with
+every reason.
 """
 
 from __future__ import annotations
@@ -19,9 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from components.recipes.folder import FolderPipeline
+from lifecycle.spec.model_ids import ModelId, ModelIdError, cache_folder, parse_model_id
 
 SOURCE = "source"
 """The spec key that names a pipeline folder."""
+SOURCE_DOWNLOAD = "source_download"
+"""The spec key that lets a model id be downloaded into the cache."""
+VARIANT = "variant"
+"""The spec key (and folder kinds' option) that picks variant weight files."""
+SKIPPED_FILES = (
+    "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl",  # pickles: never read (design §12)
+    "*.msgpack", "*.h5", "*.onnx", "*.onnx_data", "*.tflite",  # other frameworks' weights
+)  # fmt: skip
+"""What a download leaves out, and what the cache need not hold for a snapshot to be whole."""
 
 
 class SourceError(ValueError):
@@ -38,27 +54,33 @@ class SourceError(ValueError):
         super().__init__(message)
 
 
-def resolve_source(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+def resolve_source(raw: dict[str, Any], base: Path, *, download: bool = False) -> dict[str, Any]:
     """Return the parsed spec ``raw`` with its folder's components and stages spelled out.
 
-    ``source`` is read relative to ``base`` (the spec file's folder) and becomes absolute.
-    Each component of the folder gets its kind and options from the folder, the spec's
-    own keys for it on top; the stages are the recipe's. The pipeline is named after the
-    folder unless the spec names it.
+    ``source`` is read relative to ``base`` (the spec file's folder) and becomes absolute;
+    a model id becomes the id pinned at its commit (``download``, or the spec's
+    ``source_download``, lets it be fetched into the cache). Each component of the folder
+    gets its kind and options from the folder, the spec's own keys for it on top; the
+    stages are the recipe's. The pipeline is named after the folder (a model id's name)
+    unless the spec names it.
 
     Raises:
-        SourceError: the folder or one of its files is missing or malformed; the spec names
-            a component the folder lacks, another kind than the folder's, or other stages.
+        SourceError: the folder or one of its files is missing or malformed, or a model id
+            is not in the cache; the spec names a component the folder lacks, another
+            kind than the folder's, or other stages.
     """
     source = raw[SOURCE]
     if not isinstance(source, str) or not source:
-        raise SourceError(f"Expected a pipeline folder's path, got {source!r}", f"$.{SOURCE}")
-    folder = (base / source).resolve()
+        raise SourceError(
+            f"Expected a pipeline folder's path or a model id, got {source!r}", f"$.{SOURCE}"
+        )
+    folder, source, name = _folder(source, base, download or raw.get(SOURCE_DOWNLOAD) is True)
     try:
         pipeline = FolderPipeline.read(folder)
     except (OSError, ValueError) as err:
         raise SourceError(str(err), f"$.{SOURCE}") from None
-    components = _components(pipeline, raw.get("components", {}))
+    variant = {VARIANT: raw[VARIANT]} if VARIANT in raw else {}
+    components = _components(pipeline, raw.get("components", {}), variant)
     stages = [
         {"name": stage.name, "uses": [name for name in stage.uses if name in components]}
         for stage in (pipeline.recipe.stages if pipeline.recipe is not None else ())
@@ -74,15 +96,86 @@ def resolve_source(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         )
     return {
         **raw,
-        SOURCE: str(folder),
-        "name": raw.get("name", folder.name),
+        SOURCE: source,
+        "name": raw.get("name", name),
         "components": components,
         "stages": stages,
     }
 
 
-def _components(pipeline: FolderPipeline, overrides: object) -> dict[str, dict[str, Any]]:
-    """Return each component of ``pipeline`` as a spec table, ``overrides`` applied."""
+def _folder(source: str, base: Path, download: bool) -> tuple[Path, str, str]:
+    """Return the folder ``source`` names, ``source`` as resolved (an absolute path, or a
+    model id pinned at its commit) and the name a pipeline from it takes.
+
+    Raises:
+        SourceError: a model id that cannot be resolved.
+    """
+    path = base / source
+    try:
+        taken = path.exists()
+    except OSError:  # a name the file system refuses to look up: reading it says so
+        taken = True
+    model_id = None if taken else parse_model_id(source)
+    if model_id is None:
+        folder = path.resolve()
+        return folder, str(folder), folder.name
+    try:
+        pinned, folder = _resolve(model_id, download)
+    except ModelIdError as err:
+        raise SourceError(
+            f"Expected a pipeline folder or a model id in the Hugging Face cache, got "
+            f"{source!r}: there is no file or folder at {path.resolve()}, and {err}",
+            f"$.{SOURCE}",
+        ) from None
+    return folder, str(pinned), model_id.name
+
+
+def _resolve(model_id: ModelId, download: bool) -> tuple[ModelId, Path]:
+    """Return ``model_id`` pinned at the commit its revision names, and that snapshot's folder.
+
+    Reads the cache only, unless ``download``: then huggingface_hub fetches what the cache
+    lacks (all but ``SKIPPED_FILES``) and records the revision.
+
+    Raises:
+        ModelIdError: the cache holds no snapshot of that revision (and ``download`` is
+            off, or the download failed), or huggingface_hub is not installed; the
+            message names the cache folder and the fix.
+    """
+    cache = cache_folder()
+    from huggingface_hub import snapshot_download
+
+    revision = model_id.revision or "main"
+    try:
+        folder = snapshot_download(
+            model_id.repo,
+            revision=model_id.revision,
+            local_files_only=not download,
+            ignore_patterns=list(SKIPPED_FILES),
+        )
+    except (OSError, ValueError) as err:
+        if download:
+            raise ModelIdError(
+                f"cannot download model {model_id.repo} (revision {revision}) into the "
+                f"Hugging Face cache {cache}: {_first_line(err)}"
+            ) from None
+        raise ModelIdError(
+            f"model {model_id.repo} (revision {revision}) is not in the Hugging Face cache "
+            f"{cache}; download it with --download (in a spec: source_download = true), or "
+            "set HF_HUB_CACHE to the cache that holds it"
+        ) from None
+    path = Path(folder)
+    return ModelId(model_id.repo, path.name), path
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _components(
+    pipeline: FolderPipeline, overrides: object, defaults: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Return each component of ``pipeline`` as a spec table, ``overrides`` applied over
+    its folder's options and the pipeline-wide ``defaults`` of options."""
     if not isinstance(overrides, dict):
         raise SourceError(
             f"Expected a table of component overrides, got {type(overrides).__name__}",
@@ -114,5 +207,6 @@ def _components(pipeline: FolderPipeline, overrides: object) -> dict[str, dict[s
             raise SourceError(
                 f"Expected a table, got {type(options).__name__}", f"$.components.{name}.options"
             )
-        components[name] = {"kind": plan.kind, **override, "options": {**plan.options, **options}}
+        options = {**plan.options, **defaults, **options}
+        components[name] = {"kind": plan.kind, **override, "options": options}
     return components

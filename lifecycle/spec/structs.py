@@ -15,6 +15,7 @@ from components import OffloadTarget, OffloadVerify, ParallelLayout, ResidencyMo
 from components.cache import CacheSettings
 from components.compile import CompileMode
 from components.dtypes import DType
+from components.folders.files import Variant
 from components.quantize import Quantization
 from lifecycle.spec.sizes import ByteSize
 
@@ -270,7 +271,13 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     Attributes:
         name: the pipeline's name.
         source: the diffusers-format folder the components and stages come from
-            (``lifecycle.spec.sources``; absolute once decoded), or unset.
+            (``lifecycle.spec.sources``; absolute once decoded), or a model id
+            ``ORG/NAME[@REVISION]`` in the Hugging Face cache (pinned at its commit once
+            decoded), or unset.
+        source_download: whether a ``source`` model id the cache lacks is downloaded.
+        variant: the variant weight files (``fp16``, ``bf16``) every component of the
+            ``source`` folder reads unless its ``options.variant`` says another; unset
+            reads the files without a variant.
         device: where it runs; ``auto`` picks CUDA when present.
         dtype: the dtype of every component's floating weights that sets none;
             ``float32`` when absent.
@@ -287,6 +294,8 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     name: Annotated[str, msgspec.Meta(min_length=1)]
     components: dict[str, ComponentSpec]
     source: str | UnsetType = UNSET
+    source_download: bool | UnsetType = UNSET
+    variant: Variant | UnsetType = UNSET
     device: Device = "auto"
     dtype: DType | UnsetType = UNSET
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)

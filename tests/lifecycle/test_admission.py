@@ -333,6 +333,7 @@ kind = "tiny_upsampler"
             "refusals",
             "stages",
             "source",
+            "revision",
             "adapters",
         ]
         assert report["admitted"] is False

@@ -86,6 +86,8 @@ class TestDecode:
             "name",
             "components",
             "source",
+            "source_download",
+            "variant",
             "device",
             "dtype",
             "attention",
