@@ -299,19 +299,21 @@ class TestResidency:
     def test_offload_keeps_the_output_and_streams_only_the_blocks_that_run(
         self, smooth: dict[str, Path], tmp_path: Path
     ) -> None:
-        """Streaming Flux's blocks (prefetch 1), offloading it whole to disk, or under a
-        budget of its largest stage (each stage evicts the last), taylor_seer's output
-        equals the resident cached run's, and the block bytes ``residency.moved`` reports
-        fall with the steps skipped, exactly: a predicted step calls no block."""
+        """Streaming Flux's blocks (prefetch 1), offloading it whole to the host or to
+        disk, or under a budget of its largest stage (each stage evicts the last),
+        taylor_seer's output equals the resident cached run's, and the block bytes
+        ``residency.moved`` reports fall with the steps skipped, exactly: a predicted step
+        calls no block."""
         folder = smooth["flux"]
         budget = largest_stage(decode_spec(f'source = "{folder}"\ndevice = "cpu"'), Platform("cpu"))
         memory = {
-            "component_offload": f'[memory]\noffload_target = "disk"\noffload_dir = "{tmp_path}"\n',
+            "disk": f'[memory]\noffload_target = "disk"\noffload_dir = "{tmp_path}"\n',
             "budget": f"[memory]\ndevice_budget = {budget}\n",
         }
+        residencies = {"disk": "component_offload", "budget": ""}
 
         def run(mode: str, cache: str) -> tuple[torch.Tensor, int, int]:
-            residency = "" if mode in ("", "budget") else mode
+            residency = residencies.get(mode, mode)
             table = f'[components.transformer]\nresidency = "{residency}"\n' if residency else ""
             memory_table = memory.get(mode, "")
             spec = decode_spec(f'source = "{folder}"\ndevice = "cpu"\n{memory_table}{table}{cache}')
@@ -346,9 +348,11 @@ class TestResidency:
         resident, _, computed = run("", taylor)
         streaming, streamed, also = run("layerwise_offload", taylor)
         _, uncached, _ = run("layerwise_offload", "")
-        on_disk, _, _ = run("component_offload", taylor)
+        on_host, _, _ = run("component_offload", taylor)
+        on_disk, _, _ = run("disk", taylor)
         evicting, _, _ = run("budget", taylor)
         assert torch.equal(streaming, resident)
+        assert torch.equal(on_host, resident)
         assert torch.equal(on_disk, resident)
         assert torch.equal(evicting, resident)
         assert also == computed < 12

@@ -1,7 +1,8 @@
 """A step cache served: per-request ``cache``, what a response says, streams, metrics, status.
 
-The folder is the tiny Flux one written with ``smooth_time=True`` (its adjacent steps
-differ as a trained model's do, so the cache skips some: every test asserts it does).
+The folders are the tiny PixArt and Flux ones written with ``smooth_time=True`` (their
+adjacent steps differ as a trained model's do, so the cache skips some: every test
+asserts it does).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BODY: dict[str, Any] = {"prompt": "a red fox", "size": "64x64", "seed": 3}
-"""A request of the pipeline's default 28 steps."""
+"""A request of the pipeline's default steps (Flux 28, PixArt 20)."""
+DEFAULT_STEPS = {"pixart": 20, "flux": 28}
 
 
 @pytest.fixture
@@ -33,15 +35,23 @@ def folder(pipeline_folder: PipelineFolders) -> Path:
     return pipeline_folder("flux", smooth_time=True)
 
 
+@pytest.mark.parametrize("method", ["first_block", "taylor_seer"])
+@pytest.mark.parametrize("family", list(DEFAULT_STEPS))
 def test_cache_false_equals_the_uncached_run_and_responses_say_what_ran(
-    folder: Path, serve_spec: ServeSpec, lifecycle: Lifecycle, tmp_path: Path
+    family: str,
+    method: str,
+    pipeline_folder: PipelineFolders,
+    serve_spec: ServeSpec,
+    lifecycle: Lifecycle,
+    tmp_path: Path,
 ) -> None:
-    """``"cache": false`` makes the PNG ``run`` makes without a cache, byte for byte; the
-    cached request says what it skipped, a 3-step one that it ran uncached, and the
-    metrics count the steps by outcome."""
+    """For each method on each family, ``"cache": false`` makes the PNG ``run`` makes
+    without a cache, byte for byte; the cached request says what it skipped, a 3-step one
+    that it ran uncached, and the metrics count the steps by outcome."""
+    folder = pipeline_folder(family, smooth_time=True)
     spec = decode_spec(
         f'source = "{folder}"\nname = "fox"\ndevice = "cpu"\n'
-        '[components.transformer.cache]\nmethod = "first_block"\n'
+        f'[components.transformer.cache]\nmethod = "{method}"\n'
     )
     served = serve_spec(spec)
     with served.client() as client:
@@ -52,7 +62,7 @@ def test_cache_false_equals_the_uncached_run_and_responses_say_what_ran(
     assert off.status_code == on.status_code == short.status_code == 200
     assert off.json()["cache"] is None
     cached = on.json()["cache"]
-    assert cached["computed"] + cached["skipped"] == 28
+    assert cached["computed"] + cached["skipped"] == DEFAULT_STEPS[family]
     assert cached["skipped"] > 0
     assert short.json()["cache"] == {
         "computed": 3,
