@@ -129,7 +129,7 @@ class Orchestrator:
         shared: SharedDevice | None = None,
     ) -> None:
         self.spec = spec
-        self.platform = platform or _platform_for(spec)
+        self.platform = platform or platform_for(spec)
         self.device = torch.device(self.platform.kind)
         self._observers = Observers()
         if observer is not None:
@@ -829,7 +829,8 @@ def _note_replaced_budget(spec: PipelineSpec, shared: SharedDevice) -> None:
         )
 
 
-def _platform_for(spec: PipelineSpec) -> Platform:
+def platform_for(spec: PipelineSpec) -> Platform:
+    """Return the platform ``spec``'s ``device`` asks for (``auto``: CUDA where present)."""
     if spec.device == "auto":
         return Platform.detect()
     return Platform(spec.device)

@@ -19,6 +19,7 @@ from msgspec import UnsetType
 
 from lifecycle.admission import component_loaders
 from lifecycle.admission.folder import open_folder
+from lifecycle.autotune import tune
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
 from lifecycle.cli.cores import Threads, torch_threads
@@ -173,6 +174,7 @@ def _run(
     stop: StopOnSignal,
 ) -> RunOutcome:
     """Load the pipeline, run the requests, close it and write the timeline: what happened."""
+    spec, _ = tune(spec)  # acceleration = "auto" chooses what the spec left open
     tally = MoveTally(spec.components, keep_moves=args.timeline is not None)
     outputs = RunOutputs()
     orchestrator = Orchestrator(spec, observer=tally)

@@ -24,6 +24,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from lifecycle.autotune import tune
 from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
@@ -198,7 +199,8 @@ def _serve(
     orchestrators = []
     admit_ms = {}
     try:
-        for spec in specs:
+        for asked in specs:
+            spec, _ = tune(asked)  # acceleration = "auto" chooses what the spec left open
             orchestrator = Orchestrator(spec, shared=shared, observer=metrics.observe)
             orchestrators.append(orchestrator)
             admitting = time.perf_counter()

@@ -23,6 +23,7 @@ Loader = Literal["custom", "native"]
 AdapterMode = Literal["merged", "unmerged"]
 Device = Literal["cpu", "cuda", "auto"]
 StatusPage = Literal["open", "private"]
+Acceleration = Literal["off", "auto"]
 ALL_ROLES = "all"
 DEFAULT_OFFLOAD_DIR = ".lifecycle/offload"
 
@@ -289,6 +290,11 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
             refuses every one).
         stages: the stages of a request, in timeline order.
         adapters: the adapters (LoRA) by name.
+        acceleration: ``auto`` tunes, before the pipeline serves, the ``compile`` and
+            ``quantization`` its components leave unset (``lifecycle.autotune``, design
+            §17); ``off`` (the default) leaves them off.
+        acceleration_min_psnr: the PSNR (dB) of the output against the untuned pipeline's
+            that a tuned choice must keep.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -304,6 +310,8 @@ class PipelineSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
     stages: tuple[StageSpec, ...] = ()
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
+    acceleration: Acceleration = "off"
+    acceleration_min_psnr: Annotated[float, msgspec.Meta(gt=0)] = 40.0
 
     def dtype_of(self, name: str) -> DType:
         """Return the dtype of component ``name``: its own, else the pipeline's, else float32."""

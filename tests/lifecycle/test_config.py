@@ -96,6 +96,8 @@ class TestDecode:
             "serving",
             "adapters",
             "stages",
+            "acceleration",
+            "acceleration_min_psnr",
         }
         residency = schema["$defs"]["ResidencyMode"]["enum"]
         assert set(residency) == {"resident", "component_offload", "layerwise_offload"}
