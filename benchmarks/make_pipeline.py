@@ -1,13 +1,15 @@
 """Write a real diffusers-format pipeline folder with seeded random weights.
 
-``python -m benchmarks.make_pipeline {pixart,pixart-sigma,flux,sd3} DIR [--size tiny|bench]
-[--seed N]`` builds the pipeline from diffusers' and transformers' own classes, fills
+``python -m benchmarks.make_pipeline FAMILY DIR [--size tiny|bench] [--seed N]`` (FAMILY:
+pixart, pixart-sigma, flux, sd3, qwen-image, z-image, flux2-klein, flux2-klein-distilled)
+builds the pipeline from diffusers' and transformers' own classes, fills
 every weight from the seed, and writes it with diffusers' ``save_pretrained``: a
 ``model_index.json``, one subfolder per component with ``config.json`` and safetensors
 weights, the scheduler's config and the tokenizers. Nothing is downloaded: the
 tokenizers are made here with the ``tokenizers`` library (a word-level vocabulary of
 common words, split on whitespace and punctuation), one per text encoder, T5's closing
-each prompt with ``</s>`` and CLIP's wrapping it in its start and end tokens.
+each prompt with ``</s>`` and CLIP's wrapping it in its start and end tokens; the
+language-model encoders' byte-level BPE learns its merges here (``benchmarks._llm_folders``).
 
 ``tiny`` folders are for tests (a request takes a fraction of a second); ``bench``
 folders are for benchmarks (a load and a request take a measurable second or so).
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import torch
 
+from benchmarks import _llm_folders
 from benchmarks._progress import no_progress_bars
 from components.weights import seed_weights
 
@@ -40,7 +43,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 Size = Literal["tiny", "bench"]
-Family = Literal["pixart", "pixart-sigma", "flux", "sd3"]
+Family = Literal[
+    "pixart",
+    "pixart-sigma",
+    "flux",
+    "sd3",
+    "qwen-image",
+    "z-image",
+    "flux2-klein",
+    "flux2-klein-distilled",
+]
 
 T5_SPECIAL = ("<pad>", "</s>", "<unk>")
 CLIP_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<unk>")
@@ -178,8 +190,15 @@ def clip(dims: Dims, width: int, *, projection: bool) -> tuple[Any, PreTrainedTo
     return model, word_tokenizer(CLIP_SPECIAL, template, CLIP_MAX_TOKENS)
 
 
-def vae(dims: Dims, latent_channels: int, *, flow: bool) -> Any:
-    """Return an ``AutoencoderKL`` with ``dims.vae`` blocks (Flux and SD3: no quant convs)."""
+def vae(
+    dims: Dims,
+    latent_channels: int,
+    *,
+    flow: bool,
+    factors: tuple[float, float] = (1.5035, 0.0609),
+) -> Any:
+    """Return an ``AutoencoderKL`` with ``dims.vae`` blocks (Flux and SD3: no quant convs, and
+    the latents scaled and shifted by ``factors``)."""
     from diffusers import AutoencoderKL
 
     blocks = len(dims.vae)
@@ -195,7 +214,7 @@ def vae(dims: Dims, latent_channels: int, *, flow: bool) -> Any:
         sample_size=dims.sample * 2 ** (blocks - 1),
         use_quant_conv=not flow,
         use_post_quant_conv=not flow,
-        **({"shift_factor": 0.0609, "scaling_factor": 1.5035} if flow else {}),
+        **({"scaling_factor": factors[0], "shift_factor": factors[1]} if flow else {}),
     )
 
 
@@ -318,7 +337,21 @@ BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
     "pixart-sigma": lambda dims: pixart(dims, sigma=True),
     "flux": flux,
     "sd3": sd3,
+    "qwen-image": lambda dims: _llm_folders.qwen_image(dims, WORDS),
+    "z-image": lambda dims: _llm_folders.z_image(dims, WORDS),
+    "flux2-klein": lambda dims: _llm_folders.flux2_klein(dims, WORDS, distilled=False),
+    "flux2-klein-distilled": lambda dims: _llm_folders.flux2_klein(dims, WORDS, distilled=True),
 }
+
+
+def positive_variances(module: torch.nn.Module) -> None:
+    """Make the running variances of ``module``'s batch norms positive (Flux.2's VAE has one):
+    seeded near zero, some would be negative, and their square root NaN."""
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+                assert layer.running_var is not None
+                layer.running_var.abs_().add_(0.5)
 
 
 TIME_EMBEDDER = "timestep_embedder.linear_1"
@@ -370,6 +403,7 @@ def write_pipeline(
     for component in components.values():
         if isinstance(component, torch.nn.Module):
             seed_weights(component, seed)
+            positive_variances(component)
             component.eval()
     if smooth_time:
         smooth_time_embedding(components["transformer"])

@@ -62,8 +62,8 @@ class TestMakePipeline:
         result = run_python("benchmarks.make_pipeline", "sdxl", tmp_path, cwd=root, module=True)
         assert result.returncode == 2
         assert (
-            "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3')"
-            in result.stderr
+            "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3', "
+            "'qwen-image', 'z-image', 'flux2-klein', 'flux2-klein-distilled')" in result.stderr
         )
 
 

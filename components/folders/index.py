@@ -3,7 +3,9 @@
 ``{"_class_name": "FluxPipeline", "transformer": ["diffusers",
 "FluxTransformer2DModel"], "image_encoder": [null, null], ...}``: each entry names the
 library and class of one subfolder (a model, a tokenizer, a scheduler); keys starting
-with ``_`` are metadata and ``[null, null]`` marks a component the folder lacks.
+with ``_`` are metadata, ``[null, null]`` marks a component the folder lacks, and an entry
+that is a number, a boolean or an object is the pipeline's own configuration
+(``"is_distilled": true``: what its class was constructed with, which its recipe reads).
 Nothing here imports a library: the index is read as JSON.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 INDEX_FILE = "model_index.json"
 LIBRARIES = ("diffusers", "transformers")
@@ -43,12 +45,15 @@ class PipelineIndex(NamedTuple):
         entries: the subfolders it has, by name (null entries left out).
         pipeline_library: the module the pipeline class comes from: ``diffusers``, unless
             ``_class_name`` is a ``[module, class]`` pair naming code of its own.
+        config: the pipeline's own configuration: the entries that are numbers, booleans or
+            objects.
     """
 
     folder: Path
     pipeline_class: str
     entries: dict[str, Entry]
     pipeline_library: str = "diffusers"
+    config: dict[str, Any] = {}  # noqa: RUF012  (a NamedTuple default, never mutated)
 
     @classmethod
     def read(cls, folder: Path) -> PipelineIndex:
@@ -57,8 +62,8 @@ class PipelineIndex(NamedTuple):
         Raises:
             FileNotFoundError: the folder or its ``model_index.json`` does not exist.
             ValueError: the file is not JSON, lacks ``_class_name`` (a class name, or a
-                ``[module, class]`` pair), or an entry is not a ``[library, class]`` pair
-                (the message names the key).
+                ``[module, class]`` pair), or an entry that is not configuration is not a
+                ``[library, class]`` pair (the message names the key).
         """
         path = folder / INDEX_FILE
         if not path.is_file():
@@ -79,8 +84,12 @@ class PipelineIndex(NamedTuple):
                 'e.g. "_class_name": "FluxPipeline"'
             )
         entries = {}
+        config = {}
         for name, value in raw.items():
             if name.startswith("_") or value in ([None, None], None):
+                continue
+            if isinstance(value, bool | int | float | dict):
+                config[name] = value
                 continue
             if not _is_pair(value):
                 raise ValueError(
@@ -88,7 +97,7 @@ class PipelineIndex(NamedTuple):
                     '["library", "ClassName"] pair or [null, null]'
                 )
             entries[name] = Entry(name, value[0], value[1])
-        return cls(folder, pipeline[1], entries, pipeline[0])
+        return cls(folder, pipeline[1], entries, pipeline[0], config)
 
     def custom_code(self) -> list[Entry]:
         """Return the entries whose library is a Python module shipped in the folder.

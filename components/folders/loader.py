@@ -353,7 +353,9 @@ class FolderLoader(ComponentLoader):
         assert layout is not None  # the library is installed: unavailable_reason said so
         module, self._spare = self.construct("native"), None
         stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
-        assign_weights(module, stored, self.dtype, self.float32_rule())
+        # transformers keeps the buffers its classes compute as they computed them
+        cast = self.library != "transformers"
+        assign_weights(module, stored, self.dtype, self.float32_rule(), cast_buffers=cast)
         return module
 
 

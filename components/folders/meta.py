@@ -139,6 +139,8 @@ def assign_weights(
     stored: Mapping[str, tuple[Path, str]],
     dtype: torch.dtype,
     keep_float32: Callable[[str], bool] = lambda name: False,
+    *,
+    cast_buffers: bool = True,
 ) -> None:
     """Give ``module`` (built by ``build_empty``) the tensors of its files, mapped, not copied.
 
@@ -147,7 +149,9 @@ def assign_weights(
     an equal dtype keeps the mapped tensor), except those ``keep_float32`` names;
     integer tensors keep theirs. Tied
     names get one shared tensor. Floating buffers that the files do not store are cast
-    to ``dtype`` too, as ``module.to(dtype)`` would.
+    to ``dtype`` too, as ``module.to(dtype)`` would, unless ``cast_buffers`` is false:
+    transformers keeps them as the class computed them (a rotary embedding's float32
+    frequencies, which in bfloat16 would turn every position).
 
     Raises:
         ValueError: a parameter is in no file (the message names the missing ones).
@@ -169,7 +173,7 @@ def assign_weights(
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32 if keep_float32(found) else dtype)
             _put(modules, names, tensor)
-        for name, buffer in module.named_buffers():
+        for name, buffer in module.named_buffers() if cast_buffers else ():
             if buffer.is_floating_point() and buffer.dtype != dtype and not keep_float32(name):
                 _put(modules, [name], buffer.to(dtype))
     left = [name for name, param in module.named_parameters() if param.device.type == "meta"]

@@ -88,12 +88,13 @@ class TextEncoderLoader(FolderLoader):
         tokenizer_class = library_class("transformers", name, "PreTrainedTokenizerBase")
         return tokenizer_class.from_pretrained(str(folder), local_files_only=True)  # type: ignore[attr-defined]
 
-    def tokenize(self, texts: Sequence[str], length: int) -> Tokens:
-        """Tokenise ``texts``, truncated and padded to ``length`` tokens, specials included."""
+    def tokenize(self, texts: Sequence[str], length: int, *, longest: bool = False) -> Tokens:
+        """Tokenise ``texts``, truncated and padded to ``length`` tokens, specials included;
+        ``longest``: padded only to the longest of them."""
         with self._calls:
             out = self.tokenizer(
                 list(texts),
-                padding="max_length",
+                padding="longest" if longest else "max_length",
                 max_length=length,
                 truncation=True,
                 add_special_tokens=True,

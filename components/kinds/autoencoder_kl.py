@@ -16,21 +16,19 @@ import torch
 from torch import nn
 
 from attention import AttentionRole
-from components.batch import RGB, Port
 from components.folders.custom import CustomFolderLoader
+from components.folders.vae import VaeLoader
 from components.models.autoencoder_kl import AutoencoderKl, VaeShape, unsupported
 from components.sites import AttentionSite
 
 # B images, L latent channels, h w latent grid, H W image size
 
 
-class AutoencoderKlLoader(CustomFolderLoader):
+class AutoencoderKlLoader(CustomFolderLoader, VaeLoader):
     """Load ``AutoencoderKL``; an auxiliary component, so global fallback is allowed."""
 
     kind: ClassVar[str] = "autoencoder_kl"
-    library = "diffusers"
     classes = ("AutoencoderKL",)
-    allows_global_fallback = True
     fully_shardable = True
 
     @cached_property
@@ -58,13 +56,10 @@ class AutoencoderKlLoader(CustomFolderLoader):
         """Image pixels per latent position along each side: 2 per block after the first."""
         return int(2 ** (len(self.config["block_out_channels"]) - 1))
 
-    def reads(self) -> tuple[Port, ...]:
-        """Read latents of ``latent_channels``."""
-        return (Port(field="latents", width=int(self.config["latent_channels"])),)
-
-    def writes(self) -> tuple[Port, ...]:
-        """Write RGB images."""
-        return (Port(field="images", width=RGB),)
+    @property
+    def latent_channels(self) -> int:
+        """C: ``latent_channels``."""
+        return int(self.config["latent_channels"])
 
     def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Decode latents ``(B, L, h, w)`` (unscaled) into images ``(B, 3, H, W)`` in [-1, 1]."""

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from components.recipes.base import Recipe
 from components.recipes.flux import FluxRecipe
+from components.recipes.flux2_klein import Flux2KleinRecipe
 from components.recipes.pixart import PixArtAlphaRecipe, PixArtSigmaRecipe
+from components.recipes.qwen_image import QwenImageRecipe
 from components.recipes.sd3 import Sd3Recipe
+from components.recipes.z_image import ZImageRecipe
 
 RECIPES: dict[str, type[Recipe]] = {
     recipe.pipeline_class: recipe
-    for recipe in (PixArtAlphaRecipe, PixArtSigmaRecipe, FluxRecipe, Sd3Recipe)
+    for recipe in (
+        PixArtAlphaRecipe,
+        PixArtSigmaRecipe,
+        FluxRecipe,
+        Sd3Recipe,
+        QwenImageRecipe,
+        ZImageRecipe,
+        Flux2KleinRecipe,
+    )
 }
 """The recipe of every supported pipeline class, by class name."""
 

@@ -27,6 +27,7 @@ from components.cache.state import any_cached, release_caches, start_rows
 from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
 from components.folders.problems import Problem
+from components.folders.vae import VaeLoader
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.libraries import library_class
 from components.loader import ComponentLoader
@@ -106,6 +107,11 @@ class Denoising(ABC):
         """Keep only its images at positions ``keep`` (of ``rows``): latents, text and the
         scheduler's per-image state (``narrow_scheduler``), so they step on as alone."""
 
+    def branch_rows(self, keep: list[int]) -> list[int]:
+        """Return where the images at ``keep`` stand in the DiT's batch: in each branch, the
+        branches stacked one after the other."""
+        return [i + branch * len(self.rows) for branch in range(self.branches) for i in keep]
+
 
 def predict(
     module: nn.Module, inputs: Sequence[ModelInputs], cache: StepCache | None = None
@@ -134,8 +140,8 @@ class Recipe(ABC):
     """Run one diffusers pipeline class on a folder's components.
 
     Subclasses set ``pipeline_class``, ``stages``, the defaults diffusers' ``__call__``
-    has and ``noise_dtype_of``, and implement each stage. Every supported class has a
-    ``transformer`` and a ``vae``.
+    has, ``noise_dtype_of`` and ``vae_kind``, and implement each stage. Every supported
+    class has a ``transformer`` and a ``vae``.
 
     Args:
         index: the folder's ``model_index.json``.
@@ -157,6 +163,8 @@ class Recipe(ABC):
     noise_dtype_of: ClassVar[str]
     """The text encoder whose dtype the noise is drawn in (diffusers draws it in the dtype
     of the prompt embeddings)."""
+    vae_kind: ClassVar[type[VaeLoader]] = AutoencoderKlLoader
+    """The kind of the pipeline's VAE."""
 
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
@@ -165,7 +173,7 @@ class Recipe(ABC):
         entry = index.entries[SCHEDULER]
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
         self.transformer = self.loader("transformer", FolderLoader)
-        self.vae = self.loader("vae", AutoencoderKlLoader)
+        self.vae: VaeLoader = self.loader("vae", self.vae_kind)
         self.channels = width(self.transformer, "latents", written=False) or 0
         """C: the latent channels the VAE decodes (Flux's DiT reads them packed by four)."""
 
@@ -339,13 +347,16 @@ class Recipe(ABC):
         """Draw the noise of ``count`` images asking for ``size`` (pixels) as diffusers draws it.
 
         One ``torch.randn`` of every image's latents together, at the size's bin (where
-        the pipeline bins), in the dtype of ``noise_dtype_of``; returns one ``(N, C)``
-        tensor per image, row-major over the grid.
+        the pipeline bins), in ``noise_dtype()``; returns one ``(N, C)`` tensor per image,
+        row-major over the grid.
         """
-        dtype = self.loader(self.noise_dtype_of, FolderLoader).dtype
         h, w = self.latent_size(self.binned(size))
-        noise = torch.randn((count, self.channels, h, w), generator=generator, dtype=dtype)
-        return latent_rows(noise)
+        shape = (count, self.channels, h, w)
+        return latent_rows(torch.randn(shape, generator=generator, dtype=self.noise_dtype()))
+
+    def noise_dtype(self) -> torch.dtype:
+        """Return the dtype the noise is drawn in: ``noise_dtype_of``'s."""
+        return self.loader(self.noise_dtype_of, FolderLoader).dtype
 
     def noise(self, batch: Batch, group: SizeGroup) -> torch.Tensor:
         """Return a group's starting latents ``(B_g, C, h, w)``, drawn if the batch brings none.
@@ -458,6 +469,18 @@ class Recipe(ABC):
     def text_problems(self) -> list[Problem]:
         """Say where the text encoders' widths do not fit what the DiT reads."""
 
+    def encoder_problems(self, encoder: ComponentLoader, layers: int = 1) -> list[Problem]:
+        """Say whether ``text_encoder``'s states (``layers`` of them side by side) are as wide
+        as the DiT's text: the ``text_problems`` of a class with one text encoder."""
+        wrote = width(encoder, "context", written=True)
+        return mismatch(
+            "transformer",
+            "context",
+            width(self.transformer, "context", written=False),
+            ["text_encoder"],
+            None if wrote is None else wrote * layers,
+        )
+
 
 def scheduler_config(index: PipelineIndex) -> dict[str, Any]:
     """Return the folder's ``scheduler/scheduler_config.json``.
@@ -502,6 +525,21 @@ def mismatch(
             f"pick components whose {field} widths agree (their config.json files)",
         )
     ]
+
+
+def guided_texts(batch: Batch, rows: Sequence[int], guided: bool) -> list[torch.Tensor]:
+    """Return the text of ``rows``' prompts, then (``guided``) of their negative prompts.
+
+    Raises:
+        ValueError: the encode stage has not run.
+    """
+    if batch.context is None or (guided and batch.negative_context is None):
+        raise ValueError("the denoise stage needs the encode stage's text: run it first")
+    texts = [batch.context[row] for row in rows]
+    if guided:
+        assert batch.negative_context is not None  # checked above
+        texts += [batch.negative_context[row] for row in rows]
+    return texts
 
 
 def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:

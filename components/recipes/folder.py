@@ -153,11 +153,19 @@ def _unsafe_weights(name: str, err: UnsafeWeightsError) -> Problem:
     )
 
 
+NEEDS_PACKAGE = {"QwenImageEdit": "torchvision"}
+"""Pipeline classes (by the start of their name) with no recipe because their processors need
+a package that is not a dependency: Qwen-Image's edit pipelines resize their input images
+with torchvision, whose wheel must match the pinned torch."""
+
+
 def _unsupported_pipeline(class_name: str) -> Problem:
+    needs = [package for head, package in NEEDS_PACKAGE.items() if class_name.startswith(head)]
+    why = f" (its image processor needs {needs[0]}, which is not a dependency)" if needs else ""
     return Problem(
         "pipeline.unsupported_class",
         "pipeline",
-        f"pipeline class '{class_name}' has no recipe here; supported: {', '.join(RECIPES)}",
+        f"pipeline class '{class_name}' has no recipe here{why}; supported: {', '.join(RECIPES)}",
         "use a folder of a supported pipeline class",
     )
 

@@ -34,11 +34,9 @@ from components.recipes.base import (
     SizeGroup,
     Stage,
     latent_rows,
-    mismatch,
     narrow_scheduler,
     step_options,
     unique_texts,
-    width,
 )
 
 # B images, C latent channels, h w latent grid, L tokens, E width
@@ -163,13 +161,7 @@ class PixArtAlphaRecipe(Recipe):
 
     def text_problems(self) -> list[Problem]:
         """Check T5's width against the DiT's caption width."""
-        return mismatch(
-            "transformer",
-            "context",
-            width(self.transformer, "context", written=False),
-            ["text_encoder"],
-            width(self.text_encoder, "context", written=True),
-        )
+        return self.encoder_problems(self.text_encoder)
 
 
 class PixArtDenoising(Denoising):
@@ -246,7 +238,7 @@ class PixArtDenoising(Denoising):
     def narrow(self, keep: list[int]) -> None:
         """Keep the images at ``keep``: their latents, text and masks (negatives too),
         conditions and scheduler state."""
-        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        both = self.branch_rows(keep)
         narrow_scheduler(self.scheduler, self.latents.shape, keep)
         self.latents = self.latents[keep]
         self.context, self.mask = self.context[both], self.mask[both]

@@ -215,7 +215,7 @@ class Sd3Denoising(Denoising):
 
     def narrow(self, keep: list[int]) -> None:
         """Keep the images at ``keep``: their latents, text (negatives too), scheduler state."""
-        both = keep + [i + len(self.rows) for i in keep] if self.guided else keep
+        both = self.branch_rows(keep)
         narrow_scheduler(self.scheduler, self.latents.shape, keep)
         self.latents = self.latents[keep]
         self.context, self.pooled = self.context[both], self.pooled[both]

@@ -38,6 +38,21 @@ KINDS = {
         "transformer": "sd3_transformer",
         "vae": "autoencoder_kl",
     },
+    "qwen-image": {
+        "text_encoder": "llm_text_encoder",
+        "transformer": "qwen_image_transformer",
+        "vae": "autoencoder_kl_qwen_image",
+    },
+    "z-image": {
+        "text_encoder": "llm_text_encoder",
+        "transformer": "z_image_transformer",
+        "vae": "autoencoder_kl",
+    },
+    "flux2-klein": {
+        "text_encoder": "llm_text_encoder",
+        "transformer": "flux2_transformer",
+        "vae": "autoencoder_kl_flux2",
+    },
 }
 """The kind of each component a folder of each family names in its index."""
 
@@ -146,13 +161,20 @@ def run_diffusers(
 
 def call_pipeline(pipeline: Any, request: Request, **extra: Any) -> torch.Tensor:
     """Call a diffusers pipeline on ``request`` (its seed, steps, guidance, size and count);
-    the images in [0, 1] (``extra`` goes to the call)."""
+    the images in [0, 1] (``extra`` goes to the call).
+
+    Qwen-Image's guidance scale is its ``true_cfg_scale`` (its ``guidance_scale`` is for a
+    guidance-distilled DiT, which it does not have).
+    """
     pipeline.set_progress_bar_config(disable=True)
+    guidance = {"guidance_scale": request.guidance_scale}
+    if type(pipeline).__name__ == "QwenImagePipeline":
+        guidance = {"true_cfg_scale": request.guidance_scale}
     images: torch.Tensor = pipeline(
-        request.prompt,
+        prompt=request.prompt,  # by name: Flux.2 klein's first argument is an image
         generator=torch.Generator("cpu").manual_seed(request.seed),
         num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
+        **guidance,
         height=request.size[0],
         width=request.size[1],
         num_images_per_prompt=request.count,

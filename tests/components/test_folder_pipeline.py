@@ -70,10 +70,27 @@ class TestRefused:
                 "pipeline.unsupported_class",
                 "pipeline",
                 "pipeline class 'StableDiffusionXLPipeline' has no recipe here; supported: "
-                "PixArtAlphaPipeline, PixArtSigmaPipeline, FluxPipeline, StableDiffusion3Pipeline",
+                "PixArtAlphaPipeline, PixArtSigmaPipeline, FluxPipeline, StableDiffusion3Pipeline, "
+                "QwenImagePipeline, ZImagePipeline, Flux2KleinPipeline",
                 "use a folder of a supported pipeline class",
             )
         ]
+
+    def test_an_edit_pipeline_names_the_package_it_needs(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """Qwen-Image's edit pipeline is refused at read, naming torchvision, never at load."""
+        folder = edited(
+            pipeline_folder("qwen-image"), tmp_path, _class_name="QwenImageEditPipeline"
+        )
+        pipeline = FolderPipeline.read(folder)
+        assert pipeline.recipe is None
+        (problem,) = pipeline.problems
+        assert problem.code == "pipeline.unsupported_class"
+        assert "'QwenImageEditPipeline' has no recipe here (its image processor needs " in (
+            problem.message
+        )
+        assert "torchvision, which is not a dependency)" in problem.message
 
     def test_code_in_the_folder_is_never_imported(
         self, pipeline_folder: PipelineFolders, tmp_path: Path

@@ -27,6 +27,12 @@ BUILTINS = (
     "flux_transformer",
     "sd3_transformer",
     "autoencoder_kl",
+    "llm_text_encoder",
+    "qwen_image_transformer",
+    "autoencoder_kl_qwen_image",
+    "z_image_transformer",
+    "flux2_transformer",
+    "autoencoder_kl_flux2",
 )
 
 

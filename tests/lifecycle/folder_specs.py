@@ -22,6 +22,10 @@ REQUESTS = {
     "pixart-sigma": Request(size=(48, 48), steps=3, seed=3),
     "flux": Request(size=(32, 48), guidance_scale=3.5, seed=1),
     "sd3": Request(negative_prompt="a grey dog", size=(32, 64), steps=3, seed=2),
+    "qwen-image": Request(negative_prompt="a grey dog", guidance_scale=3.0, size=(32, 48), seed=4),
+    "z-image": Request(negative_prompt="blurry, dark", size=(64, 32), seed=5),
+    "flux2-klein": Request(guidance_scale=3.0, size=(48, 32), seed=6),
+    "flux2-klein-distilled": Request(guidance_scale=1.0, size=(32, 32), seed=7),
 }
 """One request per pipeline class: each one's prompt, negative prompt, seed, steps, size."""
 
@@ -46,7 +50,7 @@ def mode_spec(folder: Path, mode: Mode, into: Path, cpu: Platform) -> Path:
             "budget": None,
             "host": "component_offload",
             "disk": "component_offload",
-            "layerwise": "component_offload" if component.kind == "autoencoder_kl" else mode,
+            "layerwise": "component_offload" if component.kind.startswith("autoencoder") else mode,
         }[mode]
         if residency == "layerwise":
             residency = "layerwise_offload"

@@ -239,6 +239,10 @@ class TestEqualToDiffusers:
             ("sd3", "layerwise"),
             ("flux", "budget"),
             ("sd3", "resident"),
+            ("qwen-image", "layerwise"),
+            ("z-image", "host"),
+            ("flux2-klein", "budget"),
+            ("flux2-klein-distilled", "resident"),
         ],
     )
     def test_run_writes_diffusers_pixels(

@@ -145,8 +145,10 @@ class TestEntryPoints:
             "Expected an installed component kind (tiny_text_encoder, tiny_dit, tiny_vae, "
             "tiny_upsampler, minilm_text_encoder, t5_encoder, clip_text_encoder, "
             "pixart_transformer, flux_transformer, sd3_transformer, autoencoder_kl, "
-            "plugin_echo, plugin_factory, "
-            "plugin_rank_fault, plugin_rank_bug, plugin_sequential_stack), got 'evilmod:go'; "
+            "llm_text_encoder, qwen_image_transformer, autoencoder_kl_qwen_image, "
+            "z_image_transformer, flux2_transformer, autoencoder_kl_flux2, plugin_echo, "
+            "plugin_factory, plugin_rank_fault, plugin_rank_bug, plugin_sequential_stack), "
+            "got 'evilmod:go'; "
             "entry point 'plugin_missing' failed to load "
             "(ModuleNotFoundError: No module named 'tests.plugin.no_such_module')"
         )

@@ -17,7 +17,7 @@ from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import PipelineSpec
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
-from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments
+from tests.lifecycle.folder_specs import REQUESTS, assert_same_pixels, pixels, run_arguments
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, ServeSpec, run_alone
 from tests.lifecycle.serving.test_batching import occupied
 
@@ -92,6 +92,18 @@ class TestImages:
         assert len(images) == 2
         for ours, expected in zip(images, theirs, strict=True):
             assert_same_pixels(ours, expected)
+
+    @pytest.mark.parametrize("family", ["qwen-image", "z-image", "flux2-klein"])
+    def test_language_model_encoders_serve_diffusers_pixels(
+        self, family: str, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
+    ) -> None:
+        """Qwen-Image (true CFG), Z-Image and Flux.2 klein answer with diffusers' image."""
+        folder = pipeline_folder(family)
+        request = REQUESTS[family]
+        served = serve_spec(folder_spec(folder))
+        with served.client() as client:
+            (png,) = pngs(generate(client, **body_of(request)))
+        assert_same_pixels(decode_png(png), pixels(run_diffusers(folder, request))[0])
 
     def test_what_the_class_cannot_honour_is_a_400(
         self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec

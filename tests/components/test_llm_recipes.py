@@ -1,0 +1,183 @@
+"""Recipes whose text encoder is a language model (Qwen-Image, Z-Image, Flux.2 klein)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks._llm_folders import QWEN_IMAGE_TEMPLATE
+from components.kinds.llm_text_encoder import LlmTextEncoderLoader
+from components.recipes.qwen_image import DROPPED, TEMPLATE
+from tests.components.folder_runs import (
+    Loaded,
+    Request,
+    batch_of,
+    load,
+    run_diffusers,
+    run_recipe,
+)
+from tests.conftest import PipelineFolders
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-5
+"""Largest absolute pixel difference (images in [0, 1], float32, CPU) the issue allows."""
+BFLOAT16_TOLERANCE = 3e-2
+"""The same in bfloat16 (design §12)."""
+
+CASES = {
+    # 3.0, not diffusers' default true_cfg_scale of 4.0: the scale must reach it
+    "qwen-image": Request(negative_prompt="a grey dog", guidance_scale=3.0, count=2),
+    "z-image": Request(negative_prompt="a grey dog", size=(64, 32), seed=3),
+    "flux2-klein": Request(guidance_scale=3.0, count=2, seed=1),
+    "flux2-klein-distilled": Request(guidance_scale=1.0, size=(32, 32), seed=2),
+}
+"""One guided request per family (the distilled klein never guides)."""
+UNGUIDED = {
+    "qwen-image": Request(guidance_scale=1.0, size=(64, 32)),
+    "z-image": Request(guidance_scale=0.0, count=2),
+    "flux2-klein": Request(guidance_scale=1.0),
+}
+"""One request per family that runs one branch: each class's own way of turning guidance off."""
+
+
+@pytest.fixture(scope="module")
+def loaded(pipeline_folder: PipelineFolders) -> dict[str, Loaded]:
+    """Every family's recipe with its components built natively, once per module."""
+    return {family: load(pipeline_folder(family)) for family in CASES}
+
+
+class TestEqualToDiffusers:
+    """Each class makes diffusers' images from the same folder and request."""
+
+    @pytest.mark.parametrize("family", list(CASES))
+    def test_guided_images_equal_diffusers(
+        self, family: str, loaded: dict[str, Loaded], pipeline_folder: PipelineFolders
+    ) -> None:
+        """Prompt, negative prompt, seed, steps, guidance, size, count: as diffusers reads them."""
+        request = CASES[family]
+        ours = run_recipe(loaded[family], request)
+        theirs = run_diffusers(pipeline_folder(family), request)
+        assert ours.shape == theirs.shape == (request.count, 3, *request.size)
+        assert (ours - theirs).abs().max() <= TOLERANCE
+
+    @pytest.mark.parametrize("family", list(UNGUIDED))
+    def test_unguided_images_equal_diffusers(
+        self, family: str, loaded: dict[str, Loaded], pipeline_folder: PipelineFolders
+    ) -> None:
+        """Guidance off (Qwen-Image: scale 1; Z-Image: 0; klein: 1) runs one branch, as there."""
+        request = UNGUIDED[family]
+        ours = run_recipe(loaded[family], request)
+        assert (ours - run_diffusers(pipeline_folder(family), request)).abs().max() <= TOLERANCE
+
+    @pytest.mark.parametrize("family", ["qwen-image", "z-image", "flux2-klein"])
+    def test_bfloat16_within_tolerance(self, family: str, pipeline_folder: PipelineFolders) -> None:
+        """In bfloat16, loaded natively, the image is diffusers' in bfloat16 within 3e-2."""
+        folder = pipeline_folder(family)
+        request = CASES[family]._replace(count=1)
+        ours = run_recipe(load(folder, torch.bfloat16), request).float()
+        theirs = run_diffusers(folder, request, torch.bfloat16).float()
+        assert (ours - theirs).abs().max() <= BFLOAT16_TOLERANCE
+
+
+class TestPromptReachesTheImage:
+    """The guard against a prompt silently dropped with the template: what it says and how
+    strongly it guides both show in the image."""
+
+    @pytest.mark.parametrize("family", list(CASES))
+    def test_a_prompt_changes_the_image(self, family: str, loaded: dict[str, Loaded]) -> None:
+        """Another prompt, all else equal, makes another image (distilled klein too)."""
+        request = CASES[family]
+        other = request._replace(prompt="a blue whale swims in the deep sea at night")
+        assert (
+            run_recipe(loaded[family], request) - run_recipe(loaded[family], other)
+        ).abs().max() > 1e-3
+
+    @pytest.mark.parametrize("family", list(UNGUIDED))
+    def test_the_guidance_scale_changes_the_image(
+        self, family: str, loaded: dict[str, Loaded]
+    ) -> None:
+        """Another guidance scale, all else equal, makes another image (each guided class)."""
+        request = CASES[family]
+        other = request._replace(guidance_scale=request.guidance_scale + 2)
+        assert (
+            run_recipe(loaded[family], request) - run_recipe(loaded[family], other)
+        ).abs().max() > 1e-3
+
+
+class TestTemplates:
+    """Each recipe puts the prompt in its pipeline's template and keeps what diffusers keeps."""
+
+    def test_qwen_image_drops_exactly_the_template_head(self, loaded: dict[str, Loaded]) -> None:
+        """The template's head is 34 tokens of the folder's tokenizer, so what reaches the DiT
+        is the prompt's tokens and the template's 5-token tail, nothing of the system prompt."""
+        pipeline = loaded["qwen-image"]
+        encoder = pipeline.loaders["text_encoder"]
+        assert isinstance(encoder, LlmTextEncoderLoader)
+        head = TEMPLATE.split("{}")[0]
+        assert TEMPLATE == QWEN_IMAGE_TEMPLATE
+        assert len(encoder.tokenizer(head).input_ids) == DROPPED
+        prompt = "a red fox leaps over the snow"
+        batch = batch_of(Request(prompt=prompt, guidance_scale=1.0))
+        with torch.inference_mode():
+            pipeline.recipe.run("encode", {"text_encoder": pipeline.modules["text_encoder"]}, batch)
+        assert batch.context is not None
+        tail = len(encoder.tokenizer("<|im_end|>\n<|im_start|>assistant\n").input_ids)
+        assert tail == 5
+        assert batch.context[0].shape[0] == len(encoder.tokenizer(prompt).input_ids) + tail
+
+    @pytest.mark.parametrize(
+        ("family", "thinking"), [("z-image", ""), ("flux2-klein", "<think>\n\n</think>\n\n")]
+    )
+    def test_chat_template_of_a_user_message(
+        self, family: str, thinking: str, loaded: dict[str, Loaded]
+    ) -> None:
+        """Z-Image leaves thinking on (no block), Flux.2 klein turns it off (an empty block)."""
+        encoder = loaded[family].loaders["text_encoder"]
+        assert isinstance(encoder, LlmTextEncoderLoader)
+        flags = {"enable_thinking": family == "z-image"}
+        assert encoder.chat("a fox", **flags) == (
+            f"<|im_start|>user\na fox<|im_end|>\n<|im_start|>assistant\n{thinking}"
+        )
+
+
+class TestRefused:
+    """What diffusers' call would ignore is refused, with the fix."""
+
+    @pytest.mark.parametrize(
+        ("family", "request_", "message"),
+        [
+            (
+                "qwen-image",
+                Request(guidance_scale=4.0),
+                "guides (true CFG) only against a negative prompt: guidance scale 4.0 would be",
+            ),
+            (
+                "qwen-image",
+                Request(guidance_scale=1.0, negative_prompt="a dog"),
+                "guides against the negative prompt only at a guidance scale above 1: at 1.0",
+            ),
+            (
+                "z-image",
+                Request(guidance_scale=0.0, negative_prompt="a dog"),
+                "guides against the negative prompt only at a guidance scale above 0",
+            ),
+            ("flux2-klein", Request(negative_prompt="a dog"), "takes no negative prompt"),
+            (
+                "flux2-klein-distilled",
+                Request(guidance_scale=3.0),
+                "is distilled (is_distilled in model_index.json): it runs no guidance",
+            ),
+        ],
+    )
+    def test_ignored_arguments_are_refused(
+        self, family: str, request_: Request, message: str, loaded: dict[str, Loaded]
+    ) -> None:
+        """A guidance scale or negative prompt the class would drop silently is a ValueError."""
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            loaded[family].recipe.check(batch_of(request_))
+
+    def test_a_size_off_the_grid_names_the_multiple(self, loaded: dict[str, Loaded]) -> None:
+        """diffusers resizes a size off the packing grid with a warning; here it is refused."""
+        with pytest.raises(ValueError, match="must be multiples of 8"):
+            loaded["qwen-image"].recipe.check(batch_of(Request(size=(36, 32), guidance_scale=1)))
