@@ -48,7 +48,7 @@ from lifecycle.admission import admit_pipeline
 from lifecycle.logs import configure_logging
 from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
 from lifecycle.machines.engine import TransitionContext
-from lifecycle.machines.tables import GUARDS
+from lifecycle.machines.tables import GUARDS, Guard
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import Refusal
 from lifecycle.spec.reading import decode_spec, load_spec
@@ -158,7 +158,7 @@ def bare_lifecycle() -> Callable[[], object]:
     def passes(context: TransitionContext) -> tuple[Refusal, ...]:
         return ()
 
-    checks = dict.fromkeys((*GUARDS, "plan_honoured"), passes)
+    checks = dict.fromkeys((*GUARDS, Guard.PLAN_HONOURED), passes)
     machine = LifecycleMachine()
     component = ComponentLifecycle("bare", checks=checks)
     machine.add_component(component)

@@ -37,7 +37,7 @@ from lifecycle.events import AdapterSwitched, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.adapter import AdapterLifecycle, AdapterMachine
 from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work
-from lifecycle.machines.tables import AdapterState
+from lifecycle.machines.tables import AdapterState, Guard
 from lifecycle.plan import AdapterView
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.shown import shown
@@ -49,9 +49,12 @@ Rows = Sequence[Mapping[str, float]]
 """Each row's adapters by name with the scale it runs them at."""
 
 _ADMISSION_GUARDS = {
-    "targets_fit": (RefusalCode.ADAPTER_TARGET_MISMATCH, RefusalCode.ADAPTER_NATIVE_UNSUPPORTED),
-    "component_kept": (RefusalCode.ADAPTER_OFFLOADED_COMPONENT,),
-    "component_whole": (RefusalCode.ADAPTER_SHARDED_COMPONENT,),
+    Guard.TARGETS_FIT: (
+        RefusalCode.ADAPTER_TARGET_MISMATCH,
+        RefusalCode.ADAPTER_NATIVE_UNSUPPORTED,
+    ),
+    Guard.COMPONENT_KEPT: (RefusalCode.ADAPTER_OFFLOADED_COMPONENT,),
+    Guard.COMPONENT_WHOLE: (RefusalCode.ADAPTER_SHARDED_COMPONENT,),
 }
 
 
@@ -334,8 +337,8 @@ class AdapterKeeper:
 
     # -- guards (pure) ---------------------------------------------------------
 
-    def _checks(self, name: str) -> dict[str, Check]:
-        def admitted(guard: str) -> Check:
+    def _checks(self, name: str) -> dict[Guard, Check]:
+        def admitted(guard: Guard) -> Check:
             codes = _ADMISSION_GUARDS[guard]
 
             def check(context: TransitionContext) -> list[Refusal]:
@@ -348,8 +351,8 @@ class AdapterKeeper:
 
         return {
             **{guard: admitted(guard) for guard in _ADMISSION_GUARDS},
-            "memory_budget": partial(self._budget, name),
-            "component_idle": partial(self._idle, name),
+            Guard.MEMORY_BUDGET: partial(self._budget, name),
+            Guard.COMPONENT_IDLE: partial(self._idle, name),
         }
 
     def _budget(self, name: str, context: TransitionContext) -> list[Refusal]:

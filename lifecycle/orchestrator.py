@@ -48,7 +48,7 @@ from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machines.component import ComponentLifecycle
 from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work, report_refused
-from lifecycle.machines.tables import AdapterState, ComponentState, PipelineState
+from lifecycle.machines.tables import AdapterState, ComponentState, Guard, PipelineState
 from lifecycle.override import BackendSwitch
 from lifecycle.plan import (
     AdapterView,
@@ -739,10 +739,12 @@ class Orchestrator:
 
     # -- guards (pure: they read decisions, touch nothing) -------------------
 
-    def _checks(self, name: str) -> dict[str, Check]:
+    def _checks(self, name: str) -> dict[Guard, Check]:
+        """Bind each guard of the component table to what decides it for ``name``:
+        admission's findings, the launched world, the loading, the device."""
         residency = self._residency
 
-        def admitted(guard: str) -> Check:
+        def admitted(guard: Guard) -> Check:
             def check(context: TransitionContext) -> tuple[Refusal, ...]:
                 if self._admission is None:
                     raise RuntimeError("admit through Orchestrator.admit(), which plans first")
@@ -751,23 +753,25 @@ class Orchestrator:
             return check
 
         return {
-            adm.ATTENTION_PLAN: admitted(adm.ATTENTION_PLAN),
-            adm.LOADER_PATH: admitted(adm.LOADER_PATH),
-            adm.RESIDENCY_USE: admitted(adm.RESIDENCY_USE),
-            adm.BACKENDS_CONSUMABLE: admitted(adm.BACKENDS_CONSUMABLE),
-            "world_launched": lambda context: world_refusals(self.spec),
-            "plan_honoured": lambda context: self._loading.plan_honoured(name),
+            Guard.ATTENTION_PLAN: admitted(Guard.ATTENTION_PLAN),
+            Guard.LOADER_PATH: admitted(Guard.LOADER_PATH),
+            Guard.RESIDENCY_USE: admitted(Guard.RESIDENCY_USE),
+            Guard.BACKENDS_CONSUMABLE: admitted(Guard.BACKENDS_CONSUMABLE),
+            Guard.WORLD_LAUNCHED: lambda context: world_refusals(self.spec),
+            Guard.PLAN_HONOURED: lambda context: self._loading.plan_honoured(name),
             # the guards of every move: bound once, called with no frame of their own
-            "pipeline_awake": partial(residency.pipeline_awake, name),
-            "memory_budget": partial(residency.budget.memory_budget, self._slots, name),
-            "offloadable": partial(residency.offloadable, name),
-            "use_declared": partial(residency.use_declared, name),
-            "not_in_use": partial(residency.not_in_use, name),
+            Guard.PIPELINE_AWAKE: partial(residency.pipeline_awake, name),
+            Guard.MEMORY_BUDGET: partial(residency.budget.memory_budget, self._slots, name),
+            Guard.OFFLOADABLE: partial(residency.offloadable, name),
+            Guard.USE_DECLARED: partial(residency.use_declared, name),
+            Guard.NOT_IN_USE: partial(residency.not_in_use, name),
         }
 
     # -- work (side effects, each with its undo) ----------------------------
 
     def _work(self, name: str) -> dict[str, Work]:
+        """Bind each trigger of ``name`` that has work to what does it: the loading builds,
+        ``Residency`` moves the weights through the component's store."""
         residency = self._residency
         return {
             "load": partial(self._loading.load, name),

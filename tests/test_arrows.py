@@ -19,8 +19,14 @@ FLOORS = ("lifecycle", "components", "attention")
 OUTSIDE_CORE = ("lifecycle.serving", "lifecycle.cli", "lifecycle.__main__")
 """What serves the core: ``__main__`` is the CLI's entry point (``python -m lifecycle``)."""
 
-ADMISSION_READS = ("lifecycle.spec", "lifecycle.plan", "lifecycle.refusals")
-"""What admission reads of the rest of ``lifecycle``: the spec (sizes too), the plan, refusals."""
+ADMISSION_READS = (
+    "lifecycle.spec",
+    "lifecycle.plan",
+    "lifecycle.refusals",
+    "lifecycle.machines.tables",
+)
+"""What admission reads of the rest of ``lifecycle``: the spec (sizes too), the plan, refusals,
+and the tables, whose ``Guard`` names the guard each refusal answers for."""
 
 PROBE = ("lifecycle.admission.offload_dir", "lifecycle.offload_folder")
 """The one I/O admission does: the offload-dir check probes the folder it would write."""
@@ -215,8 +221,9 @@ class TestArrows:
         assert [str(f) for f in core if within(f.target, *OUTSIDE_CORE[:2])] == []
 
     def test_admission_does_no_io_but_the_offload_dir_probe(self) -> None:
-        """Admission decides: of ``lifecycle`` it reads the spec, plan, refusals and sizes, and
-        imports nothing that writes, logs or starts work; ``offload_dir`` alone probes a folder.
+        """Admission decides: of ``lifecycle`` it reads the spec, plan, refusals, sizes and
+        tables, and imports nothing that writes, logs or starts work; ``offload_dir`` alone
+        probes a folder.
         """
         admission = [f for f in ALL if within(f.importer, "lifecycle.admission")]
         assert admission, "no module of admission was read"

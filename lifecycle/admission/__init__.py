@@ -7,10 +7,6 @@ the ``admit`` guard that reads it back.
 from lifecycle.admission.backends import backend_requests
 from lifecycle.admission.budget import BudgetDecision, SharedBudget, plan_onload, stage_fits
 from lifecycle.admission.pipeline import (
-    ATTENTION_PLAN,
-    BACKENDS_CONSUMABLE,
-    LOADER_PATH,
-    RESIDENCY_USE,
     Admission,
     ComponentAdmission,
     admit_pipeline,
@@ -18,10 +14,6 @@ from lifecycle.admission.pipeline import (
 )
 
 __all__ = [
-    "ATTENTION_PLAN",
-    "BACKENDS_CONSUMABLE",
-    "LOADER_PATH",
-    "RESIDENCY_USE",
     "Admission",
     "BudgetDecision",
     "ComponentAdmission",

@@ -47,14 +47,10 @@ from lifecycle.admission.parallel_layout import (
 from lifecycle.admission.residency import residency_refusals
 from lifecycle.admission.variants import variant_refusals
 from lifecycle.admission.weight_files import weights_refusals
+from lifecycle.machines.tables import Guard
 from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ComponentSpec, PipelineSpec
-
-ATTENTION_PLAN = "attention_plan"
-LOADER_PATH = "loader_path"
-RESIDENCY_USE = "residency_use"
-BACKENDS_CONSUMABLE = "backends_consumable"
 
 
 class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +66,7 @@ class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """
 
     plan: ComponentPlan
-    refusals: dict[str, tuple[Refusal, ...]]
+    refusals: dict[Guard, tuple[Refusal, ...]]
     requests: ComponentRequests
     planned: dict[str, PlannedSelection] | None = None
 
@@ -236,30 +232,30 @@ def admit_component(
 ) -> ComponentAdmission:
     """Plan one component: its loading path, its attention sites, its residency."""
     name = requests.component
-    refusals: dict[str, list[Refusal]] = {
-        ATTENTION_PLAN: [],
-        LOADER_PATH: [],
-        RESIDENCY_USE: [],
-        BACKENDS_CONSUMABLE: [],
+    refusals: dict[Guard, list[Refusal]] = {
+        Guard.ATTENTION_PLAN: [],
+        Guard.LOADER_PATH: [],
+        Guard.RESIDENCY_USE: [],
+        Guard.BACKENDS_CONSUMABLE: [],
     }
     # a variant the folder lacks would make each loading path say so again
-    refusals[LOADER_PATH] += variant_refusals(name, loader)
+    refusals[Guard.LOADER_PATH] += variant_refusals(name, loader)
     path = (
         None
-        if refusals[LOADER_PATH]
-        else choose_path(name, component, loader, refusals[LOADER_PATH])
+        if refusals[Guard.LOADER_PATH]
+        else choose_path(name, component, loader, refusals[Guard.LOADER_PATH])
     )
     if path is not None:
-        refusals[LOADER_PATH] += weights_refusals(name, loader)
+        refusals[Guard.LOADER_PATH] += weights_refusals(name, loader)
     declared = loader.sites() if path == "custom" else None
     planned = None
     if path == "native":
-        refusals[LOADER_PATH] += native_layout_refusals(name, component, spec, loader)
-        refusals[BACKENDS_CONSUMABLE] += native_backend_refusals(name, component)
+        refusals[Guard.LOADER_PATH] += native_layout_refusals(name, component, spec, loader)
+        refusals[Guard.BACKENDS_CONSUMABLE] += native_backend_refusals(name, component)
     elif declared is not None:
-        planned = plan_sites(requests, declared, platform, refusals[ATTENTION_PLAN])
-        refusals[BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
-        refusals[LOADER_PATH] += head_refusals(name, spec, loader, declared)
+        planned = plan_sites(requests, declared, platform, refusals[Guard.ATTENTION_PLAN])
+        refusals[Guard.BACKENDS_CONSUMABLE] += unconsumed_refusals(requests, declared, planned)
+        refusals[Guard.LOADER_PATH] += head_refusals(name, spec, loader, declared)
     construct = (
         None
         if path is None
@@ -267,7 +263,7 @@ def admit_component(
             construct_module, path, requests, planned, platform, partial(loader.construct, path)
         )
     )
-    refusals[RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
+    refusals[Guard.RESIDENCY_USE] += residency_refusals(name, component, loader, used, construct)
     if construct is not None:
         size_quantized(loader, construct)
     return ComponentAdmission(

@@ -68,7 +68,7 @@ class DeviceBudget:
         """Refuse an onload of ``slots[name]`` that cannot fit; else record whom to evict first.
 
         A component may be evicted exactly when its own offload guards would let the
-        budget offload it now (``may_offload`` with an eviction), so that an onload is
+        budget offload it now (``offload.may`` with an eviction), so that an onload is
         refused up front rather than failing half-way through its evictions.
         """
         limit = self.limit
@@ -109,7 +109,7 @@ class DeviceBudget:
                 else math.inf,
             )
             for label, other in others.items()
-            if other.lifecycle.may_offload(eviction)
+            if other.lifecycle.offload.may(eviction)
         }
         charged = {label: self.charged[other] for label, other in others.items()}
         decision = plan_onload(

@@ -22,7 +22,7 @@ from lifecycle.device.slots import ComponentSlot
 from lifecycle.events import Observers
 from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.machines.pipeline import PipelineLifecycle
-from lifecycle.machines.tables import ComponentState, PipelineState
+from lifecycle.machines.tables import ComponentState, Guard, PipelineState
 from lifecycle.refusals import InvalidTransition, Refusal, RefusalCode
 
 _STAYING = (PipelineState.SERVING, PipelineState.SLEEPING, PipelineState.SWAPPING)
@@ -58,7 +58,10 @@ class PipelineLife:
         self._drain_timeout = drain_timeout
         self.lifecycle = PipelineLifecycle(
             name,
-            checks={"requests_ended": self._requests_ended, "memory_budget": self._wake_fits},
+            checks={
+                Guard.REQUESTS_ENDED: self._requests_ended,
+                Guard.MEMORY_BUDGET: self._wake_fits,
+            },
             work={"sleep": self._sleep, "wake": self._wake, "release": self._unregister},
             observers=observers,
         )

@@ -9,26 +9,32 @@ and work are injected by the orchestrator's ``lifecycle.adapters.AdapterKeeper``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
 from lifecycle.events import AdapterTransitioned, Observers
 from lifecycle.logs import get_logger
 from lifecycle.machines.engine import (
-    NO_ARGS,
     Check,
     Guarded,
     GuardedMachine,
-    MoveArgs,
     TransitionContext,
+    Trigger,
     Work,
 )
-from lifecycle.machines.tables import ADAPTER_TRANSITIONS, INITIAL_ADAPTER_STATE, AdapterState
+from lifecycle.machines.tables import (
+    ADAPTER_TRANSITIONS,
+    INITIAL_ADAPTER_STATE,
+    AdapterState,
+    Guard,
+)
 
 log = get_logger("lifecycle")
 
 
 class AdapterLifecycle(Guarded):
-    """One adapter's place in its lifecycle; the triggers are typed methods.
+    """One adapter's place in its lifecycle; its triggers are typed attributes.
 
     Create it, then ``AdapterMachine.add_adapter`` it (see ``Guarded`` for the
     arguments).
@@ -46,73 +52,19 @@ class AdapterLifecycle(Guarded):
         name: str,
         *,
         component: str,
-        checks: dict[str, Check],
+        checks: Mapping[Guard, Check],
         work: dict[str, Work] | None = None,
         observers: Observers | None = None,
     ) -> None:
         super().__init__(name, checks=checks, work=work, observers=observers)
         self.component = component
 
-    # The machine binds these; the bodies exist so that type checkers see them.
-    def admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Configured -> admitted."""
-        raise NotImplementedError
-
-    def load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Admitted -> loaded."""
-        raise NotImplementedError
-
-    def activate(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Loaded -> active."""
-        raise NotImplementedError
-
-    def deactivate(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Active -> loaded."""
-        raise NotImplementedError
-
-    def release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Configured, admitted or loaded -> released."""
-        raise NotImplementedError
-
-    def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``admit`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``load`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_activate(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``activate`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_deactivate(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``deactivate`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)
-        """Return whether the adapter is CONFIGURED."""
-        raise NotImplementedError
-
-    def is_ADMITTED(self) -> bool:  # noqa: N802
-        """Return whether the adapter is ADMITTED."""
-        raise NotImplementedError
-
-    def is_LOADED(self) -> bool:  # noqa: N802
-        """Return whether the adapter is LOADED."""
-        raise NotImplementedError
-
-    def is_ACTIVE(self) -> bool:  # noqa: N802
-        """Return whether the adapter is ACTIVE."""
-        raise NotImplementedError
-
-    def is_RELEASED(self) -> bool:  # noqa: N802
-        """Return whether the adapter is RELEASED."""
-        raise NotImplementedError
+    # one per trigger of the table (a test holds them against it)
+    admit = Trigger()
+    load = Trigger()
+    activate = Trigger()
+    deactivate = Trigger()
+    release = Trigger()
 
 
 class AdapterMachine(GuardedMachine):

@@ -14,14 +14,19 @@ import msgspec
 
 from lifecycle.events import Transitioned
 from lifecycle.logs import get_logger
-from lifecycle.machines.engine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.machines.engine import (
+    Guarded,
+    GuardedMachine,
+    TransitionContext,
+    Trigger,
+)
 from lifecycle.machines.tables import INITIAL_STATE, TRANSITIONS, ComponentState
 
 log = get_logger("lifecycle")
 
 
 class ComponentLifecycle(Guarded):
-    """One component's place in the lifecycle; the triggers are typed methods.
+    """One component's place in the lifecycle; its triggers are typed attributes.
 
     Create it, then ``LifecycleMachine.add_component`` it (see ``Guarded`` for the
     arguments).
@@ -31,72 +36,12 @@ class ComponentLifecycle(Guarded):
     noun = "component"
     state: ComponentState
 
-    # The machine binds these; the bodies exist so that type checkers see them.
-    def admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Configured -> admitted."""
-        raise NotImplementedError
-
-    def load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Admitted -> loaded."""
-        raise NotImplementedError
-
-    def onload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Loaded or offloaded -> resident."""
-        raise NotImplementedError
-
-    def offload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Loaded or resident -> offloaded."""
-        raise NotImplementedError
-
-    def release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Any state but released -> released."""
-        raise NotImplementedError
-
-    def may_admit(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``admit`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_load(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``load`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_onload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``onload`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_offload(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``offload`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    # transitions also binds one state test per state; declaring them keeps it from
-    # warning, per model and state, that it skipped them (noise in an embedder's logs)
-    def is_CONFIGURED(self) -> bool:  # noqa: N802  (transitions names them after the state)
-        """Return whether the component is CONFIGURED."""
-        raise NotImplementedError
-
-    def is_ADMITTED(self) -> bool:  # noqa: N802
-        """Return whether the component is ADMITTED."""
-        raise NotImplementedError
-
-    def is_LOADED(self) -> bool:  # noqa: N802
-        """Return whether the component is LOADED."""
-        raise NotImplementedError
-
-    def is_RESIDENT(self) -> bool:  # noqa: N802
-        """Return whether the component is RESIDENT."""
-        raise NotImplementedError
-
-    def is_OFFLOADED(self) -> bool:  # noqa: N802
-        """Return whether the component is OFFLOADED."""
-        raise NotImplementedError
-
-    def is_RELEASED(self) -> bool:  # noqa: N802
-        """Return whether the component is RELEASED."""
-        raise NotImplementedError
+    # one per trigger of the table (a test holds them against it)
+    admit = Trigger()
+    load = Trigger()
+    onload = Trigger()
+    offload = Trigger()
+    release = Trigger()
 
 
 class LifecycleMachine(GuardedMachine):

@@ -31,7 +31,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, TypeAlias
+from functools import partial
+from typing import Any, ClassVar, Protocol, TypeAlias, cast, overload
 
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
@@ -42,6 +43,7 @@ from lifecycle.machines.tables import (
     AdapterState,
     AnyState,
     ComponentState,
+    Guard,
     PipelineState,
     TransitionRule,
     WorkerState,
@@ -160,17 +162,19 @@ class Guarded:
 
     Every guard and postcondition its machine's table (``rules``) names must be given
     in ``checks``; ``work`` maps a trigger to its side effect (a trigger without work
-    only changes state).
+    only changes state). Each kind of model declares its table's triggers as
+    ``Trigger`` attributes (``onload = Trigger()``): a test holds them against the table.
 
     Args:
         name: the model's name (a component's, or a pipeline's).
-        checks: each guard and postcondition by name.
+        checks: the check bound to each guard and postcondition.
         work: each trigger's side effect.
         observers: who receives its transitions and refusals; none by default.
 
     Attributes:
         name: the model's name.
         state: its current state (set by the machine).
+        machine: the machine it is on (set when it is added to one).
     """
 
     rules: ClassVar[Sequence[TransitionRule[Any]]]
@@ -178,17 +182,18 @@ class Guarded:
     noun: ClassVar[str]
     """What the model is called in errors (``component``, ``pipeline``)."""
     state: Any
+    machine: GuardedMachine | None = None
 
     def __init__(
         self,
         name: str,
         *,
-        checks: Mapping[str, Check],
+        checks: Mapping[Guard, Check],
         work: Mapping[str, Work] | None = None,
         observers: Observers | None = None,
     ) -> None:
         needed = {n for r in self.rules for n in (*r.guards, r.postcondition) if n is not None}
-        missing = sorted(needed - checks.keys())
+        missing = sorted(str(guard) for guard in needed - checks.keys())
         if missing:
             raise ValueError(
                 f"{self.noun} {name!r} lacks the checks {missing}; every guard and "
@@ -202,15 +207,90 @@ class Guarded:
         self.work = dict(work or {})
         self.observers = Observers() if observers is None else observers
 
-    # The machine binds these to every model (its own triggers too, declared by each
-    # kind of model); the bodies exist so that type checkers see them.
     def trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Fire the trigger named ``trigger_name``."""
-        raise NotImplementedError
+        """Fire the trigger named ``trigger_name``, as its ``Trigger`` attribute does."""
+        return self.event(trigger_name).trigger(self, args)
 
     def may_trigger(self, trigger_name: str, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether the trigger named ``trigger_name`` would pass now."""
-        raise NotImplementedError
+        """Return whether the trigger named ``trigger_name`` would pass its guards now."""
+        return self.event(trigger_name).may(self, args)
+
+    def event(self, trigger_name: str) -> RefusingEvent:
+        """Return the event of the trigger named ``trigger_name`` on the model's machine.
+
+        Raises:
+            RuntimeError: the model is on no machine yet.
+            AttributeError: its table has no such trigger.
+        """
+        machine = self.machine
+        if machine is None:
+            raise RuntimeError(f"{self.noun} {self.name!r} is on no machine; add it to one first")
+        event = machine.events.get(trigger_name)
+        if not isinstance(event, RefusingEvent):
+            raise AttributeError(
+                f"{self.noun} {self.name!r} has no trigger {trigger_name!r}; "
+                f"triggers: {', '.join(r.trigger for r in self.rules)}"
+            )
+        return event
+
+
+class BoundTrigger(Protocol):
+    """One trigger of one model: call it to fire it, ``may`` to ask without moving."""
+
+    def __call__(self, args: MoveArgs = ..., /) -> bool:
+        """Fire the trigger with ``args``; return True once the model moved."""
+        ...
+
+    def may(self, args: MoveArgs = ..., /) -> bool:
+        """Return whether the trigger would pass its guards now; nothing runs or moves."""
+        ...
+
+
+class _Fire(partial[bool]):
+    """``partial(event.trigger, model)``, as fast to call as a bound method, and ``may``
+    beside it: what a ``Trigger`` is on one model."""
+
+    may: Callable[..., bool]
+
+
+class Trigger:
+    """A typed trigger of a kind of model, declared in its class: ``onload = Trigger()``.
+
+    Read on a model that is on a machine, it is that model's ``BoundTrigger`` (made
+    once, then kept on the model): ``component.onload(MoveArgs(position=2))`` fires
+    ``onload`` on the model's machine, ``component.onload.may()`` asks whether it would
+    pass. Anything but one ``MoveArgs`` is refused by the event, at run time too.
+    """
+
+    name = ""
+
+    def __set_name__(self, owner: type[Guarded], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, model: None, owner: type[Guarded]) -> Trigger: ...
+
+    @overload
+    def __get__(self, model: Guarded, owner: type[Guarded]) -> BoundTrigger: ...
+
+    def __get__(self, model: Guarded | None, owner: type[Guarded]) -> Trigger | BoundTrigger:
+        if model is None:
+            return self
+        event = model.event(self.name)
+        bound = _Fire(event.trigger, model)
+        bound.may = partial(event.may, model)
+        model.__dict__[self.name] = bound  # found first from now on: made once per model
+        return cast("BoundTrigger", bound)
+
+
+def triggers_of(kind: type[Guarded]) -> tuple[str, ...]:
+    """Return the triggers a kind of model declares (``Trigger`` attributes), in order."""
+    return tuple(
+        name
+        for klass in reversed(kind.__mro__)
+        for name, value in vars(klass).items()
+        if isinstance(value, Trigger)
+    )
 
 
 class LifecycleState(State):
@@ -253,11 +333,11 @@ class GuardedTransition(Transition):
 
     condition_cls = GuardCondition
 
-    def __init__(self, *args: Any, postcondition: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, postcondition: Guard | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.postcondition = postcondition
         # the guards' names in table order, resolved once instead of on every move
-        self.guard_names = tuple(str(condition.func) for condition in self.conditions)
+        self.guard_names = tuple(Guard(str(condition.func)) for condition in self.conditions)
         self.dest_state: AnyState = ComponentState.RELEASED  # set by the event that adds it
 
     def apply(self, component: Guarded, context: TransitionContext) -> bool:
@@ -470,7 +550,6 @@ class GuardedMachine(Machine):
             initial=self.initial_state,
             send_event=True,
             auto_transitions=False,
-            model_override=True,
             name=name,
         )
         self.lock = threading.RLock() if lock is None else lock
@@ -500,15 +579,17 @@ class GuardedMachine(Machine):
         """Return the State object of ``model``'s current state."""
         return self.get_state(model.state)
 
-    def _can_trigger(self, model: Any, trigger: str, *args: Any, **kwargs: Any) -> bool:
-        """Answer the ``may_*`` probes (``transitions`` binds them here) as moves decide.
+    def add_model(self, model: Any, initial: Any = None) -> None:
+        """Attach ``model`` (a ``Guarded``) in the initial state; its triggers become live."""
+        with self.lock:
+            super().add_model(model, initial)
+            for added in model if isinstance(model, list) else [model]:
+                added.machine = self
 
-        ``transitions``' own answer would run the guards a second way, through
-        ``EventData`` and ``Condition.check``; the lifecycle's event runs them the one way
-        its moves do.
-        """
-        event = self.events.get(trigger)
-        return isinstance(event, RefusingEvent) and event.may(model, *args, **kwargs)
+    def _checked_assignment(self, model: Any, name: str, func: Any) -> None:
+        """Bind nothing onto a model: its kind declares its triggers (``Trigger``), which
+        fire through ``Guarded.trigger`` and probe through ``may``, the one way moves run.
+        ``transitions``' ``is_<state>`` and ``may_<trigger>`` conveniences are not used."""
 
     def report_done(self, model: Guarded, context: TransitionContext, duration_ms: float) -> None:
         """Log a completed transition and hand it to ``model``'s observers.

@@ -12,7 +12,12 @@ import msgspec
 
 from lifecycle.events import PipelineSlept, PipelineTransitioned, PipelineWoke
 from lifecycle.logs import get_logger
-from lifecycle.machines.engine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.machines.engine import (
+    Guarded,
+    GuardedMachine,
+    TransitionContext,
+    Trigger,
+)
 from lifecycle.machines.tables import INITIAL_PIPELINE_STATE, PIPELINE_TRANSITIONS, PipelineState
 
 log = get_logger("lifecycle")
@@ -25,7 +30,7 @@ _EVENTS: dict[str, type[PipelineTransitioned]] = {
 
 
 class PipelineLifecycle(Guarded):
-    """One pipeline's place in its lifecycle; the triggers are typed methods.
+    """One pipeline's place in its lifecycle; its triggers are typed attributes.
 
     Create it, then ``PipelineMachine.add_pipeline`` it (see ``Guarded`` for the
     arguments).
@@ -35,66 +40,12 @@ class PipelineLifecycle(Guarded):
     noun = "pipeline"
     state: PipelineState
 
-    # The machine binds these; the bodies exist so that type checkers see them.
-    def sleep(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Serving -> sleeping."""
-        raise NotImplementedError
-
-    def wake(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Sleeping -> serving."""
-        raise NotImplementedError
-
-    def swap(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Serving or sleeping -> swapping."""
-        raise NotImplementedError
-
-    def drain(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Serving, sleeping or swapping -> draining."""
-        raise NotImplementedError
-
-    def release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Draining -> released."""
-        raise NotImplementedError
-
-    def may_sleep(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``sleep`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_wake(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``wake`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_swap(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``swap`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``drain`` would pass its guards now."""
-        raise NotImplementedError
-
-    def may_release(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``release`` would pass its guards now."""
-        raise NotImplementedError
-
-    def is_SERVING(self) -> bool:  # noqa: N802  (transitions names them after the state)
-        """Return whether the pipeline is SERVING."""
-        raise NotImplementedError
-
-    def is_SLEEPING(self) -> bool:  # noqa: N802
-        """Return whether the pipeline is SLEEPING."""
-        raise NotImplementedError
-
-    def is_SWAPPING(self) -> bool:  # noqa: N802
-        """Return whether the pipeline is SWAPPING."""
-        raise NotImplementedError
-
-    def is_DRAINING(self) -> bool:  # noqa: N802
-        """Return whether the pipeline is DRAINING."""
-        raise NotImplementedError
-
-    def is_RELEASED(self) -> bool:  # noqa: N802
-        """Return whether the pipeline is RELEASED."""
-        raise NotImplementedError
+    # one per trigger of the table (a test holds them against it)
+    sleep = Trigger()
+    wake = Trigger()
+    swap = Trigger()
+    drain = Trigger()
+    release = Trigger()
 
 
 class PipelineMachine(GuardedMachine):

@@ -70,6 +70,32 @@ class AdapterState(StrEnum):
     RELEASED = "released"
 
 
+class Guard(StrEnum):
+    """A guard or postcondition a table names: the one spelling of each, for every machine.
+
+    Whoever owns a model binds each guard its table names to the check that decides it
+    (``Guarded``'s ``checks``): ``memory_budget`` guards a component's onload, a
+    pipeline's wake and an adapter's load, each bound to its own check.
+    """
+
+    ATTENTION_PLAN = "attention_plan"
+    LOADER_PATH = "loader_path"
+    RESIDENCY_USE = "residency_use"
+    BACKENDS_CONSUMABLE = "backends_consumable"
+    WORLD_LAUNCHED = "world_launched"
+    PLAN_HONOURED = "plan_honoured"
+    PIPELINE_AWAKE = "pipeline_awake"
+    MEMORY_BUDGET = "memory_budget"
+    OFFLOADABLE = "offloadable"
+    USE_DECLARED = "use_declared"
+    NOT_IN_USE = "not_in_use"
+    REQUESTS_ENDED = "requests_ended"
+    TARGETS_FIT = "targets_fit"
+    COMPONENT_KEPT = "component_kept"
+    COMPONENT_WHOLE = "component_whole"
+    COMPONENT_IDLE = "component_idle"
+
+
 State = TypeVar("State", ComponentState, PipelineState, WorkerState, AdapterState)
 """The states of one machine: a row of its table names only those."""
 
@@ -86,8 +112,8 @@ class TransitionRule(
         trigger: the method name that fires the transition.
         sources: the states it may fire from.
         dest: the state it leads to.
-        guards: names of the admission predicates checked before any work;
-            each is a function injected by the caller that returns refusals.
+        guards: the admission predicates checked before any work; each is a
+            function injected by the caller that returns refusals.
         postcondition: what the work itself must establish, checked after it
             ran; a breach fails the transition and rolls it back.
     """
@@ -95,49 +121,50 @@ class TransitionRule(
     trigger: str
     sources: tuple[State, ...]
     dest: State
-    guards: tuple[str, ...] = ()
-    postcondition: str | None = None
+    guards: tuple[Guard, ...] = ()
+    postcondition: Guard | None = None
 
 
 _S = ComponentState
+_G = Guard
 
 TRANSITIONS: tuple[TransitionRule[ComponentState], ...] = (
     TransitionRule(
         trigger="admit",
         sources=(_S.CONFIGURED,),
         dest=_S.ADMITTED,
-        guards=("attention_plan", "loader_path", "residency_use", "backends_consumable"),
+        guards=(_G.ATTENTION_PLAN, _G.LOADER_PATH, _G.RESIDENCY_USE, _G.BACKENDS_CONSUMABLE),
     ),
     TransitionRule(
         trigger="load",
         sources=(_S.ADMITTED,),
         dest=_S.LOADED,
-        guards=("world_launched",),
-        postcondition="plan_honoured",
+        guards=(_G.WORLD_LAUNCHED,),
+        postcondition=_G.PLAN_HONOURED,
     ),
     TransitionRule(
         trigger="onload",
         sources=(_S.LOADED, _S.OFFLOADED),
         dest=_S.RESIDENT,
-        guards=("pipeline_awake", "memory_budget"),
+        guards=(_G.PIPELINE_AWAKE, _G.MEMORY_BUDGET),
     ),
     TransitionRule(
         trigger="offload",
         sources=(_S.LOADED, _S.RESIDENT),
         dest=_S.OFFLOADED,
-        guards=("offloadable", "use_declared", "not_in_use"),
+        guards=(_G.OFFLOADABLE, _G.USE_DECLARED, _G.NOT_IN_USE),
     ),
     TransitionRule(
         trigger="release",
         sources=tuple(state for state in ComponentState if state is not _S.RELEASED),
         dest=_S.RELEASED,
-        guards=("not_in_use",),
+        guards=(_G.NOT_IN_USE,),
     ),
 )
 
 INITIAL_STATE = ComponentState.CONFIGURED
 TRIGGERS: tuple[str, ...] = tuple(rule.trigger for rule in TRANSITIONS)
-GUARDS: tuple[str, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
+GUARDS: tuple[Guard, ...] = tuple(dict.fromkeys(g for rule in TRANSITIONS for g in rule.guards))
 
 _P = PipelineState
 
@@ -146,13 +173,13 @@ PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
         trigger="sleep",
         sources=(_P.SERVING,),
         dest=_P.SLEEPING,
-        guards=("requests_ended",),
+        guards=(_G.REQUESTS_ENDED,),
     ),
     TransitionRule(
         trigger="wake",
         sources=(_P.SLEEPING,),
         dest=_P.SERVING,
-        guards=("memory_budget",),
+        guards=(_G.MEMORY_BUDGET,),
     ),
     TransitionRule(trigger="swap", sources=(_P.SERVING, _P.SLEEPING), dest=_P.SWAPPING),
     TransitionRule(
@@ -162,7 +189,7 @@ PIPELINE_TRANSITIONS: tuple[TransitionRule[PipelineState], ...] = (
         trigger="release",
         sources=(_P.DRAINING,),
         dest=_P.RELEASED,
-        guards=("requests_ended",),
+        guards=(_G.REQUESTS_ENDED,),
     ),
 )
 """The pipeline's table: sleep (once its requests ended) offloads every component it
@@ -195,25 +222,25 @@ ADAPTER_TRANSITIONS: tuple[TransitionRule[AdapterState], ...] = (
         trigger="admit",
         sources=(_A.CONFIGURED,),
         dest=_A.ADMITTED,
-        guards=("targets_fit", "component_kept", "component_whole"),
+        guards=(_G.TARGETS_FIT, _G.COMPONENT_KEPT, _G.COMPONENT_WHOLE),
     ),
     TransitionRule(
         trigger="load",
         sources=(_A.ADMITTED,),
         dest=_A.LOADED,
-        guards=("memory_budget",),
+        guards=(_G.MEMORY_BUDGET,),
     ),
     TransitionRule(
         trigger="activate",
         sources=(_A.LOADED,),
         dest=_A.ACTIVE,
-        guards=("component_idle", "memory_budget"),
+        guards=(_G.COMPONENT_IDLE, _G.MEMORY_BUDGET),
     ),
     TransitionRule(
         trigger="deactivate",
         sources=(_A.ACTIVE,),
         dest=_A.LOADED,
-        guards=("component_idle",),
+        guards=(_G.COMPONENT_IDLE,),
     ),
     TransitionRule(
         trigger="release",

@@ -9,14 +9,19 @@ where the worker stands raises ``InvalidTransition`` and changes nothing.
 from __future__ import annotations
 
 from lifecycle.logs import get_logger
-from lifecycle.machines.engine import NO_ARGS, Guarded, GuardedMachine, MoveArgs, TransitionContext
+from lifecycle.machines.engine import (
+    Guarded,
+    GuardedMachine,
+    TransitionContext,
+    Trigger,
+)
 from lifecycle.machines.tables import INITIAL_WORKER_STATE, WORKER_TRANSITIONS, WorkerState
 
 log = get_logger("lifecycle")
 
 
 class WorkerLifecycle(Guarded):
-    """A worker's place in its lifecycle; the triggers are typed methods.
+    """A worker's place in its lifecycle; its triggers are typed attributes.
 
     Create it with ``WorkerMachine.lifecycle``.
     """
@@ -25,46 +30,10 @@ class WorkerLifecycle(Guarded):
     noun = "worker"
     state: WorkerState
 
-    # The machine binds these; the bodies exist so that type checkers see them.
-    def ready(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Starting -> ready."""
-        raise NotImplementedError
-
-    def fail(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Starting -> failed."""
-        raise NotImplementedError
-
-    def drain(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Starting, ready or failed -> draining."""
-        raise NotImplementedError
-
-    def may_ready(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``ready`` would pass now."""
-        raise NotImplementedError
-
-    def may_fail(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``fail`` would pass now."""
-        raise NotImplementedError
-
-    def may_drain(self, args: MoveArgs = NO_ARGS) -> bool:
-        """Return whether ``drain`` would pass now."""
-        raise NotImplementedError
-
-    def is_STARTING(self) -> bool:  # noqa: N802  (transitions names them after the state)
-        """Return whether the worker is STARTING."""
-        raise NotImplementedError
-
-    def is_READY(self) -> bool:  # noqa: N802
-        """Return whether the worker is READY."""
-        raise NotImplementedError
-
-    def is_FAILED(self) -> bool:  # noqa: N802
-        """Return whether the worker is FAILED."""
-        raise NotImplementedError
-
-    def is_DRAINING(self) -> bool:  # noqa: N802
-        """Return whether the worker is DRAINING."""
-        raise NotImplementedError
+    # one per trigger of the table (a test holds them against it)
+    ready = Trigger()
+    fail = Trigger()
+    drain = Trigger()
 
 
 class WorkerMachine(GuardedMachine):

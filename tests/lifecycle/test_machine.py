@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import pytest
 import structlog
 
+from lifecycle.machines.adapter import AdapterLifecycle
 from lifecycle.machines.component import ComponentLifecycle, LifecycleMachine
-from lifecycle.machines.engine import Check, MoveArgs, TransitionContext, Work
-from lifecycle.machines.tables import GUARDS, TRANSITIONS, TRIGGERS, ComponentState
+from lifecycle.machines.engine import (
+    Check,
+    Guarded,
+    MoveArgs,
+    TransitionContext,
+    Work,
+    triggers_of,
+)
+from lifecycle.machines.pipeline import PipelineLifecycle
+from lifecycle.machines.tables import (
+    ADAPTER_TRANSITIONS,
+    GUARDS,
+    PIPELINE_TRANSITIONS,
+    TRANSITIONS,
+    TRIGGERS,
+    WORKER_TRANSITIONS,
+    ComponentState,
+    Guard,
+    TransitionRule,
+)
+from lifecycle.machines.worker import WorkerLifecycle
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 from lifecycle.testing import capture_events, events_named
 
@@ -97,16 +118,16 @@ class TestTransitionTable:
             ComponentLifecycle("vae", checks=checks)
 
     def test_may_trigger_is_a_plain_answer(self) -> None:
-        """``may_onload`` answers from the guards without moving the component."""
+        """``onload.may()`` answers from the guards without moving the component."""
         component = component_in(
             ComponentState.LOADED,
             passing_checks(memory_budget=refusing("residency.memory_budget", "no room")),
         )
-        assert component.may_onload() is False
-        assert component.may_offload() is True
+        assert component.onload.may() is False
+        assert component.offload.may() is True
         assert component.may_trigger("offload") is True
-        assert component.may_release() is True
-        assert component.may_admit() is False  # not valid from loaded: would not pass
+        assert component.release.may() is True
+        assert component.admit.may() is False  # not valid from loaded: would not pass
         assert component.state is ComponentState.LOADED
 
     def test_probes_run_the_guards_as_moves_do(self) -> None:
@@ -128,10 +149,59 @@ class TestTransitionTable:
             work={"offload": lambda context: ran.append(context.trigger)},
         )
         eviction = MoveArgs(eviction=True)
-        assert component.may_offload(eviction) is True
+        assert component.offload.may(eviction) is True
         assert seen == [(name, eviction) for name in names]
         assert ran == []
         assert component.state is ComponentState.RESIDENT
+
+
+KINDS = (
+    (ComponentLifecycle, TRANSITIONS),
+    (PipelineLifecycle, PIPELINE_TRANSITIONS),
+    (AdapterLifecycle, ADAPTER_TRANSITIONS),
+    (WorkerLifecycle, WORKER_TRANSITIONS),
+)
+"""Each kind of model and the table of its machine."""
+
+
+class TestTriggersAndGuards:
+    @pytest.mark.parametrize(("kind", "table"), KINDS, ids=lambda k: getattr(k, "noun", ""))
+    def test_each_kind_declares_the_triggers_of_its_table(
+        self, kind: type[Guarded], table: Sequence[TransitionRule[Any]]
+    ) -> None:
+        """A kind of model declares exactly its table's triggers, in the table's order."""
+        assert kind.rules is table
+        assert triggers_of(kind) == tuple(dict.fromkeys(rule.trigger for rule in table))
+
+    def test_every_guard_is_named_by_a_table(self) -> None:
+        """``Guard`` spells each guard and postcondition the tables name, and no other."""
+        named = {
+            guard
+            for _, table in KINDS
+            for rule in table
+            for guard in (*rule.guards, rule.postcondition)
+            if guard is not None
+        }
+        assert named == set(Guard)
+        assert all(type(guard) is Guard for guard in named)
+
+    def test_the_machine_binds_nothing_onto_its_models(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A model's triggers are its class's; attaching it adds no attribute and logs nothing."""
+        component = ComponentLifecycle("c", checks=passing_checks())
+        before = set(vars(component))
+        with caplog.at_level("DEBUG", logger="transitions"):
+            LifecycleMachine().add_component(component)
+        assert set(vars(component)) - before == {"machine", "state"}
+        assert caplog.records == []
+        assert component.load.may() is False  # configured: only admit is valid
+
+    def test_a_model_on_no_machine_says_so(self) -> None:
+        """Firing a trigger of a model that joined no machine names the model and the fix."""
+        component = ComponentLifecycle("c", checks=passing_checks())
+        with pytest.raises(RuntimeError, match="component 'c' is on no machine"):
+            component.admit()
 
 
 class TestRefusals:

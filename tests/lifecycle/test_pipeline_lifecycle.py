@@ -61,8 +61,8 @@ class TestPipelineMachine:
     ) -> None:
         """Each (source, trigger) of the table leads to the row's destination."""
         pipeline = pipeline_in(source)
-        pipeline.trigger(rule.trigger)  # type: ignore[attr-defined]
-        assert pipeline.state is rule.dest  # type: ignore[attr-defined]
+        pipeline.trigger(rule.trigger)
+        assert pipeline.state is rule.dest
 
     def test_a_trigger_not_valid_from_here(self) -> None:
         """Sleep while sleeping is InvalidTransition naming where sleep is valid from."""
@@ -100,8 +100,8 @@ class TestWorkerMachine:
         worker = WorkerMachine("worker").lifecycle("w")
         if source is not WorkerState.STARTING:
             worker.trigger("ready" if source is WorkerState.READY else "fail")
-        worker.trigger(rule.trigger)  # type: ignore[attr-defined]
-        assert worker.state is rule.dest  # type: ignore[attr-defined]
+        worker.trigger(rule.trigger)
+        assert worker.state is rule.dest
 
     def test_a_draining_worker_cannot_turn_ready(self) -> None:
         """Ready after a drain (a load that finished late) is InvalidTransition; it drains on."""

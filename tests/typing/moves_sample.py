@@ -14,7 +14,7 @@ def typed(component: ComponentLifecycle, context: TransitionContext) -> int:
     """What the machine accepts: one MoveArgs per trigger, typed fields on the context."""
     component.onload(MoveArgs(position=2, request_id="r1"))
     component.offload(MoveArgs(eviction=True))
-    assert component.may_offload(MoveArgs(eviction=True))
+    assert component.offload.may(MoveArgs(eviction=True))
     victims: tuple[str, ...] = context.evictions
     return context.args.position + len(victims)
 
@@ -22,7 +22,7 @@ def typed(component: ComponentLifecycle, context: TransitionContext) -> int:
 def misspelt(component: ComponentLifecycle, context: TransitionContext) -> None:
     """Misspelt, mistyped or untyped move arguments."""
     component.onload(MoveArgs(positon=2))  # E: Unexpected keyword argument "positon"
-    component.offload(eviction=True)  # E: Unexpected keyword argument "eviction" for "offload"
+    component.offload(eviction=True)  # E: Unexpected keyword argument "eviction"
     component.onload(MoveArgs(position="2"))  # E: Argument "position" to "MoveArgs"
     component.trigger("onload", {"position": 2})  # E: Argument 2 to "trigger"
     evict = context.args.evict  # E: "MoveArgs" has no attribute "evict"
