@@ -172,6 +172,24 @@ def room_breaches(imports: list[Import]) -> list[str]:
     ]
 
 
+def terminal_writes(source: str, module: str) -> list[str]:
+    """Return each place in ``source`` that prints to the process's own stdout or stderr, or
+    ends the process through ``sys.exit``: what a command does, not a library."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            stream = next((k.value for k in node.keywords if k.arg == "file"), None)
+            if stream is None or ast.unparse(stream) in ("sys.stdout", "sys.stderr"):
+                found.append(f"{module}:{node.lineno} prints to the terminal")
+        elif isinstance(node, ast.Attribute) and ast.unparse(node) in (
+            "sys.exit",
+            "sys.stdout.write",
+            "sys.stderr.write",
+        ):
+            found.append(f"{module}:{node.lineno} calls {ast.unparse(node)}")
+    return found
+
+
 def package_imports(*packages: str) -> list[Import]:
     """Return every import of every module of ``packages``."""
     return [
@@ -219,6 +237,32 @@ class TestArrows:
         core = [found for found in core if not within(found.importer, *OUTSIDE_CORE)]
         assert core, "no module of the core was read"
         assert [str(f) for f in core if within(f.target, *OUTSIDE_CORE[:2])] == []
+
+    def test_serving_leaves_the_terminal_and_exit_codes_to_the_cli(self) -> None:
+        """The HTTP worker neither prints to the terminal nor imports the CLI (its exit codes):
+        ``lifecycle serve`` says what went wrong and how the process ends."""
+        paths = sorted((ROOT / "lifecycle" / "serving").rglob("*.py"))
+        assert paths, "no module of serving was read"
+        writes = [w for p in paths for w in terminal_writes(p.read_text(), module_name(p))]
+        serving = [f for f in ALL if within(f.importer, "lifecycle.serving")]
+        assert writes == []
+        assert [str(f) for f in serving if within(f.target, "lifecycle.cli")] == []
+
+    def test_a_write_to_the_terminal_is_caught(self) -> None:
+        """Printing to stderr or stdout, or ``sys.exit``, is named; printing to a given stream
+        is not (the rule can fail)."""
+        source = (
+            "import sys\n"
+            "print('x', file=sys.stderr)\n"
+            "print('y')\n"
+            "print('z', file=announce)\n"
+            "sys.exit(2)\n"
+        )
+        assert terminal_writes(source, "m") == [
+            "m:2 prints to the terminal",
+            "m:3 prints to the terminal",
+            "m:5 calls sys.exit",
+        ]
 
     def test_admission_does_no_io_but_the_offload_dir_probe(self) -> None:
         """Admission decides: of ``lifecycle`` it reads the spec, plan, refusals, sizes and

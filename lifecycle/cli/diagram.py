@@ -15,8 +15,8 @@ from pathlib import Path
 
 from attention import Platform
 from lifecycle.cli.console import format_refusals
+from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.paths import OutputPathError, prepare_folder
-from lifecycle.exits import ExitCode
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures import diagrams
 from lifecycle.refusals import AdmissionRefused

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from components.mesh import ParallelMesh
-from lifecycle.exits import ExitCode
+from lifecycle.cli.exits import ExitCode
 from lifecycle.logs import get_logger
 
 if TYPE_CHECKING:

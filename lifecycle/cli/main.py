@@ -1,7 +1,7 @@
 """The ``lifecycle`` command: check a spec, run it, draw the diagrams, print the schema.
 
 Results go to stdout, logs and errors to stderr; bad input is one line, never
-a traceback. The exit codes are ``lifecycle.exits.ExitCode``.
+a traceback. The exit codes are ``lifecycle.cli.exits.ExitCode``.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from pathlib import Path
 import msgspec
 from msgspec import UnsetType
 
-from lifecycle import exits
+from lifecycle.cli import exits
 from lifecycle.cli.arguments import add_download_option, image_size, non_negative, positive
 from lifecycle.cli.console import fallback_legend, format_refusals, table
 from lifecycle.cli.diagram import add_diagram_command
+from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.launch import CRASHED
 from lifecycle.cli.output import print_json
 from lifecycle.cli.run import DEFAULT_STEPS, run_command
 from lifecycle.cli.serve import add_budget_options, add_serve_command
 from lifecycle.device.shared import SharedDevice, worker_budget
-from lifecycle.exits import ExitCode
 from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan

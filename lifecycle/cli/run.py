@@ -23,6 +23,7 @@ from lifecycle.autotune import tune
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
 from lifecycle.cli.cores import Threads, torch_threads
+from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.output import print_json
 from lifecycle.cli.paths import OutputPathError, prepare_file, prepare_folder
 from lifecycle.cli.progress import run_progress
@@ -37,7 +38,6 @@ from lifecycle.cli.runner import (
 )
 from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.events import Move
-from lifecycle.exits import ExitCode
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.gantt import residency_gantt
 from lifecycle.plan import PipelineSnapshot

@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lifecycle.cli.arguments import add_download_option, byte_size, port_number, positive
 from lifecycle.cli.cores import torch_threads
-from lifecycle.exits import ExitCode
+from lifecycle.cli.exits import ExitCode
+from lifecycle.refusals import AdmissionRefused
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import load_spec, load_worker_file
+from lifecycle.spec.structs import PipelineSpec
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
 
@@ -73,7 +77,12 @@ def add_budget_options(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """Admit the pipeline, then serve it until SIGTERM or SIGINT drains it; the exit code."""
+    """Admit the pipelines, then serve them until SIGTERM or SIGINT drains them; the exit code.
+
+    0 drained cleanly, 1 refused, 2 a bad spec, worker file, key or address (bound
+    before anything is admitted or loaded), 3 jobs or components left when the drain
+    timed out, or a pipeline failed to load.
+    """
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
     if missing:
         print(
@@ -83,7 +92,7 @@ def serve_command(args: argparse.Namespace) -> int:
         )
         return ExitCode.BAD_INPUT
     from lifecycle.serving.auth import DoorKeys  # needs the serve extra
-    from lifecycle.serving.server import serve
+    from lifecycle.serving.server import listen, open_worker, serve
 
     try:
         keys = DoorKeys.from_options(args.api_key, args.admin_key)
@@ -93,14 +102,53 @@ def serve_command(args: argparse.Namespace) -> int:
     threads = torch_threads(args.threads, event_loop=True)
     # a line for a person when ready and when draining; JSON logs asked for carry it as events
     announce = None if args.log_format == "json" else sys.stderr
-    return serve(
-        args.specs,
-        args.host,
-        args.port,
-        threads.count,
-        keys,
-        args.device_budget,
-        args.worker,
-        announce=announce,
-        download=args.download,
-    )
+    specs = _read_specs(args.specs, args.download)
+    if specs is None:
+        return ExitCode.BAD_INPUT
+    try:
+        settings = None if args.worker is None else load_worker_file(args.worker)
+    except ConfigError as err:
+        print(f"lifecycle serve: {args.worker}: {err}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    try:
+        listener = listen(args.host, args.port)
+    except OSError as err:
+        print(
+            f"lifecycle serve: cannot listen on {args.host}:{args.port}: "
+            f"{err.strerror or err}; pick another --port or --host, or stop what holds that one",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+    with listener:
+        try:
+            worker = open_worker(specs, args.specs, threads.count, args.device_budget, settings)
+        except AdmissionRefused as err:
+            print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
+            return ExitCode.REFUSED
+        except ValueError as err:  # specs on different devices
+            print(f"lifecycle serve: {err}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        clean = serve(worker, listener, keys, announce, abandoned_exit=ExitCode.FAILED)
+    return ExitCode.OK if clean else ExitCode.FAILED
+
+
+def _read_specs(paths: Sequence[Path], download: bool) -> list[PipelineSpec] | None:
+    """Decode every spec (``download``: model ids may be fetched); print what is wrong (a bad
+    spec, two of one name) and return None."""
+    specs = []
+    for path in paths:
+        try:
+            specs.append(load_spec(path, download=download))
+        except ConfigError as err:
+            print(f"lifecycle serve: {path}: {err}", file=sys.stderr)
+            return None
+    names = [spec.name for spec in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        print(
+            f"lifecycle serve: two specs name the pipeline {', '.join(map(repr, twice))}; "
+            "requests pick a pipeline by name: give each its own name",
+            file=sys.stderr,
+        )
+        return None
+    return specs

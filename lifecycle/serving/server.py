@@ -26,10 +26,8 @@ from fastapi import FastAPI
 
 from lifecycle.autotune import tune
 from lifecycle.device.shared import SharedDevice, worker_budget
-from lifecycle.exits import ExitCode
 from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator
-from lifecycle.refusals import AdmissionRefused
 from lifecycle.serving import changes
 from lifecycle.serving.announce import base_url, draining_line, ready_line
 from lifecycle.serving.app import create_app
@@ -37,8 +35,6 @@ from lifecycle.serving.auth import DoorKeys, page_access
 from lifecycle.serving.connections import guarded_protocol
 from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
-from lifecycle.spec.errors import ConfigError
-from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.structs import PipelineSpec, ServingConfig, WorkerFile
 
 log = get_logger("lifecycle")
@@ -49,12 +45,13 @@ class DrainingServer(uvicorn.Server):
 
     While draining it keeps answering (new jobs get 503); once the queued and running
     jobs are done and everything is released, it stops. A second signal forces the exit.
-    A drain that outlives ``serving.drain_timeout`` stops it too, with exit 3 at once.
+    A drain that outlives ``serving.drain_timeout`` stops it too, ending the process at once.
 
     Args:
         config: uvicorn's settings.
         worker: the worker to drain.
         announce: where to say that it drains, for a person (None: nowhere).
+        abandoned_exit: the process's exit status when jobs outlive the drain.
 
     Attributes:
         drained: whether a drain ran to its end, and every job finished and every
@@ -62,11 +59,16 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, worker: Worker, announce: TextIO | None = None
+        self,
+        config: uvicorn.Config,
+        worker: Worker,
+        announce: TextIO | None,
+        abandoned_exit: int,
     ) -> None:
         super().__init__(config)
         self.worker = worker
         self.announce = announce
+        self.abandoned_exit = abandoned_exit
         self.drained = False
         self._signal = signal.SIGTERM
         self._signalled = threading.Event()
@@ -92,7 +94,7 @@ class DrainingServer(uvicorn.Server):
         try:
             self.drained = self.worker.drain()
         finally:  # whatever the drain met, the server stops: never wait for a second signal
-            _exit_if_abandoned(self.worker)
+            _exit_if_abandoned(self.worker, self.abandoned_exit)
             self.should_exit = True
 
 
@@ -125,69 +127,24 @@ class Reloader:
                 changes.reload_all(self.worker)
 
 
-def serve(
+def open_worker(
+    specs: Sequence[PipelineSpec],
     spec_paths: Sequence[Path],
-    host: str,
-    port: int,
     threads: int,
-    keys: DoorKeys | None = None,
     device_budget: int | None = None,
-    worker_file: Path | None = None,
-    announce: TextIO | None = None,
-    download: bool = False,
-) -> int:
-    """Admit and serve the pipelines at ``spec_paths`` on ``threads`` torch threads until drained.
+    settings: WorkerFile | None = None,
+) -> Worker:
+    """Admit the pipelines of ``specs`` (read from ``spec_paths``) on one shared device, on
+    ``threads`` torch threads: the worker, not yet loaded.
 
-    They share one device under the worker budget (``device_budget``, else the worker
-    file's, else the smallest of the specs'). The address is bound before anything is
-    admitted or loaded, so a port that is taken or not allowed is bad input. ``keys``
-    lock the door (``lifecycle.serving.auth``). ``announce`` gets a line for a person
-    when the worker is ready and when it drains (``lifecycle.serving.announce``).
-    ``download`` lets a model id among ``spec_paths`` be fetched into the Hugging Face
-    cache at start; a reload and ``POST /v1/pipelines`` read the cache only.
-    Returns the exit code: 0 drained cleanly, 1 refused, 2 bad spec or address, 3 jobs
-    or components left when the drain timed out, or a pipeline failed to load.
+    They share the device under the worker budget (``device_budget``, else the worker
+    file's, else the smallest of the specs'); ``acceleration = "auto"`` first chooses what
+    a spec left open (``lifecycle.autotune``).
+
+    Raises:
+        AdmissionRefused: a pipeline was refused, with every reason.
+        ValueError: the specs run on different kinds of device.
     """
-    specs = _read_specs(spec_paths, download)
-    if specs is None:
-        return ExitCode.BAD_INPUT
-    try:
-        settings = None if worker_file is None else load_worker_file(worker_file)
-    except ConfigError as err:
-        print(f"lifecycle serve: {worker_file}: {err}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    try:
-        listener = _listen(host, port)
-    except OSError as err:
-        print(
-            f"lifecycle serve: cannot listen on {host}:{port}: {err.strerror or err}; pick "
-            "another --port or --host, or stop what holds that one",
-            file=sys.stderr,
-        )
-        return ExitCode.BAD_INPUT
-    with listener:
-        return _serve(
-            specs,
-            spec_paths,
-            listener,
-            threads,
-            keys or DoorKeys(),
-            device_budget,
-            settings,
-            announce,
-        )
-
-
-def _serve(
-    specs: list[PipelineSpec],
-    spec_paths: Sequence[Path],
-    listener: socket.socket,
-    threads: int,
-    keys: DoorKeys,
-    device_budget: int | None,
-    settings: WorkerFile | None,
-    announce: TextIO | None,
-) -> int:
     torch.set_num_threads(threads)
     limit, key = worker_budget(specs, device_budget, settings)
     shared = SharedDevice(device_budget=limit, budget_key=key)
@@ -198,24 +155,36 @@ def _serve(
     )
     orchestrators = []
     admit_ms = {}
-    try:
-        for asked in specs:
-            spec, _ = tune(asked)  # acceleration = "auto" chooses what the spec left open
-            orchestrator = Orchestrator(spec, shared=shared, observer=metrics.observe)
-            orchestrators.append(orchestrator)
-            admitting = time.perf_counter()
-            orchestrator.admit()
-            admit_ms[spec.name] = (time.perf_counter() - admitting) * 1e3
-    except AdmissionRefused as err:
-        print(f"lifecycle serve: {err}", file=sys.stderr)  # every refusal, with its fix
-        return ExitCode.REFUSED
-    except ValueError as err:  # specs on different devices
-        print(f"lifecycle serve: {err}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
+    for asked in specs:
+        spec, _ = tune(asked)  # acceleration = "auto" chooses what the spec left open
+        orchestrator = Orchestrator(spec, shared=shared, observer=metrics.observe)
+        orchestrators.append(orchestrator)
+        admitting = time.perf_counter()
+        orchestrator.admit()
+        admit_ms[spec.name] = (time.perf_counter() - admitting) * 1e3
     paths = {spec.name: path.resolve() for spec, path in zip(specs, spec_paths, strict=True)}
     worker = Worker(orchestrators, metrics, paths, admit_ms)
+    return worker
+
+
+def serve(
+    worker: Worker,
+    listener: socket.socket,
+    keys: DoorKeys,
+    announce: TextIO | None,
+    *,
+    abandoned_exit: int,
+) -> bool:
+    """Load ``worker`` and serve it on ``listener`` until SIGTERM or SIGINT drains it.
+
+    ``keys`` lock the door (``lifecycle.serving.auth``). ``announce`` gets a line for a
+    person when the worker is ready and when it drains (``lifecycle.serving.announce``).
+    A drain that outlives ``serving.drain_timeout`` ends the process at once with status
+    ``abandoned_exit``. Returns whether the worker ended cleanly: every pipeline loaded,
+    and the drain finished every job and released every component.
+    """
     server = DrainingServer(
-        uvicorn_config(create_app(worker, keys), worker.bounds), worker, announce
+        uvicorn_config(create_app(worker, keys), worker.bounds), worker, announce, abandoned_exit
     )
     # uvicorn installs the same handler only once it runs: from here on a signal drains
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -224,11 +193,11 @@ def _serve(
     host, port = listener.getsockname()[:2]
     log.info(
         "serving.listening",
-        pipelines=[spec.name for spec in specs],
+        pipelines=worker.names,
         host=host,
         port=port,
-        threads=threads,
-        device_budget=limit,
+        threads=torch.get_num_threads(),
+        device_budget=worker.shared.budget.limit,
         api_key=keys.api is not None,  # whether the door is locked; never the keys
         admin_routes=keys.admin is not None,
     )
@@ -239,8 +208,8 @@ def _serve(
     server.run(sockets=[listener])
     if worker.phase is not Phase.DRAINING:  # stopped by uvicorn itself, not by a signal
         server.drained = worker.drain()
-    _exit_if_abandoned(worker)
-    return ExitCode.OK if server.drained and worker.error is None else ExitCode.FAILED
+    _exit_if_abandoned(worker, abandoned_exit)
+    return server.drained and worker.error is None
 
 
 def _start(worker: Worker, keys: DoorKeys, url: str, announce: TextIO | None) -> None:
@@ -252,8 +221,8 @@ def _start(worker: Worker, keys: DoorKeys, url: str, announce: TextIO | None) ->
         print(line, file=announce, flush=True)
 
 
-def _exit_if_abandoned(worker: Worker) -> None:
-    """End the process with exit 3 at once when jobs outlived the drain.
+def _exit_if_abandoned(worker: Worker, status: int) -> None:
+    """End the process with exit ``status`` at once when jobs outlived the drain.
 
     Their runner threads still compute and their clients still hold connections: the
     interpreter would wait for the threads at exit, and uvicorn for the connections.
@@ -262,7 +231,7 @@ def _exit_if_abandoned(worker: Worker) -> None:
     if worker.abandoned:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(ExitCode.FAILED)
+        os._exit(status)
 
 
 def uvicorn_config(app: FastAPI, settings: ServingConfig) -> uvicorn.Config:
@@ -284,7 +253,7 @@ def uvicorn_config(app: FastAPI, settings: ServingConfig) -> uvicorn.Config:
     )
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     """Return a socket bound to ``host:port`` (uvicorn listens on it).
 
     Raises:
@@ -301,25 +270,3 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _read_specs(paths: Sequence[Path], download: bool) -> list[PipelineSpec] | None:
-    """Decode every spec (``download``: model ids may be fetched); print what is wrong (a bad
-    spec, two of one name) and return None."""
-    specs = []
-    for path in paths:
-        try:
-            specs.append(load_spec(path, download=download))
-        except ConfigError as err:
-            print(f"lifecycle serve: {path}: {err}", file=sys.stderr)
-            return None
-    names = [spec.name for spec in specs]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        print(
-            f"lifecycle serve: two specs name the pipeline {', '.join(map(repr, twice))}; "
-            "requests pick a pipeline by name: give each its own name",
-            file=sys.stderr,
-        )
-        return None
-    return specs

@@ -14,7 +14,7 @@ import yaml
 
 from benchmarks.make_adapter import DEFAULT_TARGETS, write_lora
 from benchmarks.make_adapter import linear_shapes as folder_shapes
-from lifecycle.exits import ExitCode
+from lifecycle.cli.exits import ExitCode
 from tests.conftest import PipelineFolders
 from tests.lifecycle.test_adapters import linear_shapes
 from tests.processes import Finished, run_python

@@ -16,9 +16,9 @@ from torch import nn
 from components import registry
 from components.loader import ComponentLoader
 from lifecycle.cli.cores import torch_threads
+from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.main import _parser
 from lifecycle.cli.run import Ending
-from lifecycle.exits import ExitCode
 from tests.conftest import Lifecycle, decode_png
 from tests.lifecycle.kinds_for_tests import BrokenKind
 from tests.processes import run_python

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lifecycle.exits import ExitCode
+from lifecycle.cli.exits import ExitCode
 from lifecycle.spec.reading import decode_spec
 from tests.processes import run_python
 
