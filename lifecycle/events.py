@@ -10,6 +10,7 @@ no event at all.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
@@ -84,10 +85,14 @@ class Transitioned(
     request_id: str | None
 
 
-class Refused(
+class TriggerRefused(
     msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="lifecycle.refused"
 ):
     """A guard said no: the component stayed where it was (``lifecycle.refused``).
+
+    Named apart from the exception ``lifecycle.Refused`` that ``TransitionRefused`` and
+    ``RequestRefused`` derive from; its old name here, ``Refused``, still imports, with a
+    ``DeprecationWarning``.
 
     ``trigger`` is ``request`` for a request refused before it opened (a per-request
     attention backend override that breaks a rule, design §4.6): nothing moved then.
@@ -344,7 +349,7 @@ class AdapterSwitched(
 Event: TypeAlias = (
     Move
     | Transitioned
-    | Refused
+    | TriggerRefused
     | MemoryWait
     | RequestBegan
     | RequestEnded
@@ -444,3 +449,16 @@ class Observers:
                     event_type=type(event).__name__,
                     error=f"{type(err).__name__}: {err}",
                 )
+
+
+def __getattr__(name: str) -> object:
+    """Return ``TriggerRefused`` under its deprecated name ``Refused``, with a warning."""
+    if name == "Refused":
+        warnings.warn(
+            "lifecycle.events.Refused is deprecated: it is lifecycle.events.TriggerRefused "
+            "(lifecycle.Refused is the exception)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TriggerRefused
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,7 @@ from lifecycle.device.slots import ComponentSlot
 from lifecycle.device.timeline import Timeline
 from lifecycle.device.waiting import MemoryWaiter
 from lifecycle.distributed import world_refusals
-from lifecycle.events import Event, Observer, Observers, Refused, RequestBegan, RequestEnded
+from lifecycle.events import Event, Observer, Observers, RequestBegan, RequestEnded, TriggerRefused
 from lifecycle.loading import Loading
 from lifecycle.logs import REQUEST_ID, get_logger
 from lifecycle.machines.component import ComponentLifecycle
@@ -783,10 +783,10 @@ class Orchestrator:
     # -- helpers ---------------------------------------------------------------
 
     def _report(self, refusals: Sequence[Refusal], *, trigger: str, request_id: str | None) -> None:
-        """Log and observe one ``Refused`` per component of ``refusals`` (nothing moved)."""
+        """Log and observe one ``TriggerRefused`` per component of ``refusals`` (nothing moved)."""
         for component, found in _by_component(refusals).items():
             slot = self._slots.get(component)  # a request's own refusal names no component
-            refused = Refused(
+            refused = TriggerRefused(
                 component=component,
                 trigger=trigger,
                 source="none" if slot is None else slot.lifecycle.state.value,

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Protocol, TypeAlias, cast, overload
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
 
-from lifecycle.events import Observers, Refused
+from lifecycle.events import Observers, TriggerRefused
 from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.machines.tables import (
     AdapterState,
@@ -440,7 +440,7 @@ class RefusingEvent(Event):
             except TransitionRefused as refused:
                 # a refusal is rare: its fields are built whatever the level
                 report_refused(
-                    Refused(
+                    TriggerRefused(
                         component=component.name,
                         trigger=self.name,
                         source=source.value,
@@ -504,7 +504,7 @@ class RefusingEvent(Event):
         )
 
 
-def report_refused(refused: Refused, observers: Observers) -> None:
+def report_refused(refused: TriggerRefused, observers: Observers) -> None:
     """Log ``refused`` (``lifecycle.refused``, a warning) and hand it to the observers."""
     log.warning(
         "lifecycle.refused",

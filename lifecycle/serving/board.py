@@ -29,7 +29,7 @@ from collections import deque
 
 import msgspec
 
-from lifecycle.events import Event, MemoryWait, Move, Observer, Refused
+from lifecycle.events import Event, MemoryWait, Move, Observer, TriggerRefused
 
 HISTORY = 120
 """Moves kept per pipeline for a page that connects later (its timeline's bars)."""
@@ -239,6 +239,6 @@ class StatusBoard:
 
 def _is_refusal(event: Event) -> bool:
     """Tell whether ``event`` ends something with a refusal (a try that may wait does not)."""
-    if isinstance(event, Refused):
+    if isinstance(event, TriggerRefused):
         return not event.may_wait
     return isinstance(event, MemoryWait) and event.outcome == "refused"

@@ -21,10 +21,10 @@ from lifecycle.events import (
     MemoryWait,
     Move,
     Observer,
-    Refused,
     RequestCancelled,
     RequestEnded,
     Transitioned,
+    TriggerRefused,
 )
 from lifecycle.machines.tables import TRIGGERS
 
@@ -124,7 +124,7 @@ class ServingMetrics:
             self._moved[event.direction].inc(event.bytes)
         elif isinstance(event, Transitioned):
             self._transitions[event.trigger].inc()
-        elif isinstance(event, Refused):
+        elif isinstance(event, TriggerRefused):
             # a stage's onload refused while it may still wait is counted only if the
             # request is finally refused (``refused``), not on every try
             if not event.may_wait:

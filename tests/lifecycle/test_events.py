@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from attention import Platform
-from lifecycle.events import Event, Move, Refused, RequestBegan, RequestEnded, Transitioned
+from lifecycle.events import Event, Move, RequestBegan, RequestEnded, Transitioned, TriggerRefused
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import AdmissionRefused, TransitionRefused
 from lifecycle.spec.reading import load_spec
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGGED = {
     Move: "residency.moved",
     Transitioned: "lifecycle.transition",
-    Refused: "lifecycle.refused",
+    TriggerRefused: "lifecycle.refused",
     RequestBegan: "request.begin",
     RequestEnded: "request.end",
 }
@@ -64,13 +64,13 @@ class TestEvents:
                 assert event == as_json({key: line[key] for key in event})
 
     def test_admission_refusals_are_observed(self, cpu: Platform) -> None:
-        """A refused admission hands one Refused per component to the observer."""
+        """A refused admission hands one TriggerRefused per component to the observer."""
         spec = load_spec(ROOT / "examples" / "refused" / "undeclared_use.toml")
         observed = EventRecorder()
         orch = Orchestrator(spec, platform=cpu, observer=observed)
         with pytest.raises(AdmissionRefused):
             orch.admit()
-        (refused,) = observed.of(Refused)
+        (refused,) = observed.of(TriggerRefused)
         assert (refused.trigger, refused.source) == ("admit", "configured")
         assert refused.codes == ("residency.undeclared_use",)
         assert refused.request_id is None
@@ -118,3 +118,16 @@ class TestObservers:
         failures = events_named(logs, "lifecycle.observer_failed")
         assert len(failures) == len(kinds)  # one for each event it was handed
         assert failures[0]["error"] == "RuntimeError: observer bug"
+
+
+class TestRenamedEvent:
+    def test_the_old_name_of_the_refused_event_still_imports(self) -> None:
+        """``lifecycle.events.Refused``, the event's old name, is ``TriggerRefused`` with a
+        DeprecationWarning; the exception ``lifecycle.Refused`` is another class."""
+        import lifecycle
+        from lifecycle import events
+
+        with pytest.warns(DeprecationWarning, match="TriggerRefused"):
+            old = events.Refused
+        assert old is TriggerRefused
+        assert lifecycle.Refused is not TriggerRefused

@@ -13,7 +13,7 @@ import structlog
 
 from attention import Platform
 from lifecycle.device.waiting import LEAD
-from lifecycle.events import MemoryWait, Move, Refused
+from lifecycle.events import MemoryWait, Move, TriggerRefused
 from lifecycle.logs import configure_logging
 from lifecycle.machines.tables import ComponentState
 from lifecycle.orchestrator import Orchestrator
@@ -216,7 +216,7 @@ class TestWaiting:
         assert {(e["request_id"], e.get("may_wait")) for e in attempts} == {("r2", True)}
         assert (manual["request_id"], manual.get("may_wait")) == ("r1", None)
         assert manual["codes"] == ["residency.memory_budget"]
-        *typed, typed_manual = observed.of(Refused)
+        *typed, typed_manual = observed.of(TriggerRefused)
         assert {(r.request_id, r.may_wait) for r in typed} == {("r2", True)}
         assert (typed_manual.request_id, typed_manual.may_wait) == ("r1", False)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 from msgspec import UNSET
 
-from lifecycle.events import Move, Refused, Transitioned
+from lifecycle.events import Move, Transitioned, TriggerRefused
 from lifecycle.machines.tables import ComponentState
 from lifecycle.serving.auth import DoorKeys, Secret, page_access
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
@@ -62,9 +62,9 @@ def move(component: str, direction: str = "onload", request_id: str | None = Non
     )
 
 
-def refused(may_wait: bool = False) -> Refused:
+def refused(may_wait: bool = False) -> TriggerRefused:
     """Return a refusal of the transformer's offload."""
-    return Refused(
+    return TriggerRefused(
         component="transformer",
         trigger="offload",
         source="resident",
