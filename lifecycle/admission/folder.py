@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from components.batch import DEFAULT_STEPS
 from components.folders.index import PIPELINE
 from components.folders.problems import Problem
 from components.loader import ComponentLoader
@@ -68,6 +69,16 @@ def open_folder(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> O
                 )
             ],
         )
+
+
+def default_steps(recipe: Recipe | None) -> int:
+    """Return the denoising steps of a request that names none: the pipeline class's
+    (``recipe``), else ``DEFAULT_STEPS`` for a pipeline of kinds.
+
+    The one default: HTTP, ``lifecycle run`` and admission's step cache check take it here,
+    and a ``Batch`` made in Python has it for a pipeline of kinds.
+    """
+    return DEFAULT_STEPS if recipe is None else recipe.default_steps
 
 
 def _refusals(spec: PipelineSpec, problems: Iterable[Problem]) -> list[Refusal]:

@@ -18,7 +18,6 @@ import torch
 from attention import ComponentRequests, PlannedSelection, Platform
 from attention import registry as backends
 from components import registry as kinds
-from components.batch import DEFAULT_STEPS
 from components.dtypes import TORCH_DTYPES
 from components.loader import ComponentLoader
 from lifecycle.admission.acceleration import acceleration_refusals, size_quantized
@@ -28,7 +27,7 @@ from lifecycle.admission.budget import SharedBudget, budget_refusals, declared_b
 from lifecycle.admission.cache import cache_refusals
 from lifecycle.admission.construction import construct_module
 from lifecycle.admission.dtypes import dtype_refusals
-from lifecycle.admission.folder import open_folder
+from lifecycle.admission.folder import default_steps, open_folder
 from lifecycle.admission.host_memory import available_host_bytes, host_memory_refusals
 from lifecycle.admission.interfaces import interface_refusals
 from lifecycle.admission.loader_path import (
@@ -147,9 +146,7 @@ def admit_pipeline(
         if path is not None
     }
     folder = None if isinstance(spec.source, msgspec.UnsetType) else open_folder(spec, loaders)
-    default_steps = (
-        DEFAULT_STEPS if folder is None or folder.recipe is None else folder.recipe.default_steps
-    )
+    steps = default_steps(None if folder is None else folder.recipe)
     return Admission(
         pipeline=spec.name,
         components=components,
@@ -165,7 +162,7 @@ def admit_pipeline(
             *dtype_refusals(spec, loaders, platform),
             *(interface_refusals(spec, loaders) if folder is None else folder.refusals),
             *unused_option_refusals(spec, components),
-            *cache_refusals(spec, loaders, paths, default_steps),
+            *cache_refusals(spec, loaders, paths, steps),
             *acceleration_refusals(
                 spec,
                 loaders,

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 from msgspec import UnsetType
 
+from components.batch import DEFAULT_STEPS
 from lifecycle.cli import exits
 from lifecycle.cli.arguments import add_download_option, image_size, non_negative, positive
 from lifecycle.cli.console import fallback_legend, format_refusals, table
@@ -24,7 +25,7 @@ from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.launch import CRASHED
 from lifecycle.cli.output import print_json
-from lifecycle.cli.run import DEFAULT_STEPS, run_command
+from lifecycle.cli.run import run_command
 from lifecycle.cli.serve import add_budget_options, add_serve_command
 from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.logs import LogFormat, configure_logging

@@ -18,7 +18,7 @@ import torch
 from msgspec import UnsetType
 
 from lifecycle.admission import component_loaders
-from lifecycle.admission.folder import open_folder
+from lifecycle.admission.folder import default_steps, open_folder
 from lifecycle.autotune import tune
 from lifecycle.cli import launch
 from lifecycle.cli.console import format_refusals, run_summary
@@ -45,9 +45,6 @@ from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
-
-DEFAULT_STEPS = 8
-"""Denoising steps per request of a pipeline of kinds, when ``--steps`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +151,7 @@ def request_args(args: argparse.Namespace, spec: PipelineSpec) -> RequestArgs:
             "size follows its kinds' options"
         )
     asked = RequestArgs(
-        steps=args.steps or (DEFAULT_STEPS if recipe is None else recipe.default_steps),
+        steps=args.steps or default_steps(recipe),
         guidance_scale=args.guidance_scale,
         prompts=tuple(args.prompt),
         negative_prompt=args.negative_prompt,

@@ -17,12 +17,21 @@ from components.recipes import Recipe
 from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
+from lifecycle.serving.limits import ImageSize
 
 
 def folder_image_job(
-    recipe: Recipe, body: ImagesBody, request_id: str, seed: int, *, mixes_sizes: bool
+    recipe: Recipe,
+    body: ImagesBody,
+    size: ImageSize | None,
+    steps: int,
+    request_id: str,
+    seed: int,
+    *,
+    mixes_sizes: bool,
 ) -> Job:
-    """Return the job of ``body`` for a pipeline from a folder run by ``recipe``.
+    """Return the job of ``body`` (of ``size``, None: the class's default; of ``steps``) for
+    a pipeline from a folder run by ``recipe``.
 
     Where its DiT packs images of different sizes into one forward (``mixes_sizes``) the
     job carries its size and shares batches with jobs of other sizes; else the size is
@@ -43,12 +52,12 @@ def folder_image_job(
         )
     batch = Batch(
         generator=torch.Generator().manual_seed(seed),
-        steps=body.steps or recipe.default_steps,
+        steps=steps,
         size=body.n,
         prompts=[body.prompt] * body.n,
         negative_prompts=None if body.negative_prompt is None else [body.negative_prompt] * body.n,
         guidance_scale=body.guidance_scale,
-        image_size=None if body.size is None else _height_width(body.size),
+        image_size=size,
     )
     try:
         recipe.image_size(batch)
@@ -62,7 +71,7 @@ def folder_image_job(
     latent_h, latent_w = recipe.latent_size(recipe.binned((height, width)))
     key = BatchKey(
         endpoint="images",
-        steps=batch.steps,
+        steps=steps,
         guidance_scale=recipe.guidance_scale(batch),
         attention_backend=body.attention_backend,
         negative=body.negative_prompt is not None,
@@ -80,9 +89,3 @@ def folder_image_job(
         size=(height, width),
         cache=body.cache,
     )
-
-
-def _height_width(size: str) -> tuple[int, int]:
-    """Return (height, width) of ``size``, ``WIDTHxHEIGHT`` as ``check_images`` checked it."""
-    width, _, height = size.partition("x")
-    return int(height), int(width)

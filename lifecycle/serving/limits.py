@@ -10,7 +10,7 @@ decoded request is bounded by the functions below, each excess a 400 naming its 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -131,16 +131,17 @@ def check_embeddings(body: EmbeddingsBody, settings: ServingConfig) -> list[str]
     return inputs
 
 
-@dataclass(frozen=True)
-class ImageSize:
-    """The pixels asked for each image: width and height."""
+class ImageSize(NamedTuple):
+    """The pixels asked for each image, (height, width) as torch and the recipes order them;
+    a request writes ``WIDTHxHEIGHT``."""
 
-    width: int
     height: int
+    width: int
 
 
 def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
-    """Return the parsed ``size`` (None when not given), once the body is within bounds.
+    """Return ``size`` parsed once, into (height, width) (None when not given), once the
+    body is within bounds.
 
     Checks ``serving.max_n``, ``max_steps``, ``max_prompt_chars``, ``max_image_side``
     and, for a given size, ``max_pixels``; ``image_pixels`` checks the pixels of the
@@ -172,7 +173,7 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
             param="size",
             code="invalid_size",
         )
-    size = ImageSize(width=int(found.group(1)), height=int(found.group(2)))
+    size = ImageSize(height=int(found.group(2)), width=int(found.group(1)))
     if not size.width or not size.height:
         raise ApiError(
             400,

@@ -371,7 +371,7 @@ class TestOptions:
         assert result.returncode == 0
         text = " ".join(result.stdout.split())
         assert "requests to run (default: 4)" in text
-        assert "denoising steps per request (default: a folder's pipeline class's, else 8)" in text
+        assert "denoising steps per request (default: a folder's pipeline class's, else 4)" in text
         assert "(default: warning)" in text
         assert "3 failed while running" in text
         assert "130, 143 `run` stopped by SIGINT, SIGTERM" in text

@@ -11,10 +11,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from components.batch import DEFAULT_STEPS
+from lifecycle.admission.folder import default_steps
 from lifecycle.pictures.png import encode_png
 from lifecycle.serving.auth import API_KEY
-from lifecycle.serving.bodies import ImagesBody, decode_body, documented
+from lifecycle.serving.bodies import IMAGES_BODY, ImagesBody, decode_body, documented
 from lifecycle.serving.dispatch import (
     check_finite,
     check_ready,
@@ -36,8 +36,6 @@ from lifecycle.serving.worker import Worker
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
 
-IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
-
 
 def images_routes(worker: Worker) -> APIRouter:
     """Return the image generation endpoint."""
@@ -56,16 +54,23 @@ def images_routes(worker: Worker) -> APIRouter:
         timeout = request_timeout(served, body.priority, body.timeout)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         recipe = served.orchestrator.recipe
+        steps = body.steps or default_steps(recipe)
         if recipe is None:
-            job = _kinds_job(served, body, size, request.state.id, seed)
+            job = _kinds_job(served, body, size, steps, request.state.id, seed)
         else:
             job = folder_image_job(
-                recipe, body, request.state.id, seed, mixes_sizes=served.shapes.mixes_sizes
+                recipe,
+                body,
+                size,
+                steps,
+                request.state.id,
+                seed,
+                mixes_sizes=served.shapes.mixes_sizes,
             )
-            asked = job.size or job.key.image_size
-            assert asked is not None  # a folder's job names its size, or the default
-            height, width = asked
-            image_pixels(body.n, ImageSize(width=width, height=height), settings)
+            if size is None:  # the class's default size, known once its recipe chose it
+                asked = job.size or job.key.image_size
+                assert asked is not None  # a folder's job names its size
+                image_pixels(body.n, ImageSize(*asked), settings)
         if body.lora:
             job.key = msgspec.structs.replace(job.key, adapters=adapter_set(served, body.lora))
         if body.stream:
@@ -88,14 +93,19 @@ def images_routes(worker: Worker) -> APIRouter:
 
 
 def _kinds_job(
-    served: ServedPipeline, body: ImagesBody, size: ImageSize | None, request_id: str, seed: int
+    served: ServedPipeline,
+    body: ImagesBody,
+    size: ImageSize | None,
+    steps: int,
+    request_id: str,
+    seed: int,
 ) -> Job:
-    """Return the job of ``body`` (of ``size``) for a pipeline of kinds (its sizes follow the
-    latent grid)."""
+    """Return the job of ``body`` (of ``size``, of ``steps``) for a pipeline of kinds (its
+    sizes follow the latent grid)."""
     latent_size = _latent_size(served, size, body.n)
     key = BatchKey(
         endpoint="images",
-        steps=body.steps or DEFAULT_STEPS,
+        steps=steps,
         guidance_scale=body.guidance_scale,
         attention_backend=body.attention_backend,
         latent_size=latent_size,
@@ -119,7 +129,7 @@ def _latent_size(served: ServedPipeline, size: ImageSize | None, n: int) -> tupl
     settings = served.settings
     if size is None:
         side = DEFAULT_LATENT_SIDE * scale
-        image_pixels(n, ImageSize(width=side, height=side), settings)
+        image_pixels(n, ImageSize(height=side, width=side), settings)
         return DEFAULT_LATENT_SIDE, DEFAULT_LATENT_SIDE
     w, h = size.width, size.height
     largest = settings.max_batch_tokens // n

@@ -10,11 +10,14 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
+from components.recipes import Recipe
+from lifecycle.admission.folder import default_steps
 from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
-from lifecycle.serving.jobs import OUTPUT_TOLERANCE
+from lifecycle.serving.jobs import OUTPUT_TOLERANCE, Job
+from lifecycle.serving.limits import check_images
 from lifecycle.spec.reading import decode_spec
-from lifecycle.spec.structs import PipelineSpec
+from lifecycle.spec.structs import PipelineSpec, ServingConfig
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import REQUESTS, assert_same_pixels, pixels, run_arguments
@@ -28,6 +31,16 @@ def folder_spec(folder: Path, **serving: Any) -> PipelineSpec:
     """Return the spec of ``folder`` with ``[serving]`` settings."""
     table = "".join(f"{key} = {value}\n" for key, value in serving.items())
     return decode_spec(f'source = "{folder}"\ndevice = "cpu"\n[serving]\n{table}')
+
+
+def folder_job(
+    recipe: Recipe, body: ImagesBody, request_id: str, seed: int, *, mixes_sizes: bool
+) -> Job:
+    """Return the job the images route makes of ``body``: its size read once and checked,
+    its steps the pipeline class's where it names none."""
+    size = check_images(body, ServingConfig())
+    steps = body.steps or default_steps(recipe)
+    return folder_image_job(recipe, body, size, steps, request_id, seed, mixes_sizes=mixes_sizes)
 
 
 def generate(client: httpx.Client, **body: Any) -> httpx.Response:
@@ -154,7 +167,7 @@ class TestImages:
     ) -> None:
         """No steps, guidance or size: the pipeline class's own, as diffusers' call has them."""
         recipe = recipe_of(pipeline_folder("sd3"))
-        job = folder_image_job(recipe, ImagesBody(prompt="a fox"), "r1", 0, mixes_sizes=False)
+        job = folder_job(recipe, ImagesBody(prompt="a fox"), "r1", 0, mixes_sizes=False)
         assert (job.key.steps, job.key.guidance_scale) == (28, 7.0)
         assert job.key.image_size == job.size == recipe.default_size()
 
@@ -180,20 +193,17 @@ class TestBatches:
             )
         ]
         jobs = [
-            folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=False)
-            for i, body in enumerate(bodies)
+            folder_job(recipe, body, f"j{i}", i, mixes_sizes=False) for i, body in enumerate(bodies)
         ]
         slow = ImagesBody(prompt="slow", size="32x32", steps=1, attention_backend="gated")
-        slow_job = folder_image_job(recipe, slow, "slow", 0, mixes_sizes=False)
+        slow_job = folder_job(recipe, slow, "slow", 0, mixes_sizes=False)
         with occupied(batcher, gated, slow_job) as blocker:
             futures = [batcher.submit(job) for job in jobs]
         done = [f.result(timeout=WATCHDOG_S) for f in futures]
         assert blocker.result(timeout=WATCHDOG_S).batch_size == 1
         assert [job.batch_size for job in done] == [3, 3, 1, 3]
         for index, job in enumerate(done):
-            alone = folder_image_job(
-                recipe, bodies[index], f"alone{index}", index, mixes_sizes=False
-            )
+            alone = folder_job(recipe, bodies[index], f"alone{index}", index, mixes_sizes=False)
             assert job.output is not None
             assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE
 
@@ -214,11 +224,10 @@ class TestBatches:
             for seed, size in enumerate(["32x32", "48x32", "32x64"])
         ]
         jobs = [
-            folder_image_job(recipe, body, f"j{i}", i, mixes_sizes=mixes)
-            for i, body in enumerate(bodies)
+            folder_job(recipe, body, f"j{i}", i, mixes_sizes=mixes) for i, body in enumerate(bodies)
         ]
         slow = ImagesBody(prompt="slow", size="32x32", steps=1, attention_backend="gated")
-        slow_job = folder_image_job(recipe, slow, "slow", 0, mixes_sizes=mixes)
+        slow_job = folder_job(recipe, slow, "slow", 0, mixes_sizes=mixes)
         with occupied(batcher, gated, slow_job) as blocker:
             futures = [batcher.submit(job) for job in jobs]
         done = [f.result(timeout=WATCHDOG_S) for f in futures]
@@ -228,7 +237,5 @@ class TestBatches:
             height, width = job.size or (0, 0)
             assert job.output is not None
             assert job.output.shape == (1 + index % 2, 3, height, width)
-            alone = folder_image_job(
-                recipe, bodies[index], f"alone{index}", index, mixes_sizes=mixes
-            )
+            alone = folder_job(recipe, bodies[index], f"alone{index}", index, mixes_sizes=mixes)
             assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE

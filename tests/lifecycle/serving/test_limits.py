@@ -16,9 +16,11 @@ from safetensors.torch import save_file
 
 from components import registry
 from components.batch import Batch
+from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.jobs import BatchKey, Job, split_outputs
+from lifecycle.serving.limits import check_images
 from lifecycle.spec.reading import load_spec
-from lifecycle.spec.structs import PipelineSpec
+from lifecycle.spec.structs import PipelineSpec, ServingConfig
 from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, SharedT2i
 from tests.lifecycle.serving.test_metrics import counted
 
@@ -72,6 +74,13 @@ def plain(shared_t2i: SharedT2i) -> Served:
 
 
 class TestImageLimits:
+    def test_a_size_is_read_once_into_height_and_width(self) -> None:
+        """``WIDTHxHEIGHT`` comes back as (height, width), the order every later step uses."""
+        size = check_images(ImagesBody(prompt="a fox", size="48x32"), ServingConfig())
+        assert size is not None
+        assert (size.height, size.width) == (32, 48)
+        assert size == (32, 48)
+
     @pytest.mark.parametrize(
         ("key", "param", "at_limit", "over"),
         [

@@ -16,11 +16,11 @@ import torch
 from httpx_sse import connect_sse
 
 from lifecycle.serving.bodies import ImagesBody
-from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.status import RunningBatch, worker_status
 from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle, PipelineFolders
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.test_folders import folder_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,7 +118,7 @@ def test_the_status_shows_the_steps_a_running_batch_skipped(
     batcher, recipe = worker.batcher, worker.orchestrator.recipe
     assert batcher is not None
     assert recipe is not None
-    job = folder_image_job(recipe, ImagesBody(**BODY), "watched", 3, mixes_sizes=True)
+    job = folder_job(recipe, ImagesBody(**BODY), "watched", 3, mixes_sizes=True)
     seen: list[RunningBatch] = []
 
     def at_step(step: int, steps: int, latents: list[torch.Tensor]) -> None:
