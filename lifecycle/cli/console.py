@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from attention import DENSE_CROSS_FALLBACK, GLOBAL_BACKEND_FALLBACK, PLATFORM_DEFAULT_FALLBACK
 from components.cache import CacheSteps
@@ -34,6 +35,25 @@ def fallback_legend(reasons: Collection[str | None]) -> list[str]:
         for reason, meaning in FALLBACK_MEANINGS.items()
         if reason in reasons
     ]
+
+
+ACCELERATION_HEADINGS = ("compile", "quantization")
+"""The columns a table of components adds when one of them is compiled or quantized."""
+
+
+class Accelerated(Protocol):
+    """A component as a table row sees it: how it is compiled and quantized."""
+
+    @property
+    def compile(self) -> str: ...
+
+    @property
+    def quantization(self) -> str: ...
+
+
+def is_accelerated(components: Iterable[Accelerated]) -> bool:
+    """Say whether any of ``components`` is compiled or quantized (the table then shows how)."""
+    return any(c.compile != "off" or c.quantization != "off" for c in components)
 
 
 def table(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -95,14 +115,17 @@ def run_summary(report: RunReport) -> str:
     if report.stopped_by is not None:
         head += f"; stopped by {report.stopped_by}"
     caches = any(c.cache is not None for c in report.components.values())
+    accelerated = is_accelerated(report.components.values())
     rows: list[tuple[str, ...]] = [
-        ("component", "state", "onloads", "offloads", "moved", "move time", "attention")
+        ("component", "state", "size", "onloads", "offloads", "moved", "move time", "attention")
         + (("cache",) if caches else ())
+        + (ACCELERATION_HEADINGS if accelerated else ())
     ]
     rows += [
         (
             name,
             c.state,
+            "-" if c.bytes is None else format_bytes(c.bytes),
             str(c.onloads),
             str(c.offloads),
             format_bytes(c.bytes_moved),
@@ -110,6 +133,7 @@ def run_summary(report: RunReport) -> str:
             ", ".join(c.backends) or "-",
         )
         + ((_cache_text(c.cache),) if caches else ())
+        + ((c.compile, c.quantization) if accelerated else ())
         for name, c in report.components.items()
     ]
     lines = [head, *table(rows)]

@@ -20,7 +20,13 @@ from msgspec import UnsetType
 from components.batch import DEFAULT_STEPS
 from lifecycle.cli import exits
 from lifecycle.cli.arguments import add_download_option, image_size, non_negative, positive
-from lifecycle.cli.console import fallback_legend, format_refusals, table
+from lifecycle.cli.console import (
+    ACCELERATION_HEADINGS,
+    fallback_legend,
+    format_refusals,
+    is_accelerated,
+    table,
+)
 from lifecycle.cli.diagram import add_diagram_command
 from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.launch import CRASHED
@@ -276,12 +282,9 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
     caches = any(component.cache is not None for component in snapshot.components.values())
     if caches:
         rows[0] += ("cache",)
-    accelerated = any(
-        component.compile != "off" or component.quantization != "off"
-        for component in snapshot.components.values()
-    )
+    accelerated = is_accelerated(snapshot.components.values())
     if accelerated:
-        rows[0] += ("compile", "quantization")
+        rows[0] += ACCELERATION_HEADINGS
     for name, component in snapshot.components.items():
         explicit = not isinstance(spec.components[name].residency, UnsetType)
         rows.append(

@@ -19,8 +19,9 @@ from msgspec import UnsetType
 from components import registry
 from components.batch import Batch
 from components.cache import CacheSteps
-from components.compile import Compilation
+from components.compile import Compilation, CompileMode
 from components.loader import ComponentLoader
+from components.quantize import Quantization
 from lifecycle.cli.cores import Threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
@@ -48,6 +49,10 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         recompiles: the graphs inductor compiled after its first forward (design §17);
             None for a component that is not compiled.
         compile_seconds: the seconds inductor spent compiling it; None when not compiled.
+        bytes: the bytes its weights take once loaded (quantized weights as their data and
+            scales); None when unknown.
+        compile: how torch.compile compiles it (design §17).
+        quantization: how torchao holds its linear weights (design §17).
     """
 
     state: str
@@ -60,6 +65,9 @@ class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     cache: CacheSteps | None = None
     recompiles: int | None = None
     compile_seconds: float | None = None
+    bytes: int | None = None
+    compile: CompileMode = "off"
+    quantization: Quantization = "off"
 
 
 class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -154,6 +162,9 @@ class MoveTally:
                 compile_seconds=None
                 if name not in compilations
                 else round(compilations[name].seconds, 3),
+                bytes=component.bytes,
+                compile=component.compile,
+                quantization=component.quantization,
             )
             for name, component in snapshot.components.items()
         }

@@ -26,6 +26,8 @@ import time
 import msgspec
 
 from components import ResidencyMode
+from components.compile import CompileMode
+from components.quantize import Quantization
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.gantt import resident_intervals
 from lifecycle.serving.batcher import Batcher
@@ -44,8 +46,11 @@ class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         shared_with: the other pipelines holding it (one component, held once).
         residency: its residency mode.
         target: where its weights go when offloaded; None for a resident component.
-        footprint: the bytes it takes on the device while resident.
+        footprint: the bytes it takes on the device while resident (quantized weights as
+            their data and scales).
         resident_bytes: the bytes it holds on the device now.
+        compile: how torch.compile compiles it (design §17).
+        quantization: how torchao holds its linear weights (design §17).
     """
 
     name: str
@@ -57,6 +62,8 @@ class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     target: str | None
     footprint: int
     resident_bytes: int
+    compile: CompileMode = "off"
+    quantization: Quantization = "off"
 
 
 class WaitingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -229,6 +236,8 @@ def pipeline_status(
             else spec.memory.offload_target,
             footprint=view.footprint,
             resident_bytes=view.resident_bytes,
+            compile=view.spec.compile_mode,
+            quantization=view.spec.quantization_mode,
         )
         for view in views
     )

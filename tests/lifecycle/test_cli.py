@@ -438,7 +438,8 @@ class TestRunCommand:
         )
         assert "{" not in result.stdout
         encoder = next(line for line in result.stdout.splitlines() if "text_encoder" in line)
-        assert encoder.split()[1:4] == ["offloaded", "2", "3"]  # onloads, offloads (+ load)
+        # state, size, onloads, offloads (+ load)
+        assert encoder.split()[1:6] == ["offloaded", "135.0", "KiB", "2", "3"]
         chart = timeline.read_text()
         assert chart.startswith("gantt\n")
         assert chart.count("resident (r") == 4  # encoder and VAE, one interval per request

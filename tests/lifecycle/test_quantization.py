@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from components.accounting import inner_tensors, module_bytes
 from components.batch import Batch
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.sizes import format_bytes
 from tests.components.test_step_cache import psnr
+from tests.conftest import Lifecycle
 
 pytest.importorskip("torchao")
 
@@ -145,3 +148,29 @@ class TestAdapters:
             assert batch.images is not None
             assert not torch.equal(batch.images, base)
             assert torch.equal(images(pipeline, 1)[0], base)
+
+
+class TestReports:
+    def test_run_json_and_the_summary_give_compile_quantization_and_bytes(
+        self, lifecycle: Lifecycle, root: Path, tmp_path: Path
+    ) -> None:
+        """run --json's summary gives each component's compile, quantization and bytes as
+        admission counted them (the int8 transformer's data and scales), and the printed
+        summary shows the three on the transformer's row."""
+        spec = tmp_path / "spec.toml"
+        spec.write_text(tiny_t2i(root, tmp_path / "offload", 'quantization = "int8_weight_only"'))
+        done = lifecycle("run", spec, "--json", "--requests", "1", "--steps", "2")
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        keys = ("compile", "quantization", "bytes")
+        reported = {n: [c[k] for k in keys] for n, c in result["summary"]["components"].items()}
+        planned = {n: [c[k] for k in keys] for n, c in result["snapshot"]["components"].items()}
+        assert reported == planned
+        assert reported["transformer"][:2] == ["off", "int8_weight_only"]
+        printed = lifecycle("run", spec, "--requests", "1", "--steps", "2")
+        assert printed.returncode == 0, printed.stderr
+        lines = printed.stdout.splitlines()
+        assert lines[1].split()[-2:] == ["compile", "quantization"]
+        row = next(line for line in lines if line.split()[0] == "transformer")
+        assert row.split()[-2:] == ["off", "int8_weight_only"]
+        assert f" {format_bytes(reported['transformer'][2])} " in row

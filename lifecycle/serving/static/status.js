@@ -96,10 +96,19 @@ function renderComponents(view) {
       el("td", { class: "shared" }, c.shared_with.join(", ") || "—"),
       el("td", {}, c.residency),
       el("td", {}, c.target || "—"),
+      el("td", { class: "acceleration" }, acceleration(c)),
       el("td", { class: "bytes num", "data-resident": c.resident_bytes, "data-footprint": c.footprint },
         `${bytes(c.resident_bytes)} / ${bytes(c.footprint)}`))));
   table.querySelector("tbody").replaceChildren(...rows);
   renderDiagram(view);
+}
+
+// "compile blocks, int8_dynamic": what compiles and quantizes the component, or a dash
+function acceleration(c) {
+  const parts = [];
+  if (c.compile !== "off") parts.push(`compile ${c.compile}`);
+  if (c.quantization !== "off") parts.push(c.quantization);
+  return parts.join(", ") || "—";
 }
 
 // each cell named by its column's heading: a phone shows a row as lines of "heading value"

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
+import pytest
 from msgspec import UNSET
 
 from lifecycle.events import Move, Transitioned, TriggerRefused
@@ -19,6 +20,7 @@ from lifecycle.machines.tables import ComponentState
 from lifecycle.serving.auth import DoorKeys, Secret, page_access
 from lifecycle.serving.board import CLIENT_BUFFER, HISTORY, StatusBoard
 from lifecycle.spec.structs import PipelineSpec
+from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.serving.command import metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import (
@@ -187,6 +189,30 @@ class TestEventStream:
             name: orchestrator.state(name).value for name in orchestrator.spec.components
         }
         assert pipeline["timeline"]  # the load and the warm-up made it resident a while
+
+    def test_snapshot_gives_each_components_compile_quantization_and_bytes(
+        self, serve_spec: ServeSpec, reference_spec: ReferenceSpec
+    ) -> None:
+        """The stream's snapshot says how each component is compiled and quantized, and its
+        footprint is the bytes admission counted: an int8 transformer's data and scales."""
+        pytest.importorskip("torchao")
+        served = serve_spec(reference_spec(transformer={"quantization": "int8_weight_only"}))
+        reader = EventReader(served.url)
+        try:
+            snapshot = reader.until(is_snapshot)
+        finally:
+            reader.close()
+        (pipeline,) = snapshot["pipelines"]
+        shown = {c["name"]: c for c in pipeline["components"]}
+        planned = served.worker.orchestrator.snapshot().components
+        assert {name: (c["compile"], c["quantization"]) for name, c in shown.items()} == {
+            "text_encoder": ("off", "off"),
+            "transformer": ("off", "int8_weight_only"),
+            "vae": ("off", "off"),
+        }
+        assert {name: c["footprint"] for name, c in shown.items()} == {
+            name: planned[name].bytes for name in shown
+        }
 
     def test_a_refused_override_is_streamed_with_its_code_and_fix(
         self, serve_spec: ServeSpec, t2i_spec: Callable[..., PipelineSpec]

@@ -21,6 +21,7 @@ import pytest
 from lifecycle.serving.board import server_sent
 from lifecycle.serving.status import QueuedRequest, RunningBatch, StatusSnapshot, worker_status
 from lifecycle.spec.structs import PipelineSpec
+from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race
@@ -261,3 +262,28 @@ class TestStatusPageInABrowser:
         assert [[row[0], "".join(row[1].split()), *row[2:]] for row in rows] == [
             [batch.id, batch.id, "denoise", "49 / 50"] for batch in snapshot.pipelines[0].running
         ]
+
+    def test_components_show_their_acceleration_and_quantized_bytes(
+        self, page: Any, serve_spec: ServeSpec, reference_spec: ReferenceSpec
+    ) -> None:
+        """The components table says int8_weight_only on a quantized transformer and a dash
+        on the others, gives its quantized bytes as its footprint, and still fits a phone."""
+        pytest.importorskip("torchao")
+        served = serve_spec(reference_spec(transformer={"quantization": "int8_weight_only"}))
+        page.goto(served.url + "/")
+        page.wait_for_selector(f'{PIPELINE} tr[data-component="transformer"] td.acceleration')
+        cells = page.locator(f"{PIPELINE} td.acceleration").evaluate_all(
+            "cells => cells.map(c => [c.closest('tr').dataset.component, c.textContent])"
+        )
+        row = page.locator(f'{PIPELINE} tr[data-component="transformer"]')
+        footprint = row.locator("td.bytes").get_attribute("data-footprint")
+        page.set_viewport_size(PHONE)
+        cut = page.evaluate(CUT_CELLS, PIPELINE)
+        planned = served.worker.orchestrator.snapshot().components["transformer"].bytes
+        assert dict(cells) == {
+            "text_encoder": "\u2014",
+            "transformer": "int8_weight_only",
+            "vae": "\u2014",
+        }
+        assert footprint == str(planned)
+        assert cut == []
