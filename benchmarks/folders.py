@@ -44,8 +44,10 @@ from components.libraries import is_importable
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import load_spec
 
-FAMILIES: tuple[Family, ...] = ("pixart", "flux", "sd3")
+FAMILIES: tuple[Family, ...] = ("pixart", "flux", "sd3", "qwen-image", "z-image", "flux2-klein")
 PROMPT = "A watercolour painting of a lighthouse in a storm at dusk"
+NEGATIVE: dict[Family, str] = {"qwen-image": "blurry, dark"}
+"""The negative prompt of a class that guides only against one (Qwen-Image's true CFG)."""
 STEPS = 4
 SIZE = (256, 256)
 LOAD_ROUNDS = 5
@@ -71,7 +73,10 @@ def load_diffusers(folder: Path) -> Any:
 
 
 def request_ours(
-    orchestrator: Orchestrator, guidance: float, adapters: dict[str, float] | None = None
+    orchestrator: Orchestrator,
+    guidance: float,
+    adapters: dict[str, float] | None = None,
+    negative: str | None = None,
 ) -> torch.Tensor:
     """Run one request through the orchestrator; return the image in [0, 1].
 
@@ -81,6 +86,7 @@ def request_ours(
         generator=torch.Generator("cpu").manual_seed(0),
         steps=STEPS,
         prompts=[PROMPT],
+        negative_prompts=None if negative is None else [negative],
         guidance_scale=guidance,
         image_size=SIZE,
         adapters=None if adapters is None else [adapters],
@@ -91,13 +97,17 @@ def request_ours(
     return (batch.images / 2 + 0.5).clamp(0, 1)
 
 
-def request_diffusers(pipeline: Any, guidance: float) -> torch.Tensor:
-    """Run the same request through diffusers' pipeline call."""
+def request_diffusers(pipeline: Any, guidance: float, negative: str | None = None) -> torch.Tensor:
+    """Run the same request through diffusers' pipeline call (Qwen-Image's guidance scale
+    is its ``true_cfg_scale``)."""
+    scale = "true_cfg_scale" if type(pipeline).__name__ == "QwenImagePipeline" else "guidance_scale"
+    extra = {} if negative is None else {"negative_prompt": negative}
     images: torch.Tensor = pipeline(
-        PROMPT,
+        prompt=PROMPT,
         generator=torch.Generator("cpu").manual_seed(0),
         num_inference_steps=STEPS,
-        guidance_scale=guidance,
+        **{scale: guidance},
+        **extra,
         height=SIZE[0],
         width=SIZE[1],
         output_type="pt",
@@ -169,14 +179,14 @@ def measure(family: Family, folder: Path) -> dict[str, float]:
         ours, theirs = load_ours(folder), load_diffusers(folder)
         assert ours.recipe is not None
         guidance = ours.recipe.default_guidance
+        negative = NEGATIVE.get(family)
         requests: dict[str, Callable[[], object]] = {
-            "ours": lambda: request_ours(ours, guidance),
-            "diffusers": lambda: request_diffusers(theirs, guidance),
+            "ours": lambda: request_ours(ours, guidance, negative=negative),
+            "diffusers": lambda: request_diffusers(theirs, guidance, negative),
         }
         request_times = interleaved(requests, rounds=REQUEST_ROUNDS, inner=1)
-        difference = float(
-            (request_ours(ours, guidance) - request_diffusers(theirs, guidance)).abs().max()
-        )
+        ours_image = request_ours(ours, guidance, negative=negative)
+        difference = float((ours_image - request_diffusers(theirs, guidance, negative)).abs().max())
         ours.close()
     rss = {method: peak_growth(folder, method) for method in ("ours", "diffusers")}
     return {

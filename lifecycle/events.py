@@ -154,6 +154,18 @@ class RequestBegan(
     request_id: str
 
 
+class PromptCounts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Rows of a request's batches whose text came from the prompt cache, and rows encoded.
+
+    Attributes:
+        hits: rows that took their text from the cache (their encoders not used).
+        misses: rows the encode stage encoded (and the cache kept, where they fit).
+    """
+
+    hits: int = 0
+    misses: int = 0
+
+
 class RequestEnded(
     msgspec.Struct,
     frozen=True,
@@ -170,12 +182,15 @@ class RequestEnded(
         duration_ms: how long it was open.
         cache: each component with a step cache: the image steps it computed and skipped
             for the request (design §17); empty, and left out of its JSON, where none ran.
+        prompts: what the prompt cache answered for it (design §19); None, and left out
+            of its JSON, where the pipeline has no prompt cache.
     """
 
     request_id: str
     stages: tuple[str, ...]
     duration_ms: float
     cache: dict[str, CacheSteps] = msgspec.field(default_factory=dict)
+    prompts: PromptCounts | None = None
 
     @property
     def cache_skipped(self) -> int:

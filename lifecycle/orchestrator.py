@@ -31,6 +31,7 @@ from components.batch import Left
 from components.compile import Compilation
 from components.mesh import ParallelMesh
 from components.recipes import Recipe
+from components.recipes.base import ENCODE
 from lifecycle import admission as adm
 from lifecycle.adapters import AdapterKeeper
 from lifecycle.admission.adapters import admit_adapter
@@ -59,6 +60,7 @@ from lifecycle.plan import (
     PipelineSnapshot,
     RefusalReport,
 )
+from lifecycle.prompts import PromptCache, encoders_checksum
 from lifecycle.refusals import (
     AdmissionRefused,
     InvalidTransition,
@@ -185,6 +187,7 @@ class Orchestrator:
         each kind runs itself, and for a folder admission refuses."""
         for name, adapter in spec.adapters.items():
             self._adapters.add(name, adapter)
+        self._stages.prompts = self._prompt_cache(timeline)
 
     @classmethod
     def from_file(
@@ -415,6 +418,7 @@ class Orchestrator:
                         stages=tuple(request.stages),
                         duration_ms=round((time.perf_counter() - started) * 1e3, 3),
                         cache=request.cache_steps,
+                        prompts=request.prompts,
                     )
                     if is_logged:
                         # a request that ran a step cache says what it skipped (design §17)
@@ -690,6 +694,18 @@ class Orchestrator:
         self._slots[name] = found
         self.shared.join(found, self.key, name, self._observers)
         return found
+
+    def _prompt_cache(self, timeline: Timeline) -> PromptCache | None:
+        """Return the pipeline's prompt cache: for a folder's encode stage, where
+        ``serving.prompt_cache_bytes`` gives it room (design §19)."""
+        capacity = self.spec.serving.prompt_cache
+        stage = next((s for s in timeline.stages if s.name == ENCODE), None)
+        if self.recipe is None or not capacity or stage is None:
+            return None
+        checksum = partial(
+            encoders_checksum, self._slots, stage.uses, self.spec, self.platform.kind
+        )
+        return PromptCache(capacity, stage.name, stage.uses, checksum)
 
     def identities(self) -> dict[str, ComponentIdentity]:
         """Return what makes each admitted component itself (``lifecycle.device.sharing``), by name.

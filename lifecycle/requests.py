@@ -18,10 +18,11 @@ from lifecycle.device.moves import Residency
 from lifecycle.device.shared import SharedDevice
 from lifecycle.device.slots import ComponentSlot
 from lifecycle.device.waiting import WaitTerms
-from lifecycle.events import Observers, RequestCancelled
+from lifecycle.events import Observers, PromptCounts, RequestCancelled
 from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs
 from lifecycle.machines.tables import ComponentState
+from lifecycle.prompts import PromptCache, counted
 
 log = get_logger("lifecycle")
 
@@ -44,6 +45,10 @@ class StageKeeper:
         observers: who hears of every wait for memory.
         adapters: the pipeline's adapters: a stage's components get the merged adapters
             its rows name before they are used.
+
+    Attributes:
+        prompts: the pipeline's prompt cache, which stands in for its encode stage when
+            it holds every row's text (``lifecycle.prompts``); None without one.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class StageKeeper:
         self.shared = shared
         self.waiter = shared.waiter
         self.terms = WaitTerms(residency.spec.memory.wait_timeout, observers, slots)
+        self.prompts: PromptCache | None = None
 
     def enter(
         self, request_id: str, position: int, priority: int, check: Callable[[], object]
@@ -186,6 +192,8 @@ class Request:
         stages: the stages it entered, in order.
         cache_steps: each component with a step cache: the image steps it computed and
             skipped for this request's rows (rows cancelled meanwhile leave uncounted).
+        prompts: the rows the prompt cache answered and those encoded; None where the
+            pipeline has no prompt cache.
     """
 
     def __init__(
@@ -200,6 +208,7 @@ class Request:
         self.stages: list[str] = []
         self.touched: set[str] = set()
         self.cache_steps: dict[str, CacheSteps] = {}
+        self.prompts = None if keeper.prompts is None else PromptCounts()
         self._keeper = keeper
         self._recipe = recipe
         self._cancelled = False
@@ -249,6 +258,8 @@ class Request:
 
         Rows cancelled through ``batch.cancellation`` leave before the stage and
         between its denoising steps; when none is left the stage raises ``Cancelled``.
+        Where the prompt cache holds every row's text, the encode stage is not entered:
+        the text comes from the cache, and no encoder is used.
 
         Raises:
             NotImplementedError: a component's kind does not say how it runs.
@@ -267,6 +278,15 @@ class Request:
             if batch.adapters is not None or keeper.adapters.adapters:
                 keeper.adapters.check_rows(batch.adapters or ())
                 keeper.rows[self.id] = batch.adapters
+            prompts = keeper.prompts if self._recipe is not None else None
+            keys = None
+            if prompts is not None and stage == prompts.stage:
+                assert self._recipe is not None  # prompts is None without one
+                keys = prompts.keys(self._recipe, batch, keeper.adapters)
+                if prompts.restore(keys, batch):
+                    self.prompts = counted(batch.size, 0, self.prompts)
+                    batch.drop_cancelled()
+                    return
             with self._inference:
                 position, modules = self._enter(stage, batch.drop_cancelled)
                 try:
@@ -280,6 +300,10 @@ class Request:
                 finally:
                     self._keeper.leave(self.id, position)
                 self._count_cache(position, batch)
+                if keys is not None:
+                    assert prompts is not None  # keys come from it
+                    prompts.keep(keys, batch)
+                    self.prompts = counted(0, batch.size, self.prompts)
                 batch.drop_cancelled()  # what was cancelled during the stage leaves now
         finally:
             self._batch = None

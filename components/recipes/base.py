@@ -124,6 +124,23 @@ def predict(
     return [module(**group._asdict(), return_dict=False)[0] for group in inputs]
 
 
+class PromptKey(NamedTuple):
+    """What one row's encoded text depends on besides the encoders.
+
+    Attributes:
+        pipeline_class: the class, whose lengths (and layers) the encoding follows.
+        prompt: the prompt in the class's template.
+        negative: the negative prompt in the template; None where the class encodes its
+            own (the empty prompt) or none.
+        guided: whether the class encodes a negative branch at all.
+    """
+
+    pipeline_class: str
+    prompt: str
+    negative: str | None
+    guided: bool
+
+
 class RecipeError(ValueError):
     """A folder's components do not fit its pipeline class's recipe; every problem is named.
 
@@ -269,6 +286,37 @@ class Recipe(ABC):
     def guidance_scale(self, batch: Batch) -> float:
         """Return the batch's guidance scale, else the pipeline's default."""
         return self.default_guidance if batch.guidance_scale is None else batch.guidance_scale
+
+    def guided(self, batch: Batch) -> bool:
+        """Tell whether ``batch`` runs a second, negative branch: at a scale above 1, in a
+        class that takes a negative prompt."""
+        return self.takes_negative_prompt and self.guidance_scale(batch) > 1
+
+    def template(self, text: str) -> str:
+        """Return ``text`` as the class puts it before its encoders: itself, unless the class
+        has a prompt template."""
+        return text
+
+    def prompt_keys(self, batch: Batch) -> list[PromptKey]:
+        """Return what each row's encoded text depends on besides the encoders (its entry in a
+        prompt cache), after ``check``: the class, the templated prompt and, where the class
+        encodes one, the templated negative prompt.
+
+        Raises:
+            ValueError: as ``check``.
+        """
+        prompts = self.check(batch)
+        guided = self.guided(batch)
+        negatives = batch.negative_prompts if guided else None
+        return [
+            PromptKey(
+                self.pipeline_class,
+                self.template(prompt),
+                None if negatives is None else self.template(negatives[row]),
+                guided,
+            )
+            for row, prompt in enumerate(prompts)
+        ]
 
     @property
     @abstractmethod

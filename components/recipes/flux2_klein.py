@@ -101,6 +101,10 @@ class Flux2KleinRecipe(Recipe):
         """Tell whether ``batch`` runs guidance: a base model at a scale above 1."""
         return not self.distilled and self.guidance_scale(batch) > 1
 
+    def template(self, text: str) -> str:
+        """Return ``text`` as the user's message in Qwen3's chat template, thinking off."""
+        return self.text_encoder.chat(text, enable_thinking=False)
+
     def check(self, batch: Batch) -> list[str]:
         """Refuse what diffusers' call cannot take or ignores; return the prompts.
 
@@ -138,7 +142,7 @@ class Flux2KleinRecipe(Recipe):
         """Return each text's joined states ``(512, 3E)``, and whether it was cut."""
         distinct, rows = unique_texts(texts)
         encoder = self.text_encoder
-        templated = [encoder.chat(text, enable_thinking=False) for text in distinct]
+        templated = [self.template(text) for text in distinct]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
         layers = encoder.hidden_states(module, tokens, TEXT_LAYERS, boolean_mask=False)
         joined = torch.stack(layers, dim=1).to(encoder.dtype)  # (B', 3, L, E)

@@ -116,7 +116,7 @@ class PixArtAlphaRecipe(Recipe):
         module = modules["text_encoder"]
         batch.context, batch.context_mask, truncated = self._embed(module, prompts)
         batch.mark_truncated(truncated)
-        if self.guidance_scale(batch) > 1:
+        if self.guided(batch):
             negative = batch.negative_prompts or [""] * len(prompts)
             batch.negative_context, batch.negative_context_mask, _ = self._embed(module, negative)
 
@@ -180,7 +180,7 @@ class PixArtDenoising(Denoising):
         super().__init__(group)
         rows = self.rows
         self.scale = recipe.guidance_scale(batch)
-        self.guided = self.scale > 1
+        self.guided = recipe.guided(batch)
         self.branches = 2 if self.guided else 1
         context, mask = _joined(batch.context, batch.context_mask, rows, device)
         if self.guided:

@@ -108,6 +108,10 @@ class QwenImageRecipe(Recipe):
         """Tell whether ``batch`` runs true CFG: a scale above 1 and a negative prompt."""
         return self.guidance_scale(batch) > 1 and batch.negative_prompts is not None
 
+    def template(self, text: str) -> str:
+        """Return ``text`` as the user's message after the system prompt (``TEMPLATE``)."""
+        return TEMPLATE.format(text)
+
     def check(self, batch: Batch) -> list[str]:
         """Refuse what diffusers would ignore: a guidance scale without a negative prompt, or a
         negative prompt without a guidance scale above 1; return the prompts.
@@ -147,7 +151,7 @@ class QwenImageRecipe(Recipe):
         """Return each text's states ``(L_i, E)`` past the template's head, and whether it
         was cut."""
         distinct, rows = unique_texts(texts)
-        templated = [TEMPLATE.format(text) for text in distinct]
+        templated = [self.template(text) for text in distinct]
         tokens = self.text_encoder.tokenize(templated, TOKENIZER_LENGTH + DROPPED, longest=True)
         (states,) = self.text_encoder.hidden_states(module, tokens, [-1], boolean_mask=False)
         kept = [

@@ -75,7 +75,7 @@ class Sd3Recipe(Recipe):
         prompts = self.check(batch)
         batch.context, batch.pooled, truncated = self._embed(modules, prompts)
         batch.mark_truncated(truncated)
-        if self.guidance_scale(batch) > 1:
+        if self.guided(batch):
             negative = batch.negative_prompts or [""] * len(prompts)
             batch.negative_context, batch.negative_pooled, _ = self._embed(modules, negative)
 
@@ -168,7 +168,7 @@ class Sd3Denoising(Denoising):
         super().__init__(group)
         rows = self.rows
         self.scale = recipe.guidance_scale(batch)
-        self.guided = self.scale > 1
+        self.guided = recipe.guided(batch)
         self.branches = 2 if self.guided else 1
         context = torch.stack([batch.context[row] for row in rows])
         pooled = batch.pooled[rows]

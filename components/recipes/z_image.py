@@ -90,6 +90,10 @@ class ZImageRecipe(Recipe):
         """Tell whether ``batch`` runs classifier-free guidance: at any scale above 0."""
         return self.guidance_scale(batch) > 0
 
+    def template(self, text: str) -> str:
+        """Return ``text`` as the user's message in Qwen3's chat template, thinking left on."""
+        return self.text_encoder.chat(text, enable_thinking=True)
+
     def check(self, batch: Batch) -> list[str]:
         """Refuse a negative prompt at guidance scale 0, which diffusers ignores; return the
         prompts.
@@ -122,7 +126,7 @@ class ZImageRecipe(Recipe):
         """Return each text's states ``(L_i, E)`` (its real tokens), and whether it was cut."""
         distinct, rows = unique_texts(texts)
         encoder = self.text_encoder
-        templated = [encoder.chat(text, enable_thinking=True) for text in distinct]
+        templated = [self.template(text) for text in distinct]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
         (states,) = encoder.hidden_states(module, tokens, [PENULTIMATE], boolean_mask=True)
         real = tokens.mask.to(states.device).bool()

@@ -11,7 +11,8 @@ master is the weights themselves, on CUDA a pinned copy that onload copies from
   that offloads: ``load()`` builds each in memory before it writes its file and
   frees it.
 
-Each component counts whole, as one process holds it; the ranks of a layout on
+The prompt cache (``serving.prompt_cache_bytes``) counts whole too: it may fill. Each
+component counts whole, as one process holds it; the ranks of a layout on
 one node hold at least that together. A component of unknown size counts
 nothing: the check refuses only what cannot fit.
 """
@@ -78,26 +79,27 @@ def host_memory_refusals(
     loaders: Mapping[str, ComponentLoader],
     available: int | None,
 ) -> list[Refusal]:
-    """Refuse a pipeline whose weights held at once exceed ``available`` host bytes."""
+    """Refuse a pipeline whose weights held at once, with its prompt cache, exceed
+    ``available`` host bytes."""
     if available is None:
         return []
     held = held_at_once(spec, loaders)
-    needed = sum(held.values())
+    cache = spec.serving.prompt_cache
+    needed = sum(held.values()) + cache
     if needed <= available:
         return []
     ranked = sorted(held, key=lambda name: (-held[name], name))
-    total, free, *each = format_sizes(needed, available, *(held[name] for name in ranked))
+    total, free, cached, *each = format_sizes(
+        needed, available, cache, *(held[name] for name in ranked)
+    )
     parts = [f"{name} {size}" for name, size in zip(ranked, each, strict=True)][:SHOWN]
     if len(ranked) > SHOWN:
         parts.append(f"{len(ranked) - SHOWN} more")
-    largest = ranked[0]
-    to_disk = (
-        f', keep {largest} on disk (memory.offload_target = "disk" and '
-        f'components.{largest}.residency = "component_offload")'
-        if spec.memory.offload_target == "host"
-        or spec.components[largest].residency_mode is ResidencyMode.RESIDENT
-        else ""
-    )
+    if cache:
+        parts.append(f"prompt cache {cached}")
+    fixes = [_smaller(spec, ranked[0])] if ranked else []
+    if cache:
+        fixes.append("lower serving.prompt_cache_bytes")
     held_what = (
         "every component"
         if spec.memory.offload_target == "host"
@@ -109,7 +111,18 @@ def host_memory_refusals(
             component=spec.name,
             message=f"the host holds {held_what} at once: {total} "
             f"({', '.join(parts)}), and it has {free} available",
-            hint=f"make {largest} smaller (components.{largest}.options){to_disk}, or run "
-            f"where at least {total} of memory is available",
+            hint=f"{', '.join(fixes)}, or run where at least {total} of memory is available",
         )
     ]
+
+
+def _smaller(spec: PipelineSpec, largest: str) -> str:
+    """Return how to make the host hold less of component ``largest``."""
+    to_disk = (
+        f', keep {largest} on disk (memory.offload_target = "disk" and '
+        f'components.{largest}.residency = "component_offload")'
+        if spec.memory.offload_target == "host"
+        or spec.components[largest].residency_mode is ResidencyMode.RESIDENT
+        else ""
+    )
+    return f"make {largest} smaller (components.{largest}.options){to_disk}"

@@ -145,6 +145,9 @@ def run_summary(report: RunReport) -> str:
                 *((n.sentence, n.neighbour, f"{n.cosine:.3f}") for n in report.neighbours),
             ]
         )
+    if report.prompt_cache is not None:
+        hits, misses = report.prompt_cache.hits, report.prompt_cache.misses
+        lines.append(f"  prompt cache: {hits} prompts cached, {misses} encoded")
     if report.images:
         count = len(report.images)
         folder = Path(report.images[0]).parent

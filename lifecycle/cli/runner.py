@@ -25,10 +25,11 @@ from components.quantize import Quantization
 from lifecycle.cli.cores import Threads
 from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
-from lifecycle.events import Event, Move, RequestEnded
+from lifecycle.events import Event, Move, PromptCounts, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.png import write_png
 from lifecycle.plan import PipelineSnapshot
+from lifecycle.prompts import counted
 from lifecycle.spec.structs import PipelineSpec
 
 
@@ -84,6 +85,8 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         neighbours: each embedded sentence's nearest neighbour (pipelines that embed).
         images: the PNG files written (with an output folder).
         stopped_by: the signal that stopped the run early, or None.
+        prompt_cache: the rows whose text the prompt cache gave and the rows encoded, over
+            every request (design §19); None without a prompt cache.
     """
 
     pipeline: str
@@ -96,6 +99,7 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     neighbours: tuple[Neighbour, ...] = ()
     images: tuple[str, ...] = ()
     stopped_by: str | None = None
+    prompt_cache: PromptCounts | None = None
 
 
 @dataclass
@@ -121,11 +125,15 @@ class MoveTally:
     def __init__(self, components: Iterable[str], *, keep_moves: bool) -> None:
         self._totals = {name: _Totals() for name in components}
         self.moves: list[Move] | None = [] if keep_moves else None
+        self.prompts: PromptCounts | None = None
+        """The prompt cache's rows over every request; None without a prompt cache."""
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, RequestEnded):
             for name, steps in event.cache.items():
                 self._totals[name].cache += steps
+            if event.prompts is not None:
+                self.prompts = counted(event.prompts.hits, event.prompts.misses, self.prompts)
             return
         if not isinstance(event, Move):
             return  # only moves and ended requests add to the totals
@@ -311,4 +319,5 @@ def summarise(
         neighbours=nearest_neighbours(outputs.sentences),
         images=tuple(outputs.images),
         stopped_by=stopped_by,
+        prompt_cache=tally.prompts,
     )

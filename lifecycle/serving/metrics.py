@@ -94,6 +94,12 @@ class ServingMetrics:
             ["pipeline", "component", "outcome"],
             registry=r,
         )
+        self.prompt_cache = Counter(
+            "lifecycle_prompt_cache_rows",
+            "prompts whose text the prompt cache gave (hit) or the encoders made (miss)",
+            ["pipeline", "outcome"],
+            registry=r,
+        )
         self.cancelled = Counter(
             "lifecycle_cancelled_requests",
             "requests cancelled, by the stage they stopped in (queued: before any)",
@@ -138,7 +144,7 @@ class ServingMetrics:
 
     def pipeline_observer(self, pipeline: str) -> Observer:
         """Return an observer counting what ``pipeline``'s own metrics need: its step caches'
-        steps, as each request ends."""
+        steps and its prompt cache's rows, as each request ends."""
 
         def observe(event: Event) -> None:
             if isinstance(event, RequestEnded):
@@ -146,6 +152,10 @@ class ServingMetrics:
                     labels = {"pipeline": pipeline, "component": component}
                     self.cache_steps.labels(**labels, outcome="computed").inc(steps.computed)
                     self.cache_steps.labels(**labels, outcome="skipped").inc(steps.skipped)
+                if event.prompts is not None:
+                    prompts = event.prompts
+                    self.prompt_cache.labels(pipeline=pipeline, outcome="hit").inc(prompts.hits)
+                    self.prompt_cache.labels(pipeline=pipeline, outcome="miss").inc(prompts.misses)
 
         return observe
 

@@ -122,6 +122,9 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
             arrived; then it is closed (408).
         warmup: warm-up requests run through every stage before ``/readyz`` answers
             200 (at least one: the worker reads what the pipeline produces off it).
+        prompt_cache_bytes: host memory for encoded prompts of a pipeline from a folder
+            (``lifecycle.prompts``): a batch whose prompts are all kept does not use its
+            text encoders. Unset or 0 (the default) keeps none.
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -150,6 +153,13 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     header_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     body_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     warmup: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # the prompt-embedding cache (design §19)
+    prompt_cache_bytes: ByteSize | UnsetType = UNSET
+
+    @property
+    def prompt_cache(self) -> int:
+        """Return the prompt cache's bytes (``prompt_cache_bytes``; 0 when unset: none)."""
+        return 0 if isinstance(self.prompt_cache_bytes, UnsetType) else self.prompt_cache_bytes
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
