@@ -63,11 +63,11 @@ def load_ours(folder: Path) -> Orchestrator:
 
 
 @no_progress_bars()
-def load_diffusers(folder: Path) -> Any:
-    """Load ``folder`` with diffusers' ``from_pretrained``."""
+def load_diffusers(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """Load ``folder`` with diffusers' ``from_pretrained``, its weights in ``dtype``."""
     from diffusers import DiffusionPipeline
 
-    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline = DiffusionPipeline.from_pretrained(str(folder), dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 

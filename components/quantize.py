@@ -86,10 +86,19 @@ def quantize(module: nn.Module, quantization: Quantization) -> None:
     """
     if quantization == "off":
         return
-    configs = _configs()
+    config = torchao_config(quantization)
     from torchao.quantization import quantize_  # type: ignore[import-untyped]
 
-    quantize_(module, configs[quantization]())
+    quantize_(module, config)
+
+
+def torchao_config(quantization: Quantization) -> object:
+    """Return torchao's config for ``quantization`` (not ``off``): what ``quantize`` applies.
+
+    Raises:
+        ModuleNotFoundError: torchao is not installed.
+    """
+    return _configs()[quantization]()
 
 
 def _configs() -> dict[str, type]:
