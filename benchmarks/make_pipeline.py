@@ -1,11 +1,12 @@
 """Write a real diffusers-format pipeline folder with seeded random weights.
 
 ``python -m benchmarks.make_pipeline FAMILY DIR [--size tiny|bench] [--seed N]`` (FAMILY:
-pixart, pixart-sigma, flux, sd3, qwen-image, z-image, flux2-klein, flux2-klein-distilled)
-builds the pipeline from diffusers' and transformers' own classes, fills
-every weight from the seed, and writes it with diffusers' ``save_pretrained``: a
-``model_index.json``, one subfolder per component with ``config.json`` and safetensors
-weights, the scheduler's config and the tokenizers. Nothing is downloaded: the
+pixart, pixart-sigma, flux, sd3, qwen-image, z-image, flux2-klein, flux2-klein-distilled,
+or the videos wan, wan-a14b, wan-ti2v, wan-i2v, wan-i2v-a14b) builds the pipeline from
+diffusers' and transformers' own classes, fills every weight from the seed, and writes
+it with diffusers' ``save_pretrained``: a ``model_index.json``, one subfolder per
+component with ``config.json`` and safetensors weights, the scheduler's config and the
+tokenizers. Nothing is downloaded: the
 tokenizers are made here with the ``tokenizers`` library (a word-level vocabulary of
 common words, split on whitespace and punctuation), one per text encoder, T5's closing
 each prompt with ``</s>`` and CLIP's wrapping it in its start and end tokens; the
@@ -52,6 +53,11 @@ Family = Literal[
     "z-image",
     "flux2-klein",
     "flux2-klein-distilled",
+    "wan",
+    "wan-a14b",
+    "wan-ti2v",
+    "wan-i2v",
+    "wan-i2v-a14b",
 ]
 
 T5_SPECIAL = ("<pad>", "</s>", "<unk>")
@@ -89,6 +95,8 @@ class Dims(NamedTuple):
         layers: the DiT's blocks (Flux: of each of its two stacks).
         vae: the VAE's block widths (the image is ``2 ** (len - 1)`` times the latents).
         sample: the DiT's default latent side.
+        video: the video VAE's base width (Wan; its four stages all that wide).
+        image: the image encoder's width (Wan 2.1 I2V's CLIP vision model) and side.
     """
 
     text: int
@@ -100,16 +108,18 @@ class Dims(NamedTuple):
     layers: int
     vae: tuple[int, ...]
     sample: int
+    video: int
+    image: int
 
 
 DIMS: dict[Size, Dims] = {
     "tiny": Dims(
         text=64, text_layers=2, clip=16, clip_layers=2, heads=2, head_dim=16, layers=2,
-        vae=(8, 8, 8, 8), sample=32,
+        vae=(8, 8, 8, 8), sample=32, video=4, image=8,
     ),
     "bench": Dims(
         text=256, text_layers=6, clip=64, clip_layers=4, heads=6, head_dim=64, layers=8,
-        vae=(32, 64, 64, 64), sample=32,
+        vae=(32, 64, 64, 64), sample=32, video=16, image=32,
     ),
 }  # fmt: skip
 
@@ -147,11 +157,13 @@ def word_tokenizer(
     )
 
 
-def t5(dims: Dims) -> tuple[Any, PreTrainedTokenizerFast]:
-    """Return a T5 encoder (v1.1 style: gated GELU, untied head) and its tokenizer."""
-    from transformers import T5Config, T5EncoderModel
+def t5(dims: Dims, *, umt5: bool = False) -> tuple[Any, PreTrainedTokenizerFast]:
+    """Return a T5 encoder (v1.1 style: gated GELU, untied head), or with ``umt5`` a UMT5
+    one (Wan's text encoder: a position bias in every layer), and its tokenizer."""
+    import transformers
 
-    config = T5Config(
+    prefix = "UMT5" if umt5 else "T5"
+    config = getattr(transformers, f"{prefix}Config")(
         vocab_size=len(vocabulary(T5_SPECIAL)),
         d_model=dims.text,
         d_kv=dims.text // 4,
@@ -165,7 +177,8 @@ def t5(dims: Dims) -> tuple[Any, PreTrainedTokenizerFast]:
         eos_token_id=1,
         tie_word_embeddings=False,
     )
-    return T5EncoderModel(config), word_tokenizer(T5_SPECIAL, "$A </s>", T5_MAX_TOKENS)
+    encoder = getattr(transformers, f"{prefix}EncoderModel")(config)
+    return encoder, word_tokenizer(T5_SPECIAL, "$A </s>", T5_MAX_TOKENS)
 
 
 def clip(dims: Dims, width: int, *, projection: bool) -> tuple[Any, PreTrainedTokenizerFast]:
@@ -332,6 +345,134 @@ def sd3(dims: Dims) -> tuple[type, dict[str, Any]]:
     return StableDiffusion3Pipeline, components
 
 
+WAN_BOUNDARY = {"wan-a14b": 0.875, "wan-i2v-a14b": 0.9}
+"""Wan 2.2 A14B's boundary ratio per family: ``transformer`` runs the steps whose timestep
+is at least this times 1000, ``transformer_2`` the rest (0.875 for text to video, 0.9 for
+image to video, as the released folders say)."""
+
+
+def wan_vae(dims: Dims, *, wide: bool) -> Any:
+    """Return an ``AutoencoderKLWan``: 16 latent channels at 8x (Wan 2.1, A14B), or 48 at
+    16x through a patch of 2 (``wide``: TI2V-5B)."""
+    from diffusers import AutoencoderKLWan
+
+    shared: dict[str, Any] = {
+        "base_dim": dims.video,
+        "dim_mult": [1, 1, 1, 1],
+        "num_res_blocks": 1,
+        "temperal_downsample": [False, True, True],
+    }
+    if not wide:
+        return AutoencoderKLWan(z_dim=16, **shared)
+    return AutoencoderKLWan(
+        z_dim=48,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        latents_mean=[0.0] * 48,
+        latents_std=[1.0] * 48,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        **shared,
+    )
+
+
+def wan_transformer(
+    dims: Dims, channels: int, *, into: int | None = None, image_dim: int | None = None
+) -> Any:
+    """Return a ``WanTransformer3DModel`` predicting ``channels`` from ``into`` (the noise and,
+    for image to video, the mask and the encoded image), cross-attending to the image
+    encoder's ``image_dim`` states too where given (Wan 2.1 I2V)."""
+    from diffusers import WanTransformer3DModel
+
+    head_dim = 12 if dims.head_dim < 24 else 48  # a multiple of 6: the 3D rotary splits it
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=dims.heads,
+        attention_head_dim=head_dim,
+        in_channels=into or channels,
+        out_channels=channels,
+        text_dim=dims.text,
+        freq_dim=256,
+        ffn_dim=dims.heads * head_dim * 2,
+        num_layers=dims.layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+        image_dim=image_dim,
+    )
+
+
+def wan_scheduler() -> Any:
+    """Return Wan's flow-matching UniPC scheduler (shift 3, the 480p setting)."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+
+
+def wan(dims: Dims, family: Family) -> tuple[type, dict[str, Any]]:
+    """Return ``WanPipeline``'s components: Wan 2.1 (one DiT), 2.2 A14B (two experts and a
+    boundary) or 2.2 TI2V-5B (the wide VAE, a timestep per token)."""
+    from diffusers import WanPipeline
+
+    text_encoder, tokenizer = t5(dims, umt5=True)
+    wide = family == "wan-ti2v"
+    channels = 48 if wide else 16
+    two = family == "wan-a14b"
+    components = {
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": wan_transformer(dims, channels),
+        "transformer_2": wan_transformer(dims, channels) if two else None,
+        "vae": wan_vae(dims, wide=wide),
+        "scheduler": wan_scheduler(),
+        "boundary_ratio": WAN_BOUNDARY.get(family),
+        "expand_timesteps": wide,
+    }
+    return WanPipeline, components
+
+
+def wan_i2v(dims: Dims, family: Family) -> tuple[type, dict[str, Any]]:
+    """Return ``WanImageToVideoPipeline``'s components: Wan 2.1 I2V (a CLIP image encoder
+    whose states the DiT attends to) or 2.2 A14B I2V (two experts, no image encoder)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    text_encoder, tokenizer = t5(dims, umt5=True)
+    two = family == "wan-i2v-a14b"
+    image_dim = None if two else dims.image
+    into = 16 + 4 + 16  # noise, the first frame's mask (4 frames a latent), the image
+    encoder = None
+    processor = None
+    if not two:
+        config = CLIPVisionConfig(
+            hidden_size=dims.image,
+            projection_dim=dims.image,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            intermediate_size=dims.image * 4,
+            patch_size=8,
+        )
+        encoder = CLIPVisionModel(config)
+        processor = CLIPImageProcessor(crop_size=32, size=32)
+    components = {
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": wan_transformer(dims, 16, into=into, image_dim=image_dim),
+        "transformer_2": wan_transformer(dims, 16, into=into) if two else None,
+        "vae": wan_vae(dims, wide=False),
+        "scheduler": wan_scheduler(),
+        "image_encoder": encoder,
+        "image_processor": processor,
+        "boundary_ratio": WAN_BOUNDARY.get(family),
+    }
+    return WanImageToVideoPipeline, components
+
+
 BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
     "pixart": lambda dims: pixart(dims, sigma=False),
     "pixart-sigma": lambda dims: pixart(dims, sigma=True),
@@ -341,6 +482,11 @@ BUILDERS: dict[Family, Callable[[Dims], tuple[type, dict[str, Any]]]] = {
     "z-image": lambda dims: _llm_folders.z_image(dims, WORDS),
     "flux2-klein": lambda dims: _llm_folders.flux2_klein(dims, WORDS, distilled=False),
     "flux2-klein-distilled": lambda dims: _llm_folders.flux2_klein(dims, WORDS, distilled=True),
+    "wan": lambda dims: wan(dims, "wan"),
+    "wan-a14b": lambda dims: wan(dims, "wan-a14b"),
+    "wan-ti2v": lambda dims: wan(dims, "wan-ti2v"),
+    "wan-i2v": lambda dims: wan_i2v(dims, "wan-i2v"),
+    "wan-i2v-a14b": lambda dims: wan_i2v(dims, "wan-i2v-a14b"),
 }
 
 
@@ -353,6 +499,10 @@ def positive_variances(module: torch.nn.Module) -> None:
                 assert layer.running_var is not None
                 layer.running_var.abs_().add_(0.5)
 
+
+SEED_OFFSETS = {"transformer_2": 1}
+"""Components seeded apart from their twin of the same class: Wan 2.2 A14B's second expert
+is another model than its first (seeded alike, a hand-over would change nothing)."""
 
 TIME_EMBEDDER = "timestep_embedder.linear_1"
 """The first layer of a DiT's timestep MLP (PixArt, Flux and SD3 name it alike)."""
@@ -400,9 +550,9 @@ def write_pipeline(
     DiT's timestep embedding over steps (``smooth_time_embedding``), for step caches.
     """
     pipeline_class, components = BUILDERS[family](DIMS[size])
-    for component in components.values():
+    for name, component in components.items():
         if isinstance(component, torch.nn.Module):
-            seed_weights(component, seed)
+            seed_weights(component, seed + SEED_OFFSETS.get(name, 0))
             positive_variances(component)
             component.eval()
     if smooth_time:

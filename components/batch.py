@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias
 
 import msgspec
 import torch
@@ -21,7 +21,16 @@ RGB = 3  # the colour channels of Batch.images
 DEFAULT_STEPS = 4
 """The denoising steps of a request that names none, where no pipeline class sets them (a
 folder's recipe does: ``Recipe.default_steps``)."""
-BatchField = Literal["prompts", "context", "pooled", "sentence_embeddings", "latents", "images"]
+BatchField = Literal[
+    "prompts",
+    "context",
+    "pooled",
+    "sentence_embeddings",
+    "latents",
+    "images",
+    "image_context",
+    "videos",
+]
 
 
 class Port(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -182,6 +191,19 @@ class Batch:
             every step of those rows (they still share the forward with cached rows).
         cache_rows: each row's step cache while the denoiser runs (None for a row that
             runs none), set by the denoiser; its counts stay after the stage.
+        frames: the frames of each video, for a pipeline that makes videos; None takes
+            the pipeline's default.
+        guidance_scale_2: the guidance scale of a second denoiser's steps (Wan 2.2
+            A14B's ``transformer_2``); None takes ``guidance_scale``.
+        input_images: the image each video starts from (PIL images, one per row), for
+            image to video.
+        last_images: the image each video ends on (PIL images), where the pipeline
+            takes one; None: none.
+        image_context: an image encoder's states of each row's input image(s), one
+            ``(P, E)`` tensor per row.
+        condition: what each row's denoising is conditioned on beside the text (image to
+            video: the mask and the encoded input frames), one tensor per row.
+        videos: videos ``(B, 3, F, H, W)`` in [-1, 1].
 
     A denoising loop calls ``stepped`` after each step: it reports the step and drops
     the rows cancelled meanwhile, so a cancelled row costs at most one more step and
@@ -217,6 +239,13 @@ class Batch:
     adapters: list[dict[str, float]] | None = None
     cache: bool | list[bool] = True
     cache_rows: list[RowCache | None] | None = None
+    frames: int | None = None
+    guidance_scale_2: float | None = None
+    input_images: list[Any] | None = None
+    last_images: list[Any] | None = None
+    image_context: list[torch.Tensor] | None = None
+    condition: list[torch.Tensor] | None = None
+    videos: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -282,6 +311,11 @@ class Batch:
             "negative_pooled",
             "cache",  # a list when rows differ
             "cache_rows",
+            "input_images",
+            "last_images",
+            "image_context",
+            "condition",
+            "videos",
         ):
             values = getattr(self, name)
             if isinstance(values, list):

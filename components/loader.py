@@ -98,6 +98,9 @@ class ComponentLoader:
     """The attribute (a dotted path) holding the ``nn.ModuleList`` that layerwise offload
     streams, or several, whose blocks stream one stack after the other (Flux's double-stream
     then single-stream blocks)."""
+    unstreamable: ClassVar[str | None] = None
+    """Why a kind without a block stack has none, where that is a property of the model (a
+    refused layerwise offload says it)."""
     sequence_parallel: ClassVar[bool] = False
     """Whether the custom path splits sequences (ring attention applies to its self sites);
     a kind that says so implements ``parallelize``."""

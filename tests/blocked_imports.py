@@ -26,3 +26,30 @@ sys.meta_path.insert(0, Blocker())
 def blocking(*libraries: str) -> str:
     """Return the source that, run first, makes ``libraries`` unimportable in its process."""
     return f"BLOCKED = {sorted(libraries)!r}\n" + FINDER
+
+
+UNINSTALLING = """
+import importlib.machinery
+import sys
+
+
+class Uninstalled(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in UNINSTALLED:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path = [
+    Uninstalled if finder is importlib.machinery.PathFinder else finder
+    for finder in sys.meta_path
+]
+"""
+
+
+def uninstalled(*libraries: str) -> str:
+    """Return the source that, run first, makes ``libraries`` look not installed in its
+    process: ``importlib.util.find_spec`` finds nothing, so a library that probes for
+    another before importing it (diffusers probes imageio) carries on without it."""
+    return f"UNINSTALLED = {sorted(libraries)!r}\n" + UNINSTALLING

@@ -63,7 +63,8 @@ class TestMakePipeline:
         assert result.returncode == 2
         assert (
             "invalid choice: 'sdxl' (choose from 'pixart', 'pixart-sigma', 'flux', 'sd3', "
-            "'qwen-image', 'z-image', 'flux2-klein', 'flux2-klein-distilled')" in result.stderr
+            "'qwen-image', 'z-image', 'flux2-klein', 'flux2-klein-distilled', 'wan', 'wan-a14b', "
+            "'wan-ti2v', 'wan-i2v', 'wan-i2v-a14b')" in result.stderr
         )
 
 

@@ -92,10 +92,7 @@ class PipelineIndex(NamedTuple):
                 config[name] = value
                 continue
             if not _is_pair(value):
-                raise ValueError(
-                    f"{path}: entry '{name}' is {json.dumps(value)}; expected a "
-                    '["library", "ClassName"] pair or [null, null]'
-                )
+                raise malformed_entry(path, name, value)
             entries[name] = Entry(name, value[0], value[1])
         return cls(folder, pipeline[1], entries, pipeline[0], config)
 
@@ -131,6 +128,14 @@ class PipelineIndex(NamedTuple):
                 "to [null, null]"
             )
         return path
+
+
+def malformed_entry(path: Path, name: str, value: object) -> ValueError:
+    """Return the error of entry ``name`` of ``path``, whose ``value`` names no class."""
+    return ValueError(
+        f"{path}: entry '{name}' is {json.dumps(value)}; expected a "
+        '["library", "ClassName"] pair or [null, null]'
+    )
 
 
 def _is_pair(value: object) -> TypeGuard[list[str]]:

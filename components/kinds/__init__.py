@@ -3,7 +3,9 @@
 from components.kinds.autoencoder_kl import AutoencoderKlLoader
 from components.kinds.autoencoder_kl_flux2 import AutoencoderKlFlux2Loader
 from components.kinds.autoencoder_kl_qwen_image import AutoencoderKlQwenImageLoader
+from components.kinds.autoencoder_kl_wan import AutoencoderKlWanLoader
 from components.kinds.clip_text_encoder import ClipTextEncoderLoader
+from components.kinds.clip_vision_encoder import ClipVisionEncoderLoader
 from components.kinds.flux2_transformer import Flux2TransformerLoader
 from components.kinds.flux_transformer import FluxTransformerLoader
 from components.kinds.llm_text_encoder import LlmTextEncoderLoader
@@ -16,6 +18,8 @@ from components.kinds.tiny_dit import TinyDitLoader
 from components.kinds.tiny_text_encoder import TinyTextEncoderLoader
 from components.kinds.tiny_upsampler import TinyUpsamplerLoader
 from components.kinds.tiny_vae import TinyVaeLoader
+from components.kinds.umt5_encoder import Umt5EncoderLoader
+from components.kinds.wan_transformer import WanTransformerLoader
 from components.kinds.z_image_transformer import ZImageTransformerLoader
 from components.loader import ComponentLoader
 
@@ -37,6 +41,10 @@ BUILTIN_KINDS: tuple[type[ComponentLoader], ...] = (
     ZImageTransformerLoader,
     Flux2TransformerLoader,
     AutoencoderKlFlux2Loader,
+    Umt5EncoderLoader,
+    ClipVisionEncoderLoader,
+    WanTransformerLoader,
+    AutoencoderKlWanLoader,
 )
 
 __all__ = [
@@ -44,7 +52,9 @@ __all__ = [
     "AutoencoderKlFlux2Loader",
     "AutoencoderKlLoader",
     "AutoencoderKlQwenImageLoader",
+    "AutoencoderKlWanLoader",
     "ClipTextEncoderLoader",
+    "ClipVisionEncoderLoader",
     "Flux2TransformerLoader",
     "FluxTransformerLoader",
     "LlmTextEncoderLoader",
@@ -57,5 +67,7 @@ __all__ = [
     "TinyTextEncoderLoader",
     "TinyUpsamplerLoader",
     "TinyVaeLoader",
+    "Umt5EncoderLoader",
+    "WanTransformerLoader",
     "ZImageTransformerLoader",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -36,7 +36,26 @@ class T5Encoding(NamedTuple):
     mask: torch.Tensor  # (B, L) int64, 1 = real token
 
 
-class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
+class T5Ports:
+    """The blocks and ports of a T5-family encoder's config (T5, UMT5): prompts in, the
+    token context ``d_model`` wide out."""
+
+    config: dict[str, Any]
+
+    def block_count(self) -> int:
+        """Return the encoder's layers (``num_layers``)."""
+        return int(self.config["num_layers"])
+
+    def reads(self) -> tuple[Port, ...]:
+        """Read the prompts."""
+        return (Port(field="prompts"),)
+
+    def writes(self) -> tuple[Port, ...]:
+        """Write the token context, ``d_model`` wide."""
+        return (Port(field="context", width=int(self.config["d_model"])),)
+
+
+class T5EncoderLoader(T5Ports, CustomFolderLoader, TextEncoderLoader):
     """Load ``T5EncoderModel``; its blocks (``encoder.block``) stream under layerwise offload."""
 
     kind: ClassVar[str] = "t5_encoder"
@@ -79,18 +98,6 @@ class T5EncoderLoader(CustomFolderLoader, TextEncoderLoader):
         assert isinstance(module, T5Encoder)
         assert parallel.tensor is not None  # build() calls this for a tensor split only
         module.parallelize(parallel.tensor)
-
-    def block_count(self) -> int:
-        """Return the encoder's layers (``num_layers``)."""
-        return int(self.config["num_layers"])
-
-    def reads(self) -> tuple[Port, ...]:
-        """Read the prompts."""
-        return (Port(field="prompts"),)
-
-    def writes(self) -> tuple[Port, ...]:
-        """Write the token context, ``d_model`` wide."""
-        return (Port(field="context", width=int(self.config["d_model"])),)
 
     def encode(
         self, module: nn.Module, texts: Sequence[str], length: int, *, masked: bool

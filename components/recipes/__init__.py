@@ -8,6 +8,8 @@ from components.recipes.flux2_klein import Flux2KleinRecipe
 from components.recipes.pixart import PixArtAlphaRecipe, PixArtSigmaRecipe
 from components.recipes.qwen_image import QwenImageRecipe
 from components.recipes.sd3 import Sd3Recipe
+from components.recipes.wan import WanRecipe
+from components.recipes.wan_i2v import WanImageToVideoRecipe
 from components.recipes.z_image import ZImageRecipe
 
 RECIPES: dict[str, type[Recipe]] = {
@@ -20,6 +22,8 @@ RECIPES: dict[str, type[Recipe]] = {
         QwenImageRecipe,
         ZImageRecipe,
         Flux2KleinRecipe,
+        WanRecipe,
+        WanImageToVideoRecipe,
     )
 }
 """The recipe of every supported pipeline class, by class name."""

@@ -158,7 +158,8 @@ class Recipe(ABC):
 
     Subclasses set ``pipeline_class``, ``stages``, the defaults diffusers' ``__call__``
     has, ``noise_dtype_of`` and ``vae_kind``, and implement each stage. Every supported
-    class has a ``transformer`` and a ``vae``.
+    class has a ``transformer`` and a ``vae``; the components in ``optional`` may be
+    ``[null, null]`` in a folder, which then runs without them (``stages_for``).
 
     Args:
         index: the folder's ``model_index.json``.
@@ -172,9 +173,15 @@ class Recipe(ABC):
     """
 
     pipeline_class: ClassVar[str]
-    stages: ClassVar[tuple[Stage, ...]]
+    stages: tuple[Stage, ...]
+    """The stages of the class, in timeline order; an instance holds its folder's own
+    (``stages_for``)."""
     default_steps: ClassVar[int]
     default_guidance: ClassVar[float]
+    makes_videos: ClassVar[bool] = False
+    """Whether it makes videos (``Batch.videos``, ``frames`` each) rather than images."""
+    takes_images: ClassVar[bool] = False
+    """Whether each request starts from an input image (``Batch.input_images``)."""
     takes_negative_prompt: ClassVar[bool] = True
     """Whether guidance has an unconditional pass for a negative prompt to steer."""
     noise_dtype_of: ClassVar[str]
@@ -182,10 +189,13 @@ class Recipe(ABC):
     of the prompt embeddings)."""
     vae_kind: ClassVar[type[VaeLoader]] = AutoencoderKlLoader
     """The kind of the pipeline's VAE."""
+    optional: ClassVar[frozenset[str]] = frozenset()
+    """The components a folder of this class may lack (diffusers' ``_optional_components``)."""
 
     def __init__(self, index: PipelineIndex, loaders: Mapping[str, ComponentLoader]) -> None:
         self.index = index
         self.loaders = loaders
+        self.stages = self.stages_for(index)
         self.scheduler_config = scheduler_config(index)
         entry = index.entries[SCHEDULER]
         self.scheduler_class = library_class("diffusers", entry.class_name, "SchedulerMixin")
@@ -195,9 +205,39 @@ class Recipe(ABC):
         """C: the latent channels the VAE decodes (Flux's DiT reads them packed by four)."""
 
     @classmethod
-    def components(cls) -> tuple[str, ...]:
-        """Return every component the stages use, in stage order."""
-        return tuple(dict.fromkeys(name for stage in cls.stages for name in stage.uses))
+    def stages_for(cls, index: PipelineIndex) -> tuple[Stage, ...]:
+        """Return the stages a folder of this class runs: ``stages`` without the optional
+        components it lacks (``uses_optional``)."""
+        return tuple(
+            Stage(
+                stage.name,
+                tuple(
+                    name
+                    for name in stage.uses
+                    if name not in cls.optional or cls.uses_optional(index, name)
+                ),
+            )
+            for stage in cls.stages
+        )
+
+    @classmethod
+    def check_config(cls, index: PipelineIndex) -> None:
+        """Check the config entries of ``index`` the class reads: none here.
+
+        Raises:
+            ValueError: an entry it reads is wrong (the message names it).
+        """
+        del index  # the image classes read no config entry
+
+    @classmethod
+    def uses_optional(cls, index: PipelineIndex, name: str) -> bool:
+        """Tell whether a folder runs optional component ``name``: whether it has it."""
+        return name in index.entries
+
+    @classmethod
+    def components_for(cls, index: PipelineIndex) -> tuple[str, ...]:
+        """Return every component a folder's stages use, in stage order."""
+        return tuple(dict.fromkeys(name for stage in cls.stages_for(index) for name in stage.uses))
 
     def new_scheduler(self) -> Any:
         """Return a fresh scheduler from the folder's config (a run mutates its state)."""
@@ -437,13 +477,25 @@ class Recipe(ABC):
         try:
             for step in range(steps):
                 cache = step_cache(batch, runs, step, steps)
-                predictions = predict(module, [run.inputs(step) for run in runs], cache)
+                module = self.denoiser(modules, runs[0].timesteps[step])
+                predictions = self.predict(module, runs, step, cache)
                 for run, prediction in zip(runs, predictions, strict=True):
                     run.advance(step, prediction)
                 runs = step_done(batch, runs)
         finally:
             release_caches(batch)
         batch.latents = in_rows(runs, batch.size)
+
+    def predict(
+        self, module: nn.Module, runs: Sequence[Denoising], step: int, cache: StepCache | None
+    ) -> list[torch.Tensor]:
+        """Return ``module``'s prediction for every run at ``step`` (``predict``)."""
+        return predict(module, [run.inputs(step) for run in runs], cache)
+
+    def denoiser(self, modules: Mapping[str, nn.Module], timestep: torch.Tensor) -> nn.Module:
+        """Return the module that predicts at ``timestep`` (every group of a batch steps
+        through the same timesteps): the ``transformer``."""
+        return modules["transformer"]
 
     def start_caches(self, module: nn.Module, batch: Batch, steps: int) -> None:
         """Give each row of ``batch`` that runs the transformer's step cache its own state.

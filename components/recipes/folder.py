@@ -14,14 +14,15 @@ from typing import NamedTuple
 
 from components import registry
 from components.folders.files import UnsafeWeightsError, VariantError, weight_files
-from components.folders.index import INDEX_FILE, PIPELINE, Entry, PipelineIndex
+from components.folders.index import INDEX_FILE, PIPELINE, Entry, PipelineIndex, malformed_entry
 from components.folders.loader import CONFIG_FILE
 from components.folders.problems import Problem
 from components.loader import ComponentLoader
 from components.recipes import RECIPES, Recipe
-from components.recipes.base import ENCODE, scheduler_config
+from components.recipes.base import ENCODE, Stage, scheduler_config
 
 TEXT_ENCODER, TOKENIZER = "text_encoder", "tokenizer"
+IMAGE_ENCODER, IMAGE_PROCESSOR = "image_encoder", "image_processor"
 
 
 class ComponentPlan(NamedTuple):
@@ -57,8 +58,9 @@ class FolderPipeline(NamedTuple):
             FileNotFoundError: ``model_index.json``, a subfolder the recipe uses, its
                 ``config.json``, its tokenizer folder, its weights or the scheduler's
                 config are missing (the message names the path).
-            ValueError: a JSON file is malformed, or the index lacks a component the
-                pipeline class needs (the message names it).
+            ValueError: a JSON file is malformed, the index lacks a component the
+                pipeline class needs, or a config entry of the pipeline is wrong (the
+                message names it).
         """
         index = PipelineIndex.read(folder)
         custom = {entry.name: entry for entry in index.custom_code()}
@@ -70,9 +72,12 @@ class FolderPipeline(NamedTuple):
             problems.append(_unsupported_pipeline(index.pipeline_class))
             return cls(index, None, {}, problems)
         scheduler_config(index)
+        recipe.check_config(index)
         components = {}
         encoders = next(stage.uses for stage in recipe.stages if stage.name == ENCODE)
-        for name in recipe.components():
+        for name in recipe.components_for(index):
+            if name in index.config:  # a component's key, but not a [library, class] pair
+                raise malformed_entry(folder / INDEX_FILE, name, index.config[name])
             if name not in index.entries:
                 raise ValueError(
                     f"{folder / INDEX_FILE} has no '{name}', which {index.pipeline_class} needs"
@@ -96,13 +101,7 @@ class FolderPipeline(NamedTuple):
                 continue
             options = {"path": str(path), "class_name": entry.class_name}
             if name in encoders:
-                tokenizer = name.replace(TEXT_ENCODER, TOKENIZER, 1)
-                if tokenizer not in index.entries:
-                    raise ValueError(
-                        f"{folder / INDEX_FILE} has no '{tokenizer}' for '{name}' to tokenize with"
-                    )
-                options["tokenizer"] = str(index.subfolder(tokenizer))
-                options["tokenizer_class"] = index.entries[tokenizer].class_name
+                options |= _helper_options(index, name)
             components[name] = ComponentPlan(kind, options)
         return cls(index, recipe, components, problems)
 
@@ -111,7 +110,13 @@ class FolderPipeline(NamedTuple):
         (without a recipe, every entry of its index)."""
         if self.recipe is None:
             return tuple(self.model_index.entries)
-        return self.recipe.components()
+        return self.recipe.components_for(self.model_index)
+
+    def stages(self) -> tuple[Stage, ...]:
+        """Return the stages its recipe runs on this folder (none without a recipe)."""
+        if self.recipe is None:
+            return ()
+        return self.recipe.stages_for(self.model_index)
 
     def loaders(self) -> dict[str, ComponentLoader]:
         """Return each component's loader, made from its plan's kind and options."""
@@ -119,6 +124,31 @@ class FolderPipeline(NamedTuple):
             name: registry.get(plan.kind).from_options(plan.options)
             for name, plan in self.components.items()
         }
+
+
+def _helper_options(index: PipelineIndex, name: str) -> dict[str, str]:
+    """Return the options naming what encoder ``name`` reads its input with: a text encoder
+    its tokenizer (``text_encoder_2``: ``tokenizer_2``), an image encoder its image
+    processor; none for another component of the encode stage.
+
+    Raises:
+        ValueError: the index lacks the tokenizer or processor (named).
+    """
+    if name.startswith(TEXT_ENCODER):
+        helper, option = name.replace(TEXT_ENCODER, TOKENIZER, 1), "tokenizer"
+    elif name == IMAGE_ENCODER:
+        helper, option = IMAGE_PROCESSOR, "processor"
+    else:
+        return {}
+    if helper not in index.entries:
+        what = "tokenize" if option == "tokenizer" else "prepare its images"
+        raise ValueError(
+            f"{index.folder / INDEX_FILE} has no '{helper}' for '{name}' to {what} with"
+        )
+    return {
+        option: str(index.subfolder(helper)),
+        f"{option}_class": index.entries[helper].class_name,
+    }
 
 
 def kind_for_class(class_name: str) -> str | None:

@@ -54,9 +54,10 @@ def _layerwise_refusals(
 ) -> list[Refusal]:
     blocks = loader.block_count()
     if loader.block_stack is None or blocks is None:
-        return [
-            _not_streamable(name, component, f"kind '{component.kind}' declares no block stack")
-        ]
+        why = f"kind '{component.kind}' declares no block stack"
+        if loader.unstreamable is not None:
+            why += f": {loader.unstreamable}"
+        return [_not_streamable(name, component, why)]
     problem = None if construct is None else _stack_problem(construct, loader)
     if problem is not None:
         return [_not_streamable(name, component, problem)]

@@ -152,6 +152,12 @@ def run_summary(report: RunReport) -> str:
         count = len(report.images)
         folder = Path(report.images[0]).parent
         lines.append(f"  images: {count} PNG file{'s' * (count != 1)} written to {folder}")
+    if report.videos:
+        count = len(report.videos)
+        first = Path(report.videos[0])
+        s = "s" * (count != 1)
+        what = f"{first.suffix[1:].upper()} file{s}" if first.suffix else f"folder{s} of PNG frames"
+        lines.append(f"  videos: {count} {what} written to {first.parent}")
     return "\n".join(lines)
 
 

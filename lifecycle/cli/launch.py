@@ -139,7 +139,20 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     for flag in ("json", "json_logs", "download"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
-    options = ("steps", "size", "threads", "out", "timeline", "guidance_scale", "negative_prompt")
+    options = (
+        "steps",
+        "size",
+        "threads",
+        "out",
+        "timeline",
+        "guidance_scale",
+        "negative_prompt",
+        "frames",
+        "guidance_scale_2",
+        "image",
+        "last_image",
+        "video_format",
+    )
     for option in options:
         if (value := getattr(args, option)) is not None:
             argv += ["--" + option.replace("_", "-"), str(value)]

@@ -36,6 +36,7 @@ from lifecycle.cli.serve import add_budget_options, add_serve_command
 from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.logs import LogFormat, configure_logging
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.video import VIDEO_FORMATS
 from lifecycle.plan import PipelineSnapshot, SitePlan
 from lifecycle.refusals import AdmissionRefused
 from lifecycle.spec.errors import ConfigError
@@ -177,7 +178,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="the text every image is guided away from (with --guidance-scale above 1)",
     )
-    run.add_argument("--out", type=Path, help="write each request's images there as PNG")
+    run.add_argument(
+        "--out",
+        type=Path,
+        help="write each request's images there as PNG (rI-J.png), its videos as "
+        "--video-format says (rI-J.mp4)",
+    )
     run.add_argument(
         "--json", action="store_true", help="print one JSON object: summary and snapshot"
     )
@@ -188,6 +194,34 @@ def _parser() -> argparse.ArgumentParser:
         "--guidance-scale", type=float, help="CFG scale (default: the denoiser's option)"
     )
     add_download_option(run)
+    run.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        help="CFG scale of a second expert's steps (Wan 2.2 A14B; default: --guidance-scale)",
+    )
+    run.add_argument(
+        "--frames",
+        type=positive,
+        help="frames of each video, 4k + 1, for a pipeline that makes videos (default: its "
+        "pipeline class's, 81 for Wan)",
+    )
+    run.add_argument(
+        "--image",
+        type=Path,
+        help="the image every video starts from, for an image-to-video pipeline",
+    )
+    run.add_argument(
+        "--last-image",
+        type=Path,
+        help="the image every video ends on, for an image-to-video pipeline",
+    )
+    run.add_argument(
+        "--video-format",
+        choices=VIDEO_FORMATS,
+        help="how --out writes videos: mp4 (needs the [video] extra), webp (animated, "
+        "Pillow) or png (a folder rI-J/ of lossless frames); default: mp4 where imageio "
+        "and imageio-ffmpeg are installed, else webp",
+    )
     run.set_defaults(handler=run_command, prints_refusals=True)
 
     add_diagram_command(command)

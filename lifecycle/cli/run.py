@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from msgspec import UnsetType
@@ -40,6 +41,7 @@ from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.events import Move
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.gantt import residency_gantt
+from lifecycle.pictures.video import VIDEO_EXTRA, VideoFormat, default_format, mp4_missing
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
 from lifecycle.spec.errors import ConfigError
@@ -113,6 +115,7 @@ def _run_here(args: argparse.Namespace) -> int:
         return _bad_input(args, f"{args.spec}: {text}", {"message": text})
     try:
         asked = request_args(args, spec)
+        videos_as = video_format(args.video_format)
     except ValueError as err:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
     try:
@@ -124,7 +127,7 @@ def _run_here(args: argparse.Namespace) -> int:
         return _bad_input(args, f"{args.spec}: {err}", {"message": str(err)})
     threads = torch_threads(args.threads, processes=launch.local_world_size())
     with _torch_threads(threads.count), StopOnSignal() as stop:
-        outcome = _run(args, spec, asked, threads, stop)
+        outcome = _run(args, spec, asked, threads, stop, videos_as)
         _report(args, spec, outcome)
         return stop.exit_code or outcome.ending.code
 
@@ -150,6 +153,19 @@ def request_args(args: argparse.Namespace, spec: PipelineSpec) -> RequestArgs:
             "--size sets the image size of a pipeline from a folder; this pipeline's image "
             "size follows its kinds' options"
         )
+    makes_videos = recipe is not None and recipe.makes_videos
+    video_options = ("frames", "guidance_scale_2", "image", "last_image", "video_format")
+    for option in video_options:
+        if getattr(args, option) is not None and not makes_videos:
+            raise ValueError(
+                f"--{option.replace('_', '-')} is an option of a pipeline that makes videos "
+                "(a Wan folder); this pipeline makes none: drop it"
+            )
+    if recipe is not None and args.image is not None and not recipe.takes_images:
+        raise ValueError(
+            f"--image starts each video from an image, but {recipe.pipeline_class} makes "
+            "videos from text alone: drop --image (or run an image-to-video folder)"
+        )
     asked = RequestArgs(
         steps=args.steps or default_steps(recipe),
         guidance_scale=args.guidance_scale,
@@ -157,10 +173,46 @@ def request_args(args: argparse.Namespace, spec: PipelineSpec) -> RequestArgs:
         negative_prompt=args.negative_prompt,
         seed=args.seed,
         image_size=None if args.size is None else (args.size.height, args.size.width),
+        frames=args.frames,
+        guidance_scale_2=args.guidance_scale_2,
+        image=None if args.image is None else read_image(args.image, "--image"),
+        last_image=None if args.last_image is None else read_image(args.last_image, "--last-image"),
     )
     if recipe is not None:
         recipe.check(asked.batch(0))
     return asked
+
+
+def read_image(path: Path, option: str) -> Any:
+    """Read the image at ``path`` as RGB (a PIL image), as diffusers' ``load_image`` does.
+
+    Raises:
+        ValueError: it cannot be read as an image (``option`` and the path named).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except OSError as err:  # missing, unreadable, or not an image Pillow knows
+        raise ValueError(f"{option} {path}: cannot read it as an image ({err})") from None
+
+
+def video_format(asked: VideoFormat | None) -> tuple[VideoFormat, str | None]:
+    """Return the format videos are written in and, where it falls back to WebP, why.
+
+    Raises:
+        ValueError: MP4 was asked without the packages that write it.
+    """
+    if asked is None:
+        return default_format()
+    missing = mp4_missing()
+    if asked == "mp4" and missing is not None:
+        raise ValueError(
+            f"--video-format mp4 needs imageio and imageio-ffmpeg, but {missing} "
+            f"({VIDEO_EXTRA}); or write --video-format webp or png"
+        )
+    return asked, None
 
 
 def _run(
@@ -169,11 +221,12 @@ def _run(
     asked: RequestArgs,
     threads: Threads,
     stop: StopOnSignal,
+    videos_as: tuple[VideoFormat, str | None],
 ) -> RunOutcome:
     """Load the pipeline, run the requests, close it and write the timeline: what happened."""
     spec, _ = tune(spec)  # acceleration = "auto" chooses what the spec left open
     tally = MoveTally(spec.components, keep_moves=args.timeline is not None)
-    outputs = RunOutputs()
+    outputs = RunOutputs(video_format=videos_as[0])
     orchestrator = Orchestrator(spec, observer=tally)
     try:
         ending = _requests(args, asked, orchestrator, outputs, stop)
@@ -200,7 +253,10 @@ def _run(
         except OSError as err:  # checked before the run; something changed it since
             ending = ending.failed("writing the timeline failed: " + _describe(err))
     return RunOutcome(
-        ending=ending, report=report, snapshot=snapshot, notes=_unused_outputs(args, spec, outputs)
+        ending=ending,
+        report=report,
+        snapshot=snapshot,
+        notes=_unused_outputs(args, spec, outputs, videos_as[1]),
     )
 
 
@@ -293,9 +349,10 @@ def _write_timeline(
 
 
 def _unused_outputs(
-    args: argparse.Namespace, spec: PipelineSpec, outputs: RunOutputs
+    args: argparse.Namespace, spec: PipelineSpec, outputs: RunOutputs, webp_why: str | None
 ) -> tuple[str, ...]:
-    """Say so when an output the user asked for was produced by no component.
+    """Say so when an output the user asked for was produced by no component, and why
+    videos were written as WebP where MP4 was the default (``webp_why``).
 
     (A pipeline from a folder draws its prompts: nothing is unused there.)
     """
@@ -306,8 +363,10 @@ def _unused_outputs(
             "no component of this pipeline embeds sentences, so no nearest neighbours are "
             "shown; the prompts are encoded as the pipeline's text"
         )
-    if args.out is not None and not outputs.images and outputs.request_ms:
+    if args.out is not None and not (outputs.images or outputs.videos) and outputs.request_ms:
         notes.append(f"no component of this pipeline makes images; {args.out} stays empty")
+    if outputs.videos and webp_why is not None:
+        notes.append(webp_why)
     return tuple(notes)
 
 

@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -28,6 +29,7 @@ from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.events import Event, Move, PromptCounts, RequestEnded
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.pictures.png import write_png
+from lifecycle.pictures.video import VideoFormat, write_video
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.prompts import counted
 from lifecycle.spec.structs import PipelineSpec
@@ -84,6 +86,8 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         components: what each component did.
         neighbours: each embedded sentence's nearest neighbour (pipelines that embed).
         images: the PNG files written (with an output folder).
+        videos: the videos written (with an output folder): MP4 or WebP files, or
+            folders of PNG frames.
         stopped_by: the signal that stopped the run early, or None.
         prompt_cache: the rows whose text the prompt cache gave and the rows encoded, over
             every request (design §19); None without a prompt cache.
@@ -98,6 +102,7 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     components: dict[str, ComponentReport]
     neighbours: tuple[Neighbour, ...] = ()
     images: tuple[str, ...] = ()
+    videos: tuple[str, ...] = ()
     stopped_by: str | None = None
     prompt_cache: PromptCounts | None = None
 
@@ -186,20 +191,28 @@ class RunOutputs:
         request_ms: each completed request's wall time (8 bytes a request).
         sentences: each distinct embedded sentence with its vector.
         images: the PNG files written.
+        videos: the videos written.
+        video_format: how videos are written.
     """
 
     request_ms: array[float] = field(default_factory=lambda: array("d"))
     sentences: dict[str, torch.Tensor] = field(default_factory=dict)
     images: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    video_format: VideoFormat = "mp4"
 
     def record(self, request_id: str, batch: Batch, out: Path | None) -> None:
-        """Keep the embeddings of ``batch`` and write its images into ``out``."""
+        """Keep the embeddings of ``batch`` and write its images and videos into ``out``."""
         if batch.sentence_embeddings is not None and batch.prompts is not None:
             for sentence, vector in zip(batch.prompts, batch.sentence_embeddings, strict=True):
                 self.sentences.setdefault(sentence, vector.detach().cpu())
         if out is not None and batch.images is not None:
             for index, image in enumerate(batch.images):
                 self.images.append(str(write_png(image, out / f"{request_id}-{index}.png")))
+        if out is not None and batch.videos is not None:
+            for index, video in enumerate(batch.videos):
+                written = write_video(video, out / f"{request_id}-{index}", self.video_format)
+                self.videos.append(str(written))
 
 
 def unrunnable_components(spec: PipelineSpec) -> list[str]:
@@ -232,6 +245,12 @@ class RequestArgs:
             folder, as diffusers' ``generator=torch.Generator("cpu").manual_seed(seed + i)``).
         image_size: (height, width) in pixels of a pipeline from a folder's images; None
             takes its default.
+        frames: the frames of each video, for a pipeline that makes videos; None takes
+            its default.
+        guidance_scale_2: the guidance scale of a second expert's steps; None takes
+            ``guidance_scale``.
+        image: the image (PIL) every video starts from, for image to video.
+        last_image: the image (PIL) every video ends on, or None.
     """
 
     steps: int
@@ -240,6 +259,10 @@ class RequestArgs:
     negative_prompt: str | None = None
     seed: int = 0
     image_size: tuple[int, int] | None = None
+    frames: int | None = None
+    guidance_scale_2: float | None = None
+    image: Any = None
+    last_image: Any = None
 
     def batch(self, index: int) -> Batch:
         """Return the ``Batch`` of request ``index`` (counted from 0)."""
@@ -253,6 +276,10 @@ class RequestArgs:
             prompts=list(self.prompts) or None,
             negative_prompts=None if negative is None else [negative] * size,
             image_size=self.image_size,
+            frames=self.frames,
+            guidance_scale_2=self.guidance_scale_2,
+            input_images=None if self.image is None else [self.image] * size,
+            last_images=None if self.last_image is None else [self.last_image] * size,
         )
 
 
@@ -318,6 +345,7 @@ def summarise(
         components=tally.report(snapshot, compilations),
         neighbours=nearest_neighbours(outputs.sentences),
         images=tuple(outputs.images),
+        videos=tuple(outputs.videos),
         stopped_by=stopped_by,
         prompt_cache=tally.prompts,
     )

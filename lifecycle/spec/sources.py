@@ -83,7 +83,7 @@ def resolve_source(raw: dict[str, Any], base: Path, *, download: bool = False) -
     components = _components(pipeline, raw.get("components", {}), variant)
     stages = [
         {"name": stage.name, "uses": [name for name in stage.uses if name in components]}
-        for stage in (pipeline.recipe.stages if pipeline.recipe is not None else ())
+        for stage in pipeline.stages()
     ]
     stages = [stage for stage in stages if stage["uses"]]
     if "stages" in raw and raw["stages"] != stages:

@@ -28,6 +28,11 @@ COMPONENTS = [
     ("flux", "transformer", "flux_transformer"),
     ("sd3", "text_encoder_2", "clip_text_encoder"),
     ("sd3", "transformer", "sd3_transformer"),
+    ("wan-i2v", "text_encoder", "umt5_encoder"),
+    ("wan-i2v", "image_encoder", "clip_vision_encoder"),
+    ("wan-i2v", "transformer", "wan_transformer"),
+    ("wan-i2v", "vae", "autoencoder_kl_wan"),
+    ("wan-ti2v", "vae", "autoencoder_kl_wan"),
 ]
 
 

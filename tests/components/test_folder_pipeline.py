@@ -71,7 +71,8 @@ class TestRefused:
                 "pipeline",
                 "pipeline class 'StableDiffusionXLPipeline' has no recipe here; supported: "
                 "PixArtAlphaPipeline, PixArtSigmaPipeline, FluxPipeline, StableDiffusion3Pipeline, "
-                "QwenImagePipeline, ZImagePipeline, Flux2KleinPipeline",
+                "QwenImagePipeline, ZImagePipeline, Flux2KleinPipeline, "
+                "WanPipeline, WanImageToVideoPipeline",
                 "use a folder of a supported pipeline class",
             )
         ]

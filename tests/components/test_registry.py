@@ -33,6 +33,10 @@ BUILTINS = (
     "z_image_transformer",
     "flux2_transformer",
     "autoencoder_kl_flux2",
+    "umt5_encoder",
+    "clip_vision_encoder",
+    "wan_transformer",
+    "autoencoder_kl_wan",
 )
 
 
