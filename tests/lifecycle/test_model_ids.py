@@ -1,8 +1,10 @@
 """Model ids ``ORG/NAME[@REVISION]`` read from a Hugging Face cache, offline, through the CLI.
 
-Each command runs in a process of its own, with ``HF_HUB_CACHE`` naming a cache this
+The commands run in processes of their own, with ``HF_HUB_CACHE`` naming a cache this
 module builds in huggingface_hub's layout and ``HF_HUB_OFFLINE=1``: nothing reaches the
-network, and the library reads the variables as it would for a user.
+network, and the library reads the variables as it would for a user. The ``check`` and
+``spec`` commands that ``TestResolve`` reads run one after another in one process
+(``ANSWERS``), which imports the libraries once for all of them.
 """
 
 from __future__ import annotations
@@ -76,11 +78,82 @@ def lifecycle_process(*args: str | Path, cwd: Path, before: str = "") -> Finishe
     return run_python(program, cwd=cwd)
 
 
-def check_json(*args: str | Path, cwd: Path) -> dict[str, object]:
-    """Return what ``lifecycle check --json`` prints for ``args``; it must admit them."""
-    result = lifecycle_process("check", "--json", *args, cwd=cwd)
+CALLS = """
+import contextlib, io, json, os, sys
+from lifecycle.cli.entry import main
+
+answers = []
+for cwd, argv in json.loads(sys.argv[1]):
+    os.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    answers.append((code, out.getvalue(), err.getvalue()))
+print(json.dumps(answers))
+"""
+"""A program that runs ``lifecycle`` for each ``(cwd, argv)`` of its argument (JSON) in
+turn, each in its folder, and prints each one's exit code, stdout and stderr (JSON)."""
+
+
+def lifecycle_calls(calls: list[tuple[Path, list[str]]]) -> list[Finished]:
+    """Run ``lifecycle`` for each ``(cwd, argv)`` of ``calls`` in turn, in one process of its
+    own; return what each call left."""
+    encoded = json.dumps([(str(cwd), argv) for cwd, argv in calls])
+    result = run_python(CALLS, encoded, cwd=calls[0][0])
     assert result.returncode == 0, result.stderr
-    report: dict[str, object] = json.loads(result.stdout)
+    return [Finished(*answer) for answer in json.loads(result.stdout)]
+
+
+class Answer(NamedTuple):
+    """What one call of ``ANSWERS`` left, and the folder it ran in."""
+
+    result: Finished
+    cwd: Path
+
+
+ANSWERS = {
+    "revisions": ("check", "--json", REPO, f"{REPO}@{SIGMA}", "{main}"),
+    "table": ("check", f"{REPO}@{SIGMA}"),
+    "spec": ("spec", "spec.toml"),
+    "existing": ("check", "--json", REPO),
+    "absent": ("check", "tiny-org/absent"),
+    "no-branch": ("check", f"{REPO}@no-such-branch"),
+    "absent-json": ("check", "--json", "tiny-org/absent"),
+    "download": ("check", "--json", REPO, "--download"),
+    "download-absent": ("check", "tiny-org/absent", "--download"),
+}
+"""The ``lifecycle`` calls ``TestResolve`` reads, by name (``{main}``: ``REPO`` at the commit
+of ``main``). Each runs in a folder of its own; ``existing``'s holds a pipeline folder at
+the relative path ``REPO``, ``spec``'s a spec naming ``REPO@SIGMA``."""
+
+
+@pytest.fixture(scope="module")
+def answers(
+    cache: Cache, pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Answer]:
+    """Run every call of ``ANSWERS`` in one process, offline on the cache; return each
+    one's answer by name."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ANSWERS}
+    shutil.copytree(pipeline_folder("pixart-sigma"), folders["existing"] / REPO)
+    (folders["spec"] / "spec.toml").write_text(f'source = "{REPO}@{SIGMA}"\nname = "mine"\n')
+    main = f"{REPO}@{cache.main}"
+    calls = [
+        (folders[name], [arg.replace("{main}", main) for arg in argv])
+        for name, argv in ANSWERS.items()
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_CACHE", str(cache.folder))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        results = lifecycle_calls(calls)
+    return {
+        name: Answer(result, folders[name]) for name, result in zip(ANSWERS, results, strict=True)
+    }
+
+
+def admitted(answer: Answer) -> dict[str, object]:
+    """Return the report of a ``check --json`` answer; it must have admitted its sources."""
+    assert answer.result.returncode == 0, answer.result.stderr
+    report: dict[str, object] = json.loads(answer.result.stdout)
     return report
 
 
@@ -117,76 +190,77 @@ class TestTheRule:
 class TestResolve:
     """``check``, ``spec`` and ``run`` take a model id and read it from the cache."""
 
-    def test_main_a_branch_and_a_commit(self, offline: Cache, tmp_path: Path) -> None:
+    def test_main_a_branch_and_a_commit(self, cache: Cache, answers: dict[str, Answer]) -> None:
         """No revision reads ``refs/main``'s commit; ``@BRANCH`` reads ``refs/BRANCH``'s;
         ``@COMMIT`` that snapshot: ``check --json`` shows each one's source and revision."""
-        report = check_json(REPO, f"{REPO}@{SIGMA}", f"{REPO}@{offline.main}", cwd=tmp_path)
-        pipelines = report["pipelines"]
+        pipelines = admitted(answers["revisions"])["pipelines"]
         assert isinstance(pipelines, list)
         assert [(p["pipeline"], p["source"], p["revision"]) for p in pipelines] == [
-            ("pixart", f"{REPO}@{offline.main}", offline.main),
-            ("pixart", f"{REPO}@{offline.sigma}", offline.sigma),
-            ("pixart", f"{REPO}@{offline.main}", offline.main),
+            ("pixart", f"{REPO}@{cache.main}", cache.main),
+            ("pixart", f"{REPO}@{cache.sigma}", cache.sigma),
+            ("pixart", f"{REPO}@{cache.main}", cache.main),
         ]
 
-    def test_the_table_shows_the_revision_and_folder(self, offline: Cache, tmp_path: Path) -> None:
+    def test_the_table_shows_the_revision_and_folder(
+        self, cache: Cache, answers: dict[str, Answer]
+    ) -> None:
         """``check`` (a table) names the id, the revision it resolved to and its folder."""
-        result = lifecycle_process("check", f"{REPO}@{SIGMA}", cwd=tmp_path)
+        result = answers["table"].result
         assert result.returncode == 0, result.stderr
-        snapshot = offline.folder / "models--tiny-org--pixart" / "snapshots" / offline.sigma
-        assert f"  source: {REPO} at revision {offline.sigma} ({snapshot})\n" in result.stdout
+        snapshot = cache.folder / "models--tiny-org--pixart" / "snapshots" / cache.sigma
+        assert f"  source: {REPO} at revision {cache.sigma} ({snapshot})\n" in result.stdout
 
-    def test_a_spec_names_an_id_and_prints_it_pinned(self, offline: Cache, tmp_path: Path) -> None:
+    def test_a_spec_names_an_id_and_prints_it_pinned(
+        self, offline: Cache, answers: dict[str, Answer]
+    ) -> None:
         """A spec's ``source`` may be an id; ``lifecycle spec`` prints it at its commit, with
         the components' files in the snapshot, and that TOML prints the same again."""
-        spec = tmp_path / "spec.toml"
-        spec.write_text(f'source = "{REPO}@{SIGMA}"\nname = "mine"\n')
-        first = lifecycle_process("spec", spec, cwd=tmp_path)
+        first, folder = answers["spec"]
         assert first.returncode == 0, first.stderr
         snapshot = offline.folder / "models--tiny-org--pixart" / "snapshots" / offline.sigma
         assert f'source = "{REPO}@{offline.sigma}"\n' in first.stdout
         assert f'path = "{snapshot / "transformer"}"\n' in first.stdout
-        again = tmp_path / "again.toml"
+        again = folder / "again.toml"
         again.write_text(first.stdout)
-        assert lifecycle_process("spec", again, cwd=tmp_path).stdout == first.stdout
+        assert lifecycle_process("spec", again, cwd=folder).stdout == first.stdout
 
-    def test_an_existing_path_wins(
-        self, offline: Cache, pipeline_folder: PipelineFolders, tmp_path: Path
-    ) -> None:
+    def test_an_existing_path_wins(self, answers: dict[str, Answer]) -> None:
         """A folder whose relative path reads like an id is that folder, not the cache's."""
-        folder = shutil.copytree(pipeline_folder("pixart-sigma"), tmp_path / REPO)
-        report = check_json(REPO, cwd=tmp_path)
-        assert (report["source"], report["revision"]) == (str(folder), None)
+        answer = answers["existing"]
+        report = admitted(answer)
+        assert (report["source"], report["revision"]) == (str(answer.cwd / REPO), None)
 
     def test_a_missing_id_is_bad_input_naming_the_cache_and_the_flag(
-        self, offline: Cache, tmp_path: Path
+        self, cache: Cache, answers: dict[str, Answer]
     ) -> None:
         """An id the cache lacks (or a revision it lacks) exits 2 with one line naming the
         cache folder and ``--download``; ``--json`` prints the error at ``$.source``."""
-        for missing in ("tiny-org/absent", f"{REPO}@no-such-branch"):
-            result = lifecycle_process("check", missing, cwd=tmp_path)
+        for name, missing in (
+            ("absent", "tiny-org/absent"),
+            ("no-branch", f"{REPO}@no-such-branch"),
+        ):
+            result, folder = answers[name]
             assert result.returncode == 2
             repo, _, revision = missing.partition("@")
             assert result.stderr == (
                 f"lifecycle check: {missing}: Expected a pipeline folder or a model id in the "
                 f"Hugging Face cache, got '{missing}': there is no file or folder at "
-                f"{tmp_path / missing}, and model {repo} (revision {revision or 'main'}) is "
-                f"not in the Hugging Face cache {offline.folder}; download it with --download "
+                f"{folder / missing}, and model {repo} (revision {revision or 'main'}) is "
+                f"not in the Hugging Face cache {cache.folder}; download it with --download "
                 "(in a spec: source_download = true), or set HF_HUB_CACHE to the cache that "
                 "holds it - at `$.source`\n"
             )
-        result = lifecycle_process("check", "--json", "tiny-org/absent", cwd=tmp_path)
+        result = answers["absent-json"].result
         assert result.returncode == 2
         assert json.loads(result.stdout)["error"]["path"] == "$.source"
 
     def test_download_reads_the_cache_and_never_the_network_offline(
-        self, offline: Cache, tmp_path: Path
+        self, cache: Cache, answers: dict[str, Answer]
     ) -> None:
         """``--download`` (offline here) still reads a cached id; one the cache lacks is bad
         input saying the download failed, and why."""
-        report = check_json(REPO, "--download", cwd=tmp_path)
-        assert report["revision"] == offline.main
-        result = lifecycle_process("check", "tiny-org/absent", "--download", cwd=tmp_path)
+        assert admitted(answers["download"])["revision"] == cache.main
+        result = answers["download-absent"].result
         assert result.returncode == 2
         assert "cannot download model tiny-org/absent (revision main) into the Hugging " in (
             result.stderr
