@@ -3,7 +3,8 @@
 Text and image tokens run in two streams that attend jointly in its
 ``transformer_blocks``, which stream under layerwise offload. It reads the language
 model's last hidden states (``joint_attention_dim`` wide, of any length, masked where
-padded) and latents packed two by two into tokens.
+padded) and latents packed two by two into tokens. The custom path (the default) is
+``components.models.dit.qwen_image``; ``loader = "native"`` builds diffusers' class.
 """
 
 from __future__ import annotations
@@ -11,23 +12,32 @@ from __future__ import annotations
 from typing import ClassVar
 
 from components.batch import Port
-from components.folders.loader import FolderLoader
+from components.kinds.dit_loader import DitLoader
+from components.models.dit.qwen_image import QwenImageTransformer, unsupported
 
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents are packed into one."""
 
 
-class QwenImageTransformerLoader(FolderLoader):
+class QwenImageTransformerLoader(DitLoader):
     """Load ``QwenImageTransformer2DModel``: the denoiser, strict about global backends."""
 
     kind: ClassVar[str] = "qwen_image_transformer"
-    library = "diffusers"
     classes = ("QwenImageTransformer2DModel",)
     block_stack = "transformer_blocks"
 
     def block_count(self) -> int:
         """Return the MMDiT's blocks (``num_layers``)."""
         return int(self.config["num_layers"])
+
+    def custom_problem(self) -> str | None:
+        """Name the edit models' flags, which the custom path does not build."""
+        flags = unsupported(self.config)
+        return None if flags is None else f"the custom Qwen-Image DiT does not build {flags}"
+
+    def custom_module(self) -> QwenImageTransformer:
+        """Build the project's Qwen-Image DiT on the ``self`` site."""
+        return QwenImageTransformer(self.config, self.self_site())
 
     def reads(self) -> tuple[Port, ...]:
         """Read the text's hidden states and unpacked latents."""

@@ -16,7 +16,7 @@ un-normalised by its ``latents_mean`` and ``latents_std`` before decoding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from components.batch import Batch, device_of
 from components.folders.problems import Problem
 from components.kinds.autoencoder_kl_qwen_image import AutoencoderKlQwenImageLoader
 from components.kinds.llm_text_encoder import LlmTextEncoderLoader
+from components.models.dit.qwen_image import QwenImageInputs
 from components.recipes.base import (
     DECODE,
     DENOISE,
@@ -61,16 +62,6 @@ DEFAULT_SAMPLE_SIZE = 128
 """diffusers' ``default_sample_size``: the default image side in latents."""
 QWEN_MAX_SHIFT = 1.15
 """The shift Qwen-Image's pipeline takes when the scheduler's config names none."""
-
-
-class QwenImageInputs(NamedTuple):
-    """One group's arguments to ``QwenImageTransformer2DModel``, as diffusers' call passes them."""
-
-    hidden_states: torch.Tensor  # (B, N, 4C) packed latents
-    encoder_hidden_states: torch.Tensor  # (B, L, E) text, zero-padded to the longest
-    encoder_hidden_states_mask: torch.Tensor | None  # (B, L), None when nothing is padded
-    timestep: torch.Tensor  # (B,) in [0, 1]
-    img_shapes: list[list[tuple[int, int, int]]]  # (frames, h/2, w/2) per image
 
 
 class QwenImageRecipe(Recipe):

@@ -9,12 +9,19 @@ import torch
 
 from components.models.dit.flux import FluxInputs
 from components.models.dit.pixart import PixArtInputs
+from components.models.dit.qwen_image import QwenImageInputs
 from components.models.dit.sd3 import Sd3Inputs
 from components.recipes.flux import FluxRecipe
 from components.recipes.pixart import PixArtSigmaRecipe
+from components.recipes.qwen_image import MAX_TOKENS as QWEN_MAX_TOKENS
 from components.recipes.sd3 import Sd3Recipe
 
-KINDS = {"pixart": "pixart_transformer", "flux": "flux_transformer", "sd3": "sd3_transformer"}
+KINDS = {
+    "pixart": "pixart_transformer",
+    "flux": "flux_transformer",
+    "sd3": "sd3_transformer",
+    "qwen-image": "qwen_image_transformer",
+}
 """Each family's DiT kind."""
 
 
@@ -34,6 +41,7 @@ MAX_TEXT = {
     "pixart": PixArtSigmaRecipe.max_tokens,
     "flux": FluxRecipe.max_tokens,
     "sd3": CLIP_TOKENS + Sd3Recipe.max_tokens,
+    "qwen-image": QWEN_MAX_TOKENS,
 }
 """The most text tokens each family's pipeline gives its DiT."""
 SWEEP_GRIDS = ((2, 2), (4, 6), (10, 8))
@@ -77,6 +85,22 @@ def group_of(family: str, config: Mapping[str, Any], requests: Sequence[Request]
             img_ids=ids,
             txt_ids=torch.zeros(longest, 3),
             guidance=torch.full((count,), 3.5) if config.get("guidance_embeds") else None,
+        )
+    if family == "qwen-image":
+        rows, columns = h // 2, w // 2
+        mask = torch.zeros(count, longest, dtype=torch.int64)
+        for row, request in enumerate(requests):
+            mask[row, : request.text] = 1
+        return QwenImageInputs(
+            hidden_states=torch.randn(
+                count, rows * columns, int(config["in_channels"]), generator=generator
+            ),
+            encoder_hidden_states=torch.randn(
+                count, longest, int(config["joint_attention_dim"]), generator=generator
+            ),
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            timestep=t,
+            img_shapes=[[(1, rows, columns)]] * count,
         )
     return Sd3Inputs(
         hidden_states=torch.randn(count, int(config["in_channels"]), h, w, generator=generator),

@@ -360,9 +360,10 @@ def test_custom_module_packs() -> None:
     """The custom modules are PackedTransformers: recipes run them once per step."""
     from components.models.dit.flux import FluxTransformer
     from components.models.dit.pixart import PixArtTransformer
+    from components.models.dit.qwen_image import QwenImageTransformer
     from components.models.dit.sd3 import Sd3Transformer
 
     assert all(
         issubclass(c, PackedTransformer)
-        for c in (FluxTransformer, PixArtTransformer, Sd3Transformer)
+        for c in (FluxTransformer, PixArtTransformer, Sd3Transformer, QwenImageTransformer)
     )

@@ -24,6 +24,7 @@ CASES = {
     "pixart-sigma": Request(size=(48, 48), count=2, steps=3),
     "flux": Request(size=(32, 48), count=2, guidance_scale=3.5),
     "sd3": Request(negative_prompt="a grey dog", size=(32, 64), steps=3),
+    "qwen-image": Request(negative_prompt="a grey dog", size=(32, 48), count=2, guidance_scale=3),
 }
 # three requests of three sizes and prompt lengths
 MIXED = [
@@ -48,6 +49,14 @@ def pipelines(pipeline_folder: PipelineFolders) -> dict[str, tuple[Loaded, Loade
         native = load(pipeline_folder(family))
         found[family] = (native, with_custom_transformer(native))
     return found
+
+
+def guided(family: str, batch: Batch) -> Batch:
+    """Return ``batch``, given a negative prompt per row where the class guides only against
+    one (Qwen-Image's true CFG)."""
+    if family == "qwen-image":
+        batch.negative_prompts = ["a grey dog"] * batch.size
+    return batch
 
 
 def run_batch(loaded: Loaded, batch: Batch) -> list[torch.Tensor]:
@@ -77,7 +86,7 @@ class TestWholeImage:
 class TestMixedSizes:
     """Requests of different sizes share one batch (one DiT forward a step); each equals alone."""
 
-    @pytest.mark.parametrize("family", ["pixart", "flux"])
+    @pytest.mark.parametrize("family", ["pixart", "flux", "qwen-image"])
     def test_each_image_equals_its_request_alone(
         self, family: str, pipelines: dict[str, tuple[Loaded, Loaded]]
     ) -> None:
@@ -88,7 +97,7 @@ class TestMixedSizes:
             recipe.draw_latents(torch.Generator().manual_seed(seed), 1, size)[0]
             for seed, (size, _) in enumerate(MIXED)
         ]
-        mixed = batch_of(Request(count=len(MIXED), steps=2))
+        mixed = guided(family, batch_of(Request(count=len(MIXED), steps=2)))
         mixed.prompts = [prompt for _, prompt in MIXED]
         mixed.image_sizes = [size for size, _ in MIXED]
         mixed.latents = list(noise)
@@ -96,13 +105,13 @@ class TestMixedSizes:
             together = run_batch(custom, mixed)
         assert forwards == [2]  # one packed forward per step for all three sizes
         for (size, prompt), latents, image in zip(MIXED, noise, together, strict=True):
-            alone = batch_of(Request(prompt=prompt, size=size, steps=2))
+            alone = guided(family, batch_of(Request(prompt=prompt, size=size, steps=2)))
             alone.latents = [latents]
             (want,) = run_batch(custom, alone)
             assert image.shape == want.shape == (3, *size)
             assert (image - want).abs().max().item() <= TOLERANCE
 
-    @pytest.mark.parametrize("family", ["pixart", "flux"])
+    @pytest.mark.parametrize("family", ["pixart", "flux", "qwen-image"])
     def test_cancelled_rows_leave_their_groups(
         self, family: str, pipelines: dict[str, tuple[Loaded, Loaded]]
     ) -> None:
@@ -114,7 +123,7 @@ class TestMixedSizes:
             custom.recipe.draw_latents(torch.Generator().manual_seed(seed), 1, size)[0]
             for seed, size in enumerate(sizes)
         ]
-        batch = batch_of(Request(count=3, steps=3))
+        batch = guided(family, batch_of(Request(count=3, steps=3)))
         batch.prompts = ["A red fox", "A grey cat", "A lighthouse at dusk"]
         batch.image_sizes = list(sizes)
         batch.latents = list(noise)
@@ -131,7 +140,9 @@ class TestMixedSizes:
         assert forwards == [3]
         assert seen == [(0, 1, 2), (2,), (2,)]
         assert batch.image_sizes == [(32, 48)]
-        alone = batch_of(Request(prompt="A lighthouse at dusk", size=(32, 48), steps=3))
+        alone = guided(
+            family, batch_of(Request(prompt="A lighthouse at dusk", size=(32, 48), steps=3))
+        )
         alone.latents = [noise[2]]
         (want,) = run_batch(custom, alone)
         assert (image - want).abs().max().item() <= TOLERANCE

@@ -36,7 +36,9 @@ pytestmark = pytest.mark.long
 TOLERANCE = 1e-5
 FAMILIES = ("pixart", "flux")
 SD3_TWO = ("ulysses", "tensor_parallel")
-"""The two-rank layouts SD3 runs too."""
+"""The two-rank layouts SD3 and Qwen-Image run too."""
+LATER = ("sd3", "qwen-image")
+"""The families that run ``SD3_TWO`` only (SD3 also the sweeps)."""
 TWO = {
     "ulysses": ("sp_degree = 2\nulysses_degree = 2", False),
     "ring": ("sp_degree = 2\nring_degree = 2", False),
@@ -69,7 +71,10 @@ WIDE = ("tp_x_ulysses",)
 def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dict[str, DitCase]:
     """Return every (family, layout) case, named ``family-layout`` (SD3: ``SD3_TWO``), and
     every family's sweep under each layout of ``SWEPT``, named ``family-layout-sweep``."""
-    pairs = [*itertools.product(FAMILIES, layouts), *(("sd3", n) for n in SD3_TWO if n in layouts)]
+    pairs = [
+        *itertools.product(FAMILIES, layouts),
+        *((f, n) for f in LATER for n in SD3_TWO if n in layouts),
+    ]
     found = {
         f"{family}-{name}": DitCase(
             family=family,
@@ -128,7 +133,7 @@ def folders(
     pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """The tiny folders (and four-head copies), written before any rank starts."""
-    found = {family: pipeline_folder(family) for family in (*FAMILIES, "sd3")}
+    found = {family: pipeline_folder(family) for family in (*FAMILIES, *LATER)}
     found |= {f"{f}-smooth": pipeline_folder(f, smooth_time=True) for f in FAMILIES}
     for family in FAMILIES:
         found[f"{family}-wide"] = with_heads(found[family], tmp_path_factory.mktemp(family), 4)
@@ -171,7 +176,7 @@ def assert_equal_to_alone(out_dir: Path, name: str, case: DitCase, world: int) -
         assert got.shape == want.shape
         error = ((got - want).abs().max() / want.abs().max()).item()
         assert error < TOLERANCE, f"{name}: relative error {error}"
-    layout = name.split("-")[1]
+    layout = name.removeprefix(f"{case.family}-").split("-")[0]
     for rank in range(world):
         did = msgspec.json.decode((out_dir / f"{name}.rank{rank}.json").read_bytes(), type=Sent)
         assert set(did.sent) == SENT[layout], f"{name} rank {rank} sent {did.sent}"
@@ -187,7 +192,11 @@ class TestTwoRanks:
     """Ulysses, ring, K/V gather, tensor parallel and FSDP on two processes."""
 
     @pytest.mark.parametrize(
-        "name", [*(f"{f}-{n}" for f in FAMILIES for n in TWO), *(f"sd3-{n}" for n in SD3_TWO)]
+        "name",
+        [
+            *(f"{f}-{n}" for f in FAMILIES for n in TWO),
+            *(f"{f}-{n}" for f in LATER for n in SD3_TWO),
+        ],
     )
     def test_layout_equals_one_process(
         self, two: Path, folders: dict[str, Path], name: str

@@ -11,7 +11,7 @@ cache asks for (``run_blocks``) on the requests that compute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -83,6 +83,13 @@ class PackedTransformer(StreamStack):
             split_layers(
                 block, parallel.tensor, {path: styles[split]() for path, split in plan.items()}
             )
+
+
+def attention_dims(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Return a DiT config's heads, head width and model width (their product)."""
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config["attention_head_dim"])
+    return heads, head_dim, heads * head_dim
 
 
 def regroup(

@@ -16,7 +16,7 @@ from torch import nn
 
 from components.cache import StepCache, run_cached
 from components.models.dit.attention import DitAttention
-from components.models.dit.base import PackedTransformer, TensorPlan, regroup
+from components.models.dit.base import PackedTransformer, TensorPlan, attention_dims, regroup
 from components.models.dit.layers import (
     FeedForward,
     Modulation,
@@ -100,7 +100,53 @@ class FluxTimeTextEmbedding(nn.Module):
         return out
 
 
-class FluxDoubleBlock(nn.Module):
+class DoubleBlock(nn.Module):
+    """A double-stream block of a ``JointTransformer`` (``double_stream``): text and image
+    rows apart, attending jointly.
+
+    Subclasses build ``attn`` and implement ``mlps``, ``modulations`` and ``tensor_plan``.
+    """
+
+    attn: DitAttention
+
+    def mlps(self) -> tuple[nn.Module, nn.Module]:
+        """Return the text's MLP, then the image's."""
+        raise NotImplementedError
+
+    def modulations(
+        self, condition: torch.Tensor
+    ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """Return the text's six modulation vectors ``(B, E)``, then the image's."""
+        raise NotImplementedError
+
+    def tensor_plan(self) -> TensorPlan:
+        """Return how tensor parallel splits its layers."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        condition: torch.Tensor,
+        rotation: torch.Tensor,
+        layout: JointLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update text rows ``(n_t, E)`` and image rows ``(n_i, E)`` given ``(B, E)``; in
+        float16 the text is clipped to its range (both streams where ``clips_image``)."""
+        streams = (text, image)
+        text, image = double_stream(
+            self.attn, self.mlps(), self.modulations(condition), streams, rotation, layout
+        )
+        if text.dtype == torch.float16:
+            text = text.clip(-FLOAT16_MAX, FLOAT16_MAX)
+            if self.clips_image:
+                image = image.clip(-FLOAT16_MAX, FLOAT16_MAX)
+        return text, image
+
+    clips_image = False
+
+
+class FluxDoubleBlock(DoubleBlock):
     """A double-stream block: text and image rows apart, attending jointly."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, site: AttentionSite) -> None:
@@ -113,36 +159,15 @@ class FluxDoubleBlock(nn.Module):
         self.ff = FeedForward(dim)
         self.ff_context = FeedForward(dim)
 
-    def forward(
-        self,
-        text: torch.Tensor,
-        image: torch.Tensor,
-        condition: torch.Tensor,
-        rotation: torch.Tensor,
-        layout: JointLayout,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update text rows ``(n_t, E)`` and image rows ``(n_i, E)`` given ``(B, E)``."""
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(condition)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-            condition
-        )
-        image_rows, text_rows = layout.image.rows, layout.text.rows
-        qi, ki, vi = self.attn.project(modulate(image, image_rows, shift, scale, EPS))
-        qt, kt, vt = self.attn.project_context(modulate(text, text_rows, c_shift, c_scale, EPS))
-        q = rotate(layout.join(qt, qi), rotation)  # (T, H, D)
-        k = rotate(layout.join(kt, ki), rotation)
-        o = self.attn.attend(q, k, layout.join(vt, vi), layout)  # (T, H * D)
-        text_o, image_o = layout.split(o)
-        add_gated(image, self.attn.output(image_o), image_rows, gate)
-        h = modulate(image, image_rows, shift_mlp, scale_mlp, EPS)
-        add_gated(image, self.ff(h), image_rows, gate_mlp)
-        assert self.attn.to_add_out is not None  # built with context_out
-        add_gated(text, self.attn.to_add_out(text_o), text_rows, c_gate)
-        h = modulate(text, text_rows, c_shift_mlp, c_scale_mlp, EPS)
-        add_gated(text, self.ff_context(h), text_rows, c_gate_mlp)
-        if text.dtype == torch.float16:
-            text = text.clip(-FLOAT16_MAX, FLOAT16_MAX)
-        return text, image
+    def mlps(self) -> tuple[nn.Module, nn.Module]:
+        """Return ``ff_context`` and ``ff``."""
+        return self.ff_context, self.ff
+
+    def modulations(
+        self, condition: torch.Tensor
+    ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """Return ``norm1_context``'s and ``norm1``'s vectors."""
+        return self.norm1_context(condition), self.norm1(condition)
 
     def tensor_plan(self) -> TensorPlan:
         """Split heads (q, k, v column-wise, outputs row-wise) and the MLPs' hidden units."""
@@ -154,6 +179,41 @@ class FluxDoubleBlock(nn.Module):
 
 
 PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def double_stream(
+    attn: DitAttention,
+    mlps: tuple[nn.Module, nn.Module],
+    modulations: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    streams: tuple[torch.Tensor, torch.Tensor],
+    rotation: torch.Tensor,
+    layout: JointLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a double-stream block: text and image rows apart, attending jointly.
+
+    ``mlps``, ``modulations`` (each six ``(B, E)``: shift, scale and gate of the attention
+    then of the MLP) and ``streams`` (rows ``(n_t, E)`` and ``(n_i, E)``, updated in place)
+    are the text's then the image's.
+    """
+    text_mlp, image_mlp = mlps
+    (c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp), image_mod = modulations
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = image_mod
+    text, image = streams
+    image_rows, text_rows = layout.image.rows, layout.text.rows
+    qi, ki, vi = attn.project(modulate(image, image_rows, shift, scale, EPS))
+    qt, kt, vt = attn.project_context(modulate(text, text_rows, c_shift, c_scale, EPS))
+    q = rotate(layout.join(qt, qi), rotation)  # (T, H, D)
+    k = rotate(layout.join(kt, ki), rotation)
+    o = attn.attend(q, k, layout.join(vt, vi), layout)  # (T, H * D)
+    text_o, image_o = layout.split(o)
+    add_gated(image, attn.output(image_o), image_rows, gate)
+    h = modulate(image, image_rows, shift_mlp, scale_mlp, EPS)
+    add_gated(image, image_mlp(h), image_rows, gate_mlp)
+    assert attn.to_add_out is not None  # built with context_out
+    add_gated(text, attn.to_add_out(text_o), text_rows, c_gate)
+    h = modulate(text, text_rows, c_shift_mlp, c_scale_mlp, EPS)
+    add_gated(text, text_mlp(h), text_rows, c_gate_mlp)
+    return text, image
 
 
 class FluxSingleBlock(nn.Module):
@@ -208,62 +268,50 @@ def part(width: int, offset: int, rank: int, shards: int) -> torch.Tensor:
     return torch.arange(offset + rank * size, offset + (rank + 1) * size)
 
 
-class FluxTransformer(PackedTransformer):
-    """Flux's DiT: the names, shapes and arithmetic of diffusers' class, requests packed.
+class JointInputs(NamedTuple):
+    """A forward's requests as a joint DiT's blocks take them, in request order."""
 
-    Args:
-        config: the folder's ``config.json`` of ``FluxTransformer2DModel``.
-        site: the declared ``self`` site (joint attention).
+    texts: list[torch.Tensor]  # (L_i, E_text) each, its real tokens
+    images: list[torch.Tensor]  # (N_i, C_in) each
+    condition: torch.Tensor  # (B, E)
+    rotation: torch.Tensor  # (sum L_i + N_i, D/2): each request's text then image
+
+
+class JointTransformer(PackedTransformer):
+    """A DiT of double-stream blocks (``transformer_blocks``) and, where it has them,
+    single-stream blocks (``single_transformer_blocks``), requests packed: the forward,
+    a step cache's parts and the tensor-parallel plans; subclasses embed.
+
+    Subclasses build ``transformer_blocks``, ``single_transformer_blocks``, ``norm_out``
+    and ``proj_out`` and implement ``joint_inputs``, ``embed_text`` and ``embed_image``.
     """
 
-    def __init__(self, config: Mapping[str, Any], site: AttentionSite) -> None:
-        super().__init__()
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config["attention_head_dim"])
-        dim = heads * head_dim
-        patch = int(config.get("patch_size", 1))
-        out_channels = int(config.get("out_channels") or config["in_channels"])
-        self.axes = tuple(int(a) for a in config["axes_dims_rope"])
-        self.time_text_embed = FluxTimeTextEmbedding(
-            dim, int(config["pooled_projection_dim"]), guidance=bool(config["guidance_embeds"])
-        )
-        self.context_embedder = nn.Linear(int(config["joint_attention_dim"]), dim)
-        self.x_embedder = nn.Linear(int(config["in_channels"]), dim)
-        self.transformer_blocks = nn.ModuleList(
-            FluxDoubleBlock(dim, heads, head_dim, site) for _ in range(int(config["num_layers"]))
-        )
-        self.single_transformer_blocks = nn.ModuleList(
-            FluxSingleBlock(dim, heads, head_dim, site)
-            for _ in range(int(config["num_single_layers"]))
-        )
-        self.norm_out = Modulation(dim, 2)
-        self.proj_out = nn.Linear(dim, patch * patch * out_channels)
+    transformer_blocks: nn.ModuleList
+    single_transformer_blocks: nn.ModuleList
+    norm_out: Modulation
+    proj_out: nn.Linear
 
-    def forward(
-        self, groups: Sequence[FluxInputs], cache: StepCache | None = None
-    ) -> list[torch.Tensor]:
+    def joint_inputs(self, groups: Sequence[Any]) -> JointInputs:
+        """Return the requests of ``groups`` as the blocks take them."""
+        raise NotImplementedError
+
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        """Embed text rows ``(n, E_text)`` to ``(n, E)``."""
+        raise NotImplementedError
+
+    def embed_image(self, image: torch.Tensor) -> torch.Tensor:
+        """Embed image rows ``(n, C_in)`` to ``(n, E)``."""
+        raise NotImplementedError
+
+    def forward(self, groups: Sequence[Any], cache: StepCache | None = None) -> list[torch.Tensor]:
         """Predict ``(B_g, N_g, C)`` for every group, all requests in one packed pass."""
-        images = [x for group in groups for x in group.hidden_states]  # (N_i, C_in) each
-        texts = [c for group in groups for c in group.encoder_hidden_states]  # (L_i, E_j)
+        texts, images, condition, rotation = self.joint_inputs(groups)
         device = images[0].device
         text_counts, image_counts = [t.shape[0] for t in texts], [x.shape[0] for x in images]
-        condition = self.time_text_embed(
-            torch.cat([g.timestep for g in groups]).to(images[0].dtype) * 1000,
-            _guidance(groups, images[0].dtype),
-            torch.cat([g.pooled_projections for g in groups]),
-        )  # (B, E)
-        rotation = torch.cat(
-            [
-                rotary(torch.cat([g.txt_ids, g.img_ids]), self.axes)
-                .expand(len(g.timestep), -1, -1)
-                .flatten(0, 1)
-                for g in groups
-            ]
-        )  # (sum L_i + N_i, D/2)
         if cache is None:
             layout = JointLayout(text_counts, image_counts, device, self.sequence)
-            image = self.x_embedder(layout.image.take(torch.cat(images)))  # (n_i, E)
-            text = self.context_embedder(layout.text.take(torch.cat(texts)))  # (n_t, E)
+            image = self.embed_image(layout.image.take(torch.cat(images)))  # (n_i, E)
+            text = self.embed_text(layout.text.take(torch.cat(texts)))  # (n_t, E)
             text, image = self._blocks(
                 text, image, condition, layout.local(rotation), layout, 0, self.depth()
             )
@@ -271,8 +319,8 @@ class FluxTransformer(PackedTransformer):
             streams = run_cached(
                 self,
                 Streams(
-                    text=self.context_embedder(torch.cat(texts)),
-                    image=self.x_embedder(torch.cat(images)),
+                    text=self.embed_text(torch.cat(texts)),
+                    image=self.embed_image(torch.cat(images)),
                     text_counts=tuple(text_counts),
                     image_counts=tuple(image_counts),
                     condition=condition,
@@ -283,7 +331,8 @@ class FluxTransformer(PackedTransformer):
             layout, image = JointLayout(text_counts, image_counts, device), streams.image
         scale, shift = self.norm_out(condition)
         out = self.proj_out(modulate(image, layout.image.rows, shift, scale, EPS))
-        return regroup(layout.gather_image(out), image_counts, [len(g.timestep) for g in groups])
+        sizes = [len(g.timestep) for g in groups]
+        return regroup(layout.gather_image(out), image_counts, sizes)
 
     def depth(self) -> int:
         """Return the double-stream blocks then the single-stream ones."""
@@ -294,7 +343,7 @@ class FluxTransformer(PackedTransformer):
         layout = JointLayout(
             state.text_counts, state.image_counts, state.image.device, self.sequence
         )
-        assert state.rotation is not None  # Flux's streams carry their rotation
+        assert state.rotation is not None  # a joint DiT's streams carry their rotation
         text, image = self._blocks(
             owned(layout.text.take(state.text), state.text),
             owned(layout.image.take(state.image), state.image),
@@ -331,11 +380,70 @@ class FluxTransformer(PackedTransformer):
     def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
         """Yield both stacks' blocks with their splits over ``shards`` ranks."""
         for double in self.transformer_blocks:
-            assert isinstance(double, FluxDoubleBlock)
+            assert isinstance(double, DoubleBlock)
             yield double, double.tensor_plan()
         for single in self.single_transformer_blocks:
             assert isinstance(single, FluxSingleBlock)
             yield single, single.tensor_plan(shards)
+
+
+class FluxTransformer(JointTransformer):
+    """Flux's DiT: the names, shapes and arithmetic of diffusers' class, requests packed.
+
+    Args:
+        config: the folder's ``config.json`` of ``FluxTransformer2DModel``.
+        site: the declared ``self`` site (joint attention).
+    """
+
+    def __init__(self, config: Mapping[str, Any], site: AttentionSite) -> None:
+        super().__init__()
+        heads, head_dim, dim = attention_dims(config)
+        patch = int(config.get("patch_size", 1))
+        out_channels = int(config.get("out_channels") or config["in_channels"])
+        self.axes = tuple(int(a) for a in config["axes_dims_rope"])
+        self.time_text_embed = FluxTimeTextEmbedding(
+            dim, int(config["pooled_projection_dim"]), guidance=bool(config["guidance_embeds"])
+        )
+        self.context_embedder = nn.Linear(int(config["joint_attention_dim"]), dim)
+        self.x_embedder = nn.Linear(int(config["in_channels"]), dim)
+        self.transformer_blocks = nn.ModuleList(
+            FluxDoubleBlock(dim, heads, head_dim, site) for _ in range(int(config["num_layers"]))
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            FluxSingleBlock(dim, heads, head_dim, site)
+            for _ in range(int(config["num_single_layers"]))
+        )
+        self.norm_out = Modulation(dim, 2)
+        self.proj_out = nn.Linear(dim, patch * patch * out_channels)
+
+    def joint_inputs(self, groups: Sequence[FluxInputs]) -> JointInputs:
+        """Return each request's text, image rows, conditioning and rotation."""
+        images = [x for group in groups for x in group.hidden_states]  # (N_i, C_in) each
+        condition = self.time_text_embed(
+            torch.cat([g.timestep for g in groups]).to(images[0].dtype) * 1000,
+            _guidance(groups, images[0].dtype),
+            torch.cat([g.pooled_projections for g in groups]),
+        )  # (B, E)
+        rotation = torch.cat(
+            [
+                rotary(torch.cat([g.txt_ids, g.img_ids]), self.axes)
+                .expand(len(g.timestep), -1, -1)
+                .flatten(0, 1)
+                for g in groups
+            ]
+        )  # (sum L_i + N_i, D/2)
+        texts = [c for group in groups for c in group.encoder_hidden_states]  # (L_i, E_j)
+        return JointInputs(texts, images, condition, rotation)
+
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        """Project T5's states to the model width (``context_embedder``)."""
+        out: torch.Tensor = self.context_embedder(text)
+        return out
+
+    def embed_image(self, image: torch.Tensor) -> torch.Tensor:
+        """Project packed latents to the model width (``x_embedder``)."""
+        out: torch.Tensor = self.x_embedder(image)
+        return out
 
 
 def _guidance(groups: Sequence[FluxInputs], dtype: torch.dtype) -> torch.Tensor | None:

@@ -20,16 +20,21 @@ TIMESTEP_CHANNELS = 256
 MAX_PERIOD = 10_000
 
 
-def timestep_features(timesteps: torch.Tensor, channels: int = TIMESTEP_CHANNELS) -> torch.Tensor:
+def timestep_features(
+    timesteps: torch.Tensor, channels: int = TIMESTEP_CHANNELS, scale: float = 1.0
+) -> torch.Tensor:
     """Embed ``timesteps`` ``(B,)`` as ``(B, channels)`` float32 cosines then sines.
 
-    diffusers' ``Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0)``.
+    diffusers' ``Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0, scale)``:
+    the angles are scaled after the product, as there.
     """
     half = channels // 2
     exponent = -math.log(MAX_PERIOD) * torch.arange(
         half, dtype=torch.float32, device=timesteps.device
     )
     angles = timesteps[:, None].float() * torch.exp(exponent / half)[None, :]  # (B, half)
+    if scale != 1:
+        angles = scale * angles
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 

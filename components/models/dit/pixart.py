@@ -18,7 +18,7 @@ from torch.nn.functional import silu
 
 from components.cache import StepCache, run_cached
 from components.models.dit.attention import DitAttention
-from components.models.dit.base import PackedTransformer, TensorPlan, regroup
+from components.models.dit.base import PackedTransformer, TensorPlan, attention_dims, regroup
 from components.models.dit.layers import (
     FeedForward,
     TextProjection,
@@ -148,9 +148,7 @@ class PixArtTransformer(PackedTransformer):
 
     def __init__(self, config: Mapping[str, Any], sites: tuple[AttentionSite, ...]) -> None:
         super().__init__()
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config["attention_head_dim"])
-        dim = heads * head_dim
+        heads, head_dim, dim = attention_dims(config)
         sample = int(config["sample_size"])
         self.patch = int(config["patch_size"])
         channels = int(config["in_channels"])

@@ -16,7 +16,7 @@ from torch import nn
 
 from components.cache import StepCache, run_cached
 from components.models.dit.attention import DitAttention
-from components.models.dit.base import PackedTransformer, TensorPlan, regroup
+from components.models.dit.base import PackedTransformer, TensorPlan, attention_dims, regroup
 from components.models.dit.layers import (
     FeedForward,
     Modulation,
@@ -130,9 +130,7 @@ class Sd3Transformer(PackedTransformer):
 
     def __init__(self, config: Mapping[str, Any], site: AttentionSite) -> None:
         super().__init__()
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config["attention_head_dim"])
-        dim = heads * head_dim
+        heads, head_dim, dim = attention_dims(config)
         self.patch = int(config["patch_size"])
         layers = int(config["num_layers"])
         out_channels = int(config.get("out_channels") or config["in_channels"])
