@@ -15,8 +15,9 @@ from lifecycle.admission import admit_pipeline
 from lifecycle.refusals import RefusalCode
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import decode_spec, load_spec
+from tests.blocked_imports import blocking
 from tests.conftest import Lifecycle
-from tests.lifecycle.test_admission import CHECK_JSON
+from tests.lifecycle.test_admission import CHECK_JSON, expected_code, needs_of
 from tests.processes import run_python
 
 DIT = """
@@ -87,7 +88,34 @@ class TestCheck:
         assert "blocks   int8_dynamic" in shown
 
 
+ACCELERATION_EXAMPLES = (
+    "compiler_missing",
+    "not_compilable",
+    "missing_package",
+    "quantized_component",
+    "quantized_split",
+)
+"""The examples under examples/refused/ of the refusals compile and quantization bring."""
+
+
 class TestRefusals:
+    @pytest.mark.parametrize("name", ACCELERATION_EXAMPLES)
+    def test_each_example_is_refused_by_check_json(
+        self, root: Path, name: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """check --json of each compile and quantization example exits 1 with the one code
+        its first line names and a fix, in a process under the example's variables and
+        unable to import the packages it runs without."""
+        path = root / "examples" / "refused" / f"{name}.toml"
+        env, without = needs_of(path)
+        for variable, value in env.items():
+            monkeypatch.setenv(variable, value)
+        done = run_python(blocking(*without) + CHECK_JSON, path, cwd=path.parent)
+        assert done.returncode == 1, done.stderr
+        refusals = json.loads(done.stdout)["refusals"]
+        assert {r["code"] for r in refusals} == {expected_code(path)}
+        assert all(r["hint"] for r in refusals)
+
     def test_no_compiler_is_refused_naming_cxx_and_the_package(
         self, root: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -102,7 +102,8 @@ class TestQuantized:
 class TestOffload:
     def test_disk_offload_of_int8_weights_is_bit_for_bit(self, root: Path, tmp_path: Path) -> None:
         """A quantized DiT offloaded to disk between requests makes the images the one never
-        offloaded makes, bit for bit; its file holds the int8 data and the float32 scales."""
+        offloaded makes, bit for bit; its file holds the int8 data and the float32 scales,
+        and once onloaded from it the budget counts the bytes its tensors hold."""
         keys = 'quantization = "int8_dynamic"'
         with Orchestrator(decode_spec(tiny_t2i(root, tmp_path / "a", keys))) as resident:
             resident.admit()
@@ -122,6 +123,10 @@ class TestOffload:
             assert dtypes["qdata"] == "I8"
             assert dtypes["scale"] == "F32"
             found = images(offloaded)
+            offloaded.onload("transformer")
+            held = offloaded.component("transformer").resident_bytes
+            planned = offloaded.snapshot().components["transformer"].bytes
+            assert held == planned == module_bytes(offloaded.module("transformer"))
         for image, reference in zip(found, expected, strict=True):
             assert torch.equal(image, reference)
 
