@@ -395,7 +395,7 @@ def wan_transformer(
         out_channels=channels,
         text_dim=dims.text,
         freq_dim=256,
-        ffn_dim=dims.heads * head_dim * 2,
+        ffn_dim=4 * dims.text,  # two experts outweigh UMT5: the largest stage holds one
         num_layers=dims.layers,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",

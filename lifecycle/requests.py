@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +23,7 @@ from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs
 from lifecycle.machines.tables import ComponentState
 from lifecycle.prompts import PromptCache, counted
+from lifecycle.spec.structs import StageSpec
 
 log = get_logger("lifecycle")
 
@@ -71,6 +72,8 @@ class StageKeeper:
         self.waiter = shared.waiter
         self.terms = WaitTerms(residency.spec.memory.wait_timeout, observers, slots)
         self.prompts: PromptCache | None = None
+        # what each request holds in a stage with step windows, by (request, position)
+        self._holding: dict[tuple[str, int], tuple[str, ...]] = {}
 
     def enter(
         self, request_id: str, position: int, priority: int, check: Callable[[], object]
@@ -89,12 +92,54 @@ class StageKeeper:
         """
         with self.lock:
             stage = self.timeline.stages[position]
+            if stage.windows:  # it waits for what it holds on entry, one windowed use
+                stage = StageSpec(name=stage.name, uses=self.timeline.entered(position))
             return self.waiter.acquire(
                 request_id,
                 position,
                 stage,
                 self._use,
                 self.leave,
+                self.terms,
+                priority=priority,
+                check=check,
+            )
+
+    def hand_over(
+        self,
+        request_id: str,
+        position: int,
+        name: str,
+        priority: int,
+        check: Callable[[], object],
+    ) -> dict[str, nn.Module]:
+        """Hand ``request_id``'s stage at ``position`` over to its windowed use ``name``:
+        let go of the windowed use it holds (put back after its last use, as a stage's end
+        puts it back), then use and onload ``name`` as ``enter`` does (waiting its turn);
+        return ``name``'s module.
+
+        Raises:
+            TransitionRefused, TransitionFailed, Cancelled: as ``enter``; the request then
+                holds the stage's other uses alone.
+        """
+        key = (request_id, position)
+        with self.lock:
+            stage = self.timeline.stages[position]
+            held = self._holding.get(key, self.timeline.entered(position))
+            given = tuple(n for n in held if n in stage.windows)
+            self._holding[key] = tuple(n for n in held if n not in stage.windows)
+            self._drop(request_id, given)
+            try:
+                last = self.timeline.last_uses(position)
+                self._put_back([n for n in given if n in last], request_id)
+            finally:
+                self.waiter.released()
+            return self.waiter.acquire(
+                request_id,
+                position,
+                StageSpec(name=stage.name, uses=(name,)),
+                lambda rid, at: self._use(rid, at, (name,)),
+                lambda rid, at: self._let_go(rid, at, (name,)),
                 self.terms,
                 priority=priority,
                 check=check,
@@ -107,47 +152,69 @@ class StageKeeper:
             if self.observers.attached:
                 self.observers.emit(RequestCancelled(request_id=request_id, stage=stage, step=step))
 
-    def _use(self, request_id: str, position: int) -> dict[str, nn.Module]:
-        """Mark the stage's components in use and onload them, or (raising) leave none in use.
+    def _use(
+        self, request_id: str, position: int, uses: tuple[str, ...] | None = None
+    ) -> dict[str, nn.Module]:
+        """Mark ``uses`` (by default what the stage holds on entry) in use and onload them,
+        or (raising) leave none of them in use.
 
-        Runs inside ``enter``, under the lock.
+        Runs inside ``enter`` and ``hand_over``, under the lock.
         """
-        uses = self.timeline.stages[position].uses
+        entering = uses is None
+        if uses is None:
+            uses = self.timeline.entered(position)
         slots = self.slots
         if self.adapters.adapters:
             self.adapters.settle(uses, self.rows.get(request_id), request_id)
         for name in uses:
             in_use_by = slots[name].in_use_by
             in_use_by[request_id] = in_use_by.get(request_id, 0) + 1
+        if self.timeline.stages[position].windows:
+            key = (request_id, position)
+            self._holding[key] = (*self._holding.get(key, ()), *uses)
         try:
             for name in uses:
                 lifecycle = slots[name].lifecycle
                 if lifecycle.state is not _RESIDENT:
                     lifecycle.onload(MoveArgs(position=position, request_id=request_id))
-            if self.residency.prefetches:
+            if entering and self.residency.prefetches:
                 self.residency.prefetch(self.timeline.added_next(position))
             return {name: slots[name].loaded_module() for name in uses}
         except BaseException:
-            self.leave(request_id, position)
+            self._let_go(request_id, position, uses)
             raise
 
     def leave(self, request_id: str, position: int) -> None:
         """End ``request_id``'s use of the stage; offload what saw its last use."""
-        uses = self.timeline.stages[position].uses
-        slots = self.slots
+        held = self._holding.pop((request_id, position), None)
+        self._let_go(
+            request_id, position, self.timeline.entered(position) if held is None else held
+        )
+
+    def _let_go(self, request_id: str, position: int, uses: tuple[str, ...]) -> None:
+        """End ``request_id``'s use of ``uses`` in the stage at ``position``; offload what
+        saw its last use."""
         with self.lock:
-            for name in uses:
-                in_use_by = slots[name].in_use_by
-                left = in_use_by.get(request_id, 0) - 1
-                if left > 0:
-                    in_use_by[request_id] = left
-                else:
-                    in_use_by.pop(request_id, None)
+            self._drop(request_id, uses)
+            held = self._holding.get((request_id, position))
+            if held is not None:
+                self._holding[(request_id, position)] = tuple(n for n in held if n not in uses)
             try:
                 self._put_back(self.timeline.last_uses(position), request_id)
             finally:
                 self.waiter.released()  # what the request used is free, put back or not
                 self.adapters.released()
+
+    def _drop(self, request_id: str, uses: Iterable[str]) -> None:
+        """Count one use fewer of each of ``uses`` by ``request_id`` (under the lock)."""
+        slots = self.slots
+        for name in uses:
+            in_use_by = slots[name].in_use_by
+            left = in_use_by.get(request_id, 0) - 1
+            if left > 0:
+                in_use_by[request_id] = left
+            else:
+                in_use_by.pop(request_id, None)
 
     def finish(self, request_id: str, touched: set[str]) -> None:
         """End ``request_id``: put every component it touched back where its plan says."""
@@ -238,17 +305,19 @@ class Request:
         return self._cancelled
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[dict[str, nn.Module]]:
-        """Run one stage: yield its components' modules, resident and armed.
+    def stage(self, name: str) -> Iterator[Mapping[str, nn.Module]]:
+        """Run one stage: yield its components' modules, resident and armed (with step
+        windows, one windowed use at a time: ``HandingOver``).
 
         Raises:
             KeyError: no stage has that name.
             TransitionRefused: a component could not be onloaded (budget).
             Cancelled: the request was cancelled; nothing was entered.
         """
-        position, modules = self._enter(name, self._check_cancelled(name))
+        check = self._check_cancelled(name)
+        position, modules = self._enter(name, check)
         try:
-            yield modules
+            yield self._handing_over(position, modules, check)
         finally:
             self._keeper.leave(self.id, position)
 
@@ -288,7 +357,8 @@ class Request:
                     batch.drop_cancelled()
                     return
             with self._inference:
-                position, modules = self._enter(stage, batch.drop_cancelled)
+                position, entered = self._enter(stage, batch.drop_cancelled)
+                modules = self._handing_over(position, entered, batch.drop_cancelled)
                 try:
                     slots = keeper.slots
                     with batch_rows(batch):
@@ -341,6 +411,21 @@ class Request:
 
         return check
 
+    def _handing_over(
+        self, position: int, modules: dict[str, nn.Module], check: Callable[[], object]
+    ) -> Mapping[str, nn.Module]:
+        """Return the modules of the stage at ``position`` as its body may ask for them:
+        ``modules``, or where its uses have step windows, a ``HandingOver`` of them."""
+        windows = self._keeper.timeline.stages[position].windows
+        if not windows:
+            return modules
+        keeper = self._keeper
+        return HandingOver(
+            modules,
+            windows,
+            lambda name: keeper.hand_over(self.id, position, name, self.priority, check),
+        )
+
     def _enter(self, name: str, check: Callable[[], object]) -> tuple[int, dict[str, nn.Module]]:
         """Use the stage ``name`` and onload its components; return its position and modules.
 
@@ -355,3 +440,44 @@ class Request:
         modules = self._keeper.enter(self.id, position, self.priority, check)
         self.stages.append(name)
         return position, modules
+
+
+class HandingOver(Mapping[str, nn.Module]):
+    """The modules of a stage whose uses have step windows, as its body asks for them.
+
+    The stage holds one windowed use at a time; asking for another hands the stage over
+    to it (``StageKeeper.hand_over``): the one held is let go, then the one asked for is
+    onloaded. A denoiser that asks for its experts in timestep order (Wan 2.2 A14B's
+    ``transformer``, then ``transformer_2``) hands over once per request.
+
+    Args:
+        modules: what the stage holds on entry.
+        windows: its windowed uses.
+        hand_over: hands the stage over to a windowed use; returns its module by name.
+    """
+
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        windows: Collection[str],
+        hand_over: Callable[[str], dict[str, nn.Module]],
+    ) -> None:
+        self._modules = modules
+        self._windows = windows
+        self._hand_over = hand_over
+
+    def __getitem__(self, name: str) -> nn.Module:
+        module = self._modules.get(name)
+        if module is not None:
+            return module
+        if name not in self._windows:
+            raise KeyError(name)
+        kept = {n: m for n, m in self._modules.items() if n not in self._windows}
+        self._modules = kept | self._hand_over(name)
+        return self._modules[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)

@@ -42,11 +42,17 @@ SCHEDULER_CONFIG = "scheduler_config.json"
 LoaderT = TypeVar("LoaderT", bound=ComponentLoader)
 
 
+Window = tuple[float | None, float | None]
+"""The timesteps ``t`` at which a use predicts: ``from <= t < below`` (None: unbounded)."""
+
+
 class Stage(NamedTuple):
-    """One stage of a recipe and the components it uses, in order."""
+    """One stage of a recipe and the components it uses, in order; ``windows``: the uses
+    that predict only at some timesteps (the stage holds one of them at a time)."""
 
     name: str
     uses: tuple[str, ...]
+    windows: Mapping[str, Window] = {}
 
 
 class SizeGroup(NamedTuple):

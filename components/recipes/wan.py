@@ -46,6 +46,7 @@ from components.recipes.base import (
     latent_rows,
     mismatch,
     narrow_scheduler,
+    scheduler_config,
     unique_texts,
     width,
 )
@@ -148,17 +149,33 @@ class WanRecipe(Recipe):
             )
         rows, columns = self.dit.patch[1:]
         self._multiple = self.video_vae.scale_factor * math.lcm(rows, columns)
-        self.boundary = (
-            None
-            if self.config.boundary_ratio is None
-            else self.config.boundary_ratio * float(self.scheduler_config[TRAIN_TIMESTEPS])
-        )
-        """The timestep from which ``transformer_2`` predicts (below it); None: one DiT."""
+        denoise = next(stage for stage in self.stages if stage.name == DENOISE)
+        first = denoise.windows.get(EXPERTS[0])
+        self.boundary = None if first is None else first[0]
+        """The timestep below which ``transformer_2`` predicts; None: one DiT."""
 
     @classmethod
     def check_config(cls, index: PipelineIndex) -> None:
         """Check ``boundary_ratio`` and ``expand_timesteps`` (``WanConfig.of``)."""
         WanConfig.of(index)
+
+    @classmethod
+    def stages_for(cls, index: PipelineIndex) -> tuple[Stage, ...]:
+        """Return the stages, the two experts of the denoise stage each with its window
+        where the folder has a boundary (``transformer`` at timesteps from it,
+        ``transformer_2`` below it): the stage holds one expert at a time."""
+        stages = super().stages_for(index)
+        boundary = WanConfig.of(index).boundary_ratio
+        if boundary is None:
+            return stages
+        at = boundary * float(scheduler_config(index)[TRAIN_TIMESTEPS])
+        windows = {EXPERTS[0]: (at, None), EXPERTS[1]: (None, at)}
+        return tuple(
+            stage._replace(windows=windows)
+            if stage.name == DENOISE and set(EXPERTS) <= set(stage.uses)
+            else stage
+            for stage in stages
+        )
 
     @classmethod
     def uses_optional(cls, index: PipelineIndex, name: str) -> bool:

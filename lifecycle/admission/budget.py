@@ -140,11 +140,13 @@ def stage_fits(
     pipeline: str | None = None,
     others: tuple[str, ...] = (),
     budget_key: str = "memory.device_budget",
+    one_at_a_time: tuple[str, ...] = (),
 ) -> Refusal | None:
     """Check at admission that one stage's components and the pinned ones fit at all.
 
     ``pipeline`` is named in the message when the budget is a worker's, and ``others``,
-    the other pipelines it shares that budget with, when there are any.
+    the other pipelines it shares that budget with, when there are any; ``one_at_a_time``
+    the uses with step windows, of which ``uses`` holds the largest.
     """
     together = dict.fromkeys((*pinned, *uses))
     needed = sum(sizes[name] for name in together)
@@ -158,6 +160,7 @@ def stage_fits(
         message=f"stage '{stage}'"
         + ("" if pipeline is None else f" of pipeline '{pipeline}'")
         + f" needs {total} on device at once ({parts}), more than the {limit} budget"
+        + (f" (it holds one of {', '.join(one_at_a_time)} at a time)" if one_at_a_time else "")
         + _shared_with(others),
         hint=f"raise {budget_key} to at least {total}, or use "
         "layerwise_offload for the largest component of that stage",
@@ -205,15 +208,25 @@ def budget_refusals(
         pinned += tuple(shared.pinned)
         pipeline, others, key = spec.name, shared.others, shared.key
 
-    def fit(stage: str, uses: tuple[str, ...]) -> Refusal | None:
+    def fit(stage: str, uses: tuple[str, ...], windowed: tuple[str, ...] = ()) -> Refusal | None:
         return stage_fits(
-            stage, sizes, uses, pinned, budget, pipeline=pipeline, others=others, budget_key=key
+            stage,
+            sizes,
+            uses,
+            pinned,
+            budget,
+            pipeline=pipeline,
+            others=others,
+            budget_key=key,
+            one_at_a_time=windowed,
         )
 
     found = []
     for stage in spec.stages:
-        uses = tuple(name for name in stage.uses if name in sizes)
-        if uses and (refusal := fit(stage.name, uses)):
+        # with step windows, the largest set of uses the stage holds at once
+        together = [tuple(n for n in held if n in sizes) for held in stage.held_together()]
+        uses = max(together, key=lambda held: sum(sizes[name] for name in held))
+        if uses and (refusal := fit(stage.name, uses, tuple(stage.windows))):
             found.append(refusal)
     # load() onloads a resident component even when no stage uses it
     staged = {name for stage in spec.stages for name in stage.uses}

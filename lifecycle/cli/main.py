@@ -337,7 +337,7 @@ def _summary(spec: PipelineSpec, snapshot: PipelineSnapshot, platform: str) -> s
             rows[-1] += (component.compile, component.quantization)
     adapters: list[tuple[str, ...]] = [("adapter", "component", "mode", "scale", "path")]
     adapters += [(a.name, a.component, a.mode, f"{a.scale:g}", a.path) for a in snapshot.adapters]
-    timeline = " -> ".join(f"{s.name} [{', '.join(s.uses)}]" for s in spec.stages)
+    timeline = " -> ".join(stage.describe() for stage in spec.stages)
     source = [] if snapshot.source is None else [f"  source: {_source_text(snapshot)}"]
     reasons = {site.reason for c in snapshot.components.values() for site in c.attention}
     return "\n".join(

@@ -30,8 +30,10 @@ class Timeline:
             tuple(n for n in dict.fromkeys(stage.uses) if self.next_use(n, p) is None)
             for p, stage in enumerate(self.stages)
         )
+        # what a stage holds on entry: with step windows, the first windowed use alone
+        self._entered = tuple(stage.held_together()[0] for stage in self.stages)
         self._added_next = tuple(
-            tuple(n for n in self.stages[p + 1].uses if n not in stage.uses)
+            tuple(n for n in self._entered[p + 1] if n not in stage.uses)
             if p + 1 < len(self.stages)
             else ()
             for p, stage in enumerate(self.stages)
@@ -67,6 +69,11 @@ class Timeline:
     def last_uses(self, position: int) -> tuple[str, ...]:
         """Return the components the stage at ``position`` uses for the last time."""
         return self._last_uses[position]
+
+    def entered(self, position: int) -> tuple[str, ...]:
+        """Return the uses the stage at ``position`` holds on entry: all of them, or with
+        step windows the uses without one and the first windowed use."""
+        return self._entered[position]
 
     def added_next(self, position: int) -> tuple[str, ...]:
         """Return the components the stage after ``position`` adds to it (none after the last)."""

@@ -299,11 +299,12 @@ def pipeline_status(
 
 
 def _stage_held(orchestrator: Orchestrator, held: set[str]) -> str | None:
-    """Return the stage whose components a request holds: the one it is in."""
+    """Return the stage whose components a request holds: the one it is in (a stage with
+    step windows holds one windowed use at a time)."""
     if not held:
         return None
     for stage in orchestrator.spec.stages:
-        if set(stage.uses) == held:
+        if any(set(together) == held for together in stage.held_together()):
             return stage.name
     return None
 

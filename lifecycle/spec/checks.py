@@ -147,6 +147,13 @@ def _check_stages(spec: PipelineSpec) -> None:
                     f"Expected each component once per stage, got {use!r} twice",
                     f"{at}.uses[{position}]",
                 )
+        for name in stage.windows:
+            if name not in stage.uses:
+                raise ConfigError(
+                    f"Expected a step window of one of the stage's uses "
+                    f"({', '.join(stage.uses)}), got {name!r}",
+                    f"{at}.windows.{name}",
+                )
 
 
 def _check_adapters(spec: PipelineSpec) -> None:

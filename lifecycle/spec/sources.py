@@ -21,9 +21,11 @@ every reason.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from components.recipes.base import Stage
 from components.recipes.folder import FolderPipeline
 from lifecycle.spec.model_ids import ModelId, ModelIdError, cache_folder, parse_model_id
 
@@ -54,6 +56,25 @@ class SourceError(ValueError):
         super().__init__(message)
 
 
+def _stage(stage: Stage, components: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a recipe's stage as the spec writes it: its uses among ``components``, and
+    their step windows where it has some."""
+    uses = [name for name in stage.uses if name in components]
+    written: dict[str, Any] = {"name": stage.name, "uses": uses}
+    windows = {
+        name: {
+            key: bound
+            for key, bound in zip(("from_timestep", "below_timestep"), window, strict=True)
+            if bound is not None
+        }
+        for name, window in stage.windows.items()
+        if name in uses
+    }
+    if windows:
+        written["windows"] = windows
+    return written
+
+
 def resolve_source(raw: dict[str, Any], base: Path, *, download: bool = False) -> dict[str, Any]:
     """Return the parsed spec ``raw`` with its folder's components and stages spelled out.
 
@@ -81,10 +102,7 @@ def resolve_source(raw: dict[str, Any], base: Path, *, download: bool = False) -
         raise SourceError(str(err), f"$.{SOURCE}") from None
     variant = {VARIANT: raw[VARIANT]} if VARIANT in raw else {}
     components = _components(pipeline, raw.get("components", {}), variant)
-    stages = [
-        {"name": stage.name, "uses": [name for name in stage.uses if name in components]}
-        for stage in pipeline.stages()
-    ]
+    stages = [_stage(stage, components) for stage in pipeline.stages()]
     stages = [stage for stage in stages if stage["uses"]]
     if "stages" in raw and raw["stages"] != stages:
         timeline = " -> ".join(f"{s['name']} [{', '.join(s['uses'])}]" for s in stages)

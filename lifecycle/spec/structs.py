@@ -243,16 +243,59 @@ class ComponentSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         return dict(self.attention_backend)
 
 
-class StageSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class StepWindow(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The denoising timesteps at which a stage's component predicts (design §18).
+
+    Attributes:
+        from_timestep: it predicts at timesteps at least this high (none: no lower bound).
+        below_timestep: it predicts at timesteps below this (none: no upper bound).
+    """
+
+    from_timestep: float | None = None
+    below_timestep: float | None = None
+
+    def describe(self) -> str:
+        """Say the window in one phrase: ``t >= 875``, ``t < 875``, ``500 <= t < 875``."""
+        low, high = self.from_timestep, self.below_timestep
+        if low is not None and high is not None:
+            return f"{low:g} <= t < {high:g}"
+        if low is not None:
+            return f"t >= {low:g}"
+        return "any t" if high is None else f"t < {high:g}"
+
+
+class StageSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """One stage of a request, and the components it uses, in order.
 
     Attributes:
         name: the stage's name, unique in the pipeline.
         uses: the components the stage needs resident.
+        windows: the uses that predict only at some steps, each with its window (Wan 2.2
+            A14B's two experts): the stage holds one of them at a time, the first in
+            ``uses`` order on entry, and hands over to the next when the denoiser first
+            asks for it.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
     uses: Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
+    windows: dict[str, StepWindow] = msgspec.field(default_factory=dict)
+
+    def held_together(self) -> tuple[tuple[str, ...], ...]:
+        """Return each set of uses the stage holds at once, in the order it holds them:
+        every use, or, with windows, the uses without one plus each windowed use in turn."""
+        if not self.windows:
+            return (self.uses,)
+        rest = tuple(name for name in self.uses if name not in self.windows)
+        return tuple((*rest, name) for name in self.uses if name in self.windows)
+
+    def describe(self) -> str:
+        """Say the stage in one phrase: ``denoise [transformer (t >= 875), transformer_2
+        (t < 875)]``."""
+        uses = (
+            name if name not in self.windows else f"{name} ({self.windows[name].describe()})"
+            for name in self.uses
+        )
+        return f"{self.name} [{', '.join(uses)}]"
 
 
 class AdapterSpec(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):

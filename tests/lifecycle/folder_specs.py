@@ -62,10 +62,13 @@ def mode_spec(folder: Path, mode: Mode, into: Path, cpu: Platform) -> Path:
 
 
 def largest_stage(spec: PipelineSpec, cpu: Platform) -> int:
-    """Return the bytes of the largest stage of ``spec``, as admission declares them."""
+    """Return the bytes of the largest stage of ``spec``, as admission declares them (a
+    stage with step windows holds one windowed use at a time)."""
     plan = Orchestrator(spec, platform=cpu).admit()
     sizes = {name: component.bytes or 0 for name, component in plan.components.items()}
-    return max(sum(sizes[name] for name in stage.uses) for stage in spec.stages)
+    return max(
+        sum(sizes[name] for name in held) for stage in spec.stages for held in stage.held_together()
+    )
 
 
 def run_arguments(request: Request) -> list[str]:

@@ -270,3 +270,22 @@ class TestConfigEntries:
         result = lifecycle("check", folder)
         assert result.returncode == 2
         assert "boundary_ratio is 1.5; expected a number from 0 to 1" in result.stderr
+
+
+class TestVideoVae:
+    """The causal video VAE has no blocks to stream: layerwise offload is refused, saying why."""
+
+    def test_layerwise_offload_is_refused_naming_why(
+        self, pipeline_folder: PipelineFolders, lifecycle: Lifecycle, tmp_path: Path
+    ) -> None:
+        """``check`` refuses ``layerwise_offload`` of ``autoencoder_kl_wan`` with
+        ``residency.not_offloadable``: every temporal chunk runs every layer."""
+        spec = tmp_path / "layerwise.toml"
+        spec.write_text(
+            f'source = "{pipeline_folder("wan")}"\n'
+            '[components.vae]\nresidency = "layerwise_offload"\n'
+        )
+        result = lifecycle("check", spec)
+        assert result.returncode == 1
+        assert "residency.not_offloadable" in result.stdout
+        assert "each temporal chunk of a decode runs every layer of the decoder" in result.stdout

@@ -1,0 +1,145 @@
+"""Wan 2.2 A14B's two experts as a lifecycle: each use has a step window, the denoise stage
+holds one expert at a time and hands over at the boundary, once per request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attention import Platform
+from lifecycle.events import Event, Move
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.spec.errors import ConfigError
+from lifecycle.spec.reading import decode_spec, load_spec
+from tests.conftest import Lifecycle, PipelineFolders
+from tests.lifecycle.folder_specs import largest_stage, mode_spec
+from tests.lifecycle.video_requests import VIDEO_REQUESTS, diffusers_video, video_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXPERTS = ("transformer", "transformer_2")
+
+
+def expert_moves(moves: list[Move], request_id: str) -> list[tuple[str, str]]:
+    """Return the experts' moves for ``request_id``, in order, as (component, direction)."""
+    return [
+        (m.component, m.direction)
+        for m in moves
+        if m.request_id == request_id and m.component in EXPERTS
+    ]
+
+
+class TestHandOver:
+    """Under a budget that holds one expert, each request hands over once, at the boundary."""
+
+    def test_one_expert_budget(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path, cpu: Platform
+    ) -> None:
+        """Two requests: each onloads ``transformer``, lets it go and onloads
+        ``transformer_2`` once (never per step); both make diffusers' frames."""
+        folder = pipeline_folder("wan-a14b")
+        spec = load_spec(mode_spec(folder, "budget", tmp_path, cpu))
+        plan = Orchestrator(spec, platform=cpu).admit()
+        sizes = {name: plan.components[name].bytes or 0 for name in EXPERTS}
+        assert spec.memory.device_budget < sum(sizes.values())  # both cannot be resident
+        moves: list[Move] = []
+
+        def observe(event: Event) -> None:
+            if isinstance(event, Move):
+                moves.append(event)
+
+        request = VIDEO_REQUESTS["wan-a14b"]
+        want = diffusers_video(folder, request)
+        with Orchestrator(spec, platform=cpu, observer=observe) as orchestrator:
+            orchestrator.load()
+            for _ in range(2):
+                batch = video_batch(request)
+                with orchestrator.request() as running:
+                    running.run_all(batch)
+                    request_id = running.id
+                assert batch.videos is not None
+                ours = (batch.videos[0] / 2 + 0.5).clamp(0, 1)
+                assert (ours - want).abs().max() <= 1e-5
+                # before: the encode stage evicts the last request's transformer_2
+                handed = expert_moves(moves, request_id)
+                assert handed[-3:] == [
+                    ("transformer", "onload"),
+                    ("transformer", "offload"),
+                    ("transformer_2", "onload"),
+                ]
+                assert [move for move in handed if move[1] == "onload"] == handed[-3::2]
+                assert orchestrator.resident_bytes() <= spec.memory.device_budget
+
+    def test_component_offload_hands_over_once(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path, cpu: Platform
+    ) -> None:
+        """With both experts offloaded between uses, the first leaves at the boundary, before
+        the second comes in, and the second after the stage."""
+        spec = load_spec(mode_spec(pipeline_folder("wan-a14b"), "host", tmp_path, cpu))
+        moves: list[Move] = []
+
+        def observe(event: Event) -> None:
+            if isinstance(event, Move):
+                moves.append(event)
+
+        with Orchestrator(spec, platform=cpu, observer=observe) as orchestrator:
+            orchestrator.load()
+            with orchestrator.request() as running:
+                running.run_all(video_batch(VIDEO_REQUESTS["wan-a14b"]))
+        assert expert_moves(moves, running.id) == [
+            ("transformer", "onload"),
+            ("transformer", "offload"),
+            ("transformer_2", "onload"),
+            ("transformer_2", "offload"),
+        ]
+
+
+class TestAdmission:
+    """Admission counts one expert at a time, and says so when even one does not fit."""
+
+    def test_a_budget_below_one_expert_is_refused_with_the_numbers(
+        self, pipeline_folder: PipelineFolders, lifecycle: Lifecycle, tmp_path: Path, cpu: Platform
+    ) -> None:
+        """The denoise stage's refusal names the expert's bytes and the one-at-a-time rule."""
+        folder = pipeline_folder("wan-a14b")
+        spec = load_spec(folder)
+        plan = Orchestrator(spec, platform=cpu).admit()
+        expert = plan.components["transformer"].bytes
+        assert expert is not None
+        path = tmp_path / "small.toml"
+        path.write_text(f'source = "{folder}"\n[memory]\ndevice_budget = {expert - 1}\n')
+        result = lifecycle("check", path)
+        assert result.returncode == 1
+        assert "stage 'denoise' needs" in result.stdout
+        assert "(it holds one of transformer, transformer_2 at a time)" in result.stdout
+
+    def test_the_largest_stage_counts_one_expert(
+        self, pipeline_folder: PipelineFolders, cpu: Platform
+    ) -> None:
+        """A budget of the largest stage, one expert counted, is admitted."""
+        spec = load_spec(pipeline_folder("wan-a14b"))
+        plan = Orchestrator(spec, platform=cpu).admit()
+        two = sum(plan.components[name].bytes or 0 for name in EXPERTS)
+        assert largest_stage(spec, cpu) < two
+
+    def test_check_shows_each_experts_window(
+        self, pipeline_folder: PipelineFolders, lifecycle: Lifecycle
+    ) -> None:
+        """``check`` prints the denoise stage with each expert's timesteps."""
+        result = lifecycle("check", pipeline_folder("wan-a14b"))
+        assert result.returncode == 0, result.stdout
+        assert (
+            "stages: encode [text_encoder] -> denoise [transformer (t >= 875), "
+            "transformer_2 (t < 875)] -> decode [vae]"
+        ) in result.stdout
+
+    def test_a_window_of_no_use_is_bad_input(self) -> None:
+        """A step window must name one of its stage's uses."""
+        text = (
+            'name = "p"\n[components.a]\nkind = "tiny_dit"\n[[stages]]\nname = "s"\n'
+            'uses = ["a"]\n[stages.windows.b]\nfrom_timestep = 1.0\n'
+        )
+        with pytest.raises(ConfigError) as raised:
+            decode_spec(text)
+        assert raised.value.path == "$.stages[0].windows.b"
