@@ -272,10 +272,11 @@ class ComponentLoader:
             return f"its weights file '{self.options.weights}' does not exist"
         return None
 
-    def cache_problem(self, path: LoaderPath) -> str | None:
-        """Say why ``path`` cannot honour a step cache (design §17), or None when it can.
+    def cache_problem(self, path: LoaderPath, settings: CacheSettings) -> str | None:
+        """Say why ``path`` cannot honour the step cache ``settings`` (design §17), or None
+        when it can.
 
-        Kinds whose native class has a cache hook of its own extend this.
+        Kinds whose native class may have a cache hook of its own extend this.
         """
         if not self.step_cache:
             return f"kind '{self.kind}' runs no denoising block stack a cache could skip"

@@ -212,7 +212,9 @@ class RefusalCode(StrEnum):
         True,
         "a component has a step cache (design §17) that its loading path cannot honour: "
         "its kind has no denoising block stack (a text encoder, a VAE), or it loads "
-        "through a native class without a cache hook",
+        "through a native class and diffusers' own cache hook cannot run it as written (the "
+        "class has none, or the method or a warm-up, final or max_skipped value is not "
+        "what diffusers' FirstBlockCache does)",
     )
     CACHE_STEPS = (
         "acceleration.cache_steps",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from torch import nn
 
 from attention import AttentionRequirements, AttentionRole
+from components.cache import CacheSettings
+from components.cache.native import hook_problem
 from components.folders.files import weight_files
 from components.folders.loader import FolderLoader, FolderOptions, Layout
 from components.folders.meta import assign_weights
@@ -100,17 +102,17 @@ class DitLoader(FolderLoader):
             return self.library_layout
         return self.custom_layout()
 
-    def cache_problem(self, path: LoaderPath) -> str | None:
-        """Refuse a step cache on the native path: diffusers' class runs every request of a
-        group in one call, and its cache hooks (``CacheMixin``, where it has them) keep one
-        state for the module, so its requests could not decide apart (design §17)."""
-        if path == "native":
-            return (
-                f"its native path runs diffusers' {self.class_name}, which decides one step "
-                "for every request it runs at once (its cache hooks, where it has them, keep "
-                "one state for the whole module), so requests could not skip apart"
-            )
-        return super().cache_problem(path)
+    def cache_problem(self, path: LoaderPath, settings: CacheSettings) -> str | None:
+        """On the native path, honour only what diffusers' own cache hook does as written
+        (``components.cache.native``); the custom path runs every cache."""
+        if path != "native":
+            return super().cache_problem(path, settings)
+        try:
+            model = self.model_class()
+        except (ImportError, OSError, ValueError) as err:
+            return f"its native class cannot be read to find a cache hook ({err})"
+        hooked = any(base.__name__ == "CacheMixin" for base in model.__mro__)
+        return hook_problem(settings, self.class_name, hooked)
 
     def parallelize(self, module: nn.Module, parallel: ComponentParallel) -> None:
         """Shard the packed joint rows (sp) and the heads and MLP units (tp) of the DiT."""

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from components.batch import Batch, BatchField, Port, device_of
-from components.cache import StepCache, step_rows
+from components.cache import RowCache, StepCache, step_rows
+from components.cache import hooked as hooks
 from components.cache.state import any_cached, release_caches, start_rows
 from components.folders.index import INDEX_FILE, PipelineIndex
 from components.folders.loader import FolderLoader
@@ -128,6 +129,25 @@ def predict(
         predictions: list[torch.Tensor] = module(inputs, cache)
         return predictions
     return [module(**group._asdict(), return_dict=False)[0] for group in inputs]
+
+
+def predict_rows(
+    module: nn.Module,
+    runs: Sequence[Denoising],
+    caches: Sequence[RowCache | None] | None,
+    step: int,
+) -> list[torch.Tensor]:
+    """Run diffusers' class under its cache hook on every run, each of one row, under that
+    row's own cache context (``components.cache.hooked``)."""
+    return [
+        hooks.forward_row(
+            module,
+            run.inputs(step)._asdict(),
+            None if caches is None else caches[run.rows[0]],
+            step,
+        )
+        for run in runs
+    ]
 
 
 class PromptKey(NamedTuple):
@@ -469,27 +489,41 @@ class Recipe(ABC):
 
         Each size group steps its own scheduler; every step predicts for all groups at
         once: in one packed forward on the custom path, group after group on diffusers'.
-        Each step is reported, and rows cancelled meanwhile leave (``step_done``).
+        Under a step cache on diffusers' class, each row is a group of its own, so that
+        diffusers' hook decides for it alone (``components.cache.hooked``). Each step is
+        reported, and rows cancelled meanwhile leave (``step_done``).
 
         Raises:
             ValueError: an earlier stage's output is missing, or a size is off the grid.
             Cancelled: every row was cancelled.
         """
-        module = modules["transformer"]
-        device = device_of(module)
-        runs = [self.start(batch, group, device) for group in self.size_groups(batch)]
+        transformer = modules["transformer"]
+        device = device_of(transformer)
+        hooked = self.transformer.cache is not None and not isinstance(
+            transformer, PackedTransformer
+        )
+        groups = self.size_groups(batch)
+        if hooked:
+            groups = self.rows_apart(batch, groups)
+        runs = [self.start(batch, group, device) for group in groups]
         steps = len(runs[0].timesteps)
-        self.start_caches(module, batch, steps)
+        self.start_caches(transformer, batch, steps)
+        started = list(batch.cache_rows or ())
         try:
             for step in range(steps):
-                cache = step_cache(batch, runs, step, steps)
                 module = self.denoiser(modules, runs[0].timesteps[step])
-                predictions = self.predict(module, runs, step, cache)
+                if hooked:
+                    predictions = predict_rows(module, runs, batch.cache_rows, step)
+                else:
+                    cache = step_cache(batch, runs, step, steps)
+                    predictions = self.predict(module, runs, step, cache)
                 for run, prediction in zip(runs, predictions, strict=True):
                     run.advance(step, prediction)
                 runs = step_done(batch, runs)
         finally:
             release_caches(batch)
+            if hooked:
+                hooks.free(transformer, hooks.row_names(started))
         batch.latents = in_rows(runs, batch.size)
 
     def predict(
@@ -503,21 +537,30 @@ class Recipe(ABC):
         through the same timesteps): the ``transformer``."""
         return modules["transformer"]
 
-    def start_caches(self, module: nn.Module, batch: Batch, steps: int) -> None:
-        """Give each row of ``batch`` that runs the transformer's step cache its own state.
+    def rows_apart(self, batch: Batch, groups: Sequence[SizeGroup]) -> list[SizeGroup]:
+        """Return one group per row of ``groups``, the noise drawn first as for ``groups``
+        (into ``batch.latents``), so that each row starts where it would together."""
+        if batch.latents is None:
+            drawn = {
+                row: noise
+                for group in groups
+                for row, noise in zip(
+                    group.rows,
+                    self.draw_latents(batch.generator, len(group.rows), group.requested),
+                    strict=True,
+                )
+            }
+            batch.latents = [drawn[row] for row in range(batch.size)]
+        return [SizeGroup(g.requested, g.size, (row,)) for g in groups for row in g.rows]
 
-        Raises:
-            ValueError: the transformer has a cache its module cannot run (admission
-                refuses that: ``acceleration.cache_unsupported``).
-        """
+    def start_caches(self, module: nn.Module, batch: Batch, steps: int) -> None:
+        """Give each row of ``batch`` that runs the transformer's step cache its own state,
+        and diffusers' class its cache hook (admission has held the settings to it)."""
         settings = self.transformer.cache
         if settings is None:
             return
         if not isinstance(module, PackedTransformer):
-            raise ValueError(
-                f"the transformer has a {settings.method} step cache, but "
-                f"{type(module).__name__} cannot run one; load it through the custom path"
-            )
+            hooks.enable(module, settings)
         batch.cache_rows = start_rows(settings, batch.cache_wanted(), steps)
 
     @abstractmethod

@@ -1,7 +1,8 @@
 """Refuse a step cache nothing would honour, or one that could never skip (design §17).
 
 A cache is an explicit component option: the loading path admitted for its component
-must run it (``ComponentLoader.cache_problem``), and the pipeline's default steps must
+must run it as written (``ComponentLoader.cache_problem``; a native class only through
+diffusers' own hook, ``components.cache.native``), and the pipeline's default steps must
 leave a step to skip once the warm-up and final steps are computed. A request asking for
 fewer steps than that is not refused: it runs uncached and says so.
 """
@@ -32,7 +33,7 @@ def cache_refusals(
         path = paths.get(name)
         if settings is None or path is None:
             continue
-        problem = loaders[name].cache_problem(path)
+        problem = loaders[name].cache_problem(path, settings)
         if problem is not None:
             found.append(
                 Refusal(
@@ -40,7 +41,11 @@ def cache_refusals(
                     component=name,
                     message=f"component '{name}' has a {settings.method} step cache, but {problem}",
                     hint=f"remove [components.{name}.cache]"
-                    + ("" if path == "custom" else ", or load it through the custom path"),
+                    + (
+                        ""
+                        if path == "custom"
+                        else ', or load it through the custom path (loader = "custom")'
+                    ),
                 )
             )
         elif not settings.skips_in(default_steps):

@@ -26,6 +26,7 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
+from tests.lifecycle.cache_rows import assert_each_row_alone
 from tests.lifecycle.folder_specs import largest_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,17 +160,7 @@ class TestBatches:
                     request.run("denoise", batch)
                 return batch
 
-            together = run([0, 1, 2])
-            for row in range(3):
-                alone = run([row])
-                assert torch.allclose(
-                    (alone.latents or [])[0], (together.latents or [])[row], atol=1e-5
-                )
-                ours, theirs = (together.cache_rows or [])[row], (alone.cache_rows or [])[0]
-                assert (ours is None) == (theirs is None) == (not flags[row])
-                if ours is not None and theirs is not None:
-                    assert ours.pattern == theirs.pattern
-                    assert ours.skipped > 0
+            assert_each_row_alone(run, flags)
 
     def test_request_end_counts_the_rows_that_ran_the_cache(self, smooth: dict[str, Path]) -> None:
         """The observer's ``RequestEnded`` counts image steps of the cached rows only, and
