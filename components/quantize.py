@@ -1,7 +1,7 @@
 """``quantization``: a component's linear weights as int8 or float8, through torchao (design §17).
 
-Every ``nn.Linear`` of the module is quantized by torchao's ``quantize_`` right after its
-weights are loaded (the filter torchao and diffusers use by default), and nothing else:
+Every ``nn.Linear`` of the module (of more than one input feature: ``quantized``) is
+quantized by torchao's ``quantize_`` right after its weights are loaded, and nothing else:
 biases, norms, embeddings and convolutions stay in the component's dtype.
 
 - ``int8_weight_only``: int8 weights with one scale per output row; activations stay in
@@ -46,13 +46,20 @@ def missing_package() -> str | None:
 
 
 def linear_weights(module: nn.Module) -> Iterator[tuple[str, torch.Size]]:
-    """Yield the name and shape of each weight quantization replaces (every ``nn.Linear``'s).
+    """Yield the name and shape of each weight quantization replaces (``quantized``).
 
     Works on a module built on the meta device: admission sizes from these shapes.
     """
     for name, layer in module.named_modules():
-        if isinstance(layer, nn.Linear):
+        if quantized(layer):
             yield (f"{name}.weight" if name else "weight"), layer.weight.shape
+
+
+def quantized(layer: nn.Module) -> bool:
+    """Tell whether quantization replaces ``layer``'s weight: an ``nn.Linear`` of more than
+    one input feature (torchao 0.18 cannot quantize a one-column weight: every config fails
+    reshaping its scales, measured)."""
+    return isinstance(layer, nn.Linear) and layer.in_features > 1
 
 
 def weight_bytes(shape: torch.Size, quantization: Quantization) -> int:
@@ -89,7 +96,7 @@ def quantize(module: nn.Module, quantization: Quantization) -> None:
     config = torchao_config(quantization)
     from torchao.quantization import quantize_  # type: ignore[import-untyped]
 
-    quantize_(module, config)
+    quantize_(module, config, filter_fn=lambda layer, _: quantized(layer))
 
 
 def torchao_config(quantization: Quantization) -> object:

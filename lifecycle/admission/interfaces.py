@@ -21,12 +21,16 @@ def interface_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader
     """Refuse each reader whose declared width differs from what the last writer left.
 
     One refusal per (writer, reader, field), however often the stages repeat it.
+    ``loaders`` are those of the components with an admitted loading path: one without
+    is refused already, and its widths may not be readable (a folder that is missing).
     """
     written: dict[str, tuple[str, Port]] = {}
     found: dict[tuple[str, str, str], Refusal] = {}
     for stage in spec.stages:
         for name in stage.uses:
-            loader = loaders[name]
+            loader = loaders.get(name)
+            if loader is None:
+                continue
             for port in loader.reads():
                 writer = written.get(port.field)
                 if writer is None or writer[0] == name:

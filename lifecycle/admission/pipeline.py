@@ -160,7 +160,11 @@ def admit_pipeline(
             *host_memory_refusals(spec, loaders, available_host_bytes()),
             *offload_dir_refusals(spec),
             *dtype_refusals(spec, loaders, platform),
-            *(interface_refusals(spec, loaders) if folder is None else folder.refusals),
+            *(
+                interface_refusals(spec, {n: loaders[n] for n, p in paths.items() if p})
+                if folder is None
+                else folder.refusals
+            ),
             *unused_option_refusals(spec, components),
             *cache_refusals(spec, loaders, paths, steps),
             *acceleration_refusals(

@@ -87,6 +87,19 @@ class TestExamples:
         assert codes == {expected_code(path)}
         assert all(r.hint for r in admission.refusals())
 
+    def test_a_component_folder_that_is_missing_is_refused_not_raised(
+        self, root: Path, tmp_path: Path, lifecycle: Lifecycle
+    ) -> None:
+        """An example whose component folder is not where the spec says (moved away from
+        its folders) is refused by ``check --json`` as loader.unavailable, no traceback:
+        the interface check skips a component no path was admitted for."""
+        moved = tmp_path / "native_cache_method.toml"
+        moved.write_text((root / "examples" / "refused" / "native_cache_method.toml").read_text())
+        result = lifecycle("check", "--json", moved)
+        assert result.returncode == 1, result.stderr
+        refusals = json.loads(result.stdout)["refusals"]
+        assert {r["code"] for r in refusals} == {"loader.unavailable"}
+
     def test_refused_examples_cover_every_admission_code(self) -> None:
         """Every code admission can raise from a spec has an example that teaches it (a code
         refused for several reasons may have one per reason), and no example expects another."""

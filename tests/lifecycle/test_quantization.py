@@ -89,6 +89,22 @@ class TestQuantized:
             for _, inner in inner_tensors(tensor)
         )
 
+    @pytest.mark.parametrize("quantization", QUANTIZATIONS)
+    def test_a_one_column_linear_stays_as_it_is(self, quantization: str) -> None:
+        """A DiT reading one latent channel loads quantized (torchao cannot quantize the
+        one-column weight of its input layer, which keeps its dtype), and admission counts
+        the bytes the module holds."""
+        spec = decode_spec(
+            f'name = "one-column"\ndevice = "cpu"\n[components.transformer]\nkind = "tiny_dit"\n'
+            f'quantization = "{quantization}"\noptions = {{ in_channels = 1 }}\n'
+            '[[stages]]\nname = "denoise"\nuses = ["transformer"]\n'
+        )
+        with Orchestrator(spec) as pipeline:
+            pipeline.admit()
+            pipeline.load()
+            planned = pipeline.snapshot().components["transformer"].bytes
+            assert planned == module_bytes(pipeline.module("transformer"))
+
     @pytest.mark.parametrize("quantized", QUANTIZATIONS, indirect=True)
     def test_images_keep_the_stated_psnr(
         self, quantized: Orchestrator, float32_images: list[torch.Tensor]
