@@ -4,8 +4,8 @@ the libraries' classes, on the same weights (issue 20).
 Each comparison builds both sides from one folder the library itself wrote, as a ``Pair``
 on a device and dtype: our custom path (``loader.build("custom")``, its default backends)
 and the library's class from ``from_pretrained``, fed the same inputs. ``main`` times each
-pair in float32 on the CPU at one intra-op thread and at all of them, side by side in one
-run; ``make gpu-check`` times the same pairs on CUDA in bfloat16.
+pair in float32 and in bfloat16 on the CPU at one intra-op thread and at all of them, side
+by side in one run; ``make gpu-check`` times the same pairs on CUDA in bfloat16.
 
 - ``t5``: T5 v1.1-style (gated GELU) 1024 wide, 8 layers, two PixArt prompts padded to
   120 tokens with the padding masked, against ``T5EncoderModel``;
@@ -47,6 +47,7 @@ T5_TOKENS, T5_REAL = 120, 30  # PixArt pads to 120; a prompt of about 30 tokens
 CLIP_TOKENS = 77
 VAE_CHANNELS = (64, 128, 256, 256)  # SD's VAE at half width
 VAE_LATENT = 16  # a 128x128 image
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Pair(NamedTuple):
@@ -195,7 +196,8 @@ def timed(pair: Pair, counts: tuple[int, ...]) -> list[Row]:
 
 
 def main() -> None:
-    """Print every encoder comparison, float32 on the CPU, at one thread and at all."""
+    """Print every encoder comparison on the CPU, float32 and bfloat16, at one thread and at
+    all."""
     if not (is_importable("transformers") and is_importable("diffusers")):
         print(
             "skipped: the libraries are not installed (pip install 'pipeline-lifecycle[diffusers]')"
@@ -203,13 +205,16 @@ def main() -> None:
         return
     counts = tuple(sorted({1, os.cpu_count() or 1}))
     cpu = torch.device("cpu")
-    print("| comparison | threads | ours ms | theirs ms | ours / theirs | max rel. error |")
-    print("|---|---|---|---|---|---|")
+    print("| comparison | dtype | threads | ours ms | theirs ms | ours / theirs | max rel. error |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for key, build in ENCODERS.items():
-            for row in timed(build(Path(scratch) / key, cpu, torch.float32), counts):
-                print(
-                    f"| {row.name} | {row.threads} | {row.ours_ms:.1f} | {row.theirs_ms:.1f} | "
-                    f"{row.ratio:.2f}x | {row.error:.1e} |",
-                    flush=True,
-                )
+            for dtype in DTYPES:
+                folder = Path(scratch) / f"{key}-{str(dtype).removeprefix('torch.')}"
+                for row in timed(build(folder, cpu, dtype), counts):
+                    print(
+                        f"| {row.name} | {str(dtype).removeprefix('torch.')} | {row.threads} | "
+                        f"{row.ours_ms:.1f} | {row.theirs_ms:.1f} | {row.ratio:.2f}x | "
+                        f"{row.error:.1e} |",
+                        flush=True,
+                    )
