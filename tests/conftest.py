@@ -28,18 +28,22 @@ if TYPE_CHECKING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Share the cores among xdist workers: each one's torch computes on its part of them.
+    """Give the run one inductor cache; share the cores among xdist workers: each one's
+    torch computes on its part of them.
 
     Two workers with a thread a core each would run twice as many threads as cores,
-    which spin waiting for each other. xdist's controller runs no test and skips this.
+    which spin waiting for each other. xdist's controller runs no test and takes no
+    threads.
     """
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return
     # inductor's compiled code of this run only, in a folder of its own: never the user's
-    # cache, and the compile tests of one process share what they built
+    # cache. The controller makes it before it starts the workers, which inherit it: the
+    # compile tests of every worker share what they built, and inductor's probe of the
+    # CPU's vector instructions (C++ builds: about 10 CPU-s cold, 1 warm) runs once a run
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifecycle-inductor-")
         config.add_cleanup(partial(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True))
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     import torch
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
