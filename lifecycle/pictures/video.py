@@ -9,6 +9,7 @@ Pixels are quantised as diffusers' processor does (see ``encode_png``).
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -84,3 +85,14 @@ def write_video(video: torch.Tensor, stem: Path, video_format: VideoFormat) -> P
         for frame in pixels:
             writer.append_data(frame)
     return path
+
+
+def mp4_bytes(video: torch.Tensor) -> bytes:
+    """Return ``video`` ``(3, F, H, W)`` in [-1, 1] as the MP4 file ``write_video`` writes
+    (ffmpeg writes to a file: one in a temporary folder, removed after).
+
+    Raises:
+        ModuleNotFoundError: the ``[video]`` extra is not installed.
+    """
+    with tempfile.TemporaryDirectory(prefix="lifecycle-video-") as folder:
+        return write_video(video, Path(folder) / "video", "mp4").read_bytes()

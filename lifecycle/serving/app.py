@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP surface of the worker (FastAPI), assembled from its routes.
 
-``POST /v1/embeddings`` and ``POST /v1/images/generations`` queue jobs on the
-worker's batcher; ``GET /v1/models``, ``/v1/pipeline``, ``/healthz``, ``/readyz``
+``POST /v1/embeddings``, ``POST /v1/images/generations`` and ``POST /v1/videos``
+queue jobs on the worker's batcher (a video is followed, fetched and deleted at
+``/v1/videos/{id}``); ``GET /v1/models``, ``/v1/pipeline``, ``/healthz``, ``/readyz``
 and ``/metrics`` read its state; ``GET`` and ``DELETE /v1/requests/{id}`` follow and
 cancel a job; ``GET /`` (``/status``) is the status page, live from ``GET /v1/events``.
 Errors are OpenAI error objects: 400 for bad input, a refused override or a request
@@ -30,6 +31,7 @@ from lifecycle.serving.routes.images import images_routes
 from lifecycle.serving.routes.pipelines import pipelines_routes
 from lifecycle.serving.routes.requests import requests_routes
 from lifecycle.serving.routes.status import status_routes
+from lifecycle.serving.routes.videos import videos_routes
 from lifecycle.serving.worker import Worker
 
 
@@ -46,6 +48,7 @@ def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
         health_routes,
         embeddings_routes,
         images_routes,
+        videos_routes,
         requests_routes,
         status_routes,
         events_routes,

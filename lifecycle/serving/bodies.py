@@ -70,6 +70,39 @@ class ImagesBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     computes every step of them, in the same batch as images that skip steps."""
 
 
+class ImageReference(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A JSON body's ``input_reference``: the image as a ``data:`` URL (OpenAI's
+    ``image_url``; a worker fetches nothing, and keeps no files to name by ``file_id``)."""
+
+    image_url: str
+
+
+class VideosBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/videos`` (JSON, or a multipart form as the openai client sends
+    it), with this worker's extra fields (design §18).
+
+    ``seconds`` (at ``lifecycle.pictures.video.FPS`` frames a second, plus the first) or
+    ``num_frames`` sets the length; neither takes the pipeline class's default, as do
+    ``size``, ``steps`` and ``guidance_scale`` left out. A multipart form's
+    ``input_reference`` is the image file itself.
+    """
+
+    prompt: str
+    model: str | None = None
+    seconds: str | Annotated[float, Meta(gt=0)] | None = None  # OpenAI's are strings: "4"
+    num_frames: Annotated[int, Meta(ge=1)] | None = None  # at most serving.max_frames
+    size: str | None = None
+    input_reference: ImageReference | None = None
+    user: str | None = None
+    steps: Annotated[int, Meta(ge=1)] | None = None  # at most serving.max_steps
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0, le=MAX_GUIDANCE_SCALE)] | None = None
+    guidance_scale_2: Annotated[float, Meta(ge=0, le=MAX_GUIDANCE_SCALE)] | None = None
+    negative_prompt: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
+
+
 class PipelineBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/pipelines``: a spec on the worker's disk to admit and load."""
 
@@ -88,10 +121,11 @@ class AdapterBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     mode: Literal["merged", "unmerged"] = "merged"
 
 
-Body = TypeVar("Body", EmbeddingsBody, ImagesBody, PipelineBody, AdapterBody)
+Body = TypeVar("Body", EmbeddingsBody, ImagesBody, VideosBody, PipelineBody, AdapterBody)
 
 EMBEDDINGS_BODY = msgspec.json.Decoder(EmbeddingsBody)
 IMAGES_BODY = msgspec.json.Decoder(ImagesBody)
+VIDEOS_BODY = msgspec.json.Decoder(VideosBody)
 _AT_FIELD = re.compile(r"at `\$\.(\w+)|field `(\w+)`")
 """The body field a msgspec error names: ``... - at `$.n` `` or ``unknown field `colour` ``."""
 _ECHOED = re.compile(
@@ -106,15 +140,29 @@ def decode_body(decoder: msgspec.json.Decoder[Body], raw: bytes) -> Body:
     try:
         return decoder.decode(raw)
     except msgspec.DecodeError as err:  # ValidationError included
-        message = _cut_echo(str(err))
-        # msgspec names the path last, after any value it repeats; a name cut short is no param
-        params = [at or field for at, field in _AT_FIELD.findall(message)]
-        raise ApiError(
-            400,
-            f"bad request body: {message}",
-            param=params[-1] if params else None,
-            code="invalid_body",
-        ) from None
+        raise bad_body(err) from None
+
+
+def convert_form(fields: dict[str, str], body_type: type[Body]) -> Body:
+    """Convert a multipart form's text fields to ``body_type`` (numbers from their text);
+    a bad one is a 400 naming the field, as ``decode_body``'s."""
+    try:
+        return msgspec.convert(fields, body_type, strict=False)
+    except msgspec.ValidationError as err:
+        raise bad_body(err) from None
+
+
+def bad_body(err: msgspec.DecodeError) -> ApiError:
+    """Return the 400 of a body msgspec could not read: its message, naming the field."""
+    message = _cut_echo(str(err))
+    # msgspec names the path last, after any value it repeats; a name cut short is no param
+    params = [at or field for at, field in _AT_FIELD.findall(message)]
+    return ApiError(
+        400,
+        f"bad request body: {message}",
+        param=params[-1] if params else None,
+        code="invalid_body",
+    )
 
 
 def _cut_echo(message: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 import torch
@@ -26,7 +26,7 @@ from lifecycle.serving.preview import PreviewMap, fit_preview
 
 # B prompts, N latent tokens, C latent channels, E embedding width, H, W image size
 
-Endpoint: TypeAlias = Literal["embeddings", "images"]
+Endpoint: TypeAlias = Literal["embeddings", "images", "videos"]
 
 JobSteps: TypeAlias = Callable[[int, int, list[torch.Tensor]], None]
 """Called on the runner thread after each denoising step of a job's batch with the step
@@ -41,9 +41,10 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """What jobs must share to run as one batch.
 
     Attributes:
-        endpoint: embeddings or images.
+        endpoint: embeddings, images or videos.
         steps: denoising steps.
         guidance_scale: classifier-free guidance scale.
+        guidance_scale_2: the guidance scale of a second expert's steps (videos), or None.
         attention_backend: the per-request backend override, or None.
         latent_size: the latent grid (h, w) of an image job; (0, 0) for embeddings.
         negative: its images are guided away from a negative prompt (a job without one
@@ -59,6 +60,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     endpoint: Endpoint
     steps: int = 0
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
     attention_backend: str | None = None
     latent_size: tuple[int, int] = (0, 0)
     negative: bool = False
@@ -73,6 +75,7 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     Attributes:
         embeddings: it writes sentence embeddings.
         images: it writes images.
+        videos: it writes videos (a folder's video pipeline class).
         latent_channels: C of each latent token (0 without a denoiser).
         image_scale: image pixels per latent position along each side (0 without images).
         preview: the linear map from a latent token to its RGB colour, ``C + 1`` rows
@@ -84,6 +87,7 @@ class Shapes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     embeddings: bool
     images: bool
+    videos: bool = False
     latent_channels: int = 0
     image_scale: int = 0
     preview: PreviewMap = ()
@@ -123,6 +127,8 @@ class Job:
             run; None where its images ran none.
         uncached: why its images ran every step though they asked for the cache (too
             few steps to skip any), once run; None otherwise.
+        frames: the frames of its video (a video job); None: not a video.
+        input_images: the image its video starts from (PIL), for image to video.
     """
 
     id: str
@@ -145,6 +151,8 @@ class Job:
     cache: bool = True
     cache_steps: CacheSteps | None = None
     uncached: str | None = None
+    frames: int | None = None
+    input_images: list[Any] | None = None
 
 
 class RequestState(StrEnum):
@@ -248,6 +256,9 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         image_sizes=image_sizes,
         adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
         cache=_cache_flags(jobs),
+        frames=jobs[0].frames,  # a video job runs alone (``BatchKey.alone``)
+        guidance_scale_2=key.guidance_scale_2,
+        input_images=jobs[0].input_images,
     )
 
 
@@ -285,7 +296,11 @@ def split_outputs(jobs: Sequence[Job], batch: Batch) -> None:
         ValueError: the pipeline did not produce what the jobs' endpoint returns.
     """
     endpoint = jobs[0].key.endpoint
-    produced = batch.sentence_embeddings if endpoint == "embeddings" else batch.images
+    produced = {
+        "embeddings": batch.sentence_embeddings,
+        "images": batch.images,
+        "videos": batch.videos,
+    }[endpoint]
     if produced is None:
         raise ValueError(f"the pipeline produced no {endpoint}")
     context = batch.context or []
@@ -350,6 +365,12 @@ def _warm_request(orchestrator: Orchestrator, number: int) -> Batch:
         latent_size=WARM_UP_LATENT_SIZE,
         image_size=None if recipe is None else (recipe.multiple, recipe.multiple),
     )
+    if recipe is not None and recipe.makes_videos:
+        batch.frames = 1  # the shortest video: one latent frame
+    if recipe is not None and recipe.takes_images:
+        from PIL import Image  # diffusers brings Pillow; a folder's pipeline needs diffusers
+
+        batch.input_images = [Image.new("RGB", (recipe.multiple, recipe.multiple))]
     with orchestrator.request(f"warm-up-{number}") as request:
         request.run_all(batch)
     return batch
@@ -361,7 +382,8 @@ def _shapes_of(batch: Batch, orchestrator: Orchestrator) -> Shapes:
     if recipe is not None:
         return Shapes(
             embeddings=False,
-            images=True,
+            images=not recipe.makes_videos,
+            videos=recipe.makes_videos,
             latent_channels=recipe.channels,
             image_scale=recipe.vae.scale_factor,
             mixes_sizes=isinstance(orchestrator.module("transformer"), PackedTransformer),

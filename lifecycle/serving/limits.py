@@ -14,12 +14,15 @@ from typing import NamedTuple
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lifecycle.serving.bodies import EmbeddingsBody, ImagesBody
+from lifecycle.serving.bodies import EmbeddingsBody, ImagesBody, VideosBody
 from lifecycle.serving.errors import ApiError, error_response
 from lifecycle.shown import shown
 from lifecycle.spec.structs import ServingConfig
 
 JSON_TYPE = "application/json"
+FORM_TYPE = b"multipart/form-data"
+FORM_PATHS = frozenset({"/v1/videos"})
+"""The routes that read a multipart form too: the openai client sends ``videos.create`` so."""
 _SIZE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
 """``WIDTHxHEIGHT`` in ASCII digits; longer numbers are no size (and never reach ``int``)."""
 
@@ -27,6 +30,10 @@ _SIZE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
 class BodyLimits:
     """Refuse a body that is not JSON or is encoded (415), or is larger than ``limit``
     bytes (413).
+
+    ``FORM_PATHS`` take a multipart form as well, from a client that sends no ``Origin``:
+    a browser sends one with every cross-origin POST, and a form is a request it sends
+    without a CORS preflight, so no web page starts work that way.
 
     A request without a body passes untouched. The 413 closes the connection, so the
     rest of an oversized body is never read.
@@ -54,7 +61,7 @@ class BodyLimits:
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         refused = None
-        if media_type != JSON_TYPE.encode():
+        if media_type != JSON_TYPE.encode() and not _form_taken(scope, media_type, headers):
             refused = unsupported_media_type(media_type.decode("latin-1"))
         elif encoding != b"identity":
             refused = unsupported_encoding(encoding.decode("latin-1"))
@@ -64,6 +71,17 @@ class BodyLimits:
             await error_response(refused)(scope, receive, send)
             return
         await self.app(scope, _Counted(receive, self.limit), send)
+
+
+def _form_taken(scope: Scope, media_type: bytes, headers: dict[bytes, bytes]) -> bool:
+    """Tell whether the request is a multipart form that its route reads (``FORM_PATHS``),
+    sent by no browser (no ``Origin``)."""
+    return (
+        media_type == FORM_TYPE
+        and scope["method"] == "POST"
+        and scope["path"] in FORM_PATHS
+        and b"origin" not in headers
+    )
 
 
 class _Counted:
@@ -152,6 +170,40 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
             ``WIDTHxHEIGHT``.
     """
     _at_most(body.n, settings.max_n, "max_n", "n", "images per request (n)")
+    _steps_and_prompts(body, settings)
+    if body.size is None:
+        return None
+    size = parse_size(body.size, settings)
+    image_pixels(body.n, size, settings)
+    return size
+
+
+def check_videos(body: VideosBody, settings: ServingConfig) -> ImageSize | None:
+    """Return ``size`` parsed once (None when not given), once ``steps``, the prompts and
+    the size's sides are within bounds; ``video_pixels`` checks the frames and pixels.
+
+    Raises:
+        ApiError: 400 naming the limit exceeded and its key, or a bad size.
+    """
+    _steps_and_prompts(body, settings)
+    return None if body.size is None else parse_size(body.size, settings)
+
+
+def video_pixels(frames: int, size: ImageSize, settings: ServingConfig) -> None:
+    """Refuse a video of ``frames`` frames of ``size`` over ``serving.max_frames`` or
+    ``serving.max_video_pixels``.
+
+    Raises:
+        ApiError: 400 naming the key.
+    """
+    _at_most(frames, settings.max_frames, "max_frames", "num_frames", "frames in a video")
+    pixels = frames * size.width * size.height
+    what = f"pixels in {frames} frames of {size.width}x{size.height}"
+    _at_most(pixels, settings.max_video_pixels, "max_video_pixels", "size", what)
+
+
+def _steps_and_prompts(body: ImagesBody | VideosBody, settings: ServingConfig) -> None:
+    """Check ``serving.max_steps`` and ``max_prompt_chars`` (the negative prompt too)."""
     if body.steps is not None:  # None takes the pipeline's default
         _at_most(body.steps, settings.max_steps, "max_steps", "steps", "denoising steps")
     _at_most(len(body.prompt), settings.max_prompt_chars, "max_prompt_chars", "prompt", "prompt")
@@ -163,13 +215,19 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
             "negative_prompt",
             "negative prompt",
         )
-    if body.size is None:
-        return None
-    found = _SIZE.fullmatch(body.size)
+
+
+def parse_size(text: str, settings: ServingConfig) -> ImageSize:
+    """Return ``WIDTHxHEIGHT`` as (height, width), each side within ``serving.max_image_side``.
+
+    Raises:
+        ApiError: 400: not ``WIDTHxHEIGHT``, a side of 0, or a side over the bound.
+    """
+    found = _SIZE.fullmatch(text)
     if found is None:
         raise ApiError(
             400,
-            f"size {shown(body.size)} is not WIDTHxHEIGHT in pixels, e.g. '512x512'",
+            f"size {shown(text)} is not WIDTHxHEIGHT in pixels, e.g. '512x512'",
             param="size",
             code="invalid_size",
         )
@@ -177,7 +235,7 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
     if not size.width or not size.height:
         raise ApiError(
             400,
-            f"size {shown(body.size)} has a side of 0 pixels; ask for at least 1 pixel a side, "
+            f"size {shown(text)} has a side of 0 pixels; ask for at least 1 pixel a side, "
             "e.g. '512x512'",
             param="size",
             code="invalid_size",
@@ -185,7 +243,6 @@ def check_images(body: ImagesBody, settings: ServingConfig) -> ImageSize | None:
     side = settings.max_image_side
     _at_most(size.width, side, "max_image_side", "size", "pixels of width")
     _at_most(size.height, side, "max_image_side", "size", "pixels of height")
-    image_pixels(body.n, size, settings)
     return size
 
 

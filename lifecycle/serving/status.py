@@ -85,7 +85,7 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     Attributes:
         id: its request id (``x-request-id``).
-        endpoint: embeddings or images.
+        endpoint: embeddings, images or videos.
         items: its prompts (images or embeddings asked for).
         queued_s: how long it has waited.
         priority: its priority (higher first, with ageing).
@@ -105,7 +105,7 @@ class RunningBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         id: the batch's id (its requests' ids joined by ``+``), the ``request_id`` of
             what it moves.
         request_ids: the HTTP requests in it.
-        endpoint: embeddings or images.
+        endpoint: embeddings, images or videos.
         stage: the stage whose components it holds now; None between stages.
         step: the denoising steps it has done in its stage.
         steps: the denoising steps it runs.

@@ -66,6 +66,10 @@ class MemoryConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True)
     wait_timeout: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 
+DEFAULT_VIDEO_STORE_BYTES = 2**30
+"""The finished videos a pipeline keeps when ``serving.video_store_bytes`` is unset."""
+
+
 class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How ``lifecycle serve`` queues, batches and bounds requests (design §5.5, §13).
 
@@ -125,6 +129,13 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
         prompt_cache_bytes: host memory for encoded prompts of a pipeline from a folder
             (``lifecycle.prompts``): a batch whose prompts are all kept does not use its
             text encoders. Unset or 0 (the default) keeps none.
+        max_frames: frames of one video (``POST /v1/videos``; Wan makes 81 by default).
+        max_video_pixels: pixels of one video, frames x width x height: 128 Mi holds
+            81 frames of 1280 x 720.
+        video_ttl: seconds a finished video is kept for ``GET /v1/videos/{id}/content``
+            once it finished; then it is removed (404).
+        video_store_bytes: host memory for the finished videos of the pipeline (their
+            MP4 files); past it the oldest finished first are removed. Unset: 1 GiB.
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -155,11 +166,23 @@ class ServingConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True
     warmup: Annotated[int, msgspec.Meta(ge=1)] = 1
     # the prompt-embedding cache (design §19)
     prompt_cache_bytes: ByteSize | UnsetType = UNSET
+    # the videos API (design §18)
+    max_frames: Annotated[int, msgspec.Meta(ge=1)] = 161
+    max_video_pixels: Annotated[int, msgspec.Meta(ge=1)] = 128 * 2**20
+    video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    video_store_bytes: ByteSize | UnsetType = UNSET
 
     @property
     def prompt_cache(self) -> int:
         """Return the prompt cache's bytes (``prompt_cache_bytes``; 0 when unset: none)."""
         return 0 if isinstance(self.prompt_cache_bytes, UnsetType) else self.prompt_cache_bytes
+
+    @property
+    def video_store(self) -> int:
+        """Return the bytes of finished videos kept (``video_store_bytes``; 1 GiB when unset)."""
+        if isinstance(self.video_store_bytes, UnsetType):
+            return DEFAULT_VIDEO_STORE_BYTES
+        return self.video_store_bytes
 
 
 class LayerwiseConfig(_Spec, frozen=True, kw_only=True, forbid_unknown_fields=True):
