@@ -89,6 +89,8 @@ class Denoising(ABC):
         timesteps: the scheduler's timesteps (every group of a batch takes as many).
         branches: how many times its images run through the DiT each step, one after
             the other (2 under classifier-free guidance: unconditional, then conditional).
+        scale, guided: the guidance scale, and whether the negative branch runs
+            (``guide``, for a class guided by one scale).
     """
 
     timesteps: torch.Tensor
@@ -113,6 +115,12 @@ class Denoising(ABC):
     def narrow(self, keep: list[int]) -> None:
         """Keep only its images at positions ``keep`` (of ``rows``): latents, text and the
         scheduler's per-image state (``narrow_scheduler``), so they step on as alone."""
+
+    def guide(self, recipe: Recipe, batch: Batch) -> None:
+        """Take ``batch``'s guidance scale, and two branches where it runs the negative one."""
+        self.scale = recipe.guidance_scale(batch)
+        self.guided = recipe.guided(batch)
+        self.branches = 2 if self.guided else 1
 
     def branch_rows(self, keep: list[int]) -> list[int]:
         """Return where the images at ``keep`` stand in the DiT's batch: in each branch, the

@@ -196,9 +196,7 @@ class Flux2Denoising(Denoising):
         self, recipe: Flux2KleinRecipe, batch: Batch, group: SizeGroup, device: torch.device
     ) -> None:
         super().__init__(group)
-        self.scale = recipe.guidance_scale(batch)
-        self.guided = recipe.guided(batch)
-        self.branches = 2 if self.guided else 1
+        self.guide(recipe, batch)
         texts = guided_texts(batch, self.rows, self.guided)  # conditional first
         self.context = torch.stack(texts).to(device)
         self.dtype = recipe.transformer.dtype

@@ -179,9 +179,7 @@ class PixArtDenoising(Denoising):
     ) -> None:
         super().__init__(group)
         rows = self.rows
-        self.scale = recipe.guidance_scale(batch)
-        self.guided = recipe.guided(batch)
-        self.branches = 2 if self.guided else 1
+        self.guide(recipe, batch)
         context, mask = _joined(batch.context, batch.context_mask, rows, device)
         if self.guided:
             negative, negative_mask = _joined(

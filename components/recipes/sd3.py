@@ -167,9 +167,7 @@ class Sd3Denoising(Denoising):
             raise ValueError("the denoise stage needs the encode stage's text: run it first")
         super().__init__(group)
         rows = self.rows
-        self.scale = recipe.guidance_scale(batch)
-        self.guided = recipe.guided(batch)
-        self.branches = 2 if self.guided else 1
+        self.guide(recipe, batch)
         context = torch.stack([batch.context[row] for row in rows])
         pooled = batch.pooled[rows]
         if self.guided:

@@ -164,9 +164,7 @@ class ZImageDenoising(Denoising):
         self, recipe: ZImageRecipe, batch: Batch, group: SizeGroup, device: torch.device
     ) -> None:
         super().__init__(group)
-        self.scale = recipe.guidance_scale(batch)
-        self.guided = recipe.guided(batch)
-        self.branches = 2 if self.guided else 1
+        self.guide(recipe, batch)
         texts = guided_texts(batch, self.rows, self.guided)  # conditional first
         self.texts = [text.to(device) for text in texts]
         self.dtype = recipe.transformer.dtype
