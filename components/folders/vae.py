@@ -16,22 +16,24 @@ from components.folders.loader import FolderLoader
 class VaeLoader(FolderLoader):
     """A folder component that decodes latents ``(B, C, h, w)`` into images.
 
-    Subclasses say how many pixels a latent spans (``scale_factor``), how many channels
-    they read (``latent_channels``) and how their module decodes.
+    Subclasses say how their module decodes; how many pixels a latent spans
+    (``scale_factor``) and how many channels they read (``latent_channels``) are read from
+    the config as diffusers' ``AutoencoderKL`` family writes it, unless a subclass whose
+    config says them otherwise overrides them.
     """
 
     library = "diffusers"
     allows_global_fallback = True  # an auxiliary component (design §4.2)
 
     @property
-    @abstractmethod
     def scale_factor(self) -> int:
-        """Image pixels per latent position along each side."""
+        """Image pixels per latent position along each side: 2 per block after the first."""
+        return int(2 ** (len(self.config["block_out_channels"]) - 1))
 
     @property
-    @abstractmethod
     def latent_channels(self) -> int:
-        """C: the channels of the latents it decodes."""
+        """C: ``latent_channels``."""
+        return int(self.config["latent_channels"])
 
     @abstractmethod
     def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:

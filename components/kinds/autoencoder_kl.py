@@ -51,16 +51,6 @@ class AutoencoderKlLoader(CustomFolderLoader, VaeLoader):
         sites = self.sites()
         return AutoencoderKl(self.shape, sites[0] if sites else None)
 
-    @property
-    def scale_factor(self) -> int:
-        """Image pixels per latent position along each side: 2 per block after the first."""
-        return int(2 ** (len(self.config["block_out_channels"]) - 1))
-
-    @property
-    def latent_channels(self) -> int:
-        """C: ``latent_channels``."""
-        return int(self.config["latent_channels"])
-
     def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Decode latents ``(B, L, h, w)`` (unscaled) into images ``(B, 3, H, W)`` in [-1, 1]."""
         if isinstance(module, AutoencoderKl):

@@ -23,16 +23,6 @@ class AutoencoderKlFlux2Loader(VaeLoader):
     kind: ClassVar[str] = "autoencoder_kl_flux2"
     classes = ("AutoencoderKLFlux2",)
 
-    @property
-    def scale_factor(self) -> int:
-        """Image pixels per latent position along each side: 2 per block after the first."""
-        return int(2 ** (len(self.config["block_out_channels"]) - 1))
-
-    @property
-    def latent_channels(self) -> int:
-        """C: ``latent_channels``."""
-        return int(self.config["latent_channels"])
-
     def denormalize(self, module: nn.Module, patches: torch.Tensor) -> torch.Tensor:
         """Undo the batch norm of patchified latents ``(B, 4C, h/2, w/2)``, as Flux.2 does."""
         native: Any = module
