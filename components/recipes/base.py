@@ -611,6 +611,22 @@ class Recipe(ABC):
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the batch's prompts (and negative prompts where guidance needs them)."""
 
+    def encode_with(
+        self,
+        embed: Callable[[nn.Module, Sequence[str]], tuple[list[torch.Tensor], list[bool]]],
+        module: nn.Module,
+        batch: Batch,
+    ) -> None:
+        """Embed the checked prompts with ``embed`` on ``module``, marking the rows it cut,
+        and under guidance the negative prompts (the empty prompt where a row has none):
+        the encode of a class with one text encoder."""
+        prompts = self.check(batch)
+        batch.context, truncated = embed(module, prompts)
+        batch.mark_truncated(truncated)
+        if self.guided(batch):
+            negative = batch.negative_prompts or [""] * len(prompts)
+            batch.negative_context, _ = embed(module, negative)
+
     def interface_problems(self) -> list[Problem]:
         """Say where the components' widths do not fit together (from configs alone)."""
         latents = mismatch(

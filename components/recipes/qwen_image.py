@@ -128,13 +128,7 @@ class QwenImageRecipe(Recipe):
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and the negative prompts under true CFG) with the language model."""
-        prompts = self.check(batch)
-        module = modules["text_encoder"]
-        batch.context, truncated = self._embed(module, prompts)
-        batch.mark_truncated(truncated)
-        if self.guided(batch):
-            assert batch.negative_prompts is not None  # guided() says so
-            batch.negative_context, _ = self._embed(module, batch.negative_prompts)
+        self.encode_with(self._embed, modules["text_encoder"], batch)
 
     def _embed(
         self, module: nn.Module, texts: Sequence[str]

@@ -244,13 +244,7 @@ class WanRecipe(Recipe):
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and the negative prompts under guidance) with UMT5."""
-        prompts = self.check(batch)
-        module = modules["text_encoder"]
-        batch.context, truncated = self._embed(module, prompts)
-        batch.mark_truncated(truncated)
-        if self.guidance_scale(batch) > 1:
-            negative = batch.negative_prompts or [""] * len(prompts)
-            batch.negative_context, _ = self._embed(module, negative)
+        self.encode_with(self._embed, modules["text_encoder"], batch)
 
     def _embed(
         self, module: nn.Module, texts: Sequence[str]

@@ -112,13 +112,7 @@ class ZImageRecipe(Recipe):
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and, under guidance, the negative prompts) with Qwen3."""
-        prompts = self.check(batch)
-        module = modules["text_encoder"]
-        batch.context, truncated = self._embed(module, prompts)
-        batch.mark_truncated(truncated)
-        if self.guided(batch):
-            negative = batch.negative_prompts or [""] * len(prompts)
-            batch.negative_context, _ = self._embed(module, negative)
+        self.encode_with(self._embed, modules["text_encoder"], batch)
 
     def _embed(
         self, module: nn.Module, texts: Sequence[str]
