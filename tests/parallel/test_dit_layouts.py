@@ -2,7 +2,9 @@
 
 PixArt and Flux run every layout; SD3, whose joint attention and sharding are Flux's
 (``JointLayout``), adds the two that exercise its own code: Ulysses over its blocks
-(the last reads a text shard without updating it) and its tensor-parallel plan. One
+(the last reads a text shard without updating it) and its tensor-parallel plan;
+Qwen-Image, Flux's blocks under its own text mask and per-axis rotary, runs every
+two-rank layout. One
 spawn of two gloo processes and one of four each run every case of their size; the
 parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
 requests of three sizes and prompt lengths, packed so that shard boundaries cut
@@ -36,9 +38,9 @@ pytestmark = pytest.mark.long
 TOLERANCE = 1e-5
 FAMILIES = ("pixart", "flux")
 SD3_TWO = ("ulysses", "tensor_parallel")
-"""The two-rank layouts SD3 and Qwen-Image run too."""
-LATER = ("sd3", "qwen-image")
-"""The families that run ``SD3_TWO`` only (SD3 also the sweeps)."""
+"""The two-rank layouts SD3 runs too."""
+LATER = {"sd3": SD3_TWO, "qwen-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp")}
+"""The families that run some two-rank layouts only (SD3 also the sweeps)."""
 TWO = {
     "ulysses": ("sp_degree = 2\nulysses_degree = 2", False),
     "ring": ("sp_degree = 2\nring_degree = 2", False),
@@ -73,7 +75,7 @@ def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dic
     every family's sweep under each layout of ``SWEPT``, named ``family-layout-sweep``."""
     pairs = [
         *itertools.product(FAMILIES, layouts),
-        *((f, n) for f in LATER for n in SD3_TWO if n in layouts),
+        *((f, n) for f, names in LATER.items() for n in names if n in layouts),
     ]
     found = {
         f"{family}-{name}": DitCase(
@@ -195,7 +197,7 @@ class TestTwoRanks:
         "name",
         [
             *(f"{f}-{n}" for f in FAMILIES for n in TWO),
-            *(f"{f}-{n}" for f in LATER for n in SD3_TWO),
+            *(f"{f}-{n}" for f, names in LATER.items() for n in names),
         ],
     )
     def test_layout_equals_one_process(
@@ -250,6 +252,7 @@ def test_shards_cut_requests_apart() -> None:
         ("pixart", lambda r: 0),
         ("flux", lambda r: r.text),
         ("sd3", lambda r: r.text),
+        ("qwen-image", lambda r: r.text),
     ):
         patch = 2
         counts = [text_of(r) + (r.grid[0] // patch) * (r.grid[1] // patch) for r in MIXED]
@@ -261,9 +264,11 @@ def test_shards_cut_requests_apart() -> None:
 
 
 def test_kinds_are_the_folder_dits() -> None:
-    """Every layout runs on the two families the issue names; SD3 on two of them."""
+    """Every layout runs on the two families the issue names; SD3 on two of them, Qwen-Image
+    on every two-rank one."""
     assert [KINDS[f] for f in FAMILIES] == ["pixart_transformer", "flux_transformer"]
     assert set(SD3_TWO) <= set(TWO)
+    assert LATER["qwen-image"] == tuple(TWO)
 
 
 class TestNativeRefused:
