@@ -68,10 +68,23 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
     Computed in float32 and returned in ``x``'s dtype, as diffusers does. A float32 ``x``
     (which the caller owns) is rotated in place; another dtype through one float32 copy.
+    Under torch.compile the rotation is real arithmetic on the cosines and sines instead:
+    inductor has no complex kernels, so the complex product would run apart from the
+    fused code around it, between two copies.
     """
+    if torch.compiler.is_compiling():
+        return _rotate_real(x, rotation)
     work = x if x.dtype == torch.float32 else x.float()
     torch.view_as_complex(work.view(*x.shape[:-1], -1, 2)).mul_(rotation[:, None, :])
     return work if work is x else work.to(x.dtype)
+
+
+def _rotate_real(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Return ``rotate(x, rotation)`` in real float32 arithmetic, as a new tensor."""
+    cos, sin = torch.view_as_real(rotation)[:, None].unbind(-1)  # (T, 1, D/2) each
+    real, imaginary = x.float().view(*x.shape[:-1], -1, 2).unbind(-1)  # (T, H, D/2) each
+    pairs = (real * cos - imaginary * sin, real * sin + imaginary * cos)
+    return torch.stack(pairs, dim=-1).flatten(-2).to(x.dtype)
 
 
 class FluxTimeTextEmbedding(nn.Module):
