@@ -13,7 +13,7 @@ VAE's latents are unscaled and shifted before decoding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from components.batch import Batch
 from components.folders.problems import Problem
 from components.kinds.llm_text_encoder import LlmTextEncoderLoader
+from components.models.dit.z_image import ZImageInputs
 from components.recipes.base import (
     DECODE,
     DENOISE,
@@ -46,14 +47,6 @@ Z_IMAGE_MAX_SHIFT = 1.15
 """The shift Z-Image's pipeline takes when the scheduler's config names none."""
 PENULTIMATE = -2
 """The hidden states Z-Image reads: the last layer's input."""
-
-
-class ZImageInputs(NamedTuple):
-    """One group's arguments to ``ZImageTransformer2DModel``, as diffusers' call passes them."""
-
-    x: list[torch.Tensor]  # (C, 1, h, w) per image (and again per image under guidance)
-    t: torch.Tensor  # (B,) in [0, 1], 1 at the clean end
-    cap_feats: list[torch.Tensor]  # (L_i, E) per image
 
 
 class ZImageRecipe(Recipe):

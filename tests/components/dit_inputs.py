@@ -11,6 +11,7 @@ from components.models.dit.flux import FluxInputs
 from components.models.dit.pixart import PixArtInputs
 from components.models.dit.qwen_image import QwenImageInputs
 from components.models.dit.sd3 import Sd3Inputs
+from components.models.dit.z_image import ZImageInputs
 from components.recipes.flux import FluxRecipe
 from components.recipes.pixart import PixArtSigmaRecipe
 from components.recipes.qwen_image import MAX_TOKENS as QWEN_MAX_TOKENS
@@ -21,6 +22,7 @@ KINDS = {
     "flux": "flux_transformer",
     "sd3": "sd3_transformer",
     "qwen-image": "qwen_image_transformer",
+    "z-image": "z_image_transformer",
 }
 """Each family's DiT kind."""
 
@@ -101,6 +103,13 @@ def group_of(family: str, config: Mapping[str, Any], requests: Sequence[Request]
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
             timestep=t,
             img_shapes=[[(1, rows, columns)]] * count,
+        )
+    if family == "z-image":
+        channels, width = int(config["in_channels"]), int(config["cap_feat_dim"])
+        return ZImageInputs(
+            x=list(torch.randn(count, channels, 1, h, w, generator=generator)),
+            t=t,
+            cap_feats=[torch.randn(r.text, width, generator=generator) for r in requests],
         )
     return Sd3Inputs(
         hidden_states=torch.randn(count, int(config["in_channels"]), h, w, generator=generator),

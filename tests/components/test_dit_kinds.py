@@ -77,9 +77,11 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def native_outputs(native: nn.Module, groups: list[Any]) -> list[torch.Tensor]:
-    """Run diffusers' class on each group alone."""
+    """Run diffusers' class on each group alone (Z-Image's list of images stacked, as the
+    custom path returns them)."""
     with torch.inference_mode():
-        return [native(**group._asdict(), return_dict=False)[0] for group in groups]
+        outputs = [native(**group._asdict(), return_dict=False)[0] for group in groups]
+    return [torch.stack(out) if isinstance(out, list) else out for out in outputs]
 
 
 def custom_outputs(custom: nn.Module, groups: list[Any]) -> list[torch.Tensor]:
@@ -181,6 +183,13 @@ class TestCustomPath:
         assert declared is not None
         assert any(".attn2." in name for name in declared)
 
+    def test_an_uneven_feed_forward_split_is_refused(self, folders: dict[str, Path]) -> None:
+        """Z-Image's tiny feed-forward of 85 units cannot split over two ranks: said, not run."""
+        module = build_empty(loader_of(folders["z-image"], "z-image").custom_module)
+        assert isinstance(module, PackedTransformer)
+        with pytest.raises(ValueError, match=r"85 feed-forward units .* tp_size = 2 ranks"):
+            list(module.tensor_plans(2))
+
 
 class TestEqualToNative:
     """Custom and native agree on the same weights, on every backend the sites admit."""
@@ -250,8 +259,8 @@ class TestMixedSizes:
         loader = loader_of(folders[family], family)
         custom = build(loader)
         groups = mixed_groups(family, loader.config)[:3]
-        assert len({g.hidden_states.shape for g in groups}) == 3
         together = custom_outputs(custom, groups)
+        assert len({got.shape for got in together}) == 3
         for group, got in zip(groups, together, strict=True):
             (alone,) = custom_outputs(custom, [group])
             assert relative(got, alone) <= TOLERANCE
@@ -275,7 +284,8 @@ class TestLayerwise:
 
     @pytest.mark.parametrize("family", FAMILIES)
     def test_streamed_stacks(self, family: str, folders: dict[str, Path]) -> None:
-        """Blocks stream one by one (Flux: both stacks); the output is bit-identical."""
+        """Blocks stream one by one, each once, in the order they are streamed (Flux: both
+        stacks; Z-Image: its two refiners, then its main layers); the output is bit-identical."""
         loader = loader_of(folders[family], family)
         custom = build(loader)
         groups = mixed_groups(family, loader.config)
@@ -283,10 +293,14 @@ class TestLayerwise:
         blocks = loader.blocks(custom)
         assert blocks is not None
         assert len(blocks) == loader.block_count()
+        ran: list[int] = []
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda *_, index=index: ran.append(index))
         store = LayerwiseStore(custom, blocks, target="host", device="cpu")
         try:
             store.onload()
             streamed = custom_outputs(custom, groups)
+            assert ran == list(range(len(blocks)))
             block = max(module_bytes(b) for b in blocks)
             rest = module_bytes(custom) - sum(module_bytes(b) for b in blocks)
             assert (
@@ -346,10 +360,13 @@ class TestWithoutDiffusers:
 
 
 def _cast(group: Any, dtype: torch.dtype) -> Any:
-    """Return ``group`` with its floating tensors in ``dtype`` (timesteps stay as they are)."""
+    """Return ``group`` with its floating tensors (in lists too) in ``dtype``; timesteps stay
+    as they are."""
 
     def cast(name: str, value: Any) -> Any:
-        if name == "timestep" or not isinstance(value, torch.Tensor):
+        if isinstance(value, list):
+            return [cast(name, each) for each in value]
+        if name in ("timestep", "t") or not isinstance(value, torch.Tensor):
             return value
         return value.to(dtype) if value.is_floating_point() else value
 
@@ -362,8 +379,7 @@ def test_custom_module_packs() -> None:
     from components.models.dit.pixart import PixArtTransformer
     from components.models.dit.qwen_image import QwenImageTransformer
     from components.models.dit.sd3 import Sd3Transformer
+    from components.models.dit.z_image import ZImageTransformer
 
-    assert all(
-        issubclass(c, PackedTransformer)
-        for c in (FluxTransformer, PixArtTransformer, Sd3Transformer, QwenImageTransformer)
-    )
+    classes = (FluxTransformer, PixArtTransformer, Sd3Transformer, QwenImageTransformer)
+    assert all(issubclass(c, PackedTransformer) for c in (*classes, ZImageTransformer))

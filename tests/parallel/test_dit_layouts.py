@@ -4,7 +4,9 @@ PixArt and Flux run every layout; SD3, whose joint attention and sharding are Fl
 (``JointLayout``), adds the two that exercise its own code: Ulysses over its blocks
 (the last reads a text shard without updating it) and its tensor-parallel plan;
 Qwen-Image, Flux's blocks under its own text mask and per-axis rotary, runs every
-two-rank layout. One
+two-rank layout. Z-Image, whose refiners shard each request's image and text apart
+before its main layers shard them together, runs the three sequence-parallel layouts
+and its tensor-parallel plan. One
 spawn of two gloo processes and one of four each run every case of their size; the
 parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
 requests of three sizes and prompt lengths, packed so that shard boundaries cut
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from attention import Platform
+from components.weights import seed_weights
 from lifecycle.admission import admit_pipeline
 from lifecycle.spec.reading import decode_spec
 from tests.components.dit_inputs import KINDS, MIXED
@@ -39,7 +42,11 @@ TOLERANCE = 1e-5
 FAMILIES = ("pixart", "flux")
 SD3_TWO = ("ulysses", "tensor_parallel")
 """The two-rank layouts SD3 runs too."""
-LATER = {"sd3": SD3_TWO, "qwen-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp")}
+LATER = {
+    "sd3": SD3_TWO,
+    "qwen-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp"),
+    "z-image": ("ulysses", "ring", "kv_gather", "tensor_parallel"),
+}
 """The families that run some two-rank layouts only (SD3 also the sweeps)."""
 TWO = {
     "ulysses": ("sp_degree = 2\nulysses_degree = 2", False),
@@ -71,7 +78,7 @@ WIDE = ("tp_x_ulysses",)
 
 
 def cases(layouts: dict[str, tuple[str, bool]], folders: dict[str, Path]) -> dict[str, DitCase]:
-    """Return every (family, layout) case, named ``family-layout`` (SD3: ``SD3_TWO``), and
+    """Return every (family, layout) case, named ``family-layout`` (``LATER``: its own), and
     every family's sweep under each layout of ``SWEPT``, named ``family-layout-sweep``."""
     pairs = [
         *itertools.product(FAMILIES, layouts),
@@ -116,16 +123,28 @@ def cached_cases(folders: dict[str, Path]) -> dict[str, DitCase]:
     }
 
 
+Z_IMAGE_EVEN = {"dim": 48, "axes_dims": [12, 6, 6]}
+"""Z-Image's DiT at a width whose feed-forward (8/3 of it: 128 units) two ranks split evenly;
+the tiny folder's 32 make 85 units."""
+
+
 def with_heads(folder: Path, into: Path, heads: int) -> Path:
     """Write a seeded copy of ``folder``'s DiT with ``heads`` heads of the same width each."""
-    import diffusers
-
     config = json.loads((folder / "transformer" / "config.json").read_text())
     changes = {"num_attention_heads": heads}
     if "cross_attention_dim" in config:  # PixArt attends its text at the model's width
         changes["cross_attention_dim"] = heads * config["attention_head_dim"]
-    torch.manual_seed(0)
+    return with_config(folder, into, changes)
+
+
+def with_config(folder: Path, into: Path, changes: dict[str, object]) -> Path:
+    """Write a copy of ``folder``'s DiT with ``changes`` to its config, its weights seeded as
+    the folders' are (pads and gains too, which diffusers starts at zeros and ones)."""
+    import diffusers
+
+    config = json.loads((folder / "transformer" / "config.json").read_text())
     model = getattr(diffusers, config["_class_name"]).from_config(config | changes)
+    seed_weights(model, 0)
     model.save_pretrained(str(into / "transformer"))
     return into
 
@@ -139,6 +158,7 @@ def folders(
     found |= {f"{f}-smooth": pipeline_folder(f, smooth_time=True) for f in FAMILIES}
     for family in FAMILIES:
         found[f"{family}-wide"] = with_heads(found[family], tmp_path_factory.mktemp(family), 4)
+    found["z-image"] = with_config(found["z-image"], tmp_path_factory.mktemp("z"), Z_IMAGE_EVEN)
     return found
 
 

@@ -37,6 +37,8 @@ class DitAttention(nn.Module):
         qk_norm: queries and keys are RMS-normalised per head (``norm_q``, ``norm_k``,
             and ``norm_added_q``, ``norm_added_k`` with ``context``).
         eps: the RMS norms' epsilon.
+        bias: the image rows' projections (``to_q``, ``to_k``, ``to_v``, ``to_out.0``) have
+            biases (Z-Image's have none).
     """
 
     def __init__(
@@ -52,16 +54,17 @@ class DitAttention(nn.Module):
         context_out: bool = False,
         qk_norm: bool = False,
         eps: float = 1e-6,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         inner = heads * head_dim
         self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(kdim or dim, inner)
-        self.to_v = nn.Linear(kdim or dim, inner)
+        self.to_q = nn.Linear(dim, inner, bias=bias)
+        self.to_k = nn.Linear(kdim or dim, inner, bias=bias)
+        self.to_v = nn.Linear(kdim or dim, inner, bias=bias)
         self.norm_q = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
         self.norm_k = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)]) if out else None
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=bias)]) if out else None
         if context:
             self.add_q_proj = nn.Linear(dim, inner)
             self.add_k_proj = nn.Linear(dim, inner)
