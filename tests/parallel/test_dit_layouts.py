@@ -4,9 +4,8 @@ PixArt and Flux run every layout; SD3, whose joint attention and sharding are Fl
 (``JointLayout``), adds the two that exercise its own code: Ulysses over its blocks
 (the last reads a text shard without updating it) and its tensor-parallel plan;
 Qwen-Image, Flux's blocks under its own text mask and per-axis rotary, runs every
-two-rank layout. Z-Image, whose refiners shard each request's image and text apart
-before its main layers shard them together, runs the three sequence-parallel layouts
-and its tensor-parallel plan. One
+two-rank layout, and so does Z-Image, whose refiners shard each request's image and
+text apart before its main layers shard them together. One
 spawn of two gloo processes and one of four each run every case of their size; the
 parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
 requests of three sizes and prompt lengths, packed so that shard boundaries cut
@@ -45,7 +44,7 @@ SD3_TWO = ("ulysses", "tensor_parallel")
 LATER = {
     "sd3": SD3_TWO,
     "qwen-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp"),
-    "z-image": ("ulysses", "ring", "kv_gather", "tensor_parallel"),
+    "z-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp"),
 }
 """The families that run some two-rank layouts only (SD3 also the sweeps)."""
 TWO = {
