@@ -401,6 +401,8 @@ def wan_transformer(
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
         image_dim=image_dim,
+        # Wan 2.1 I2V attends to the image states apart, through added K/V projections
+        added_kv_proj_dim=None if image_dim is None else dims.heads * head_dim,
     )
 
 

@@ -212,7 +212,7 @@ loader = FolderPipeline.read(Path(folder)).loaders()["vae"]
 module = loader.build("native")
 scale = loader.scale_factor
 latent_frames = (frames - 1) // loader.temporal_factor + 1
-shape = (1, loader.channels, latent_frames, height // scale, width // scale)
+shape = (1, loader.latent_channels, latent_frames, height // scale, width // scale)
 latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
 with torch.inference_mode():
     loader.decode(module, latents[:, :, :2])  # warm-up: first-call allocations

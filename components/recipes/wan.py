@@ -33,7 +33,7 @@ from components.kinds.autoencoder_kl_wan import AutoencoderKlWanLoader
 from components.kinds.umt5_encoder import Umt5EncoderLoader
 from components.kinds.wan_transformer import WanTransformerLoader
 from components.libraries import is_importable
-from components.models.dit.base import PackedTransformer
+from components.models.dit.wan import WanInputs
 from components.recipes.base import (
     DECODE,
     DENOISE,
@@ -46,6 +46,7 @@ from components.recipes.base import (
     latent_rows,
     mismatch,
     narrow_scheduler,
+    predict,
     scheduler_config,
     unique_texts,
     width,
@@ -289,24 +290,25 @@ class WanRecipe(Recipe):
     def predict(
         self, module: nn.Module, runs: Sequence[Denoising], step: int, cache: StepCache | None
     ) -> list[torch.Tensor]:
-        """Predict for every run; diffusers' class runs each guidance branch apart.
+        """Predict for every run, each guidance branch apart, as diffusers calls its DiT.
 
         diffusers calls its DiT once for the conditional branch and once for the
         unconditional one: one call on both rows rounds differently (by 2e-6 a step,
-        which guidance and the VAE amplify past 1e-5), so each branch runs alone.
+        which guidance and the VAE amplify past 1e-5), so each branch runs alone: our
+        DiT packs every run's rows of one branch into one call, diffusers' class is
+        called per run and branch.
         """
-        if isinstance(module, PackedTransformer):
-            return super().predict(module, runs, step, cache)
-        predictions = []
-        for run in runs:
-            inputs = run.inputs(step)._asdict()
-            branches = [
-                {name: _branch(value, run.branches, i) for name, value in inputs.items()}
-                for i in range(run.branches)
+        (branches,) = {run.branches for run in runs}  # the batch decides guidance
+        parts = []
+        for i in range(branches):
+            inputs = [
+                WanInputs._make(
+                    _branch(v, branches, i) for v in run.inputs(step)._asdict().values()
+                )
+                for run in runs
             ]
-            parts = [module(**branch, return_dict=False)[0] for branch in branches]
-            predictions.append(torch.cat(parts))
-        return predictions
+            parts.append(predict(module, inputs, cache))
+        return [torch.cat([part[r] for part in parts]) for r in range(len(runs))]
 
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> WanDenoising:
         """Set up one size group: its noise, its text (and negatives) and its scheduler."""
@@ -357,15 +359,6 @@ class WanRecipe(Recipe):
                 name, "context", width(expert, "context", written=False), ["text_encoder"], wrote
             )
         ]
-
-
-class WanInputs(NamedTuple):
-    """One group's arguments to Wan's DiT, as ``WanTransformer3DModel.forward`` takes them."""
-
-    hidden_states: torch.Tensor  # (B, C_in, f, h, w)
-    timestep: torch.Tensor  # (B,), or (B, tokens) with expand_timesteps
-    encoder_hidden_states: torch.Tensor  # (B, L, E)
-    encoder_hidden_states_image: torch.Tensor | None = None  # (B, P, E_image)
 
 
 class WanDenoising(Denoising):

@@ -11,11 +11,13 @@ from components.models.dit.flux import FluxInputs
 from components.models.dit.pixart import PixArtInputs
 from components.models.dit.qwen_image import QwenImageInputs
 from components.models.dit.sd3 import Sd3Inputs
+from components.models.dit.wan import WanInputs
 from components.models.dit.z_image import ZImageInputs
 from components.recipes.flux import FluxRecipe
 from components.recipes.pixart import PixArtSigmaRecipe
 from components.recipes.qwen_image import MAX_TOKENS as QWEN_MAX_TOKENS
 from components.recipes.sd3 import Sd3Recipe
+from components.recipes.wan import WanRecipe
 
 KINDS = {
     "pixart": "pixart_transformer",
@@ -23,19 +25,22 @@ KINDS = {
     "sd3": "sd3_transformer",
     "qwen-image": "qwen_image_transformer",
     "z-image": "z_image_transformer",
+    "wan": "wan_transformer",
 }
 """Each family's DiT kind."""
 
 
 class Request(NamedTuple):
-    """One request: its latent grid (h, w) and its prompt's real tokens."""
+    """One request: its latent grid (h, w), its prompt's real tokens and its latent frames
+    (a video DiT's; the image DiTs make one)."""
 
     grid: tuple[int, int]
     text: int
+    frames: int = 1
 
 
-MIXED = (Request((8, 8), 3), Request((12, 6), 7), Request((6, 10), 5))
-"""Three requests of three sizes and three prompt lengths."""
+MIXED = (Request((8, 8), 3), Request((12, 6), 7, 2), Request((6, 10), 5, 3))
+"""Three requests of three sizes, three prompt lengths and three frame counts."""
 
 CLIP_TOKENS = 77
 """The CLIP tokens SD3 puts before T5's in its joint text."""
@@ -44,6 +49,7 @@ MAX_TEXT = {
     "flux": FluxRecipe.max_tokens,
     "sd3": CLIP_TOKENS + Sd3Recipe.max_tokens,
     "qwen-image": QWEN_MAX_TOKENS,
+    "wan": WanRecipe.max_tokens,
 }
 """The most text tokens each family's pipeline gives its DiT."""
 SWEEP_GRIDS = ((2, 2), (4, 6), (10, 8))
@@ -56,6 +62,16 @@ def group_of(family: str, config: Mapping[str, Any], requests: Sequence[Request]
     (h, w), count = requests[0].grid, len(requests)
     longest = max(r.text for r in requests)
     t = torch.rand(count, generator=generator)
+    if family == "wan":
+        return WanInputs(
+            hidden_states=torch.randn(
+                count, int(config["in_channels"]), requests[0].frames, h, w, generator=generator
+            ),
+            timestep=t * 1000,
+            encoder_hidden_states=torch.randn(
+                count, longest, int(config["text_dim"]), generator=generator
+            ),
+        )
     if family == "pixart":
         mask = torch.zeros(count, longest + 2, dtype=torch.int64)  # padded past the longest
         for row, request in enumerate(requests):

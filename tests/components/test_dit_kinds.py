@@ -43,6 +43,8 @@ BFLOAT16_TOLERANCE = 3e-2
 """bfloat16, the same measure (measured 4e-3 to 1.3e-2): both round to 8 bits of mantissa at
 different points (the custom path keeps adaLN and rotary products in float32 longer)."""
 FAMILIES = list(KINDS)
+CROSS = ("pixart", "wan")
+"""The families whose DiT attends to its text apart (site ``cross``)."""
 # the backends each site admits: packed self-attention needs a varlen kernel
 PACKED_BACKENDS = ["torch_flash", "reference"]
 DENSE_BACKENDS = ["torch_sdpa", "torch_flash", "reference"]
@@ -122,7 +124,7 @@ class TestCustomPath:
         sites = {site.name: site for site in loader.sites()}
         assert sites["self"].role is AttentionRole.SELF
         assert sites["self"].requirements.packed_varlen
-        assert sorted(sites) == (["cross", "self"] if family == "pixart" else ["self"])
+        assert sorted(sites) == (["cross", "self"] if family in CROSS else ["self"])
 
     @pytest.mark.parametrize("family", FAMILIES)
     def test_tensors_are_diffusers(self, family: str, folders: dict[str, Path]) -> None:
@@ -311,6 +313,66 @@ class TestLayerwise:
         assert all(torch.equal(a, b) for a, b in zip(resident, streamed, strict=True))
 
 
+class TestWanVariants:
+    """Wan 2.2 TI2V's timestep per token and Wan 2.1 I2V's image states, as diffusers' class."""
+
+    def test_timestep_per_token(self, pipeline_folder: PipelineFolders) -> None:
+        """Each token's own timestep (the first frame's at 0, as TI2V's image to video) and
+        one timestep per video given per token, packed, each equal native within 1e-5."""
+        loader = loader_of(pipeline_folder("wan-ti2v"), "wan")
+        custom, native = build(loader), loader.build("native")
+        first, second = (group_of("wan", loader.config, [r], i) for i, r in enumerate(MIXED[1:]))
+        tokens = first.hidden_states[0, 0].numel() // 4  # (f, h, w) in 1 x 2 x 2 patches
+        per_token = first.timestep[:, None].repeat(1, tokens)
+        per_token[:, : tokens // first.hidden_states.shape[2]] = 0  # the first frame's
+        tokens = second.hidden_states[0, 0].numel() // 4
+        groups = [
+            first._replace(timestep=per_token),
+            second._replace(timestep=second.timestep[:, None].expand(-1, tokens)),
+        ]
+        for got, want in zip(
+            custom_outputs(custom, groups), native_outputs(native, groups), strict=True
+        ):
+            assert relative(got, want) <= TOLERANCE
+
+    def test_image_states(self, pipeline_folder: PipelineFolders) -> None:
+        """Image states through the added K/V projections, requests of two sizes packed,
+        each equal native within 1e-5 (diffusers reads UMT5's 512 tokens after them)."""
+        loader = loader_of(pipeline_folder("wan-i2v"), "wan")
+        custom, native = build(loader), loader.build("native")
+        generator = torch.Generator().manual_seed(0)
+        groups = [
+            group._replace(
+                encoder_hidden_states=torch.randn(
+                    1, 512, int(loader.config["text_dim"]), generator=generator
+                ),
+                encoder_hidden_states_image=torch.randn(
+                    1, 5, int(loader.config["image_dim"]), generator=generator
+                ),
+            )
+            for group in (group_of("wan", loader.config, [r], i) for i, r in enumerate(MIXED[:2]))
+        ]
+        for got, want in zip(
+            custom_outputs(custom, groups), native_outputs(native, groups), strict=True
+        ):
+            assert relative(got, want) <= TOLERANCE
+
+    def test_image_states_without_added_projections_leave_native(
+        self, folders: dict[str, Path], tmp_path: Path
+    ) -> None:
+        """image_dim without added_kv_proj_dim is refused to the native path, naming both."""
+        folder = shutil.copytree(folders["wan"] / "transformer", tmp_path / "transformer")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"image_dim": 8}))
+        loader = loader_of(tmp_path, "wan")
+        assert loader.unavailable_reason("custom") == (
+            "the custom Wan DiT does not build image_dim without added_kv_proj_dim (image "
+            "states not attended through added projections)"
+        )
+        with pytest.raises(PathUnavailable, match="image_dim without added_kv_proj_dim"):
+            loader.build("custom")
+
+
 WITHOUT_DIFFUSERS = (
     blocking("diffusers", "transformers")
     + """
@@ -379,7 +441,10 @@ def test_custom_module_packs() -> None:
     from components.models.dit.pixart import PixArtTransformer
     from components.models.dit.qwen_image import QwenImageTransformer
     from components.models.dit.sd3 import Sd3Transformer
+    from components.models.dit.wan import WanTransformer
     from components.models.dit.z_image import ZImageTransformer
 
     classes = (FluxTransformer, PixArtTransformer, Sd3Transformer, QwenImageTransformer)
-    assert all(issubclass(c, PackedTransformer) for c in (*classes, ZImageTransformer))
+    assert all(
+        issubclass(c, PackedTransformer) for c in (*classes, ZImageTransformer, WanTransformer)
+    )

@@ -43,8 +43,8 @@ class DitCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     """One DiT under one layout.
 
     Attributes:
-        family: ``pixart``, ``flux``, ``sd3``, ``qwen-image`` or ``z-image`` (the folder's
-            pipeline family).
+        family: ``pixart``, ``flux``, ``sd3``, ``qwen-image``, ``z-image`` or ``wan`` (the
+            folder's pipeline family).
         folder: the pipeline folder.
         layout: the lines of the ``[parallel]`` table.
         direct: build through the loader outside the lifecycle (DTensor weights).

@@ -5,7 +5,8 @@ PixArt and Flux run every layout; SD3, whose joint attention and sharding are Fl
 (the last reads a text shard without updating it) and its tensor-parallel plan;
 Qwen-Image, Flux's blocks under its own text mask and per-axis rotary, runs every
 two-rank layout, and so does Z-Image, whose refiners shard each request's image and
-text apart before its main layers shard them together. One
+text apart before its main layers shard them together; Wan runs Ulysses, ring, K/V
+gather and tensor parallel over videos of 1 to 3 frames. One
 spawn of two gloo processes and one of four each run every case of their size; the
 parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
 requests of three sizes and prompt lengths, packed so that shard boundaries cut
@@ -45,8 +46,10 @@ LATER = {
     "sd3": SD3_TWO,
     "qwen-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp"),
     "z-image": ("ulysses", "ring", "kv_gather", "tensor_parallel", "fsdp"),
+    "wan": ("ulysses", "ring", "kv_gather", "tensor_parallel"),
 }
-"""The families that run some two-rank layouts only (SD3 also the sweeps)."""
+"""The families that run some two-rank layouts only (SD3 also the sweeps; Wan over
+requests of three frame counts)."""
 TWO = {
     "ulysses": ("sp_degree = 2\nulysses_degree = 2", False),
     "ring": ("sp_degree = 2\nring_degree = 2", False),
@@ -266,15 +269,19 @@ class TestFourRanks:
 
 
 def test_shards_cut_requests_apart() -> None:
-    """The inputs make shard boundaries (2 and 4 shards) fall inside requests of every family."""
-    for family, text_of in (
-        ("pixart", lambda r: 0),
-        ("flux", lambda r: r.text),
-        ("sd3", lambda r: r.text),
-        ("qwen-image", lambda r: r.text),
+    """The inputs make shard boundaries (2 and 4 shards) fall inside requests of every family
+    (Wan's: inside the frames of a video)."""
+    for family, text_of, frames_of in (
+        ("pixart", lambda r: 0, lambda r: 1),
+        ("flux", lambda r: r.text, lambda r: 1),
+        ("sd3", lambda r: r.text, lambda r: 1),
+        ("qwen-image", lambda r: r.text, lambda r: 1),
+        ("wan", lambda r: 0, lambda r: r.frames),
     ):
         patch = 2
-        counts = [text_of(r) + (r.grid[0] // patch) * (r.grid[1] // patch) for r in MIXED]
+        counts = [
+            text_of(r) + frames_of(r) * (r.grid[0] // patch) * (r.grid[1] // patch) for r in MIXED
+        ]
         ends = list(itertools.accumulate(counts))
         for shards in (2, 4):
             size = -(-ends[-1] // shards)

@@ -1,1 +1,2 @@
-"""The project's own DiTs for diffusers-format folders (PixArt, Flux, SD3), requests packed."""
+"""The project's own DiTs for diffusers-format folders (PixArt, Flux, SD3, Qwen-Image,
+Wan), requests packed."""

@@ -94,14 +94,18 @@ class Modulation(nn.Module):
 
 
 class GeluProjection(nn.Module):
-    """The first layer of a feed-forward: ``proj`` then GELU (tanh)."""
+    """The first layer of a feed-forward: ``proj`` then GELU (tanh, or exact with ``exact``)."""
 
-    def __init__(self, dim: int, inner: int) -> None:
+    def __init__(self, dim: int, inner: int, *, exact: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, inner)
+        self.exact = exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Project ``(n, E)`` to ``(n, inner)`` and apply GELU (tanh)."""
+        """Project ``(n, E)`` to ``(n, inner)`` and apply GELU."""
+        if self.exact:
+            out: torch.Tensor = torch.ops.aten.gelu_(self.proj(x))
+            return out
         return gelu_(self.proj(x))
 
 
@@ -112,18 +116,35 @@ def gelu_(x: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """diffusers' ``FeedForward`` with ``gelu-approximate``: ``net.0.proj``, GELU, ``net.2``.
+    """diffusers' ``FeedForward``: ``net.0.proj``, GELU, ``net.2``.
 
     ``net.1`` (dropout in diffusers) holds nothing and does nothing at inference.
+
+    Args:
+        dim: the input width E.
+        mult: the hidden width as a multiple of E, unless ``inner`` gives it.
+        inner: the hidden width (Wan's ``ffn_dim``).
+        out: the output width; None is E.
+        exact: exact GELU (``gelu``) rather than its tanh approximation (``gelu-approximate``).
     """
 
-    def __init__(self, dim: int, mult: int = 4) -> None:
+    def __init__(
+        self,
+        dim: int,
+        mult: int = 4,
+        *,
+        inner: int | None = None,
+        out: int | None = None,
+        exact: bool = False,
+    ) -> None:
         super().__init__()
-        inner = dim * mult
-        self.net = nn.ModuleList([GeluProjection(dim, inner), nn.Identity(), nn.Linear(inner, dim)])
+        hidden = inner or dim * mult
+        self.net = nn.ModuleList(
+            [GeluProjection(dim, hidden, exact=exact), nn.Identity(), nn.Linear(hidden, out or dim)]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map ``(n, E)`` to ``(n, E)``."""
+        """Map ``(n, E)`` to ``(n, out)``."""
         first, _, last = self.net
         out: torch.Tensor = last(first(x))
         return out
