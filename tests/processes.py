@@ -37,8 +37,10 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import NamedTuple
 
-PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
-"""What the fork server imports, nothing of the project: torch, and what the ranks of a
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
+"""What the fork server imports, nothing of the project: torch; what diffusers' models and a
+rank's first DTensor operation import (``torch._dynamo``, with sympy: about 1.3 CPU-s a
+process, which every program that loads a pipeline folder paid); and what the ranks of a
 splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it."""
 
 

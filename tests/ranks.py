@@ -26,10 +26,6 @@ DIFFUSERS_MODELS = (
 )
 """What ranks that load a pipeline folder's classes import: about 3 CPU-s a process."""
 
-DTENSOR_OPERATIONS = ("torch._dynamo",)
-"""What a rank's first DTensor operation imports (DTensor propagates shardings under
-``torch._disable_dynamo``): about 0.85 CPU-s a process. Diffusers' models import it too."""
-
 LAUNCHER_SLACK_S = 60.0
 """How much longer than its deadline the launcher may take to start, stop the ranks, report."""
 

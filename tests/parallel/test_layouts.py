@@ -23,7 +23,7 @@ from tests.parallel.layout_worker import (
     run_case,
     run_cases,
 )
-from tests.ranks import DTENSOR_OPERATIONS, run_ranks
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.long
 
@@ -183,7 +183,7 @@ def two(tmp_path_factory: pytest.TempPathFactory, smooth_weights: Path) -> Path:
     """The outputs of every two-rank case (the cached ones too), from one spawn of two gloo
     processes."""
     out_dir = tmp_path_factory.mktemp("two")
-    spawn(2, TWO | cached_cases(smooth_weights), out_dir, preload=DTENSOR_OPERATIONS)
+    spawn(2, TWO | cached_cases(smooth_weights), out_dir)
     return out_dir
 
 
@@ -191,7 +191,7 @@ def two(tmp_path_factory: pytest.TempPathFactory, smooth_weights: Path) -> Path:
 def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The outputs of every four-rank case, from one spawn of four gloo processes."""
     out_dir = tmp_path_factory.mktemp("four")
-    spawn(4, FOUR, out_dir, preload=DTENSOR_OPERATIONS)
+    spawn(4, FOUR, out_dir)
     return out_dir
 
 
