@@ -23,6 +23,8 @@ import torch
 
 from attention.requirements import AttentionRequirements
 
+__all__ = ["AttentionBackend", "AttentionImpl", "DeviceKind", "NoOptions"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 DeviceKind: TypeAlias = Literal["cpu", "cuda"]

@@ -18,6 +18,8 @@ from attention.request import (
 )
 from attention.roles import AttentionRole, Provenance
 
+__all__ = ["unconsumed"]
+
 _ROLE_WORDS = {AttentionRole.SELF: "self-attention", AttentionRole.CROSS: "cross-attention"}
 
 

@@ -6,6 +6,8 @@ from enum import StrEnum
 
 from attention.plugins import UnknownPluginError
 
+__all__ = ["BackendSelectionError", "NotResidentError", "SelectionCode", "UnknownBackendError"]
+
 
 class SelectionCode(StrEnum):
     """The refusal codes the attention package raises (a subset of ``lifecycle.RefusalCode``)."""

@@ -16,6 +16,8 @@ from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole
 from attention.scope import UNSCOPED, AttentionScope, current_scope
 
+__all__ = ["Attention", "arm_all", "arm_layers", "disarm_all", "disarm_layers", "find_layers"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 

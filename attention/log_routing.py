@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import structlog
 
+__all__: list[str] = []
+
 
 def route_to_stdlib() -> None:
     """Send every structlog event to the standard ``logging`` logger of its name.

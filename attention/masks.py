@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["additive_mask", "as_4d", "causal_mask"]
+
 # Sq query positions, Sk key positions
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
+__all__ = ["REQUEST_BACKEND", "UnpreparedBackendError"]
+
 REQUEST_BACKEND: ContextVar[str | None] = ContextVar("request_backend", default=None)
 """The backend the running request asked for, or None (the spec's choices).
 

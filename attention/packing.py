@@ -10,6 +10,8 @@ import torch
 
 from attention.backend import AttentionImpl
 
+__all__ = ["PerSegmentVarlen", "as_batch", "attend_segments"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 

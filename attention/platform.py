@@ -10,6 +10,8 @@ import torch
 from attention import registry
 from attention.backend import DeviceKind
 
+__all__ = ["Platform"]
+
 # The order a fallback tries dense built-in backends in, best first (design §4.2).
 _PREFERENCE: dict[DeviceKind, tuple[str, ...]] = {
     "cpu": ("torch_sdpa", "torch_flash"),

@@ -19,6 +19,8 @@ from typing import ClassVar, Generic, TypeVar
 
 import structlog
 
+__all__ = ["PluginRegistry", "UnknownPluginError"]
+
 # A plugin is a class: a backend class, a loader class.
 Plugin = TypeVar("Plugin", bound=type)
 

@@ -18,6 +18,8 @@ from attention.backends import BUILTIN_BACKENDS
 from attention.errors import UnknownBackendError
 from attention.plugins import PluginRegistry
 
+__all__ = ["decode_options", "get", "names", "out_of_tree", "register_backend"]
+
 ENTRY_POINT_GROUP = "pipeline_lifecycle.backends"
 
 

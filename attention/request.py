@@ -9,6 +9,19 @@ import msgspec
 from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole, Provenance
 
+__all__ = [
+    "DENSE_CROSS_FALLBACK",
+    "GLOBAL_BACKEND_FALLBACK",
+    "PLATFORM_DEFAULT_FALLBACK",
+    "BackendChoice",
+    "BackendRequest",
+    "ComponentRequests",
+    "PlannedSelection",
+    "RequestSource",
+    "Selection",
+    "SelectionRecord",
+]
+
 # The reasons a selection may give for not choosing what was asked for (design §4.2).
 PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
 GLOBAL_BACKEND_FALLBACK = "global backend fallback"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+__all__ = ["NO_REQUIREMENTS", "AttentionRequirements"]
+
 
 class AttentionRequirements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Declare the capabilities an attention layer needs from its kernel.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+__all__ = ["AttentionRole", "Provenance"]
+
 
 class AttentionRole(StrEnum):
     """Say what an attention layer attends to: its own sequence, or another one."""

@@ -28,6 +28,8 @@ from attention.request import (
 )
 from attention.selection import select_backend
 
+__all__ = ["UNSCOPED", "AttentionScope", "component_attention_scope", "current_scope"]
+
 UNSCOPED = "<unscoped>"
 _PLANNED_FIELDS = ("role", "requirements", "supported", "layer_default", "layer_backend")
 

@@ -18,6 +18,8 @@ from attention.request import (
 from attention.requirements import AttentionRequirements
 from attention.roles import AttentionRole, Provenance
 
+__all__ = ["select_backend"]
+
 _CAPABILITY_CODES = (SelectionCode.RING_REQUIRES_LSE, SelectionCode.CAPABILITY_MISSING)
 
 

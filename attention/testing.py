@@ -11,6 +11,17 @@ from attention.backend import AttentionImpl
 from attention.request import BackendChoice
 from attention.roles import Provenance
 
+__all__ = [
+    "TOLERANCE",
+    "RandomInputs",
+    "SdpaImpl",
+    "automatic",
+    "count_attention_flops",
+    "explicit",
+    "rel_err",
+    "run_dense",
+]
+
 # B batch, H heads, S seq, D head dim
 
 # Largest allowed max|out - ref| / max|ref| against the float64 reference, per input dtype:

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+__all__ = ["inner_tensors", "local_shard", "module_bytes"]
+
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """Return the shard this rank holds of a tensor- or FSDP-sharded weight, else ``tensor``."""

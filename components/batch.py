@@ -14,6 +14,19 @@ from torch import nn
 if TYPE_CHECKING:
     from components.cache import RowCache
 
+__all__ = [
+    "DEFAULT_STEPS",
+    "RGB",
+    "Batch",
+    "BatchField",
+    "Cancelled",
+    "Left",
+    "Port",
+    "StepDone",
+    "StepHook",
+    "device_of",
+]
+
 # B prompts, N latent tokens, C latent channels, L text tokens, E text embedding width
 
 

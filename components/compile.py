@@ -25,6 +25,14 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
+__all__ = [
+    "DISTRIBUTION_PACKAGE",
+    "Compilation",
+    "CompileMode",
+    "compile_module",
+    "compiler_problem",
+]
+
 CompileMode: TypeAlias = Literal["off", "blocks", "whole"]
 DEFAULT_CXX = "g++"
 """What inductor runs when ``CXX`` is not set (torch._inductor.config.cpp.cxx)."""

@@ -6,6 +6,8 @@ from typing import Literal, TypeAlias
 
 import torch
 
+__all__ = ["TORCH_DTYPES", "DType"]
+
 DType: TypeAlias = Literal["float32", "bfloat16", "float16"]
 """A floating dtype a spec may ask for, pipeline-wide or per component."""
 

@@ -10,6 +10,8 @@ from torch import nn
 from components.loader import ComponentLoader, KindOptions
 from components.sites import AttentionSite
 
+__all__ = ["GenericLoader"]
+
 ModuleFactory = Callable[[], nn.Module]
 
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import msgspec
 
+__all__ = ["ParallelLayout"]
+
 Degree = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 

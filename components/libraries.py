@@ -11,6 +11,8 @@ import importlib
 import importlib.util
 from typing import Literal, TypeAlias
 
+__all__ = ["EXTRA", "Library", "is_importable", "library_class", "missing"]
+
 Library: TypeAlias = Literal["diffusers", "transformers"]
 EXTRA = "diffusers"
 """The project's extra that installs both libraries."""

@@ -33,6 +33,8 @@ from components.weights import DeclaredTensors, load_weights, seed_weights, stor
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
+__all__ = ["ComponentLoader", "KindOptions", "LoaderPath", "PathUnavailable", "SeededOptions"]
+
 LoaderPath: TypeAlias = Literal["custom", "native"]
 FLOAT32_BYTES = 4
 INT64_BYTES = 8

@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.layout import ParallelLayout
 
+__all__ = ["ComponentParallel", "ParallelMesh", "SequenceGroups"]
+
 
 @dataclass(frozen=True)
 class SequenceGroups:

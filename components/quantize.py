@@ -27,6 +27,8 @@ from torch import nn
 
 from components.libraries import is_importable
 
+__all__ = ["EXTRA", "Quantization", "missing_package", "quantize", "quantized", "quantized_bytes"]
+
 Quantization: TypeAlias = Literal["off", "int8_weight_only", "int8_dynamic", "float8_weight_only"]
 EXTRA = "accel"
 """The project's extra that installs torchao."""

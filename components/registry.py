@@ -18,6 +18,8 @@ from components.generic import GenericLoader
 from components.kinds import BUILTIN_KINDS
 from components.loader import ComponentLoader
 
+__all__ = ["ENTRY_POINT_GROUP", "UnknownKindError", "get", "names", "register_kind"]
+
 ENTRY_POINT_GROUP = "pipeline_lifecycle.kinds"
 
 

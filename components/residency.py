@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal, TypeAlias
 
+__all__ = ["OffloadTarget", "OffloadVerify", "ResidencyMode"]
+
 
 class ResidencyMode(StrEnum):
     """How a component is kept on the device.

@@ -15,6 +15,8 @@ from attention import (
     ComponentRequests,
 )
 
+__all__ = ["NO_REQUIREMENTS", "AttentionSite", "SiteLayer", "build_layers"]
+
 NO_REQUIREMENTS = AttentionRequirements()
 
 

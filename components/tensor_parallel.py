@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+__all__ = ["split_layers"]
+
 
 def split_layers(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
     """Split the layers of ``module`` named in ``plan`` over ``mesh`` (``parallelize_module``).

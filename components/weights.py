@@ -14,6 +14,23 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+__all__ = [
+    "DeclaredTensor",
+    "DeclaredTensors",
+    "StoredTensor",
+    "TensorChecksum",
+    "digest",
+    "header_problems",
+    "is_floating",
+    "load_weights",
+    "read_header",
+    "seed_weights",
+    "stored_bytes",
+    "stored_problems",
+    "tensor_bytes",
+    "tensor_checksums",
+]
+
 # Bits per element of each safetensors dtype, under the format's own names.
 _DTYPE_BITS = {
     "BOOL": 8,

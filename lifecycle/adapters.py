@@ -43,6 +43,8 @@ from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.shown import shown
 from lifecycle.spec.structs import AdapterSpec
 
+__all__ = ["AdapterKeeper", "Rows"]
+
 log = get_logger("lifecycle")
 
 Rows = Sequence[Mapping[str, float]]

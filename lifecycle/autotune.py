@@ -31,6 +31,8 @@ from lifecycle.logs import get_logger
 from lifecycle.orchestrator import Orchestrator, platform_for
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["tune"]
+
 log = get_logger("lifecycle")
 
 COMPILE_CANDIDATES: tuple[CompileMode, ...] = ("off", "blocks")

@@ -22,6 +22,8 @@ from lifecycle.device.slots import ComponentSlot
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["setup_parallel", "world_refusals"]
+
 
 def launched_world() -> int:
     """Return the processes launched: the process group's, else torchrun's ``WORLD_SIZE``."""

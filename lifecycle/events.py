@@ -19,6 +19,30 @@ import msgspec
 from components.cache import CacheSteps
 from lifecycle.logs import get_logger
 
+__all__ = [
+    "AdapterSwitched",
+    "AdapterTransitioned",
+    "Direction",
+    "Event",
+    "MemoryWait",
+    "Move",
+    "Observer",
+    "Observers",
+    "PipelineReloaded",
+    "PipelineRestored",
+    "PipelineSlept",
+    "PipelineSwapped",
+    "PipelineTransitioned",
+    "PipelineWoke",
+    "PromptCounts",
+    "ReloadOutcome",
+    "RequestBegan",
+    "RequestCancelled",
+    "RequestEnded",
+    "Transitioned",
+    "TriggerRefused",
+]
+
 log = get_logger("lifecycle")
 
 Direction: TypeAlias = Literal["onload", "offload"]

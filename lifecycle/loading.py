@@ -39,6 +39,8 @@ from lifecycle.machines.engine import TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["Loading"]
+
 
 class Loading:
     """Build admitted components and check that what was built is what was planned.

@@ -32,6 +32,16 @@ import msgspec
 import structlog
 from structlog.typing import FilteringBoundLogger, Processor
 
+__all__ = [
+    "MAY_WAIT",
+    "REQUEST_ID",
+    "LogFormat",
+    "configure_logging",
+    "get_logger",
+    "reconfigure",
+    "saved_logging",
+]
+
 LogFormat: TypeAlias = Literal["json", "console", "auto"]
 
 _ENCODER = msgspec.json.Encoder(enc_hook=str)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from lifecycle.logs import get_logger
 
+__all__ = ["create", "probe"]
+
 log = get_logger("lifecycle")
 
 OWNER_FILE = "owner.lock"

@@ -72,6 +72,8 @@ from lifecycle.spec.model_ids import source_revision
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import AdapterSpec, ComponentSpec, PipelineSpec
 
+__all__ = ["ComponentView", "Orchestrator", "platform_for"]
+
 log = get_logger("lifecycle")
 
 

@@ -35,6 +35,8 @@ from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.refusals import RequestRefused as RequestRefused  # its first home: re-exported
 from lifecycle.shown import shown
 
+__all__ = ["BackendSwitch"]
+
 log = get_logger("lifecycle")
 
 REQUEST = "<request>"

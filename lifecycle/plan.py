@@ -15,6 +15,17 @@ from lifecycle.machines.tables import AdapterState, ComponentState
 from lifecycle.refusals import RefusalCode
 from lifecycle.spec.structs import AdapterMode
 
+__all__ = [
+    "AdapterView",
+    "AdmissionPlan",
+    "ComponentPlan",
+    "ComponentSnapshot",
+    "LoadReport",
+    "PipelineSnapshot",
+    "RefusalReport",
+    "SitePlan",
+]
+
 
 class SitePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The backend admitted for one attention site, and why.

@@ -38,6 +38,8 @@ from lifecycle.device.slots import ComponentSlot
 from lifecycle.events import PromptCounts
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["PromptCache", "counted", "encoders_checksum"]
+
 
 class PromptCache:
     """Encoded rows of one pipeline's encode stage, by key, within ``capacity`` bytes.

@@ -15,6 +15,18 @@ import msgspec
 from attention import SelectionCode
 from lifecycle.machines.tables import AnyState, ComponentState
 
+__all__ = [
+    "REFUSAL_CODES",
+    "AdmissionRefused",
+    "InvalidTransition",
+    "Refusal",
+    "RefusalCode",
+    "Refused",
+    "RequestRefused",
+    "TransitionFailed",
+    "TransitionRefused",
+]
+
 
 class RefusalCode(StrEnum):
     """Every stable refusal code (design §7), one closed set; the docs derive from it.

@@ -25,6 +25,8 @@ from lifecycle.machines.tables import ComponentState
 from lifecycle.prompts import PromptCache, counted
 from lifecycle.spec.structs import StageSpec
 
+__all__ = ["Request", "StageKeeper"]
+
 log = get_logger("lifecycle")
 
 _RESIDENT = ComponentState.RESIDENT

@@ -9,6 +9,8 @@ log line that repeats such a value passes it through ``shown``.
 
 from __future__ import annotations
 
+__all__ = ["SHOWN_CHARS", "shown"]
+
 SHOWN_CHARS = 40
 """How many characters of a value's ``repr`` an error repeats."""
 

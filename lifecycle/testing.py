@@ -13,6 +13,8 @@ import structlog
 from lifecycle.events import Event
 from lifecycle.logs import reconfigure, saved_logging
 
+__all__ = ["E", "EventRecorder", "capture_events", "events_named"]
+
 E = TypeVar("E", bound=Event)
 
 

@@ -12,6 +12,7 @@ import importlib
 import re
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -62,6 +63,21 @@ def is_python_name(name: str, events: frozenset[str]) -> bool:
     return name not in codes and name not in events and not placeholder
 
 
+def home(name: str) -> tuple[ModuleType, list[str]]:
+    """Import the longest module that ``name`` starts with; return it and the parts after it.
+
+    Raises:
+        ImportError: not even the package imports.
+    """
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            return importlib.import_module(".".join(parts[:end])), parts[end:]
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(f"no module of {name!r} imports")
+
+
 def resolve(name: str) -> object:
     """Import the longest module that ``name`` starts with, then look the rest up on it.
 
@@ -69,16 +85,26 @@ def resolve(name: str) -> object:
         ImportError: not even the package imports.
         AttributeError: the module lacks what follows.
     """
-    parts = name.split(".")
-    for end in range(len(parts), 0, -1):
-        try:
-            found: object = importlib.import_module(".".join(parts[:end]))
-        except ModuleNotFoundError:
-            continue
-        for part in parts[end:]:
-            found = getattr(found, part)
-        return found
-    raise ImportError(f"no module of {name!r} imports")
+    found: object
+    found, rest = home(name)
+    for part in rest:
+        found = getattr(found, part)
+    return found
+
+
+def unexported(names: list[str]) -> list[str]:
+    """Return each of ``names`` that its module leaves out of ``__all__``: a module itself,
+    or an old name that warns on use, needs no place there."""
+    wrong = []
+    for name in names:
+        module, rest = home(name)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            first = getattr(module, rest[0]) if rest else module
+        exports = getattr(module, "__all__", ())
+        if not isinstance(first, ModuleType) and not warned and rest[0] not in exports:
+            wrong.append(name)
+    return wrong
 
 
 EVENTS = event_names()
@@ -100,3 +126,11 @@ class TestDocumentedNames:
         with warnings.catch_warnings():  # an old name documented as such warns, and imports
             warnings.simplefilter("ignore", DeprecationWarning)
             assert resolve(name) is not None
+
+    def test_a_documented_name_is_exported(self) -> None:
+        """Each documented name is in its module's ``__all__`` (an old name that warns is not),
+        and one left out is named."""
+        assert unexported(["lifecycle.events.Refused", "lifecycle.events.log"]) == [
+            "lifecycle.events.log"
+        ]
+        assert unexported(NAMES) == []

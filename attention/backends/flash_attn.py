@@ -18,6 +18,8 @@ import torch
 
 from attention.backend import AttentionBackend, AttentionImpl, DeviceKind
 
+__all__ = ["FlashAttnBackend"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 

@@ -15,6 +15,8 @@ from attention.backend import AttentionBackend
 from attention.masks import additive_mask, causal_mask
 from attention.packing import PerSegmentVarlen
 
+__all__ = ["ReferenceBackend"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 

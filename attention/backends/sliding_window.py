@@ -16,6 +16,8 @@ from torch.nn.functional import pad, scaled_dot_product_attention
 from attention.backend import AttentionBackend, AttentionImpl
 from attention.masks import additive_mask
 
+__all__ = ["SlidingWindowBackend", "SlidingWindowOptions"]
+
 # B batch, H heads, S seq, D head dim, N query blocks, L block length, K keys a block sees
 
 # Blocks longer than this only add padding work at the sequence end.

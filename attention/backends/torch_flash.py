@@ -20,6 +20,8 @@ from attention.backends.torch_sdpa import sdpa_masked
 from attention.masks import additive_mask, as_4d
 from attention.packing import PerSegmentVarlen
 
+__all__ = ["TorchFlashBackend"]
+
 # B batch, H heads, S seq, D head dim, T packed tokens
 
 _CPU_OP = "_scaled_dot_product_flash_attention_for_cpu"

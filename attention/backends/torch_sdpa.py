@@ -14,6 +14,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from attention.backend import AttentionBackend, AttentionImpl
 from attention.masks import as_4d
 
+__all__ = ["TorchSdpaBackend", "sdpa_masked"]
+
 # B batch, H heads, S seq, D head dim
 
 

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from attention.distributed.local import LocalAttention, LocalKernel
 from attention.distributed.traffic import record
 
+__all__ = ["kv_gather_attention"]
+
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch has only it.

@@ -11,6 +11,8 @@ from attention.backend import AttentionImpl
 from attention.layer import Attention
 from attention.scope import UNSCOPED
 
+__all__ = ["LocalAttention", "LocalKernel"]
+
 # B batch, H heads, S seq, D head dim
 
 LocalAttention: TypeAlias = Attention | AttentionImpl

@@ -32,6 +32,8 @@ from attention.distributed.traffic import record
 from attention.distributed.ulysses import kv_repeat, shard_heads, shard_sequence
 from attention.packing import as_batch, attend_segments
 
+__all__ = ["packed_sequence_attention"]
+
 # H heads, D head dim, T packed tokens (padded), P ranks; Tl = T / P rows on one rank
 
 Pair = tuple[int, int, int, int]  # query rows q0:q1 attend key rows k0:k1 (local indices)

@@ -17,6 +17,8 @@ from attention.distributed.traffic import record
 from attention.errors import BackendSelectionError, SelectionCode
 from attention.layer import Attention
 
+__all__ = ["Ring", "requires_lse", "ring_attention"]
+
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+__all__ = ["Traffic", "count_traffic", "record"]
+
 
 @dataclass
 class Traffic:

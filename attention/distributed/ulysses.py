@@ -13,6 +13,8 @@ import torch.distributed as dist
 from attention.distributed.local import LocalAttention, LocalKernel
 from attention.distributed.traffic import record
 
+__all__ = ["kv_repeat", "shard_heads", "shard_sequence", "ulysses_attention"]
+
 # B batch, H heads, S seq, D head dim, P ranks in the group
 
 

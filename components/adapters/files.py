@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from components.weights import StoredTensor, is_floating, read_header
 
+__all__ = ["AdapterFile", "KeyProblem", "LoraTarget"]
+
 LORA_A = "lora_A.weight"
 """The key ending of a layer's down projection (``rank x in``)."""
 LORA_B = "lora_B.weight"

@@ -29,6 +29,8 @@ from torch.utils.hooks import RemovableHandle
 from components.adapters.files import LoraTarget
 from components.adapters.rows import ROWS
 
+__all__ = ["LoraMatrices", "attach", "linear_layers", "merged_weight", "read_matrices"]
+
 # R rows, r rank, I in features, O out features
 
 

@@ -23,6 +23,8 @@ import torch
 
 from components.batch import Batch
 
+__all__ = ["ROWS", "AdapterRows", "batch_rows"]
+
 Scale = float | torch.Tensor
 """One scale for every row, or one per row of a layer's input ``(R,)``."""
 

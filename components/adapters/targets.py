@@ -12,6 +12,8 @@ from torch import nn
 
 from components.adapters.files import KeyProblem, LoraTarget
 
+__all__ = ["target_problems"]
+
 
 def target_problems(targets: Mapping[str, LoraTarget], module: nn.Module) -> list[KeyProblem]:
     """Say how ``targets`` fail ``module``, in key order: a missing or non-linear layer, a shape.

@@ -14,6 +14,16 @@ import torch
 
 from components.cache.settings import CacheSettings
 
+__all__ = [
+    "exceeds",
+    "l1_parts",
+    "must_compute",
+    "on_interval",
+    "relative_change",
+    "taylor_predict",
+    "taylor_update",
+]
+
 # n rows, E width
 
 

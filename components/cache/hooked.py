@@ -25,6 +25,8 @@ from torch import nn
 from components.cache.settings import CacheSettings
 from components.cache.state import RowCache
 
+__all__ = ["enable", "forward_row", "free", "row_names"]
+
 _TURNS: WeakKeyDictionary[nn.Module, threading.Lock] = WeakKeyDictionary()
 _TURNS_LOCK = threading.Lock()
 

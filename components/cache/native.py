@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from components.cache.settings import CacheSettings
 
+__all__ = ["hook_problem"]
+
 HOOK_WARMUP = 1
 """The most warm-up steps diffusers' FirstBlockCache matches: it computes the first step."""
 

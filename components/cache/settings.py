@@ -20,6 +20,8 @@ from typing import Annotated, Literal, TypeAlias
 import msgspec
 from msgspec import UNSET, UnsetType
 
+__all__ = ["CacheMethod", "CacheSettings"]
+
 CacheMethod: TypeAlias = Literal["first_block", "taylor_seer"]
 
 DEFAULT_THRESHOLD = 0.08

@@ -32,6 +32,8 @@ from components.cache.decide import (
 )
 from components.cache.state import BranchCache, RowCache, StepCache
 
+__all__ = ["CachedStack", "run_cached"]
+
 # n_i image rows of row i, E width
 
 State = TypeVar("State")

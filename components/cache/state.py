@@ -22,6 +22,18 @@ from components.cache.settings import CacheSettings
 if TYPE_CHECKING:
     from components.batch import Batch
 
+__all__ = [
+    "BranchCache",
+    "CacheSteps",
+    "RowCache",
+    "StepCache",
+    "any_cached",
+    "count_steps",
+    "release_caches",
+    "start_rows",
+    "step_rows",
+]
+
 # n rows, E width
 
 

@@ -20,6 +20,8 @@ from components.folders.loader import FolderLoader, Layout
 from components.folders.meta import assign_weights
 from components.loader import LoaderPath, PathUnavailable
 
+__all__ = ["CustomFolderLoader"]
+
 
 class CustomFolderLoader(FolderLoader):
     """A folder kind with our own module on ``attention.Attention``: the default path.

@@ -21,6 +21,8 @@ from typing import Literal
 
 from components.weights import StoredTensor, read_header
 
+__all__ = ["UnsafeWeightsError", "Variant", "VariantError", "stored_tensors", "weight_files"]
+
 WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 """The stems diffusers and transformers give a component's weights."""
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

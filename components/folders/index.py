@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
 
+__all__ = ["INDEX_FILE", "PIPELINE", "Entry", "PipelineIndex", "malformed_entry"]
+
 INDEX_FILE = "model_index.json"
 LIBRARIES = ("diffusers", "transformers")
 """The libraries whose classes a folder may name; anything else is a module to import."""

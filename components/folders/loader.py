@@ -27,6 +27,8 @@ from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnav
 from components.sites import build_layers
 from components.weights import DeclaredTensors, StoredTensor, is_floating, tensor_bytes
 
+__all__ = ["CONFIG_FILE", "FolderLoader", "FolderOptions", "Layout"]
+
 CONFIG_FILE = "config.json"
 
 

@@ -24,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
+__all__ = ["Expected", "assign_weights", "build_empty", "expected_tensors"]
+
 # One build at a time: the registration hook is process-wide while it is installed.
 _building = threading.Lock()
 

@@ -15,6 +15,8 @@ from torch import nn
 
 from components.libraries import Library
 
+__all__ = ["module_names"]
+
 
 def module_names(library: Library, module: nn.Module, keys: Iterable[str]) -> dict[str, str]:
     """Return each stored tensor's name in ``module`` -> its key in the files.

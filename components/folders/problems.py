@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+__all__ = ["Problem"]
+
 
 class Problem(NamedTuple):
     """Something about a pipeline folder that admission refuses, with its fix.

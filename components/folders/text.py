@@ -20,6 +20,8 @@ from components.folders.loader import FolderLoader, FolderOptions
 from components.libraries import library_class
 from components.loader import LoaderPath
 
+__all__ = ["TextEncoderLoader", "TextEncoderOptions", "Tokens"]
+
 # B texts, L tokens
 
 TOKENIZER_CONFIG = "tokenizer_config.json"

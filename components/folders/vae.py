@@ -10,6 +10,8 @@ from torch import nn
 from components.batch import RGB, Port
 from components.folders.loader import FolderLoader
 
+__all__ = ["VaeLoader"]
+
 # B images, C latent channels, h w latent grid, H W image size
 
 

@@ -21,6 +21,8 @@ from components.folders.vae import VaeLoader
 from components.models.autoencoder_kl import AutoencoderKl, VaeShape, unsupported
 from components.sites import AttentionSite
 
+__all__ = ["AutoencoderKlLoader"]
+
 # B images, L latent channels, h w latent grid, H W image size
 
 

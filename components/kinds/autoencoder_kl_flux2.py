@@ -14,6 +14,8 @@ from torch import nn
 
 from components.folders.vae import VaeLoader
 
+__all__ = ["AutoencoderKlFlux2Loader"]
+
 # B images, C latent channels, h w latent grid
 
 

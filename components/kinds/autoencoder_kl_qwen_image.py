@@ -15,6 +15,8 @@ from torch import nn
 
 from components.folders.vae import VaeLoader
 
+__all__ = ["AutoencoderKlQwenImageLoader"]
+
 # B images, C latent channels, h w latent grid
 
 

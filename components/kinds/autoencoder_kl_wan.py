@@ -28,6 +28,8 @@ from torch import nn
 from components.batch import RGB, Port
 from components.folders.vae import VaeLoader
 
+__all__ = ["AutoencoderKlWanLoader"]
+
 # B videos, Z latent channels, f latent frames, h w latent grid, F frames, H W frame size
 
 

@@ -32,6 +32,8 @@ from components.models.clip_text import (
 )
 from components.sites import AttentionSite
 
+__all__ = ["ClipTextEncoderLoader"]
+
 # B texts, L tokens, E width, P pooled width, T packed tokens
 
 OURS = (ClipTextModel, ClipTextTransformer)

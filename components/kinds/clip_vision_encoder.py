@@ -22,6 +22,8 @@ from components.folders.loader import FolderLoader, FolderOptions
 from components.libraries import library_class
 from components.loader import LoaderPath
 
+__all__ = ["ClipVisionEncoderLoader"]
+
 # B images, P patches (and the class token), E width
 
 

@@ -23,6 +23,8 @@ from components.mesh import ComponentParallel
 from components.models.dit.base import PackedTransformer
 from components.sites import NO_REQUIREMENTS, AttentionSite
 
+__all__ = ["DitLoader"]
+
 
 class DitOptions(FolderOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of a folder's DiT.

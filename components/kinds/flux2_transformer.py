@@ -14,6 +14,8 @@ from typing import ClassVar
 from components.batch import Port
 from components.folders.loader import FolderLoader
 
+__all__ = ["Flux2TransformerLoader"]
+
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents make one."""
 

@@ -16,6 +16,8 @@ from components.batch import Port
 from components.kinds.dit_loader import DitLoader
 from components.models.dit.flux import FluxTransformer
 
+__all__ = ["FluxTransformerLoader"]
+
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents are packed into one."""
 

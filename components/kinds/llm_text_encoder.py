@@ -21,6 +21,8 @@ from torch import nn
 from components.batch import Port, device_of
 from components.folders.text import TextEncoderLoader, Tokens
 
+__all__ = ["LlmTextEncoderLoader"]
+
 # B texts, L tokens, E width
 
 STACKS = {

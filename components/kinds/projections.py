@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.functional import linear
 
+__all__ = ["MultiheadProjections"]
+
 # B batch, H heads, S seq, D head dim, E model width, T packed tokens
 
 

@@ -15,6 +15,8 @@ from components.batch import Port
 from components.kinds.dit_loader import DitLoader
 from components.models.dit.qwen_image import QwenImageTransformer, unsupported
 
+__all__ = ["QwenImageTransformerLoader"]
+
 PACKING = 4
 """Latent positions per token: 2 x 2 patches of the VAE's latents are packed into one."""
 

@@ -14,6 +14,8 @@ from components.batch import Port
 from components.kinds.dit_loader import DitLoader
 from components.models.dit.sd3 import RMS_NORM, Sd3Transformer
 
+__all__ = ["Sd3TransformerLoader"]
+
 
 class Sd3TransformerLoader(DitLoader):
     """Load ``SD3Transformer2DModel``: the denoiser, strict about global backends."""

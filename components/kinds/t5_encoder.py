@@ -24,6 +24,8 @@ from components.mesh import ComponentParallel
 from components.models.t5 import ACTIVATIONS, T5Encoder, T5Shape
 from components.sites import AttentionSite
 
+__all__ = ["T5EncoderLoader", "T5Ports"]
+
 # B texts, L tokens, E width
 
 BIASED = AttentionRequirements(additive_bias=True)

@@ -2,12 +2,14 @@
 
 A kind declares them so ``check`` can hold a weights file's header to them without
 building anything; a test holds each declaration to the state dict of every path the
-kind builds. The layers mirror ``counting.py``.
+kind builds.
 """
 
 from __future__ import annotations
 
 from components.weights import DeclaredTensor, DeclaredTensors
+
+__all__ = ["attention_projections", "conv3x3", "embedding", "linear", "norm"]
 
 
 def linear(prefix: str, inputs: int, outputs: int) -> DeclaredTensors:

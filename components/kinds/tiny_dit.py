@@ -36,6 +36,8 @@ from components.sites import NO_REQUIREMENTS, AttentionSite
 from components.tensor_parallel import split_layers
 from components.weights import DeclaredTensors
 
+__all__ = ["TinyDitLoader"]
+
 # B requests, H heads, S seq, D head dim, E model width, C latent channels,
 # N_i / L_i tokens / text tokens of request i, T packed tokens (sum of N_i)
 

@@ -25,6 +25,8 @@ from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
+__all__ = ["DEFAULT_DIM", "TinyTextEncoderLoader"]
+
 # B batch, H heads, S seq, D head dim, E model width (dim)
 
 _WORD = re.compile(r"\S+")

@@ -15,6 +15,8 @@ from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
+__all__ = ["TinyUpsamplerLoader"]
+
 # B batch, Ch channels, H height, W width
 
 

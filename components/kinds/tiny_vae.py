@@ -20,6 +20,8 @@ from components.loader import ComponentLoader, SeededOptions
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors
 
+__all__ = ["TinyVaeLoader"]
+
 # B batch, H heads, S seq (h * w positions), D head dim, Ch channels
 
 

@@ -17,6 +17,8 @@ from components.batch import device_of
 from components.folders.text import TextEncoderLoader
 from components.kinds.t5_encoder import T5Ports
 
+__all__ = ["Umt5EncoderLoader"]
+
 # B texts, L tokens, E width
 
 

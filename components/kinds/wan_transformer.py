@@ -20,6 +20,8 @@ from components.loader import LoaderPath
 from components.models.dit.wan import WanTransformer, unsupported
 from components.sites import AttentionSite
 
+__all__ = ["WanTransformerLoader"]
+
 
 class WanTransformerLoader(DitLoader):
     """Load ``WanTransformer3DModel``: the denoiser, strict about global backends."""

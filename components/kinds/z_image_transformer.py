@@ -15,6 +15,8 @@ from components.batch import Port
 from components.kinds.dit_loader import DitLoader
 from components.models.dit.z_image import ZImageTransformer, unsupported
 
+__all__ = ["ZImageTransformerLoader"]
+
 
 class ZImageTransformerLoader(DitLoader):
     """Load ``ZImageTransformer2DModel``: the denoiser, strict about global backends."""

@@ -17,6 +17,8 @@ from torch.nn.functional import interpolate, pad, silu
 
 from components.sites import AttentionSite, SiteLayer
 
+__all__ = ["AutoencoderKl", "VaeShape", "unsupported"]
+
 # B images, C channels, H W spatial size, L latent channels, N = H·W positions
 
 DOWN_BLOCK = "DownEncoderBlock2D"

@@ -19,6 +19,8 @@ from torch.nn.functional import gelu, pad
 
 from components.sites import AttentionSite, SiteLayer
 
+__all__ = ["ACTIVATIONS", "ClipShape", "ClipStates", "ClipTextModel", "ClipTextTransformer"]
+
 # B prompts, H heads, S tokens, D head dim, E width, F feed-forward width, P pooled width,
 # T packed tokens (sum of S_i)
 

@@ -11,6 +11,8 @@ from torch.nn.functional import pad
 
 from attention.distributed.traffic import record
 
+__all__ = ["Packing", "gather_rows"]
+
 # B requests, T packed tokens (sum of N_i), P ranks
 
 

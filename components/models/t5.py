@@ -20,6 +20,8 @@ from torch.nn.functional import gelu, relu
 from components.sites import AttentionSite, SiteLayer
 from components.tensor_parallel import split_layers
 
+__all__ = ["ACTIVATIONS", "T5Encoder", "T5Shape"]
+
 # B batch, H heads, S seq, D head dim (d_kv), E width (d_model), F feed-forward width
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu")

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ALIGNMENT", "residue", "write_placed"]
+
 ALIGNMENT = 64
 """The boundary a tensor's offset is placed against: a cache line, and the widest vector
 load (AVX-512)."""

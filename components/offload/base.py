@@ -15,6 +15,8 @@ from torch import nn
 from components.accounting import inner_tensors, local_shard, module_bytes
 from components.residency import OffloadTarget, OffloadVerify
 
+__all__ = ["Group", "OffloadError", "Slot", "StoreOptions", "WeightStore"]
+
 
 class OffloadError(RuntimeError):
     """A store could not build, move or read weights; the message says what, why and the fix."""

@@ -18,6 +18,8 @@ from components.offload.disk_file import DiskFile
 from components.offload.whole import WholeStore
 from components.residency import OffloadTarget, OffloadVerify
 
+__all__ = ["DiskGroup", "DiskStore"]
+
 
 class DiskGroup:
     """Slots offloaded to a :class:`DiskFile`: placeholders while out, read back on onload.

@@ -54,6 +54,8 @@ from components.offload.removal import remove_path
 from components.residency import OffloadVerify
 from components.weights import digest
 
+__all__ = ["DiskFile"]
+
 _HEADER_LIMIT = 100 * 2**20
 """safetensors' own bound on the JSON header; anything larger is not such a file."""
 

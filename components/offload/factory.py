@@ -10,6 +10,8 @@ from components.offload.host import HostStore
 from components.offload.layerwise import LayerwiseStore
 from components.residency import OffloadTarget, ResidencyMode
 
+__all__ = ["device_footprint", "make_store", "store_type"]
+
 
 def store_type(
     mode: ResidencyMode, target: OffloadTarget, options: StoreOptions

@@ -9,6 +9,8 @@ from components.offload.base import Slot, StoreOptions
 from components.offload.whole import WholeStore
 from components.residency import OffloadTarget
 
+__all__ = ["HostGroup", "HostStore", "copy_stream"]
+
 
 class HostGroup:
     """Slots whose master copy lives in host memory (pinned when the device is CUDA).

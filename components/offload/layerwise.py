@@ -19,6 +19,8 @@ from components.offload.host import HostGroup, copy_stream
 from components.offload.layerwise_limits import layerwise_problems
 from components.residency import OffloadTarget, OffloadVerify
 
+__all__ = ["LayerwiseStore"]
+
 
 class LayerwiseStore(WeightStore):
     """Offload a component block by block: only the blocks about to run are on the device.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["layerwise_problems"]
+
 
 def layerwise_problems(blocks: int, *, prefetch: int, resident_layers: int) -> list[str]:
     """Say which layerwise setting a stack of ``blocks`` blocks cannot honour, if any.

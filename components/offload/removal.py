@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+__all__ = ["remove_path"]
+
 _OWNER_ONLY = 0o700
 """The mode a directory in a tree being removed is given when it cannot be listed or emptied."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from components.offload.base import Group, WeightStore
 
+__all__ = ["WholeStore"]
+
 
 class WholeStore(WeightStore):
     """Offload a whole module as one :class:`Group`; the target is the group's.

@@ -34,6 +34,27 @@ from components.libraries import library_class
 from components.loader import ComponentLoader
 from components.models.dit.base import PackedTransformer
 
+__all__ = [
+    "DECODE",
+    "DENOISE",
+    "ENCODE",
+    "Denoising",
+    "Recipe",
+    "RecipeError",
+    "SizeGroup",
+    "Stage",
+    "guided_texts",
+    "latent_grid",
+    "latent_rows",
+    "mismatch",
+    "narrow_scheduler",
+    "predict",
+    "scheduler_config",
+    "step_options",
+    "unique_texts",
+    "width",
+]
+
 # B images, C latent channels, h w latent grid, N latent positions (h * w), L tokens, E width
 
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"

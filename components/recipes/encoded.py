@@ -17,6 +17,8 @@ import torch
 
 from components.batch import Batch
 
+__all__ = ["EncodedRow", "encoded_rows", "restore_rows"]
+
 LISTED = ("context", "negative_context")
 """Fields that hold one tensor per row (a row's own length)."""
 STACKED = ("context_mask", "negative_context_mask", "pooled", "negative_pooled")

@@ -39,6 +39,8 @@ from components.recipes.base import (
 )
 from components.recipes.shift import flow_shift
 
+__all__ = ["FluxRecipe", "pack", "unpack"]
+
 # B images, C latent channels, h w latent grid, N packed tokens (h/2 * w/2), L tokens
 
 DEFAULT_SAMPLE_SIZE = 128

@@ -40,6 +40,8 @@ from components.recipes.base import (
     unique_texts,
 )
 
+__all__ = ["Flux2KleinRecipe"]
+
 # B images, C latent channels, h w latent grid, N tokens (h/2 * w/2), L tokens, E width
 
 MAX_TOKENS = 512

@@ -21,6 +21,8 @@ from components.loader import ComponentLoader
 from components.recipes import RECIPES, Recipe
 from components.recipes.base import ENCODE, Stage, scheduler_config
 
+__all__ = ["FolderPipeline"]
+
 TEXT_ENCODER, TOKENIZER = "text_encoder", "tokenizer"
 IMAGE_ENCODER, IMAGE_PROCESSOR = "image_encoder", "image_processor"
 

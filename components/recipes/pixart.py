@@ -39,6 +39,8 @@ from components.recipes.base import (
     unique_texts,
 )
 
+__all__ = ["PixArtAlphaRecipe", "PixArtSigmaRecipe"]
+
 # B images, C latent channels, h w latent grid, L tokens, E width
 
 SIZE_MULTIPLE = 8

@@ -44,6 +44,8 @@ from components.recipes.base import (
 from components.recipes.flux import pack, unpack
 from components.recipes.shift import flow_shift
 
+__all__ = ["QwenImageRecipe"]
+
 # B images, C latent channels, h w latent grid, N packed tokens (h/2 * w/2), L tokens, E width
 
 TEMPLATE = (

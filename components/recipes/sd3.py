@@ -38,6 +38,8 @@ from components.recipes.base import (
 )
 from components.recipes.shift import flow_shift
 
+__all__ = ["Sd3Recipe"]
+
 # B images, C latent channels, h w latent grid, L tokens, E width, P pooled width
 
 SD3_MAX_SHIFT = 1.16

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+__all__ = ["flow_shift"]
+
 
 def flow_shift(config: Mapping[str, Any], tokens: int, max_shift: float) -> float:
     """Return ``mu`` for an image of ``tokens`` tokens; ``max_shift`` where the config has none.

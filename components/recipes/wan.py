@@ -52,6 +52,8 @@ from components.recipes.base import (
     width,
 )
 
+__all__ = ["EXPERTS", "WanDenoising", "WanRecipe"]
+
 # B videos, C latent channels, f latent frames, h w latent grid, L tokens, E width
 
 EXPERTS = ("transformer", "transformer_2")

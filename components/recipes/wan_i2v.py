@@ -29,6 +29,8 @@ from components.kinds.clip_vision_encoder import ClipVisionEncoderLoader
 from components.recipes.base import DECODE, DENOISE, ENCODE, RecipeError, Stage, width
 from components.recipes.wan import EXPERTS, WanDenoising, WanRecipe
 
+__all__ = ["WanImageToVideoRecipe"]
+
 # C latent channels, f latent frames, h w latent grid, F frames, H W frame size
 
 IMAGE_ENCODER = "image_encoder"

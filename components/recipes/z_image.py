@@ -37,6 +37,8 @@ from components.recipes.base import (
 )
 from components.recipes.shift import flow_shift
 
+__all__ = ["ZImageRecipe"]
+
 # B images, C latent channels, h w latent grid, L tokens, E width
 
 MAX_TOKENS = 512

@@ -26,6 +26,8 @@ from lifecycle.plan import SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["acceleration_refusals", "size_quantized"]
+
 
 def size_quantized(loader: ComponentLoader, construct: Callable[[], nn.Module]) -> None:
     """Set ``loader.quantized_saving`` from its module's linear layers, built on meta.

@@ -28,6 +28,8 @@ from components.adapters import AdapterFile, KeyProblem, LoraTarget, target_prob
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import AdapterSpec, PipelineSpec
 
+__all__ = ["AdapterAdmission", "admit_adapter", "admit_adapters"]
+
 
 @dataclass(frozen=True)
 class AdapterAdmission:

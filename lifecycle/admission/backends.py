@@ -24,6 +24,8 @@ from components.sites import AttentionSite
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ALL_ROLES, PipelineSpec
 
+__all__ = ["backend_requests", "plan_sites", "unconsumed_refusals"]
+
 
 def backend_requests(
     spec: PipelineSpec,

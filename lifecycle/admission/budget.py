@@ -22,6 +22,17 @@ from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.sizes import format_sizes
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = [
+    "BudgetDecision",
+    "EvictionRank",
+    "SharedBudget",
+    "budget_refusals",
+    "declared_bytes",
+    "fits",
+    "plan_onload",
+    "stage_fits",
+]
+
 
 class SharedBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A device budget several pipelines share (design §13), as one of them is admitted.

@@ -15,6 +15,8 @@ from components.loader import ComponentLoader, LoaderPath
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["cache_refusals"]
+
 
 def cache_refusals(
     spec: PipelineSpec,

@@ -9,6 +9,8 @@ from torch import nn
 from attention import ComponentRequests, PlannedSelection, Platform, component_attention_scope
 from components.loader import LoaderPath
 
+__all__ = ["construct_module"]
+
 
 def construct_module(
     path: LoaderPath,

@@ -14,6 +14,8 @@ from components.loader import ComponentLoader
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["dtype_refusals"]
+
 
 def dtype_refusals(
     spec: PipelineSpec, loaders: Mapping[str, ComponentLoader], platform: Platform

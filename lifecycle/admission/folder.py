@@ -23,6 +23,8 @@ from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.model_ids import source_folder
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["default_steps", "open_folder"]
+
 _CODES = {code.value: code for code in RefusalCode}
 """Each refusal code by its value: a folder's problems name theirs as strings."""
 

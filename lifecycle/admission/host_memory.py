@@ -30,6 +30,8 @@ from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.sizes import format_sizes
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["available_host_bytes", "host_memory_refusals"]
+
 MEMINFO = Path("/proc/meminfo")
 SHOWN = 3
 """The components a refusal names by size; the rest are counted."""

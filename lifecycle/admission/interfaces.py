@@ -16,6 +16,8 @@ from components.loader import ComponentLoader
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["interface_refusals"]
+
 
 def interface_refusals(spec: PipelineSpec, loaders: Mapping[str, ComponentLoader]) -> list[Refusal]:
     """Refuse each reader whose declared width differs from what the last writer left.

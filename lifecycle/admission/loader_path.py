@@ -8,6 +8,8 @@ from components.loader import ComponentLoader, LoaderPath
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ALL_ROLES, ComponentSpec, PipelineSpec
 
+__all__ = ["choose_path", "native_backend_refusals", "native_layout_refusals"]
+
 
 def choose_path(
     name: str, component: ComponentSpec, loader: ComponentLoader, found: list[Refusal]

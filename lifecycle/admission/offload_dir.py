@@ -14,6 +14,8 @@ from lifecycle import offload_folder
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["offload_dir_refusals"]
+
 
 def disk_offloaded(spec: PipelineSpec) -> list[str]:
     """Return the components whose weights go to files: those that offload, to a disk target."""

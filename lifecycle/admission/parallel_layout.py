@@ -19,6 +19,14 @@ from components.sites import AttentionSite
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = [
+    "fsdp_refusals",
+    "head_refusals",
+    "layout_refusals",
+    "sharded_offload_refusals",
+    "split_refusals",
+]
+
 
 class Split(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One split a layout asks for, and which kinds carry it out.

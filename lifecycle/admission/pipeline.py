@@ -51,6 +51,8 @@ from lifecycle.plan import ComponentPlan, SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ComponentSpec, PipelineSpec
 
+__all__ = ["Admission", "ComponentAdmission", "admit_pipeline", "component_loaders"]
+
 
 class ComponentAdmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What admission found for one component.

@@ -14,6 +14,8 @@ from components.offload.layerwise_limits import layerwise_problems
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ComponentSpec
 
+__all__ = ["residency_refusals"]
+
 ModuleBuilder = Callable[[], nn.Module]
 """Constructs a component's module through its admitted path, without weights."""
 

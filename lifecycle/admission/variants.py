@@ -13,6 +13,8 @@ from components.folders.loader import FolderLoader
 from components.loader import ComponentLoader
 from lifecycle.refusals import Refusal, RefusalCode
 
+__all__ = ["variant_refusals"]
+
 
 def variant_refusals(name: str, loader: ComponentLoader) -> list[Refusal]:
     """Refuse a folder component whose folder has no safetensors of the variant asked for

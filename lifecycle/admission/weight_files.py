@@ -9,6 +9,8 @@ from components.loader import ComponentLoader
 from components.weights import header_problems
 from lifecycle.refusals import Refusal, RefusalCode
 
+__all__ = ["weights_refusals"]
+
 
 def weights_refusals(name: str, loader: ComponentLoader) -> list[Refusal]:
     """Refuse a weights file whose header is unreadable or does not match the kind.

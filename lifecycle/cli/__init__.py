@@ -3,3 +3,5 @@
 ``lifecycle.cli.entry.main`` is the process's entry point, imported before torch;
 ``lifecycle.cli.main.main`` is the command, which in-process callers run.
 """
+
+__all__: list[str] = []

@@ -7,6 +7,15 @@ from typing import NamedTuple
 
 from lifecycle.spec.sizes import ByteSize
 
+__all__ = [
+    "add_download_option",
+    "byte_size",
+    "image_size",
+    "non_negative",
+    "port_number",
+    "positive",
+]
+
 
 def positive(text: str) -> int:
     """Parse a count of at least 1, or tell argparse what is wrong with ``text``."""

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, NamedTuple
 
+__all__ = ["cpu_quota"]
+
 
 class Hierarchy(NamedTuple):
     """A mounted cgroup hierarchy that may hold the CPU controller, as this process sees it.

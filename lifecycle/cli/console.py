@@ -13,6 +13,15 @@ from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
 from lifecycle.spec.sizes import format_bytes
 
+__all__ = [
+    "ACCELERATION_HEADINGS",
+    "fallback_legend",
+    "format_refusals",
+    "is_accelerated",
+    "run_summary",
+    "table",
+]
+
 PIPELINE_COLUMN = "(pipeline)"
 """The component column of a refusal about the whole pipeline (a layout, a stage)."""
 

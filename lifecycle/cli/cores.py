@@ -11,6 +11,8 @@ from pathlib import Path
 
 from lifecycle.cli.cgroups import cpu_quota
 
+__all__ = ["Threads", "torch_threads", "wait_passively"]
+
 _TOPOLOGY = Path("/sys/devices/system/cpu")
 WAIT_POLICY = "OMP_WAIT_POLICY"
 

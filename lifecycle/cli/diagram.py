@@ -23,6 +23,8 @@ from lifecycle.refusals import AdmissionRefused
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 
+__all__ = ["add_diagram_command"]
+
 
 def add_diagram_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Register ``diagram`` through ``command``, which makes a subcommand's parser from its help."""

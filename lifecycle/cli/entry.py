@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from lifecycle.cli.cores import wait_passively
 
+__all__ = ["main"]
+
 INTERRUPTED = 128 + signal.SIGINT
 """The shell's code for a process that SIGINT stopped."""
 READER_LEFT = 128 + signal.SIGPIPE

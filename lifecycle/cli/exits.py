@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+__all__ = ["HELP", "ExitCode"]
+
 
 class ExitCode(IntEnum):
     """What the ``lifecycle`` command's exit status means.

@@ -41,6 +41,18 @@ from lifecycle.logs import get_logger
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+__all__ = [
+    "CRASHED",
+    "crashed",
+    "gather_on_main",
+    "is_main_rank",
+    "local_world_size",
+    "replica_requests",
+    "spawn",
+    "worker",
+    "worker_argv",
+]
+
 T = TypeVar("T")
 SIGTERM_EXIT = 128 + signal.SIGTERM
 OMP_PAUSE_SOFT = 1

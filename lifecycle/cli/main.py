@@ -45,6 +45,8 @@ from lifecycle.spec.reading import load_spec, load_worker_file, spec_schema
 from lifecycle.spec.sizes import format_bytes
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["main"]
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_HELP = (
     "the spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a model id "

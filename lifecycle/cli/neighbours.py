@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import msgspec
 import torch
 
+__all__ = ["Neighbour", "nearest_neighbours"]
+
 # S sentences, E embedding width
 
 

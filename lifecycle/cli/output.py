@@ -6,6 +6,8 @@ import sys
 
 import msgspec
 
+__all__ = ["print_json"]
+
 
 def print_json(value: object) -> None:
     """Write ``value`` to stdout as one line of JSON (Structs and Enums by their values)."""

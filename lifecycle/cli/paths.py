@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+__all__ = ["OutputPathError", "prepare_file", "prepare_folder"]
+
 
 class OutputPathError(ValueError):
     """An output path cannot be written; the message says which and why."""

@@ -20,6 +20,8 @@ from components.batch import StepDone
 from lifecycle.events import Event, Move
 from lifecycle.spec.sizes import format_bytes
 
+__all__ = ["RunProgress", "Silent", "run_progress"]
+
 
 class RunProgress(Protocol):
     """Who hears how a run goes (see the module)."""

@@ -48,6 +48,8 @@ from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["run_command"]
+
 
 @dataclass(frozen=True)
 class Ending:

@@ -34,6 +34,16 @@ from lifecycle.plan import PipelineSnapshot
 from lifecycle.prompts import counted
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = [
+    "MoveTally",
+    "RequestArgs",
+    "RunOutputs",
+    "RunReport",
+    "run_requests",
+    "summarise",
+    "unrunnable_components",
+]
+
 
 class ComponentReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one component did during a run.

@@ -21,6 +21,8 @@ from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["add_budget_options", "add_serve_command"]
+
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
 
 

@@ -17,6 +17,8 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+__all__ = ["Abandoned", "StopOnSignal"]
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

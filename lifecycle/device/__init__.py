@@ -9,3 +9,5 @@ whom an onload evicts; ``waiting`` and ``priorities`` the requests waiting for m
 and their order; ``slots`` the record of one component while it lives; ``sharing``
 when two pipelines hold one component; ``timeline`` the declared order of stages.
 """
+
+__all__: list[str] = []

@@ -17,6 +17,8 @@ from lifecycle.device.timeline import Timeline
 from lifecycle.machines.engine import MoveArgs, TransitionContext
 from lifecycle.refusals import Refusal, RefusalCode
 
+__all__ = ["DeviceBudget"]
+
 
 class Pipelines(Protocol):
     """What the budget asks of the pipelines on its device (``SharedDevice`` answers)."""

@@ -31,6 +31,8 @@ from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["Residency"]
+
 log = get_logger("lifecycle")
 
 

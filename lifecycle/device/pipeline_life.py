@@ -25,6 +25,8 @@ from lifecycle.machines.pipeline import PipelineLifecycle
 from lifecycle.machines.tables import ComponentState, Guard, PipelineState
 from lifecycle.refusals import InvalidTransition, Refusal, RefusalCode
 
+__all__ = ["PipelineLife"]
+
 _STAYING = (PipelineState.SERVING, PipelineState.SLEEPING, PipelineState.SWAPPING)
 """The states of a pipeline that still holds its components: not yet on its way out."""
 

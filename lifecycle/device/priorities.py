@@ -39,6 +39,8 @@ import itertools
 from collections.abc import Container, Iterator, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
+__all__ = ["PriorityQueue"]
+
 T = TypeVar("T")
 
 

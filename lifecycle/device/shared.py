@@ -36,6 +36,8 @@ from lifecycle.machines.pipeline import PipelineLifecycle, PipelineMachine
 from lifecycle.machines.tables import ComponentState, PipelineState
 from lifecycle.spec.structs import PipelineSpec, WorkerFile
 
+__all__ = ["SharedDevice", "worker_budget"]
+
 log = get_logger("lifecycle")
 
 

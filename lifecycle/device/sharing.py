@@ -22,6 +22,8 @@ from components.weights import TensorChecksum, tensor_checksums
 from lifecycle.device.slots import ComponentSlot
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["ComponentIdentity", "component_identity"]
+
 
 class ComponentIdentity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything that makes two components one: equal identities may share a module.

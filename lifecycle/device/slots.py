@@ -22,6 +22,8 @@ from lifecycle.spec.structs import ComponentSpec
 if TYPE_CHECKING:  # sharing reads slots: the identity's type is only named here
     from lifecycle.device.sharing import ComponentIdentity
 
+__all__ = ["ComponentSlot"]
+
 
 class ComponentSlot:
     """Everything held for one component, on the device of the pipelines that use it.

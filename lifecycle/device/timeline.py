@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from lifecycle.spec.structs import StageSpec
 
+__all__ = ["Timeline"]
+
 
 class Timeline:
     """The stages of a request in declared order, and the uses they make.

@@ -58,6 +58,8 @@ from lifecycle.machines.tables import ComponentState
 from lifecycle.refusals import Refusal, RefusalCode, TransitionRefused
 from lifecycle.spec.structs import StageSpec
 
+__all__ = ["LEAD", "MemoryWaiter", "WaitTerms"]
+
 log = get_logger("lifecycle")  # follows a later configure_logging, as the machine's does
 
 T = TypeVar("T")

@@ -30,6 +30,8 @@ from lifecycle.machines.tables import (
     Guard,
 )
 
+__all__ = ["AdapterLifecycle", "AdapterMachine"]
+
 log = get_logger("lifecycle")
 
 

@@ -22,6 +22,8 @@ from lifecycle.machines.engine import (
 )
 from lifecycle.machines.tables import INITIAL_STATE, TRANSITIONS, ComponentState
 
+__all__ = ["ComponentLifecycle", "LifecycleMachine"]
+
 log = get_logger("lifecycle")
 
 

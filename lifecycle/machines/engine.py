@@ -50,6 +50,18 @@ from lifecycle.machines.tables import (
 )
 from lifecycle.refusals import InvalidTransition, Refusal, TransitionFailed, TransitionRefused
 
+__all__ = [
+    "Check",
+    "Guarded",
+    "GuardedMachine",
+    "GuardedTransition",
+    "MoveArgs",
+    "TransitionContext",
+    "Trigger",
+    "Work",
+    "report_refused",
+]
+
 log = get_logger("lifecycle")
 
 

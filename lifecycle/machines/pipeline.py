@@ -20,6 +20,8 @@ from lifecycle.machines.engine import (
 )
 from lifecycle.machines.tables import INITIAL_PIPELINE_STATE, PIPELINE_TRANSITIONS, PipelineState
 
+__all__ = ["PipelineLifecycle", "PipelineMachine"]
+
 log = get_logger("lifecycle")
 
 _EVENTS: dict[str, type[PipelineTransitioned]] = {

@@ -12,6 +12,25 @@ from typing import Generic, TypeAlias, TypeVar
 
 import msgspec
 
+__all__ = [
+    "ADAPTER_TRANSITIONS",
+    "INITIAL_ADAPTER_STATE",
+    "INITIAL_PIPELINE_STATE",
+    "INITIAL_STATE",
+    "INITIAL_WORKER_STATE",
+    "PIPELINE_TRANSITIONS",
+    "TRANSITIONS",
+    "TRIGGERS",
+    "WORKER_TRANSITIONS",
+    "AdapterState",
+    "AnyState",
+    "ComponentState",
+    "Guard",
+    "PipelineState",
+    "TransitionRule",
+    "WorkerState",
+]
+
 
 class ComponentState(StrEnum):
     """Where a component stands in its lifecycle."""

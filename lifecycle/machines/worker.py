@@ -17,6 +17,8 @@ from lifecycle.machines.engine import (
 )
 from lifecycle.machines.tables import INITIAL_WORKER_STATE, WORKER_TRANSITIONS, WorkerState
 
+__all__ = ["WorkerMachine"]
+
 log = get_logger("lifecycle")
 
 

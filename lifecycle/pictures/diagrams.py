@@ -22,6 +22,17 @@ from lifecycle.plan import AdmissionPlan
 from lifecycle.refusals import RefusalCode
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = [
+    "DIAGRAM_NAME",
+    "FORMATS",
+    "plan",
+    "plan_name",
+    "render_all",
+    "stale_diagrams",
+    "svg",
+    "write_diagrams",
+]
+
 DIAGRAM_NAME = "component_lifecycle"
 ADAPTER_DIAGRAM_NAME = "adapter_lifecycle"
 PIPELINE_DIAGRAM_NAME = "pipeline_lifecycle"

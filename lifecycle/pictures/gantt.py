@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from lifecycle.events import Move
 
+__all__ = ["residency_gantt", "resident_intervals"]
+
 Interval = tuple[float, float, str | None]
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["encode_png", "write_png"]
+
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

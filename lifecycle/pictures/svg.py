@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
+__all__ = ["PlanBox", "plan_svg", "state_svg"]
+
 FONT_PX = 12
 CHAR_PX = 7.2  # a monospace advance is 0.6 em
 NODE_H = 44

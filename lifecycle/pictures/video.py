@@ -18,6 +18,17 @@ import torch
 from components.libraries import is_importable
 from lifecycle.pictures.png import write_png
 
+__all__ = [
+    "FPS",
+    "VIDEO_EXTRA",
+    "VIDEO_FORMATS",
+    "VideoFormat",
+    "default_format",
+    "mp4_bytes",
+    "mp4_missing",
+    "write_video",
+]
+
 VideoFormat = Literal["mp4", "webp", "png"]
 VIDEO_FORMATS: tuple[VideoFormat, ...] = get_args(VideoFormat)
 FPS = 16

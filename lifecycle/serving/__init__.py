@@ -3,3 +3,5 @@
 The HTTP layer (FastAPI, uvicorn, prometheus-client) is the optional ``serve`` extra:
 importing this package needs none of it; ``lifecycle.serving.app`` does.
 """
+
+__all__: list[str] = []

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from lifecycle.serving.auth import DoorKeys, PageAccess
 
+__all__ = ["base_url", "draining_line", "ready_line"]
+
 
 def base_url(host: str, port: int) -> str:
     """Return the URL of a worker listening on ``host:port`` (an IPv6 host in brackets)."""

@@ -34,6 +34,8 @@ from lifecycle.serving.routes.status import status_routes
 from lifecycle.serving.routes.videos import videos_routes
 from lifecycle.serving.worker import Worker
 
+__all__ = ["create_app"]
+
 
 def create_app(worker: Worker, keys: DoorKeys | None = None) -> FastAPI:
     """Build the FastAPI app serving ``worker``'s pipelines, its door locked with ``keys``."""

@@ -38,6 +38,8 @@ from msgspec import UnsetType
 from lifecycle.serving.errors import ApiError
 from lifecycle.spec.structs import StatusPage
 
+__all__ = ["ADMIN", "API_KEY", "DoorKeys", "PageAccess", "page_access", "page_door"]
+
 API_KEY_VARIABLE = "LIFECYCLE_API_KEY"
 ADMIN_KEY_VARIABLE = "LIFECYCLE_ADMIN_KEY"
 _CHALLENGE = {"www-authenticate": "Bearer"}

@@ -44,6 +44,8 @@ from lifecycle.serving.jobs import (
 )
 from lifecycle.spec.structs import ServingConfig
 
+__all__ = ["Batcher", "Draining", "DuplicateRequest", "QueueFull"]
+
 log = get_logger("lifecycle")
 
 RUNNERS = 2

@@ -31,6 +31,8 @@ import msgspec
 
 from lifecycle.events import Event, MemoryWait, Move, Observer, TriggerRefused
 
+__all__ = ["CLIENT_BUFFER", "Overflowed", "StatusBoard", "server_sent"]
+
 HISTORY = 120
 """Moves kept per pipeline for a page that connects later (its timeline's bars)."""
 

@@ -12,6 +12,19 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.shown import SHOWN_CHARS, shown
 from lifecycle.spec.checks import NAME_PATTERN
 
+__all__ = [
+    "IMAGES_BODY",
+    "VIDEOS_BODY",
+    "AdapterBody",
+    "EmbeddingsBody",
+    "ImagesBody",
+    "PipelineBody",
+    "VideosBody",
+    "convert_form",
+    "decode_body",
+    "documented",
+]
+
 MAX_GUIDANCE_SCALE = 100.0
 """The largest ``guidance_scale`` taken: pipelines use 1 to 20, and far beyond that the
 guided prediction overflows float32 into an image of NaN."""

@@ -35,6 +35,8 @@ from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["ChangeOutcome", "RestoreFailed", "add", "reload", "reload_all", "remove"]
+
 log = get_logger("lifecycle")
 
 MEMORY_CODES = frozenset({RefusalCode.MEMORY_BUDGET, RefusalCode.HOST_MEMORY})

@@ -28,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lifecycle.spec.structs import ServingConfig
 
+__all__ = ["guarded_protocol"]
+
 
 class _Reading(Enum):
     HEAD = "head"  # a request line and headers, counted and timed

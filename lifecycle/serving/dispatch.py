@@ -19,6 +19,19 @@ from lifecycle.serving.jobs import Job, JobCancelled, RequestState, RequestStatu
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Asleep, Phase, UnknownModel, Worker
 
+__all__ = [
+    "check_finite",
+    "check_ready",
+    "gate_passed",
+    "job_error",
+    "job_response",
+    "not_served",
+    "request_timeout",
+    "run_job",
+    "submit_job",
+    "unknown_model",
+]
+
 log = get_logger("lifecycle")
 
 

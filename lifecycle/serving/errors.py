@@ -7,6 +7,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+__all__ = ["ApiError", "add_error_handler", "error_response", "server_error", "server_error_body"]
+
 
 class ApiError(Exception):
     """An error answered as OpenAI's error object.

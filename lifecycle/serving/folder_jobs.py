@@ -19,6 +19,8 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.jobs import BatchKey, Job
 from lifecycle.serving.limits import ImageSize
 
+__all__ = ["folder_image_job"]
+
 
 def folder_image_job(
     recipe: Recipe,

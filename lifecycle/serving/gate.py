@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+__all__ = ["Gate"]
+
 
 class Gate:
     """Open or closed, with the reason it is closed; coroutines wait for it to open.

@@ -24,6 +24,22 @@ from components.recipes import Recipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview
 
+__all__ = [
+    "BatchKey",
+    "Job",
+    "JobCancelled",
+    "JobSteps",
+    "RequestState",
+    "RequestStatus",
+    "Shapes",
+    "cache_answer",
+    "estimate_tokens",
+    "job_rows",
+    "merged_batch",
+    "split_outputs",
+    "warm_up",
+]
+
 # B prompts, N latent tokens, C latent channels, E embedding width, H, W image size
 
 Endpoint: TypeAlias = Literal["embeddings", "images", "videos"]

@@ -19,6 +19,17 @@ from lifecycle.serving.errors import ApiError, error_response
 from lifecycle.shown import shown
 from lifecycle.spec.structs import ServingConfig
 
+__all__ = [
+    "JSON_TYPE",
+    "BodyLimits",
+    "ImageSize",
+    "check_embeddings",
+    "check_images",
+    "check_videos",
+    "image_pixels",
+    "video_pixels",
+]
+
 JSON_TYPE = "application/json"
 FORM_TYPE = b"multipart/form-data"
 FORM_PATHS = frozenset({"/v1/videos"})

@@ -28,6 +28,8 @@ from lifecycle.events import (
 )
 from lifecycle.machines.tables import TRIGGERS
 
+__all__ = ["ServingMetrics"]
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -13,6 +13,8 @@ from lifecycle.serving.errors import ApiError, error_response, server_error
 from lifecycle.serving.worker import Worker
 from lifecycle.shown import shown
 
+__all__ = ["RequestIds"]
+
 log = get_logger("lifecycle")
 
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -19,6 +19,8 @@ import torch
 
 from lifecycle.pictures.png import encode_png
 
+__all__ = ["PreviewMap", "fit_preview", "preview_png"]
+
 # N latent tokens, C latent channels, h, w latent grid, s pixels per token side
 
 PreviewMap = tuple[tuple[float, float, float], ...]

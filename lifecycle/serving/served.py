@@ -13,6 +13,8 @@ from lifecycle.serving.gate import Gate
 from lifecycle.serving.jobs import Job, Shapes
 from lifecycle.spec.structs import PipelineSpec, ServingConfig
 
+__all__ = ["ServedPipeline"]
+
 
 @dataclass
 class ServedPipeline:

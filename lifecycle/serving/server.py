@@ -37,6 +37,8 @@ from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.spec.structs import PipelineSpec, ServingConfig, WorkerFile
 
+__all__ = ["listen", "open_worker", "serve"]
+
 log = get_logger("lifecycle")
 
 

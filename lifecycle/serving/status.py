@@ -34,6 +34,8 @@ from lifecycle.serving.batcher import Batcher
 from lifecycle.serving.board import StatusBoard
 from lifecycle.serving.worker import Phase, Worker
 
+__all__ = ["worker_status"]
+
 
 class ComponentStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One component as the page shows it.

@@ -36,6 +36,8 @@ from lifecycle.serving.preview import preview_png
 from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.worker import Worker
 
+__all__ = ["stream_images"]
+
 
 def preview_steps(steps: int, previews: int) -> frozenset[int]:
     """Return the steps (1 to ``steps``) whose events carry a preview, at most ``previews``."""

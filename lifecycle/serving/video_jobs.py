@@ -27,6 +27,8 @@ from lifecycle.serving.limits import ImageSize
 from lifecycle.shown import shown
 from lifecycle.spec.structs import ServingConfig
 
+__all__ = ["read_reference", "video_frames", "video_job", "video_seconds"]
+
 DATA_URL = "data:"
 BASE64 = ";base64,"
 

@@ -19,6 +19,8 @@ from typing import Any, Literal, TypeAlias
 from lifecycle.serving.jobs import RequestState, RequestStatus
 from lifecycle.spec.structs import ServingConfig
 
+__all__ = ["Video", "VideoStore"]
+
 VideoStatus: TypeAlias = Literal["queued", "in_progress", "completed", "failed"]
 FINISHED: frozenset[VideoStatus] = frozenset({"completed", "failed"})
 

@@ -35,6 +35,8 @@ from lifecycle.serving.served import ServedPipeline
 from lifecycle.shown import shown
 from lifecycle.spec.structs import PipelineSpec, ServingConfig
 
+__all__ = ["REMOVED", "SWAPPING", "Asleep", "Phase", "UnknownModel", "Worker"]
+
 log = get_logger("lifecycle")
 
 SLEEPING = "sleeping"

@@ -18,6 +18,8 @@ from components.loader import ComponentLoader
 from lifecycle.spec.errors import ConfigError, convert, decoding_at
 from lifecycle.spec.structs import ALL_ROLES, DEFAULT_OFFLOAD_DIR, ComponentSpec, PipelineSpec
 
+__all__ = ["NAME_PATTERN", "check_spec"]
+
 NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
 """What a component, stage or adapter may be called: letters, digits, '_' and '-',
 starting with a letter or '_'."""

@@ -16,6 +16,8 @@ import msgspec
 from lifecycle.spec.sizes import ByteSize
 from lifecycle.spec.structs import PipelineSpec
 
+__all__ = ["ConfigError", "convert", "decoding_at"]
+
 _T = TypeVar("_T")
 
 

@@ -20,6 +20,16 @@ from typing import NamedTuple
 
 from components.libraries import EXTRA, is_importable
 
+__all__ = [
+    "ModelId",
+    "ModelIdError",
+    "cache_folder",
+    "parse_model_id",
+    "snapshot_folder",
+    "source_folder",
+    "source_revision",
+]
+
 HUB_LIBRARY = "huggingface_hub"
 SPEC_SUFFIXES = (".toml", ".json", ".yaml", ".yml")
 """A name ending so is a spec file, never a model id."""

@@ -24,6 +24,8 @@ from lifecycle.spec.sizes import SIZE_PATTERN, ByteSize
 from lifecycle.spec.sources import SOURCE, SourceError, resolve_source
 from lifecycle.spec.structs import ComponentSpec, PipelineSpec, WorkerFile
 
+__all__ = ["adapter_file", "decode_spec", "load_spec", "load_worker_file", "spec_schema"]
+
 MAX_SPEC_BYTES = 1024 * 1024
 MAX_SPEC_DEPTH = 32
 MAX_SPEC_VALUES = 100_000

@@ -7,6 +7,8 @@ from decimal import Decimal
 
 from lifecycle.shown import shown
 
+__all__ = ["SIZE_PATTERN", "ByteSize", "format_bytes", "format_sizes"]
+
 _UNITS = {
     "": 1,
     "b": 1,

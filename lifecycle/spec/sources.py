@@ -29,6 +29,8 @@ from components.recipes.base import Stage
 from components.recipes.folder import FolderPipeline
 from lifecycle.spec.model_ids import ModelId, ModelIdError, cache_folder, parse_model_id
 
+__all__ = ["SOURCE", "SourceError", "resolve_source"]
+
 SOURCE = "source"
 """The spec key that names a pipeline folder."""
 SOURCE_DOWNLOAD = "source_download"

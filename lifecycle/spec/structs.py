@@ -19,6 +19,23 @@ from components.folders.files import Variant
 from components.quantize import Quantization
 from lifecycle.spec.sizes import ByteSize
 
+__all__ = [
+    "ALL_ROLES",
+    "DEFAULT_OFFLOAD_DIR",
+    "AdapterMode",
+    "AdapterSpec",
+    "AttentionConfig",
+    "ComponentSpec",
+    "LayerwiseConfig",
+    "MemoryConfig",
+    "PipelineSpec",
+    "ServingConfig",
+    "StageSpec",
+    "StatusPage",
+    "WorkerFile",
+    "WorkerSettings",
+]
+
 Loader = Literal["custom", "native"]
 AdapterMode = Literal["merged", "unmerged"]
 Device = Literal["cpu", "cuda", "auto"]

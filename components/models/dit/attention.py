@@ -19,6 +19,8 @@ from components.mesh import SequenceGroups
 from components.models.dit.layout import JointLayout, Rows
 from components.sites import AttentionSite, SiteLayer
 
+__all__ = ["DitAttention"]
+
 # B requests, H heads, D head dim, E width, n rows, T joint rows, L_i text tokens
 
 

@@ -26,6 +26,8 @@ from components.tensor_parallel import split_layers
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
+__all__ = ["PackedTransformer", "TensorPlan", "attention_dims", "regroup"]
+
 Split = Literal["colwise", "rowwise"]
 """How tensor parallel splits one linear layer: by output units (``colwise``, the input
 whole on every rank) or by input units (``rowwise``, the partial outputs all-reduced)."""

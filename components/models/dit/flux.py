@@ -29,6 +29,16 @@ from components.models.dit.layout import JointLayout, add_gated, modulate
 from components.models.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
+__all__ = [
+    "PROJECTIONS",
+    "DoubleBlock",
+    "FluxInputs",
+    "FluxTransformer",
+    "JointInputs",
+    "JointTransformer",
+    "rotate",
+]
+
 # B requests, E width, H heads, D head dim, T joint rows, N_i / L_i image / text tokens
 
 EPS = 1e-6

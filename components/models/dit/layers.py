@@ -13,6 +13,15 @@ import torch
 from torch import nn
 from torch.nn.functional import gelu, silu
 
+__all__ = [
+    "FeedForward",
+    "Modulation",
+    "TextProjection",
+    "TimestepEmbedding",
+    "gelu_",
+    "timestep_features",
+]
+
 # B requests, E width, n rows
 
 TIMESTEP_CHANNELS = 256

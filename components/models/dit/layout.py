@@ -23,6 +23,8 @@ from torch.nn.functional import layer_norm
 from components.mesh import SequenceGroups
 from components.models.packing import Packing, gather_rows
 
+__all__ = ["JointLayout", "Rows", "add_gated", "modulate"]
+
 # B requests, E width, T joint rows on this rank, L_i / N_i text / image tokens of request i
 
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+__all__ = ["PatchEmbed", "unpatchify"]
+
 # B images, C channels, E width, h w latent grid, p patch side, N tokens (h/p * w/p)
 
 POSITION_BASE = 10_000.0

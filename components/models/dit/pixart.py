@@ -30,6 +30,8 @@ from components.models.dit.patches import PatchEmbed, unpatchify
 from components.models.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
+__all__ = ["PixArtInputs", "PixArtTransformer"]
+
 # B requests, C channels, E width, h w latent grid, n image rows, L_i text tokens
 
 EPS = 1e-6

@@ -29,6 +29,8 @@ from components.models.dit.layers import FeedForward, Modulation, TimestepEmbedd
 from components.models.dit.layers import timestep_features as features
 from components.sites import AttentionSite
 
+__all__ = ["QwenImageInputs", "QwenImageTransformer", "unsupported"]
+
 # B requests, E width, D head dim, h w token grid, L_i / N_i text / image tokens of request i
 
 EPS = 1e-6

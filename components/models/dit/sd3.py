@@ -29,6 +29,8 @@ from components.models.dit.patches import PatchEmbed, unpatchify
 from components.models.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
+__all__ = ["RMS_NORM", "Sd3Inputs", "Sd3Transformer"]
+
 # B requests, C channels, E width, h w latent grid, T joint rows, L_i text tokens
 
 EPS = 1e-6

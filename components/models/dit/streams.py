@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+__all__ = ["StreamStack", "Streams", "owned"]
+
 # B requests, E width, L_i / N_i text / image tokens of request i
 
 

@@ -36,6 +36,8 @@ from components.sites import AttentionSite
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+__all__ = ["WanInputs", "WanTransformer", "unsupported"]
+
 # B requests, C channels, E width, H heads, D head dim, f h w latent grid, N_i video tokens of
 # request i, n rows on this rank, L text tokens, P image tokens
 

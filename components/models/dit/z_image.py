@@ -31,6 +31,8 @@ from components.models.dit.layout import JointLayout, Rows, add_gated
 from components.models.dit.streams import Streams, owned
 from components.sites import AttentionSite
 
+__all__ = ["ZImageInputs", "ZImageTransformer", "unsupported"]
+
 # B requests, C channels, E width, D head dim, T joint rows, F h w latent frames and grid,
 # N_i / L_i image / text tokens of request i (padded)
 

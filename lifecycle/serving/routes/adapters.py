@@ -32,6 +32,8 @@ from lifecycle.shown import shown
 from lifecycle.spec.reading import adapter_file
 from lifecycle.spec.structs import AdapterSpec
 
+__all__ = ["adapter_set", "adapters_routes"]
+
 ADAPTER_BODY = msgspec.json.Decoder(AdapterBody)
 
 

@@ -22,6 +22,8 @@ from lifecycle.serving.jobs import BatchKey, Job, estimate_tokens
 from lifecycle.serving.limits import check_embeddings
 from lifecycle.serving.worker import Worker
 
+__all__ = ["embeddings_routes"]
+
 EMBEDDINGS = BatchKey(endpoint="embeddings")
 """Every embeddings job's batch key: any two may share a batch."""
 

@@ -27,6 +27,8 @@ from lifecycle.serving.board import CLIENT_BUFFER, Overflowed, server_sent
 from lifecycle.serving.status import worker_status
 from lifecycle.serving.worker import Worker
 
+__all__ = ["events_routes"]
+
 RETRY_MS = 1000
 """How long a browser waits before it reconnects a stream that ended."""
 

@@ -12,6 +12,8 @@ from lifecycle.serving.auth import API_KEY
 from lifecycle.serving.dispatch import unknown_model
 from lifecycle.serving.worker import Phase, UnknownModel, Worker
 
+__all__ = ["health_routes"]
+
 
 def health_routes(worker: Worker) -> APIRouter:
     """Return ``/healthz``, ``/readyz``, ``/metrics``, ``/v1/models`` and ``/v1/pipeline``."""

@@ -33,6 +33,8 @@ from lifecycle.serving.served import ServedPipeline
 from lifecycle.serving.streaming import stream_images
 from lifecycle.serving.worker import Worker
 
+__all__ = ["images_routes"]
+
 DEFAULT_LATENT_SIDE = 4
 """The latent grid side of an image when the request gives no ``size``."""
 

@@ -29,6 +29,8 @@ from lifecycle.serving.errors import ApiError
 from lifecycle.serving.worker import Phase, UnknownModel, Worker
 from lifecycle.spec.errors import ConfigError
 
+__all__ = ["pipelines_routes"]
+
 T = TypeVar("T")
 
 PIPELINE_BODY = msgspec.json.Decoder(PipelineBody)

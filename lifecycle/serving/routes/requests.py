@@ -12,6 +12,8 @@ from lifecycle.serving.jobs import RequestState, RequestStatus
 from lifecycle.serving.worker import Worker
 from lifecycle.shown import shown
 
+__all__ = ["requests_routes"]
+
 
 def requests_routes(worker: Worker) -> APIRouter:
     """Return the request status and cancel endpoints."""

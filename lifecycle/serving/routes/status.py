@@ -20,6 +20,8 @@ from lifecycle.pictures import diagrams
 from lifecycle.serving.auth import page_door
 from lifecycle.serving.worker import Worker
 
+__all__ = ["status_routes"]
+
 
 def status_routes(worker: Worker) -> APIRouter:
     """Return the status page at ``/`` and ``/status``, guarded by ``serving.status_page``."""

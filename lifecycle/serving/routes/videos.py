@@ -38,6 +38,8 @@ from lifecycle.serving.video_store import Video, VideoStore
 from lifecycle.serving.worker import Worker
 from lifecycle.shown import shown
 
+__all__ = ["videos_routes"]
+
 log = get_logger("lifecycle")
 
 POLL_AFTER_MS = 250
