@@ -254,6 +254,7 @@ class Orchestrator:
                 self.platform,
                 loaders,
                 None if self._owns_device else self._life.admission_budget(),
+                served=self.shared.serves,
             )
             self._admission = admission
             for name, slot in self._slots.items():

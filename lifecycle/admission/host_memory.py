@@ -11,7 +11,9 @@ master is the weights themselves, on CUDA a pinned copy that onload copies from
   that offloads: ``load()`` builds each in memory before it writes its file and
   frees it.
 
-The prompt cache (``serving.prompt_cache_bytes``) counts whole too: it may fill. Each
+The prompt cache (``serving.prompt_cache_bytes``) counts whole too: it may fill; and so
+do the finished videos a worker keeps of a pipeline that makes videos
+(``serving.video_store_bytes``, their MP4 files: past it the oldest go first). Each
 component counts whole, as one process holds it; the ranks of a layout on
 one node hold at least that together. A component of unknown size counts
 nothing: the check refuses only what cannot fit.
@@ -80,28 +82,34 @@ def host_memory_refusals(
     spec: PipelineSpec,
     loaders: Mapping[str, ComponentLoader],
     available: int | None,
+    videos: int = 0,
 ) -> list[Refusal]:
-    """Refuse a pipeline whose weights held at once, with its prompt cache, exceed
-    ``available`` host bytes."""
+    """Refuse a pipeline whose weights held at once, with its prompt cache and the
+    ``videos`` bytes of finished videos a worker keeps of it, exceed ``available`` host
+    bytes."""
     if available is None:
         return []
     held = held_at_once(spec, loaders)
     cache = spec.serving.prompt_cache
-    needed = sum(held.values()) + cache
+    needed = sum(held.values()) + cache + videos
     if needed <= available:
         return []
     ranked = sorted(held, key=lambda name: (-held[name], name))
-    total, free, cached, *each = format_sizes(
-        needed, available, cache, *(held[name] for name in ranked)
+    total, free, cached, stored, *each = format_sizes(
+        needed, available, cache, videos, *(held[name] for name in ranked)
     )
     parts = [f"{name} {size}" for name, size in zip(ranked, each, strict=True)][:SHOWN]
     if len(ranked) > SHOWN:
         parts.append(f"{len(ranked) - SHOWN} more")
     if cache:
         parts.append(f"prompt cache {cached}")
+    if videos:
+        parts.append(f"finished videos {stored}")
     fixes = [_smaller(spec, ranked[0])] if ranked else []
     if cache:
         fixes.append("lower serving.prompt_cache_bytes")
+    if videos:
+        fixes.append("lower serving.video_store_bytes")
     held_what = (
         "every component"
         if spec.memory.offload_target == "host"

@@ -108,13 +108,17 @@ def admit_pipeline(
     platform: Platform,
     loaders: Mapping[str, ComponentLoader] | None = None,
     shared: SharedBudget | None = None,
+    *,
+    served: bool = False,
 ) -> Admission:
     """Plan every component of ``spec`` on ``platform``, collecting every refusal.
 
     ``loaders`` are the components' loaders when the caller already holds them
     (the orchestrator does); otherwise they are made from the spec. ``shared`` is the
-    budget of a worker that serves it beside other pipelines, if any. A pipeline from a
-    folder is held to what its folder and recipe say (``lifecycle.admission.folder``).
+    budget of a worker that serves it beside other pipelines, if any; ``served``: a worker
+    serves it, so a pipeline that makes videos keeps its finished MP4s on the host
+    (``serving.video_store_bytes``), which the host memory check counts. A pipeline from
+    a folder is held to what its folder and recipe say (``lifecycle.admission.folder``).
     """
     if loaders is None:
         loaders = component_loaders(spec)
@@ -149,6 +153,8 @@ def admit_pipeline(
     }
     folder = None if isinstance(spec.source, msgspec.UnsetType) else open_folder(spec, loaders)
     steps = default_steps(None if folder is None else folder.recipe)
+    recipe = None if folder is None else folder.recipe
+    stored = spec.serving.video_store if served and recipe and recipe.makes_videos else 0
     return Admission(
         pipeline=spec.name,
         components=components,
@@ -159,7 +165,7 @@ def admit_pipeline(
             *fsdp_refusals(spec, loaders, paths),
             *sharded_offload_refusals(spec, loaders, paths, platform),
             *budget_refusals(spec, loaders, shared),
-            *host_memory_refusals(spec, loaders, available_host_bytes()),
+            *host_memory_refusals(spec, loaders, available_host_bytes(), stored),
             *offload_dir_refusals(spec),
             *dtype_refusals(spec, loaders, platform),
             *(

@@ -52,6 +52,8 @@ class SharedDevice:
         device_budget: the most bytes resident at once, for every pipeline together;
             None: no limit.
         budget_key: where that budget was set, named in refusals' hints.
+        serves: it is a worker's (``lifecycle serve``): its pipelines' finished videos are
+            kept on the host, and their admission counts them.
 
     Attributes:
         lock: the one lock every trigger of every pipeline runs under.
@@ -59,11 +61,17 @@ class SharedDevice:
         pipelines: the machine of every pipeline.
         budget: the device budget and its running total.
         waiter: the line of requests waiting for memory.
+        serves: it is a worker's.
     """
 
     def __init__(
-        self, *, device_budget: int | None = None, budget_key: str = "memory.device_budget"
+        self,
+        *,
+        device_budget: int | None = None,
+        budget_key: str = "memory.device_budget",
+        serves: bool = False,
     ) -> None:
+        self.serves = serves
         self.lock = threading.RLock()
         self.machine = LifecycleMachine("components", self.lock)
         self.pipelines = PipelineMachine("pipelines", self.lock)

@@ -149,7 +149,7 @@ def open_worker(
     """
     torch.set_num_threads(threads)
     limit, key = worker_budget(specs, device_budget, settings)
-    shared = SharedDevice(device_budget=limit, budget_key=key)
+    shared = SharedDevice(device_budget=limit, budget_key=key, serves=True)
     metrics = ServingMetrics(
         queue_depth=lambda: sum(p.batcher.depth for p in list(worker.pipelines.values())),
         resident_bytes=shared.resident_bytes,

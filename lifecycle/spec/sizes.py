@@ -79,4 +79,4 @@ def format_sizes(*counts: int) -> tuple[str, ...]:
         texts = tuple(format_bytes(count, digits) for count in counts)
         if len(set(texts)) == distinct:
             return texts
-    return tuple(f"{count} B" for count in counts)
+    return tuple(f"{int(count)} B" for count in counts)  # a ByteSize prints its unit

@@ -27,19 +27,31 @@ def free_port() -> int:
         return port
 
 
+MAIN = "import sys\nfrom lifecycle.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+"""The ``lifecycle`` command as a program, for a process that runs other source first."""
+
+
 @contextmanager
 def serving(
-    spec: Path, *options: str, more: tuple[Path, ...] = (), path: Sequence[Path] = ()
+    spec: Path,
+    *options: str,
+    more: tuple[Path, ...] = (),
+    path: Sequence[Path] = (),
+    prelude: str | None = None,
 ) -> Iterator[tuple[Program, str]]:
     """Run ``lifecycle serve spec *more --threads 1 *options`` on a free loopback port until
     it is ready; yield the program and its base URL; kill it after.
 
     ``path``: ``sys.path`` entries of the process, as ``start_python`` takes them.
+    ``prelude``: source the process runs before the command (``tests.blocked_imports``).
     """
     port = free_port()
     specs = (str(spec), *map(str, more))
     command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
-    with start_python("lifecycle", *command, cwd=spec.parent, module=True, path=path) as program:
+    program_source, module = ("lifecycle", True) if prelude is None else (prelude + MAIN, False)
+    with start_python(
+        program_source, *command, cwd=spec.parent, module=module, path=path
+    ) as program:
         url = f"http://127.0.0.1:{port}"
         with loopback_client(url, timeout=5) as client:
             for _ in range(int(WATCHDOG_S / 0.1)):

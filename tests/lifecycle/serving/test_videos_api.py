@@ -14,10 +14,22 @@ import httpx
 import pytest
 import torch
 
+from attention import Platform
+from lifecycle.orchestrator import Orchestrator
+from lifecycle.refusals import AdmissionRefused
+from lifecycle.serving.server import open_worker
 from lifecycle.spec.errors import ConfigError
-from lifecycle.spec.reading import decode_spec
+from lifecycle.spec.reading import decode_spec, load_spec
+from tests.blocked_imports import uninstalled
 from tests.conftest import Lifecycle, PipelineFolders
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, Servers, SharedT2i
+from tests.lifecycle.serving.command import serving
+from tests.lifecycle.serving.conftest import (
+    WATCHDOG_S,
+    Served,
+    Servers,
+    SharedT2i,
+    loopback_client,
+)
 from tests.lifecycle.serving.test_folders import folder_spec
 from tests.lifecycle.test_videos import LUMA, MP4_TOLERANCE, frames_of
 from tests.lifecycle.video_requests import (
@@ -328,6 +340,26 @@ class TestBounds:
         with pytest.raises(ConfigError, match=r"serving\.video_store_bytes"):
             decode_spec(f'source = "{folder}"\n[serving]\nvideo_store_bytes = "lots"\n')
 
+    def test_the_video_store_counts_in_the_host_check(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path, cpu: Platform
+    ) -> None:
+        """A worker is refused a video pipeline whose ``serving.video_store_bytes`` the host
+        cannot hold beside its weights (``residency.host_memory`` naming the key); the same
+        spec outside a worker keeps no videos and is admitted."""
+        path = tmp_path / "wan.toml"
+        path.write_text(
+            f'source = "{pipeline_folder("wan")}"\ndevice = "cpu"\n'
+            '[serving]\nvideo_store_bytes = "1000 TiB"\n'
+        )
+        spec = load_spec(path)
+        with pytest.raises(AdmissionRefused) as refused:
+            open_worker([spec], [path], threads=1)
+        (refusal,) = refused.value.refusals
+        assert refusal.code == "residency.host_memory"
+        assert f"finished videos {1000 * 2**40} B" in refusal.message
+        assert "lower serving.video_store_bytes" in refusal.hint
+        Orchestrator(spec, platform=cpu).admit()
+
     def test_a_pipeline_that_makes_no_videos_is_named(self, shared_t2i: SharedT2i) -> None:
         """``POST /v1/videos`` to an image pipeline is a 400 naming the model."""
         served = shared_t2i()
@@ -346,6 +378,24 @@ class TestBounds:
             assert answer.status_code == 400
             assert answer.json()["error"]["param"] == "input_reference"
             assert said in answer.text
+
+    def test_without_the_video_extra_501_names_it(
+        self, pipeline_folder: PipelineFolders, tmp_path: Path
+    ) -> None:
+        """A worker where imageio and imageio-ffmpeg are not installed answers a video it
+        would make with 501 naming the extra, before queueing it."""
+        spec = tmp_path / "wan.toml"
+        spec.write_text(f'source = "{pipeline_folder("wan")}"\ndevice = "cpu"\n')
+        hidden = uninstalled("imageio", "imageio_ffmpeg")
+        with serving(spec, prelude=hidden) as (_, url), loopback_client(url) as http:
+            answer = http.post("/v1/videos", json={"prompt": PROMPT, "size": SIZE, **EXTRA})
+        assert answer.status_code == 501, answer.text
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "video_extra_missing")
+        assert error["message"] == (
+            "imageio and imageio-ffmpeg are not installed: the worker writes no MP4 (pip "
+            "install 'pipeline-lifecycle[video]' where it runs)"
+        )
 
     def test_a_browser_form_is_refused(self, wan: Callable[..., Served]) -> None:
         """A multipart form with an ``Origin`` (a browser's, sent without a preflight) is
