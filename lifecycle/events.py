@@ -26,6 +26,7 @@ __all__ = [
     "Event",
     "MemoryWait",
     "Move",
+    "MoveReason",
     "Observer",
     "Observers",
     "PipelineReloaded",
@@ -46,6 +47,8 @@ __all__ = [
 log = get_logger("lifecycle")
 
 Direction: TypeAlias = Literal["onload", "offload"]
+MoveReason: TypeAlias = Literal["prefetch"]
+"""Why a component moved when no stage of its own asked for it (``Move.reason``)."""
 
 ReloadOutcome: TypeAlias = Literal["unchanged", "swapped", "refused", "restored"]
 
@@ -71,6 +74,9 @@ class Move(
         streamed: on the offload of a layerwise component, the bytes of its blocks that
             streamed onto the device and off while it was resident (blocks a step cache
             skipped streamed none); 0, and left out, otherwise.
+        reason: why it moved when no stage of its own asked for it: ``prefetch`` (onloaded
+            for the next request while this one runs its last stage); None, and left out,
+            otherwise.
     """
 
     component: str
@@ -81,6 +87,7 @@ class Move(
     request_id: str | None
     at: float
     streamed: int = 0
+    reason: MoveReason | None = None
 
 
 class Transitioned(

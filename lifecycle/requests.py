@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -14,6 +15,7 @@ from components.batch import Batch, Cancelled, Left
 from components.cache import CacheSteps, count_steps
 from components.recipes import Recipe
 from lifecycle.adapters import AdapterKeeper, Rows
+from lifecycle.admission.prefetch import AheadStage, plan_prefetch
 from lifecycle.device.moves import Residency
 from lifecycle.device.shared import SharedDevice
 from lifecycle.device.slots import ComponentSlot
@@ -23,6 +25,7 @@ from lifecycle.logs import get_logger
 from lifecycle.machines.engine import MoveArgs
 from lifecycle.machines.tables import ComponentState
 from lifecycle.prompts import PromptCache, counted
+from lifecycle.refusals import TransitionFailed, TransitionRefused
 from lifecycle.spec.structs import StageSpec
 
 __all__ = ["Request", "StageKeeper"]
@@ -30,6 +33,7 @@ __all__ = ["Request", "StageKeeper"]
 log = get_logger("lifecycle")
 
 _RESIDENT = ComponentState.RESIDENT
+_OFFLOADED = ComponentState.OFFLOADED
 
 
 class StageKeeper:
@@ -76,6 +80,10 @@ class StageKeeper:
         self.prompts: PromptCache | None = None
         # what each request holds in a stage with step windows, by (request, position)
         self._holding: dict[tuple[str, int], tuple[str, ...]] = {}
+        # the onload of the next request's first expert each request started, and the
+        # components onloaded so for a next request that has not used them yet
+        self._ahead: dict[str, threading.Thread] = {}
+        self._prefetched: set[str] = set()
 
     def enter(
         self, request_id: str, position: int, priority: int, check: Callable[[], object]
@@ -168,6 +176,7 @@ class StageKeeper:
         slots = self.slots
         if self.adapters.adapters:
             self.adapters.settle(uses, self.rows.get(request_id), request_id)
+        self._prefetched.difference_update(uses)
         for name in uses:
             in_use_by = slots[name].in_use_by
             in_use_by[request_id] = in_use_by.get(request_id, 0) + 1
@@ -181,10 +190,85 @@ class StageKeeper:
                     lifecycle.onload(MoveArgs(position=position, request_id=request_id))
             if entering and self.residency.prefetches:
                 self.residency.prefetch(self.timeline.added_next(position))
+            first = self.timeline.first_expert
+            if entering and first is not None and position == len(self.timeline.stages) - 1:
+                self._prefetch_next(request_id, position, *first)
             return {name: slots[name].loaded_module() for name in uses}
         except BaseException:
             self._let_go(request_id, position, uses)
             raise
+
+    def _prefetch_next(self, request_id: str, position: int, at: int, name: str) -> None:
+        """Start onloading ``name``, the first expert of the stage at ``at``, for the next
+        request while ``request_id`` runs its last stage (at ``position``), where
+        ``plan_prefetch`` says it pays; else say why (``residency.prefetch_skipped``).
+
+        Runs under the lock; the onload runs on a thread of its own, so that it overlaps
+        the stage, and ``finish`` waits for it.
+        """
+        slot = self.slots[name]
+        budget = self.residency.budget
+        key = self.residency.key
+        eviction = MoveArgs(eviction=True)
+        pinned = {o for o in budget.charged if o is not slot and not o.may_be_evicted}
+        kept = {
+            o for o in budget.charged if o is not slot and not o.lifecycle.offload.may(eviction)
+        }
+        ahead = [
+            AheadStage(
+                name=self.timeline.stages[p].name,
+                held={
+                    n: self.slots[n].footprint
+                    for n in self.timeline.entered(p)
+                    if n != name and self.slots[n] not in pinned
+                },
+            )
+            for p in range(at)
+        ]
+        decision = plan_prefetch(
+            name,
+            offloaded=slot.lifecycle.state is _OFFLOADED,
+            streams_blocks=slot.mode is ResidencyMode.LAYERWISE_OFFLOAD,
+            needed=slot.footprint,
+            budget=budget.limit,
+            kept={o.label(key): budget.charged[o] for o in kept | pinned},
+            pinned={o.label(key): budget.charged[o] for o in pinned},
+            ahead=ahead,
+            waiting=bool(self.waiter.wanted()),
+            budget_key=budget.key,
+        )
+        if not decision.prefetch:
+            log.debug(
+                "residency.prefetch_skipped",
+                component=name,
+                request_id=request_id,
+                reason=decision.reason,
+            )
+            return
+        thread = threading.Thread(
+            target=self._onload_ahead,
+            args=(request_id, position, name),
+            name=f"lifecycle-prefetch-{name}",
+            daemon=True,
+        )
+        self._ahead[request_id] = thread
+        thread.start()
+
+    def _onload_ahead(self, request_id: str, position: int, name: str) -> None:
+        """Onload ``name`` for the next request (``residency.moved`` with reason
+        ``prefetch``), unless something onloaded it first; a refusal or failure leaves it
+        offloaded and is said at debug level."""
+        lifecycle = self.slots[name].lifecycle
+        try:
+            with self.lock:
+                if lifecycle.state is _OFFLOADED:
+                    args = MoveArgs(position=position, request_id=request_id, reason="prefetch")
+                    lifecycle.onload(args)
+                    self._prefetched.add(name)
+        except (TransitionRefused, TransitionFailed) as err:
+            log.debug(
+                "residency.prefetch_skipped", component=name, request_id=request_id, reason=str(err)
+            )
 
     def leave(self, request_id: str, position: int) -> None:
         """End ``request_id``'s use of the stage; offload what saw its last use."""
@@ -219,13 +303,18 @@ class StageKeeper:
                 in_use_by.pop(request_id, None)
 
     def finish(self, request_id: str, touched: set[str]) -> None:
-        """End ``request_id``: put every component it touched back where its plan says."""
+        """End ``request_id``: wait for the onload it started for the next request, then put
+        every component it touched back where its plan says (but what that onload brought
+        in, which waits for the next request)."""
+        ahead = self._ahead.pop(request_id, None)
+        if ahead is not None:
+            ahead.join()
         with self.lock:
             self.shared.close_request(request_id)  # a sleep or a drain may wait for it
             self.rows.pop(request_id, None)
             try:
                 self.residency.cancel_prefetch(touched)
-                self._put_back(sorted(touched), request_id)
+                self._put_back(sorted(touched - self._prefetched), request_id)
             finally:
                 self.waiter.released()
 

@@ -33,6 +33,7 @@ from components.kinds.autoencoder_kl_wan import AutoencoderKlWanLoader
 from components.kinds.umt5_encoder import Umt5EncoderLoader
 from components.kinds.wan_transformer import WanTransformerLoader
 from components.libraries import is_importable
+from components.models.dit.base import PackedTransformer
 from components.models.dit.wan import WanInputs
 from components.recipes.base import (
     DECODE,
@@ -220,7 +221,17 @@ class WanRecipe(Recipe):
 
     def latent_frames(self, batch: Batch) -> int:
         """Return f: the latent frames of each video of ``batch``."""
-        return (self.frames(batch) - 1) // self.video_vae.temporal_factor + 1
+        return self._latent_frames(self.frames(batch))
+
+    def _latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.video_vae.temporal_factor + 1
+
+    def video_noise(self, seed: int, size: tuple[int, int], frames: int) -> torch.Tensor:
+        """Return the starting latents ``(f * h * w, C)`` of one video of ``frames`` frames at
+        ``size`` (pixels), drawn from ``seed`` as a request of that video alone draws them
+        (``torch.Generator("cpu").manual_seed(seed)``)."""
+        generator = torch.Generator().manual_seed(seed)
+        return self.draw_latents(generator, 1, size, self._latent_frames(frames))[0]
 
     def guidance_scale_2(self, batch: Batch) -> float:
         """Return the guidance scale of ``transformer_2``'s steps: the batch's, else the first."""
@@ -296,21 +307,41 @@ class WanRecipe(Recipe):
 
         diffusers calls its DiT once for the conditional branch and once for the
         unconditional one: one call on both rows rounds differently (by 2e-6 a step,
-        which guidance and the VAE amplify past 1e-5), so each branch runs alone: our
-        DiT packs every run's rows of one branch into one call, diffusers' class is
-        called per run and branch.
+        which guidance and the VAE amplify past 1e-5), so each branch runs alone, and
+        each video too (a batch of two videos in one call is 4e-5 to 5e-5 off each alone
+        on the frames, with either DiT), so a video batched makes the frames it makes
+        alone; under a step cache our DiT packs a branch's videos into one call.
         """
         (branches,) = {run.branches for run in runs}  # the batch decides guidance
+        packed = isinstance(module, PackedTransformer)
+        # each video alone, as a request of it alone: a call on two rounds them apart by
+        # 4e-5 on the frames (either DiT); ours packs them only under a step cache, whose
+        # step is the batch's
+        apart = not packed or cache is None
         parts = []
         for i in range(branches):
             inputs = [
                 WanInputs._make(
-                    _branch(v, branches, i) for v in run.inputs(step)._asdict().values()
+                    _branch(v, branches * rows, i * rows + r)
+                    for v in run.inputs(step)._asdict().values()
                 )
                 for run in runs
+                for rows in [len(run.rows) if apart else 1]
+                for r in range(rows)
             ]
-            parts.append(predict(module, inputs, cache))
-        return [torch.cat([part[r] for part in parts]) for r in range(len(runs))]
+            if packed and apart:
+                parts.append([predict(module, [one], cache)[0] for one in inputs])
+            else:
+                parts.append(predict(module, inputs, cache))
+        predictions = []
+        at = 0
+        for run in runs:
+            count = len(run.rows) if apart else 1
+            predictions.append(
+                torch.cat([part[j] for part in parts for j in range(at, at + count)])
+            )
+            at += count
+        return predictions
 
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> WanDenoising:
         """Set up one size group: its noise, its text (and negatives) and its scheduler."""
@@ -345,7 +376,9 @@ class WanRecipe(Recipe):
         latents = latents.to(device_of(module), self.video_vae.dtype)
         mean, std = (t.to(latents) for t in self.video_vae.normalisation)
         latents = latents / (1.0 / std) + mean  # diffusers' arithmetic, to the bit
-        batch.videos = self.video_vae.decode(module, latents)
+        # one video at a time: the VAE's convolutions round a batch of two differently
+        videos = [self.video_vae.decode(module, latents[i : i + 1]) for i in range(len(latents))]
+        batch.videos = videos[0] if len(videos) == 1 else torch.cat(videos)
 
     def decode_group(self, module: nn.Module, batch: Batch, group: SizeGroup) -> torch.Tensor:
         """Not used: a video pipeline decodes whole batches (``decode``)."""
@@ -461,10 +494,10 @@ class WanDenoising(Denoising):
             self.condition = self.condition[keep]
 
 
-def _branch(value: torch.Tensor | None, branches: int, index: int) -> torch.Tensor | None:
-    """Return guidance branch ``index`` of a DiT argument batched over ``branches`` (None
-    stays None)."""
-    return None if value is None else value.chunk(branches)[index]
+def _branch(value: torch.Tensor | None, parts: int, index: int) -> torch.Tensor | None:
+    """Return part ``index`` of a DiT argument batched over ``parts`` equal parts (guidance
+    branches, or each branch's videos; None stays None)."""
+    return None if value is None else value.chunk(parts)[index]
 
 
 def video_grid(latents: Sequence[torch.Tensor], f: int, h: int, w: int) -> torch.Tensor:

@@ -336,6 +336,7 @@ class Residency:
             request_id=context.request_id,
             at=round(finished - self._started, 6),
             streamed=streamed,
+            reason=context.args.reason,
         )
         if context.is_logged:
             log.info(
@@ -347,6 +348,7 @@ class Residency:
                 seconds=move.seconds,
                 request_id=move.request_id,
                 **({"streamed": streamed} if streamed else {}),
+                **({"reason": move.reason} if move.reason else {}),
             )
         observers = slot.lifecycle.observers
         if observers.attached:

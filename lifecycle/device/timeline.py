@@ -18,6 +18,13 @@ class Timeline:
     what "next use" and "last use" are measured against. Every answer is read
     from tables built once here, so that a move costs the same whatever the
     number of stages and components.
+
+    Attributes:
+        stages: the stages, in declared order.
+        first_expert: the first windowed use of the first stage with step windows, with
+            that stage's position, where a stage follows it (Wan 2.2 A14B's
+            ``transformer`` in ``denoise``): a request's last stage prefetches it for the
+            next request; None without windows.
     """
 
     def __init__(self, stages: Sequence[StageSpec]) -> None:
@@ -28,12 +35,27 @@ class Timeline:
             for name in dict.fromkeys(stage.uses):
                 positions.setdefault(name, []).append(position)
         self._positions = {name: tuple(found) for name, found in positions.items()}
+        # a windowed use is needed after those before it in its stage (the second expert
+        # after the first): a fraction of a stage further, so that the budget evicts the
+        # later one first
+        self._later = {
+            (name, p): i / len(stage.windows)
+            for p, stage in enumerate(self.stages)
+            for i, name in enumerate(n for n in stage.uses if n in stage.windows)
+        }
         self._last_uses = tuple(
             tuple(n for n in dict.fromkeys(stage.uses) if self.next_use(n, p) is None)
             for p, stage in enumerate(self.stages)
         )
         # what a stage holds on entry: with step windows, the first windowed use alone
         self._entered = tuple(stage.held_together()[0] for stage in self.stages)
+        # the first windowed use of the first stage with windows (the first expert), with
+        # that stage's position, where a later stage can run while it is prefetched
+        self.first_expert: tuple[int, str] | None = None
+        for p, stage in enumerate(self.stages[:-1]):
+            if stage.windows:
+                self.first_expert = (p, next(n for n in stage.uses if n in stage.windows))
+                break
         self._added_next = tuple(
             tuple(n for n in self._entered[p + 1] if n not in stage.uses)
             if p + 1 < len(self.stages)
@@ -60,9 +82,15 @@ class Timeline:
         return positions[found] if found < len(positions) else None
 
     def distance_to_next_use(self, component: str, after: int) -> float:
-        """Return how many stages away the next use is; infinite when there is none."""
+        """Return how many stages away the next use is; infinite when there is none.
+
+        A windowed use comes a fraction of a stage after the windowed uses before it in
+        its stage (``transformer_2`` 1.5 stages away where ``transformer`` is 1).
+        """
         position = self.next_use(component, after)
-        return math.inf if position is None else position - after
+        if position is None:
+            return math.inf
+        return position - after + self._later.get((component, position), 0.0)
 
     def is_used(self, component: str) -> bool:
         """Tell whether any stage uses ``component``."""

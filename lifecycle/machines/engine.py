@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Protocol, TypeAlias, cast, overload
 import msgspec
 from transitions.core import Condition, Event, Machine, State, Transition
 
-from lifecycle.events import Observers, TriggerRefused
+from lifecycle.events import MoveReason, Observers, TriggerRefused
 from lifecycle.logs import MAY_WAIT, REQUEST_ID, get_logger
 from lifecycle.machines.tables import (
     AdapterState,
@@ -81,6 +81,8 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             resident, or used by no stage (``wake`` brings it back).
         scale: the scale an adapter is merged at by ``activate`` (None: its own
             ``scale``); an unmerged adapter takes each request's scale instead.
+        reason: why an onload happens when no stage of its own asks for it (``prefetch``:
+            for the next request); written on its ``residency.moved``.
     """
 
     request_id: str | None = None
@@ -89,6 +91,7 @@ class MoveArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pipeline: str | None = None
     sleeping: bool = False
     scale: float | None = None
+    reason: MoveReason | None = None
 
 
 NO_ARGS = MoveArgs()

@@ -6,12 +6,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from lifecycle.events import Move
 
-__all__ = ["residency_gantt", "resident_intervals"]
+__all__ = ["Interval", "residency_gantt", "resident_intervals"]
 
-Interval = tuple[float, float, str | None]
+
+class Interval(NamedTuple):
+    """One stretch of a component on the device.
+
+    Attributes:
+        start: when it was onloaded (seconds since its pipeline started).
+        stop: when it was offloaded (the last move's time, for one still resident).
+        request_id: the request its offload happened for, if any.
+        prefetched: its onload came ahead of its use, for the next request (a move's
+            ``reason`` ``prefetch``).
+    """
+
+    start: float
+    stop: float
+    request_id: str | None
+    prefetched: bool = False
 
 
 def residency_gantt(
@@ -33,8 +49,9 @@ def residency_gantt(
             section = f"rank {rank} {component}" if several else component
             lines.append(f"    section {section}")
             bar = f"r{rank}{component}" if several else component
-            for index, (start, stop, request) in enumerate(intervals[component]):
-                label = f"resident ({request})" if request else "resident"
+            for index, (start, stop, request, prefetched) in enumerate(intervals[component]):
+                label = "prefetched, resident" if prefetched else "resident"
+                label += f" ({request})" if request else ""
                 lines.append(f"    {label} :{bar}{index}, {_ms(start)}, {_ms(stop)}")
     return "\n".join(lines) + "\n"
 
@@ -42,21 +59,23 @@ def residency_gantt(
 def resident_intervals(
     components: Sequence[str], moves: Sequence[Move]
 ) -> dict[str, list[Interval]]:
-    """Return each component's resident intervals: (start, stop, request id) in seconds.
+    """Return each component's resident intervals, in seconds.
 
     Each onload pairs with the next offload; intervals still open end at the last move.
     """
     end = moves[-1].at if moves else 0.0
-    onloaded_at: dict[str, float] = {}
+    onloads: dict[str, Move] = {}
     intervals: dict[str, list[Interval]] = {c: [] for c in components}
     for move in moves:
         if move.direction == "onload":
-            onloaded_at[move.component] = move.at
-        elif move.component in onloaded_at:
-            start = onloaded_at.pop(move.component)
-            intervals[move.component].append((start, move.at, move.request_id))
-    for component, start in onloaded_at.items():
-        intervals[component].append((start, end, None))
+            onloads[move.component] = move
+        elif move.component in onloads:
+            onload = onloads.pop(move.component)
+            prefetched = onload.reason == "prefetch"
+            interval = Interval(onload.at, move.at, move.request_id, prefetched)
+            intervals[move.component].append(interval)
+    for component, onload in onloads.items():
+        intervals[component].append(Interval(onload.at, end, None, onload.reason == "prefetch"))
     return intervals
 
 

@@ -21,6 +21,7 @@ from components.batch import Batch
 from components.cache import CacheSteps, count_steps
 from components.models.dit.base import PackedTransformer
 from components.recipes import Recipe
+from components.recipes.wan import WanRecipe
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.serving.preview import PreviewMap, fit_preview
 
@@ -69,6 +70,8 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             whose batches keep to one size; None where each job carries its ``size``.
         alone: the job's own id where it must run alone (its scheduler draws noise for a
             whole batch as it steps); None where it may share.
+        frames: the frames of each video of a video job (videos of one batch share their
+            length and size: one latent grid, one decode); None for others.
         adapters: the adapters it runs with their scales, by name (design §14): jobs
             with the same set batch together.
     """
@@ -82,6 +85,7 @@ class BatchKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     negative: bool = False
     image_size: tuple[int, int] | None = None
     alone: str | None = None
+    frames: int | None = None
     adapters: tuple[tuple[str, float], ...] = ()
 
 
@@ -249,6 +253,9 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
             generator = torch.Generator().manual_seed(job.seed)
             latents += recipe.draw_latents(generator, len(job.prompts), size)
             image_sizes += [size] * len(job.prompts)
+    elif isinstance(recipe, WanRecipe) and key.endpoint == "videos":
+        # each video's noise drawn from its own seed, as ``run`` draws it for that seed
+        latents = [recipe.video_noise(job.seed, _size(job), job.frames or 1) for job in jobs]
     elif key.endpoint == "images":
         h, w = key.latent_size
         latents = []
@@ -272,9 +279,9 @@ def merged_batch(jobs: Sequence[Job], shapes: Shapes, recipe: Recipe | None = No
         image_sizes=image_sizes,
         adapters=[dict(key.adapters)] * len(prompts) if key.adapters else None,
         cache=_cache_flags(jobs),
-        frames=jobs[0].frames,  # a video job runs alone (``BatchKey.alone``)
+        frames=key.frames,
         guidance_scale_2=key.guidance_scale_2,
-        input_images=jobs[0].input_images,
+        input_images=[image for job in jobs for image in job.input_images or ()] or None,
     )
 
 

@@ -131,12 +131,14 @@ class ResidentInterval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         start: seconds since the pipeline started, when it went resident.
         stop: when it left (the last move's time, for one still resident).
         request_id: the request its offload happened for, if any.
+        prefetched: its onload came ahead of its use, for the next request.
     """
 
     component: str
     start: float
     stop: float
     request_id: str | None
+    prefetched: bool = False
 
 
 class PipelineStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -279,9 +281,15 @@ def pipeline_status(
         )
     intervals = resident_intervals(list(spec.components), board.recent_moves(spec.name))
     timeline = tuple(
-        ResidentInterval(component=name, start=start, stop=stop, request_id=request_id)
+        ResidentInterval(
+            component=name,
+            start=interval.start,
+            stop=interval.stop,
+            request_id=interval.request_id,
+            prefetched=interval.prefetched,
+        )
         for name, found in intervals.items()
-        for start, stop, request_id in found
+        for interval in found
     )
     return PipelineStatus(
         name=spec.name,

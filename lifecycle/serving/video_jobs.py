@@ -4,8 +4,11 @@
 The length is ``num_frames``, or ``seconds`` at ``FPS`` frames a second plus the first
 frame (OpenAI's ``"4"`` is 65 frames), else the class's default. The recipe refuses what
 it cannot make (frames off ``4k + 1``, a size off its grid, an image-to-video request
-without an image) before the job is queued. A video job runs alone: its noise is drawn
-as ``run`` draws it for the same seed, so the frames are ``run``'s.
+without an image) before the job is queued. Videos of the same length, size, steps and
+guidance batch together (``BatchKey``): each one's noise is drawn from its own seed as
+``run`` draws it, and the recipe runs its DiT and its VAE one video at a time, so the
+frames are ``run``'s; the batch crosses its stages and its experts' boundary together,
+with one hand-over. A scheduler that draws as it steps keeps each video alone.
 """
 
 from __future__ import annotations
@@ -177,7 +180,8 @@ def video_job(
         guidance_scale_2=body.guidance_scale_2,
         negative=body.negative_prompt is not None,
         image_size=(height, width),
-        alone=request_id,  # its noise is drawn for the whole batch, as ``run`` draws it
+        alone=request_id if recipe.scheduler_draws else None,
+        frames=frames,
     )
     return Job(
         id=request_id,

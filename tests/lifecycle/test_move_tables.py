@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from lifecycle.machines.tables import TRANSITIONS, ComponentState
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.refusals import TransitionRefused
 from lifecycle.spec.reading import load_spec
-from lifecycle.spec.structs import ComponentSpec, StageSpec
+from lifecycle.spec.structs import ComponentSpec, StageSpec, StepWindow
 from tests.lifecycle.conftest import VAE_BYTES, VaePipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +104,25 @@ class TestTimelineTables:
             later = stages[position + 1] if position + 1 < len(stages) else ()
             assert timeline.added_next(position) == tuple(n for n in later if n not in uses)
         assert [timeline.is_used(n) for n in names] == [any(n in u for u in stages) for n in names]
+
+    def test_experts_in_the_order_they_run(self) -> None:
+        """The second expert of a stage with step windows is needed later than the first (so
+        the budget evicts it first), and the first is what the last stage prefetches."""
+        windows = {"t1": StepWindow(from_timestep=875.0), "t2": StepWindow(below_timestep=875.0)}
+        timeline = Timeline(
+            [
+                StageSpec(name="encode", uses=("text",)),
+                StageSpec(name="denoise", uses=("t1", "t2"), windows=windows),
+                StageSpec(name="decode", uses=("vae",)),
+            ]
+        )
+        assert timeline.distance_to_next_use("t1", 0) == 1
+        assert timeline.distance_to_next_use("t2", 0) == 1.5
+        assert timeline.distance_to_next_use("text", 0) == math.inf
+        assert timeline.first_expert == (1, "t1")
+        assert (
+            Timeline([StageSpec(name="s", uses=("t1", "t2"), windows=windows)]).first_expert is None
+        )
 
 
 BUDGET_STAGES = {"s0": ["a"], "s1": ["b"], "s2": ["c"], "s3": ["a", "b"]}

@@ -180,7 +180,7 @@ function renderTimeline(view) {
     const lane = el("div", { class: "lane", "data-component": c.name });
     for (const b of bars.filter((bar) => bar.component === c.name)) {
       lane.append(el("span", {
-        title: `${c.name} resident ${(b.stop - b.start).toFixed(3)} s${b.request_id ? ` (${b.request_id})` : ""}`,
+        title: `${c.name} ${b.prefetched ? "prefetched, " : ""}resident ${(b.stop - b.start).toFixed(3)} s${b.request_id ? ` (${b.request_id})` : ""}`,
         style: {
           left: `${(100 * (b.start - start) / span).toFixed(2)}%`,
           width: `${(100 * (b.stop - b.start) / span).toFixed(2)}%`,

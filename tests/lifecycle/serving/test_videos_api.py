@@ -20,8 +20,10 @@ from lifecycle.refusals import AdmissionRefused
 from lifecycle.serving.server import open_worker
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import decode_spec, load_spec
+from lifecycle.testing import capture_events, events_named
 from tests.blocked_imports import uninstalled
 from tests.conftest import Lifecycle, PipelineFolders
+from tests.lifecycle.folder_specs import largest_stage
 from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
@@ -133,6 +135,14 @@ def assert_run_frames(
     assert frames.shape == lossless.shape == (request.frames, *request.size, 3)
     assert (frames @ LUMA - lossless @ LUMA).abs().mean() <= MP4_TOLERANCE
     assert (frames.mean((1, 2)) - lossless.mean((1, 2))).abs().max() <= MP4_TOLERANCE
+
+
+def until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition``, asking every 10 ms, for at most the watchdog's time."""
+    deadline = time.monotonic() + WATCHDOG_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 def request_state(served: Served, request_id: str) -> dict[str, Any]:
@@ -410,3 +420,56 @@ class TestBounds:
             plain = http.post("/v1/videos", data=form, files=files)
             assert plain.status_code == 400  # read: the image is refused by a T2V folder
             assert "makes videos from text alone" in plain.text
+
+
+class TestBatching:
+    """Videos of one length, size, steps and guidance share a batch, which crosses Wan 2.2
+    A14B's boundary with one hand-over; each makes the frames it makes alone."""
+
+    def test_two_videos_hand_over_once(
+        self, module_servers: Servers, pipeline_folder: PipelineFolders, cpu: Platform
+    ) -> None:
+        """Under a one-expert budget, two videos queued while a third runs become one batch
+        whose request onloads ``transformer_2`` once; the first one's MP4 is the one it
+        makes alone."""
+        folder = pipeline_folder("wan-a14b")
+        request = VIDEO_REQUESTS["wan-a14b"]
+        spec = folder_spec(folder, max_batch=2, batch_window_ms=60_000)
+        served = module_servers([spec], device_budget=largest_stage(spec, cpu))
+        body = {
+            "prompt": PROMPT,
+            "size": f"{request.size[1]}x{request.size[0]}",
+            "num_frames": request.frames,
+            "steps": request.steps,
+            "guidance_scale": request.guidance_scale,
+            "guidance_scale_2": request.guidance_scale_2,
+        }
+        with capture_events() as events, served.client() as http:
+
+            def post(**extra: Any) -> str:
+                answer = http.post("/v1/videos", json={**body, **extra})
+                assert answer.status_code == 200, answer.text
+                video_id: str = answer.json()["id"]
+                return video_id
+
+            def done(video_id: str) -> bytes:
+                until(lambda: http.get(f"/v1/videos/{video_id}").json()["status"] == "completed")
+                return http.get(f"/v1/videos/{video_id}/content").content
+
+            def pairs() -> list[str]:
+                batched = events_named(events, "serving.batched")
+                return [e["batch_id"] for e in batched if e["size"] == 2]
+
+            running = post(steps=LONG_STEPS, seed=9)  # a runner busy: the next ones gather
+            until(lambda: request_state(served, running)["state"] == "running")
+            first, second = post(seed=1), post(seed=2, prompt="a grey cat sleeps")
+            until(lambda: bool(pairs()))
+            assert http.delete(f"/v1/videos/{running}").status_code == 200
+            batched = done(first)
+            done(second)
+            alone = done(post(seed=1))
+        (pair,) = pairs()
+        handed = [(m.component, m.direction) for m in served.moves if m.request_id == pair]
+        assert handed.count(("transformer_2", "onload")) == 1
+        assert handed.count(("transformer", "offload")) == 1
+        assert batched == alone
