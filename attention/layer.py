@@ -11,6 +11,7 @@ from attention import registry
 from attention.backend import AttentionImpl
 from attention.errors import NotResidentError
 from attention.override import REQUEST_BACKEND, UnpreparedBackendError
+from attention.packing import Boundaries, PerSegmentVarlen, as_tensor
 from attention.request import ComponentRequests
 from attention.requirements import NO_REQUIREMENTS, AttentionRequirements
 from attention.roles import AttentionRole
@@ -145,14 +146,18 @@ class Attention(nn.Module):
         q: torch.Tensor,  # (Tq, Hq, D)
         k: torch.Tensor,  # (Tk, Hk, D)
         v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
+        cu_seqlens_q: Boundaries,
+        cu_seqlens_k: Boundaries,
         max_seqlen_q: int,
         max_seqlen_k: int,
         *,
         is_causal: bool = False,
     ) -> torch.Tensor:
         """Attend each packed sequence to its own keys only; returns ``(Tq, Hq, D)``.
+
+        The boundaries may be host integers: a kernel that attends sequence by sequence
+        takes them as they are (no read of a tensor's values, which is a graph break under
+        torch.compile), any other gets them as an int32 tensor on q's device.
 
         Raises:
             NotResidentError: the layer is disarmed.
@@ -165,16 +170,21 @@ class Attention(nn.Module):
             raise self._undeclared("packed_varlen", "packed sequences")
         self._check_causal(is_causal)
         impl = self._impl if self._switch is None else self._request_impl()
+        if isinstance(impl, PerSegmentVarlen):  # sequence by sequence: host integers as they came
+            return impl.forward_varlen(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                is_causal=is_causal,
+                scale=self.scale,
+            )
+        cu_q, cu_k = as_tensor(cu_seqlens_q, q.device), as_tensor(cu_seqlens_k, q.device)
         return impl.forward_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            is_causal=is_causal,
-            scale=self.scale,
+            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, is_causal=is_causal, scale=self.scale
         )
 
     def forward_with_lse(

@@ -3,29 +3,49 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from typing import TypeAlias
 
 import torch
 
 from attention.backend import AttentionImpl
 
-__all__ = ["PerSegmentVarlen", "as_batch", "attend_segments"]
+__all__ = ["Boundaries", "PerSegmentVarlen", "as_batch", "as_tensor", "attend_segments"]
 
 # B batch, H heads, S seq, D head dim, T packed tokens
 
+Boundaries: TypeAlias = torch.Tensor | Sequence[int]
+"""Where packed sequences start and end (``cu_seqlens``): an int32 tensor, as flash-attn
+takes them, or the same integers on the host."""
+
+
+def on_host(cu_seqlens: Boundaries) -> list[int]:
+    """Return boundaries as host integers: a tensor's values are read (a device sync, and a
+    graph break under torch.compile), host integers are taken as they are."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        return [int(x) for x in cu_seqlens.tolist()]
+    return list(cu_seqlens)
+
+
+def as_tensor(cu_seqlens: Boundaries, device: torch.device) -> torch.Tensor:
+    """Return boundaries as a tensor on ``device`` (int32 where they were host integers)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    return torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+
 
 def segments(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int
+    cu_seqlens_q: Boundaries, cu_seqlens_k: Boundaries, total_q: int, total_k: int
 ) -> list[tuple[int, int, int, int]]:
     """Return ``(q_start, q_end, k_start, k_end)`` for each packed sequence.
 
     Raises:
-        ValueError: the two boundary tensors disagree on the number of sequences, do not
-            start at 0, decrease, or do not end at the packed lengths ``total_q``/``total_k``.
+        ValueError: the two boundaries disagree on the number of sequences, do not start
+            at 0, decrease, or do not end at the packed lengths ``total_q``/``total_k``.
     """
-    bounds_q = [int(x) for x in cu_seqlens_q.tolist()]
-    bounds_k = [int(x) for x in cu_seqlens_k.tolist()]
+    bounds_q = on_host(cu_seqlens_q)
+    bounds_k = on_host(cu_seqlens_k)
     if len(bounds_q) != len(bounds_k):
         raise ValueError(
             f"cu_seqlens_q describes {len(bounds_q) - 1} sequences but cu_seqlens_k "
@@ -75,7 +95,9 @@ class PerSegmentVarlen(AttentionImpl):
     """Serve packed sequences with one ``forward`` call per sequence.
 
     For kernels with no varlen entry of their own: torch has none on CPU, where a loop
-    over a fused kernel is still far cheaper than padding.
+    over a fused kernel is still far cheaper than padding. The loop needs the boundaries
+    on the host: given as host integers (``Attention.forward_varlen`` passes them on as
+    they came), they are not read back from a tensor.
     """
 
     def forward_varlen(
@@ -83,8 +105,8 @@ class PerSegmentVarlen(AttentionImpl):
         q: torch.Tensor,  # (Tq, Hq, D)
         k: torch.Tensor,  # (Tk, Hk, D)
         v: torch.Tensor,  # (Tk, Hk, D)
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
+        cu_seqlens_q: Boundaries,
+        cu_seqlens_k: Boundaries,
         max_seqlen_q: int,
         max_seqlen_k: int,
         *,

@@ -28,18 +28,24 @@ class Packing(NamedTuple):
 
     counts: list[int]  # rows of request i here
     token_requests: torch.Tensor  # (T,) int64: the request of each row (padding: 0)
-    cu_seqlens: torch.Tensor  # (B + 1,) int32 boundaries (unsharded)
+    cu_seqlens: tuple[int, ...]  # B + 1 boundaries (unsharded), host integers
     max_seqlen: int
     padding: int = 0
     bounds: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, counts: list[int], device: torch.device) -> Packing:
-        """Describe requests of ``counts`` tokens packed back to back."""
+        """Describe requests of ``counts`` tokens packed back to back.
+
+        Everything is read from the host's ``counts``, never from a tensor's values: under
+        torch.compile reading those is a graph break, and on a GPU a device sync.
+        """
         repeats = torch.tensor(counts, dtype=torch.int64, device=device)
-        cu_seqlens = pad(repeats.cumsum(0), (1, 0)).to(torch.int32)
-        requests = torch.arange(len(counts), device=device).repeat_interleave(repeats)
-        return cls(counts, requests, cu_seqlens, max(counts))
+        # output_size: the rows are known on the host, so the op's shape is not data's
+        requests = torch.arange(len(counts), device=device).repeat_interleave(
+            repeats, output_size=sum(counts)
+        )
+        return cls(counts, requests, tuple(itertools.accumulate(counts, initial=0)), max(counts))
 
     @classmethod
     def shard(cls, counts: list[int], shards: int, rank: int, device: torch.device) -> Packing:
@@ -47,7 +53,7 @@ class Packing(NamedTuple):
         whole = cls.of(counts, device)
         total = sum(counts)
         padded = -(-total // shards) * shards
-        ends = whole.cu_seqlens.tolist()
+        ends = whole.cu_seqlens
         bounds = (*ends, padded) if padded > total else tuple(ends)
         lo, hi = rank * padded // shards, (rank + 1) * padded // shards
         here = [max(0, min(b, hi) - max(a, lo)) for a, b in itertools.pairwise(ends)]

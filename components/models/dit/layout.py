@@ -206,7 +206,7 @@ class JointLayout:
 
     def _requests(self) -> Iterator[tuple[int, tuple[int, int]]]:
         """Yield each request's text length and the bounds of its joint tokens."""
-        bounds = self.packing.cu_seqlens.tolist()
+        bounds = self.packing.cu_seqlens
         for i, text in enumerate(self.text.lengths):
             yield text, (bounds[i], bounds[i + 1])
 
