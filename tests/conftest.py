@@ -28,20 +28,31 @@ if TYPE_CHECKING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give the run one inductor cache; share the cores among xdist workers: each one's
-    torch computes on its part of them.
+    """Give the test runs one inductor cache, kept between runs; share the cores among
+    xdist workers: each one's torch computes on its part of them.
 
     Two workers with a thread a core each would run twice as many threads as cores,
     which spin waiting for each other. xdist's controller runs no test and takes no
     threads.
     """
-    # inductor's compiled code of this run only, in a folder of its own: never the user's
-    # cache. The controller makes it before it starts the workers, which inherit it: the
-    # compile tests of every worker share what they built, and inductor's probe of the
-    # CPU's vector instructions (C++ builds: about 10 CPU-s cold, 1 warm) runs once a run
+    # inductor's compiled code of the test runs, in a folder of its own, never the user's
+    # cache: pytest's cache folder keeps it between runs (--cache-clear empties it), so
+    # the C++ builds of the compile tests' kernels (about 2 CPU-s each) and of inductor's
+    # probe of the CPU's vector instructions (about 10) run once, not every run. Inductor
+    # keys a kept build by the graph, torch's version, its config, the compiler and the
+    # CPU: it is the code a fresh build makes, and dynamo still traces every graph and
+    # hands it to the component's compile (its counts are the same). The controller sets
+    # it before it starts the workers, which inherit it; -p no:cacheprovider: this run's.
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifecycle-inductor-")
-        config.add_cleanup(partial(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True))
+        cache = getattr(config, "cache", None)
+        if cache is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.mkdir("inductor"))
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifecycle-inductor-")
+            config.add_cleanup(partial(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True))
+    # one compile thread: more start a pool of Python processes, each importing torch, to
+    # run the C++ builds beside each other on the cores the xdist workers already use
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     import torch
