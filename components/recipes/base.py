@@ -640,13 +640,20 @@ class Recipe(ABC):
     ) -> None:
         """Embed the checked prompts with ``embed`` on ``module``, marking the rows it cut,
         and under guidance the negative prompts (the empty prompt where a row has none):
-        the encode of a class with one text encoder."""
+        the encode of a class with one text encoder. ``embed`` sees each distinct text once
+        (``unique_texts``)."""
+
+        def each_row(texts: Sequence[str]) -> tuple[list[torch.Tensor], list[bool]]:
+            distinct, rows = unique_texts(texts)
+            states, cut = embed(module, distinct)
+            return [states[row] for row in rows], [cut[row] for row in rows]
+
         prompts = self.check(batch)
-        batch.context, truncated = embed(module, prompts)
+        batch.context, truncated = each_row(prompts)
         batch.mark_truncated(truncated)
         if self.guided(batch):
             negative = batch.negative_prompts or [""] * len(prompts)
-            batch.negative_context, _ = embed(module, negative)
+            batch.negative_context, _ = each_row(negative)
 
     def interface_problems(self) -> list[Problem]:
         """Say where the components' widths do not fit together (from configs alone)."""

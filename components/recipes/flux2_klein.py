@@ -37,7 +37,6 @@ from components.recipes.base import (
     latent_grid,
     latent_rows,
     narrow_scheduler,
-    unique_texts,
 )
 
 __all__ = ["Flux2KleinRecipe"]
@@ -137,16 +136,14 @@ class Flux2KleinRecipe(Recipe):
         self, module: nn.Module, texts: Sequence[str]
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Return each text's joined states ``(512, 3E)``, and whether it was cut."""
-        distinct, rows = unique_texts(texts)
         encoder = self.text_encoder
-        templated = [self.template(text) for text in distinct]
+        templated = [self.template(text) for text in texts]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
         layers = encoder.hidden_states(module, tokens, TEXT_LAYERS, boolean_mask=False)
         joined = torch.stack(layers, dim=1).to(encoder.dtype)  # (B', 3, L, E)
         b, count, length, each = joined.shape
         states = joined.permute(0, 2, 1, 3).reshape(b, length, count * each)
-        cut = encoder.truncated(templated, MAX_TOKENS)
-        return [states[row] for row in rows], [cut[row] for row in rows]
+        return list(states), encoder.truncated(templated, MAX_TOKENS)
 
     def draw_latents(
         self, generator: torch.Generator, count: int, size: tuple[int, int]

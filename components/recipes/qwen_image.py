@@ -39,7 +39,6 @@ from components.recipes.base import (
     latent_grid,
     latent_rows,
     narrow_scheduler,
-    unique_texts,
 )
 from components.recipes.flux import pack, unpack
 from components.recipes.shift import flow_shift
@@ -137,16 +136,14 @@ class QwenImageRecipe(Recipe):
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Return each text's states ``(L_i, E)`` past the template's head, and whether it
         was cut."""
-        distinct, rows = unique_texts(texts)
-        templated = [self.template(text) for text in distinct]
+        templated = [self.template(text) for text in texts]
         tokens = self.text_encoder.tokenize(templated, TOKENIZER_LENGTH + DROPPED, longest=True)
         (states,) = self.text_encoder.hidden_states(module, tokens, [-1], boolean_mask=False)
         kept = [
             each[real.bool()][DROPPED:].to(self.text_encoder.dtype)
             for each, real in zip(states, tokens.mask.to(states.device), strict=True)
         ]
-        cut = [len(each) > MAX_TOKENS for each in kept]
-        return [kept[row][:MAX_TOKENS] for row in rows], [cut[row] for row in rows]
+        return [each[:MAX_TOKENS] for each in kept], [len(each) > MAX_TOKENS for each in kept]
 
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> QwenImageDenoising:
         """Set up one size group: its packed noise, its text (and negatives) and its scheduler."""

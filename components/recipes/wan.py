@@ -49,7 +49,6 @@ from components.recipes.base import (
     narrow_scheduler,
     predict,
     scheduler_config,
-    unique_texts,
     width,
 )
 
@@ -264,11 +263,9 @@ class WanRecipe(Recipe):
         self, module: nn.Module, texts: Sequence[str]
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Return each text's states ``(512, E)`` (zero past its tokens) and whether it was cut."""
-        distinct, rows = unique_texts(texts)
-        cleaned = [clean_prompt(text) for text in distinct]
+        cleaned = [clean_prompt(text) for text in texts]
         hidden = self.text_encoder.encode(module, cleaned, self.max_tokens)
-        cut = self.text_encoder.truncated(cleaned, self.max_tokens)
-        return [hidden[row] for row in rows], [cut[row] for row in rows]
+        return list(hidden), self.text_encoder.truncated(cleaned, self.max_tokens)
 
     def draw_latents(
         self, generator: torch.Generator, count: int, size: tuple[int, int], frames: int = 1

@@ -33,7 +33,6 @@ from components.recipes.base import (
     guided_texts,
     latent_rows,
     narrow_scheduler,
-    unique_texts,
 )
 from components.recipes.shift import flow_shift
 
@@ -113,15 +112,13 @@ class ZImageRecipe(Recipe):
         self, module: nn.Module, texts: Sequence[str]
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Return each text's states ``(L_i, E)`` (its real tokens), and whether it was cut."""
-        distinct, rows = unique_texts(texts)
         encoder = self.text_encoder
-        templated = [self.template(text) for text in distinct]
+        templated = [self.template(text) for text in texts]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
         (states,) = encoder.hidden_states(module, tokens, [PENULTIMATE], boolean_mask=True)
         real = tokens.mask.to(states.device).bool()
         kept = [each[mask] for each, mask in zip(states, real, strict=True)]
-        cut = encoder.truncated(templated, MAX_TOKENS)
-        return [kept[row] for row in rows], [cut[row] for row in rows]
+        return kept, encoder.truncated(templated, MAX_TOKENS)
 
     def start(self, batch: Batch, group: SizeGroup, device: torch.device) -> ZImageDenoising:
         """Set up one size group: its noise, its text (and negatives) and its scheduler."""
