@@ -2,7 +2,8 @@
 
 Every import of the three packages is read from its source (``ast``, nothing is imported),
 at module level, inside functions and under ``if TYPE_CHECKING:`` alike: a type-only import
-is an arrow too, and a failure says which kind it is.
+is an arrow too, and a failure says which kind it is. The sources are read by a fixture, not
+at import: every xdist worker imports this file to collect it, and one runs it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ("lifecycle", "components", "attention")
@@ -200,7 +203,10 @@ def package_imports(*packages: str) -> list[Import]:
     ]
 
 
-ALL = package_imports(*FLOORS)
+@pytest.fixture(scope="module")
+def every_import() -> list[Import]:
+    """Every import of every module of the house."""
+    return package_imports(*FLOORS)
 
 
 class TestArrows:
@@ -222,29 +228,31 @@ class TestArrows:
         assert ("components.loader", 5, True) in found
         assert ("lifecycle.cli", 7, False) in found
 
-    def test_packages_import_downward_only(self) -> None:
+    def test_packages_import_downward_only(self, every_import: list[Import]) -> None:
         """``lifecycle -> components -> attention``: no package imports one above it."""
         upward = [
             str(found)
-            for found in ALL
+            for found in every_import
             if found.target.split(".")[0] in FLOORS and floor(found.target) < floor(found.importer)
         ]
         assert upward == []
 
-    def test_the_core_never_imports_serving_or_the_cli(self) -> None:
+    def test_the_core_never_imports_serving_or_the_cli(self, every_import: list[Import]) -> None:
         """The core (``lifecycle`` but ``serving/`` and ``cli/``) imports neither of those."""
-        core = [found for found in ALL if within(found.importer, "lifecycle")]
+        core = [found for found in every_import if within(found.importer, "lifecycle")]
         core = [found for found in core if not within(found.importer, *OUTSIDE_CORE)]
         assert core, "no module of the core was read"
         assert [str(f) for f in core if within(f.target, *OUTSIDE_CORE[:2])] == []
 
-    def test_serving_leaves_the_terminal_and_exit_codes_to_the_cli(self) -> None:
+    def test_serving_leaves_the_terminal_and_exit_codes_to_the_cli(
+        self, every_import: list[Import]
+    ) -> None:
         """The HTTP worker neither prints to the terminal nor imports the CLI (its exit codes):
         ``lifecycle serve`` says what went wrong and how the process ends."""
         paths = sorted((ROOT / "lifecycle" / "serving").rglob("*.py"))
         assert paths, "no module of serving was read"
         writes = [w for p in paths for w in terminal_writes(p.read_text(), module_name(p))]
-        serving = [f for f in ALL if within(f.importer, "lifecycle.serving")]
+        serving = [f for f in every_import if within(f.importer, "lifecycle.serving")]
         assert writes == []
         assert [str(f) for f in serving if within(f.target, "lifecycle.cli")] == []
 
@@ -264,12 +272,14 @@ class TestArrows:
             "m:5 calls sys.exit",
         ]
 
-    def test_admission_does_no_io_but_the_offload_dir_probe(self) -> None:
+    def test_admission_does_no_io_but_the_offload_dir_probe(
+        self, every_import: list[Import]
+    ) -> None:
         """Admission decides: of ``lifecycle`` it reads the spec, plan, refusals, sizes and
         tables, and imports nothing that writes, logs or starts work; ``offload_dir`` alone
         probes a folder.
         """
-        admission = [f for f in ALL if within(f.importer, "lifecycle.admission")]
+        admission = [f for f in every_import if within(f.importer, "lifecycle.admission")]
         assert admission, "no module of admission was read"
         allowed = ("lifecycle.admission", *ADMISSION_READS)
         wrong = [
@@ -284,10 +294,12 @@ class TestArrows:
         ]
         assert wrong == []
 
-    def test_rooms_import_only_what_they_may_read(self) -> None:
+    def test_rooms_import_only_what_they_may_read(self, every_import: list[Import]) -> None:
         """Each room of ``lifecycle`` imports only itself and the parts ``ROOMS`` lets it read."""
-        assert all(any(within(f.importer, room) for f in ALL) for room in ROOMS), "a room is empty"
-        assert room_breaches(ALL) == []
+        assert all(any(within(f.importer, room) for f in every_import) for room in ROOMS), (
+            "a room is empty"
+        )
+        assert room_breaches(every_import) == []
 
     def test_a_room_reaching_outside_is_caught(self) -> None:
         """An import from a room to a part it may not read is named (the rule can fail)."""
@@ -302,19 +314,21 @@ class TestArrows:
         ]
         assert room_breaches(allowed) == []
 
-    def test_rooms_of_components_import_one_way(self) -> None:
+    def test_rooms_of_components_import_one_way(self, every_import: list[Import]) -> None:
         """Recipes import folders and kinds import models, never the other way round."""
         back = [
             str(found)
-            for found in ALL
+            for found in every_import
             for upper, lower in ONE_WAY
             if within(found.importer, lower) and within(found.target, upper)
         ]
-        assert all(any(within(f.importer, lower) for f in ALL) for _, lower in ONE_WAY)
+        assert all(any(within(f.importer, lower) for f in every_import) for _, lower in ONE_WAY)
         assert back == []
 
-    def test_kinds_do_not_import_the_registry_that_lists_them(self) -> None:
+    def test_kinds_do_not_import_the_registry_that_lists_them(
+        self, every_import: list[Import]
+    ) -> None:
         """The built-in kinds know nothing of ``components.registry``: no import cycle."""
-        kinds = [f for f in ALL if within(f.importer, "components.kinds")]
+        kinds = [f for f in every_import if within(f.importer, "components.kinds")]
         assert kinds, "no module of components.kinds was read"
         assert [str(f) for f in kinds if within(f.target, "components.registry")] == []

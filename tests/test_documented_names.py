@@ -25,6 +25,8 @@ DOTTED = re.compile(r"`((?:lifecycle|components|attention)(?:\.[A-Za-z_]\w*)+)")
 """A backticked dotted name under one of the packages (what follows it, a call or a
 subscript, is left off)."""
 LOG_CALLS = frozenset({"debug", "info", "warning", "error", "exception", "critical"})
+MAY_LOG = re.compile(rf"\.(?:{'|'.join(LOG_CALLS)})\(|\btag\s*=")
+"""Text that a source holding a log call or an event struct's tag has."""
 
 
 def documented_names() -> list[str]:
@@ -34,11 +36,19 @@ def documented_names() -> list[str]:
 
 
 def event_names() -> frozenset[str]:
-    """Return every log event's name the packages write, and every event struct's tag."""
+    """Return every log event's name the packages write, and every event struct's tag.
+
+    Only the sources that spell a log call or a ``tag=`` keyword are parsed (formatted code
+    writes a call's parenthesis right after the name): a few dozen of the packages' modules,
+    where every xdist worker reads them to collect this file.
+    """
     names = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            source = path.read_text()
+            if not MAY_LOG.search(source):
+                continue
+            for node in ast.walk(ast.parse(source)):
                 if (
                     isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Attribute)

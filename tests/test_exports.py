@@ -3,8 +3,10 @@
 A module declares ``__all__``: the names other modules of the project, and users, may import
 from it (the rest is its own, as in structlog and msgspec). A module whose name has a leading
 underscore may skip it: then it is its package's own, and only modules of that package
-import from it. Read from the sources (``ast``, nothing is imported); tests/ and benchmarks/
-may import anything.
+import from it. Read from the sources (``ast``, nothing is imported) by a fixture of this
+file's tests, not at import: every xdist worker imports this file to collect it, and the
+parsed trees, kept, would slow every later garbage collection of the run. tests/ and
+benchmarks/ may import anything.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
+import pytest
+
 from tests.test_arrows import FLOORS, ROOT, module_name
 
-TREES = {
-    module_name(path): ast.parse(path.read_text())
-    for floor in FLOORS
-    for path in sorted((ROOT / floor).rglob("*.py"))
-}
-"""Every module of the house, parsed, by dotted name."""
+
+@pytest.fixture(scope="module")
+def house() -> dict[str, ast.Module]:
+    """Every module of the house, parsed, by dotted name."""
+    return {
+        module_name(path): ast.parse(path.read_text())
+        for floor in FLOORS
+        for path in sorted((ROOT / floor).rglob("*.py"))
+    }
+
 
 ANY_MODULE = ("*", "__all__")
 """What an import may take from any module: its exports, or the list of them (a module kept
@@ -169,27 +177,27 @@ def every_taken(trees: Mapping[str, ast.Module]) -> list[Taken]:
 
 
 class TestExports:
-    def test_every_module_declares_its_exports(self) -> None:
+    def test_every_module_declares_its_exports(self, house: dict[str, ast.Module]) -> None:
         """Each module of the three packages declares ``__all__`` or has a private name."""
-        assert "lifecycle.orchestrator" in TREES
-        assert undeclared(TREES) == []
+        assert "lifecycle.orchestrator" in house
+        assert undeclared(house) == []
 
-    def test_every_exported_name_is_bound(self) -> None:
+    def test_every_exported_name_is_bound(self, house: dict[str, ast.Module]) -> None:
         """Each name in an ``__all__`` is one its module binds at import."""
-        assert unbound(TREES) == []
+        assert unbound(house) == []
 
-    def test_modules_import_only_what_others_export(self) -> None:
+    def test_modules_import_only_what_others_export(self, house: dict[str, ast.Module]) -> None:
         """No module takes from another a name that the other's ``__all__`` leaves out."""
-        found = every_taken(TREES)
+        found = every_taken(house)
         assert len(found) > 1000, "the imports were not read"
-        assert unexported(found, TREES) == []
+        assert unexported(found, house) == []
 
-    def test_the_commands_are_exported(self) -> None:
+    def test_the_commands_are_exported(self, house: dict[str, ast.Module]) -> None:
         """Each command pyproject.toml installs runs a name its module exports."""
         scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
         targets = [target.split(":") for target in scripts.values()]
         assert targets
-        assert [m for m, name in targets if name not in (declared(m, TREES) or ())] == []
+        assert [m for m, name in targets if name not in (declared(m, house) or ())] == []
 
     def test_a_breach_of_each_rule_is_caught(self) -> None:
         """A module without ``__all__``, an export it lacks, a name taken that is not exported
