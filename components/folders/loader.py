@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from components.folders.files import Variant, stored_tensors, weight_files
+from components.folders.layouts import layout_key, remembered
 from components.folders.meta import Expected, assign_weights, build_empty, expected_tensors
 from components.folders.names import module_names
 from components.libraries import Library, library_class, missing
@@ -164,11 +165,15 @@ class FolderLoader(ComponentLoader):
         """What the kind declares: the tensors its module expects and the module name of each
         stored tensor (see ``declared_layout``); None when that cannot be known here.
 
+        The process keeps the layouts it declared (``components.folders.layouts``): one
+        computed from the same kind, options, config and headers is not built again.
+
         Raises:
             OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
                 library does and this version does not.
         """
-        return self.declared_layout()
+        key = layout_key(type(self), self.options, self.config, self.stored)
+        return remembered(key, self.declared_layout)
 
     def declared_layout(self) -> Layout | None:
         """Return the library class's layout (``library_layout``); a kind with a custom path

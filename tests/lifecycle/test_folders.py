@@ -195,6 +195,29 @@ class TestLoad:
             held = [len(list(loaded.module(name).parameters())) for name in spec.components]
         assert len(registered) == sum(held)
 
+    def test_a_folder_admitted_again_is_not_built_again(
+        self, pipeline_folder: PipelineFolders, cpu: Platform, tmp_path: Path
+    ) -> None:
+        """A later admission of the folder in the process takes the layouts the first one
+        declared and builds no module; its load builds each module once; an edited config
+        is a new layout, built again."""
+        folder = copied(pipeline_folder("pixart"), tmp_path)  # admitted by no earlier test
+        spec = load_spec(folder)
+        with Orchestrator(spec, platform=cpu) as first:
+            first.admit()
+        with parameters_registered() as registered, Orchestrator(spec, platform=cpu) as again:
+            again.admit()
+            admitted = len(registered)
+            again.load()
+            held = {name: len(list(again.module(name).parameters())) for name in spec.components}
+        assert admitted == 0
+        assert len(registered) == sum(held.values())
+        config = folder / "vae" / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "_note": "edited"}))
+        with parameters_registered() as registered, Orchestrator(spec, platform=cpu) as edited:
+            edited.admit()
+        assert len(registered) == held["vae"]
+
 
 def _bytes(module: torch.nn.Module) -> int:
     """Return the bytes of ``module``'s parameters and buffers, each tensor once."""
