@@ -25,6 +25,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXPERTS = ("transformer", "transformer_2")
 
 
+@pytest.fixture(scope="module")
+def a14b_video(pipeline_folder: PipelineFolders) -> torch.Tensor:
+    """What diffusers' own pipeline makes of A14B's request, in [0, 1], run once for the
+    tests of the file that compare to it."""
+    torch.set_num_threads(1)  # the first test that asks is under one_thread too
+    return diffusers_video(pipeline_folder("wan-a14b"), VIDEO_REQUESTS["wan-a14b"])
+
+
 def expert_moves(moves: list[Move], request_id: str) -> list[tuple[str, str]]:
     """Return the experts' moves for ``request_id``, in order, as (component, direction)."""
     return [
@@ -43,7 +51,11 @@ class TestHandOver:
     """Under a budget that holds one expert, each request hands over once, at the boundary."""
 
     def test_one_expert_budget(
-        self, pipeline_folder: PipelineFolders, tmp_path: Path, cpu: Platform
+        self,
+        pipeline_folder: PipelineFolders,
+        a14b_video: torch.Tensor,
+        tmp_path: Path,
+        cpu: Platform,
     ) -> None:
         """Two requests, the second a batch of two videos: each onloads ``transformer``,
         lets it go and onloads ``transformer_2`` once (never per step), the batch's videos
@@ -61,7 +73,6 @@ class TestHandOver:
                 moves.append(event)
 
         request = VIDEO_REQUESTS["wan-a14b"]
-        want = diffusers_video(folder, request)
         with (
             capture_events() as events,
             Orchestrator(spec, platform=cpu, observer=observe) as orchestrator,
@@ -84,7 +95,7 @@ class TestHandOver:
                 assert batch.videos is not None
                 assert len(batch.videos) == videos
                 ours = (batch.videos[0] / 2 + 0.5).clamp(0, 1)
-                assert (ours - want).abs().max() <= 1e-5
+                assert (ours - a14b_video).abs().max() <= 1e-5
                 if alone is not None:  # what a video alone makes, when batched
                     assert torch.equal(ours, alone)
                 alone = ours
@@ -133,7 +144,7 @@ class TestPrefetch:
     """Back to back, the next request's first expert comes in while a request decodes."""
 
     def test_next_requests_first_expert_onloads_during_decode(
-        self, pipeline_folder: PipelineFolders, cpu: Platform
+        self, pipeline_folder: PipelineFolders, a14b_video: torch.Tensor, cpu: Platform
     ) -> None:
         """Under a budget of one expert beside the encoder, experts offloaded between uses:
         each request's decode onloads ``transformer`` for the next (reason ``prefetch``), the
@@ -151,7 +162,6 @@ class TestPrefetch:
         moves: list[Move] = []
         over: list[int] = []
         request = VIDEO_REQUESTS["wan-a14b"]
-        want = diffusers_video(folder, request)
         with Orchestrator(spec, platform=cpu) as orchestrator:
 
             def observe(event: Event) -> None:
@@ -168,7 +178,7 @@ class TestPrefetch:
                     running.run_all(batch)
                 assert batch.videos is not None
                 ours = (batch.videos[0] / 2 + 0.5).clamp(0, 1)
-                assert (ours - want).abs().max() <= 1e-5
+                assert (ours - a14b_video).abs().max() <= 1e-5
         assert not over
         first, second = moves_of(moves, "r1"), moves_of(moves, "r2")
         assert first[-1] == ("transformer", "onload", "prefetch")  # while r1 decodes
