@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import httpx
 import msgspec
@@ -25,6 +25,7 @@ from lifecycle.serving.metrics import ServingMetrics
 from lifecycle.serving.worker import Phase, Worker
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import PipelineSpec
+from tests.conftest import PipelineFolders
 from tests.lifecycle.conftest import ReferenceSpec, reference_maker
 from tests.lifecycle.serving.file_gate import GATE_ENV, FileGate
 
@@ -36,6 +37,9 @@ import uvicorn
 from lifecycle.serving.app import create_app
 from lifecycle.serving.auth import DoorKeys
 from lifecycle.serving.server import uvicorn_config
+
+if TYPE_CHECKING:
+    from benchmarks.make_pipeline import Family
 
 WATCHDOG_S = 120.0
 """The longest any serving test waits for anything."""
@@ -241,6 +245,34 @@ def shared_t2i(
         key = tuple(sorted(serving.items()))
         if key not in served:
             served[key] = module_servers([make(**serving)])
+        return served[key]
+
+    return serve
+
+
+def folder_spec(folder: Path, **serving: Any) -> PipelineSpec:
+    """Return the spec of ``folder`` with ``[serving]`` settings."""
+    table = "".join(f"{key} = {value}\n" for key, value in serving.items())
+    return decode_spec(f'source = "{folder}"\ndevice = "cpu"\n[serving]\n{table}')
+
+
+SharedFolder: TypeAlias = Callable[..., Served]
+"""``shared_folder(family, **serving)``: the module's worker of that family's tiny folder
+with these ``[serving]`` changes."""
+
+
+@pytest.fixture(scope="module")
+def shared_folder(module_servers: Servers, pipeline_folder: PipelineFolders) -> SharedFolder:
+    """Serve a family's tiny folder once per module for each ``[serving]`` table
+    (``module_servers``): a folder's worker loads and warms up in a few tenths of a
+    CPU-second, which every test of it would pay again."""
+    served: dict[tuple[str, tuple[tuple[str, Any], ...]], Served] = {}
+
+    def serve(family: Family, **serving: Any) -> Served:
+        key = (family, tuple(sorted(serving.items())))
+        if key not in served:
+            torch.set_num_threads(1)  # it warms up with one thread, as its tests run
+            served[key] = module_servers([folder_spec(pipeline_folder(family), **serving)])
         return served[key]
 
     return serve

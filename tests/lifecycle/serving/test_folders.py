@@ -16,21 +16,14 @@ from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.folder_jobs import folder_image_job
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, Job
 from lifecycle.serving.limits import check_images
-from lifecycle.spec.reading import decode_spec
-from lifecycle.spec.structs import PipelineSpec, ServingConfig
+from lifecycle.spec.structs import ServingConfig
 from tests.components.folder_runs import Request, recipe_of, run_diffusers
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
 from tests.lifecycle.folder_specs import REQUESTS, assert_same_pixels, pixels, run_arguments
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, ServeSpec, run_alone
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Gate, SharedFolder, run_alone
 from tests.lifecycle.serving.test_batching import occupied
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def folder_spec(folder: Path, **serving: Any) -> PipelineSpec:
-    """Return the spec of ``folder`` with ``[serving]`` settings."""
-    table = "".join(f"{key} = {value}\n" for key, value in serving.items())
-    return decode_spec(f'source = "{folder}"\ndevice = "cpu"\n[serving]\n{table}')
 
 
 def folder_job(
@@ -76,14 +69,14 @@ class TestImages:
     def test_png_bytes_equal_run_out(
         self,
         pipeline_folder: PipelineFolders,
-        serve_spec: ServeSpec,
+        shared_folder: SharedFolder,
         lifecycle: Lifecycle,
         tmp_path: Path,
     ) -> None:
         """The worker's PNG is byte for byte the one ``lifecycle run --out`` writes."""
         folder = pipeline_folder("sd3")
         request = Request(negative_prompt="a grey dog", size=(32, 64), steps=3, seed=9)
-        served = serve_spec(folder_spec(folder))
+        served = shared_folder("sd3")
         with served.client() as client:
             (served_png,) = pngs(generate(client, **body_of(request)))
         result = lifecycle(
@@ -93,12 +86,12 @@ class TestImages:
         assert served_png == (tmp_path / "r1-0.png").read_bytes()
 
     def test_seed_and_n_draw_as_diffusers(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
+        self, pipeline_folder: PipelineFolders, shared_folder: SharedFolder
     ) -> None:
         """``seed`` and ``n`` draw as ``manual_seed(seed)`` with ``num_images_per_prompt=n``."""
         folder = pipeline_folder("pixart-sigma")
         request = Request(size=(48, 48), steps=3, seed=11, count=2)
-        served = serve_spec(folder_spec(folder))
+        served = shared_folder("pixart-sigma")
         with served.client() as client:
             images = [decode_png(png) for png in pngs(generate(client, **body_of(request)))]
         theirs = pixels(run_diffusers(folder, request))
@@ -108,22 +101,20 @@ class TestImages:
 
     @pytest.mark.parametrize("family", ["qwen-image", "z-image", "flux2-klein"])
     def test_language_model_encoders_serve_diffusers_pixels(
-        self, family: str, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
+        self, family: str, pipeline_folder: PipelineFolders, shared_folder: SharedFolder
     ) -> None:
         """Qwen-Image (true CFG), Z-Image and Flux.2 klein answer with diffusers' image."""
         folder = pipeline_folder(family)
         request = REQUESTS[family]
-        served = serve_spec(folder_spec(folder))
+        served = shared_folder(family)
         with served.client() as client:
             (png,) = pngs(generate(client, **body_of(request)))
         assert_same_pixels(decode_png(png), pixels(run_diffusers(folder, request))[0])
 
-    def test_what_the_class_cannot_honour_is_a_400(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
-    ) -> None:
+    def test_what_the_class_cannot_honour_is_a_400(self, shared_folder: SharedFolder) -> None:
         """An off-grid size names the multiple (invalid_size, as every size error; 0x0 too);
         Flux's negative prompt and previews are refused."""
-        served = serve_spec(folder_spec(pipeline_folder("flux")))
+        served = shared_folder("flux")
         with served.client() as client:
             off_grid = generate(client, prompt="a fox", size="40x40").json()["error"]
             empty = generate(client, prompt="a fox", size="0x0").json()["error"]
@@ -142,10 +133,10 @@ class TestImages:
         assert previews.json()["error"]["param"] == "partial_images"
 
     def test_a_stream_reports_every_step_then_the_same_png(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec
+        self, shared_folder: SharedFolder
     ) -> None:
         """``stream: true`` sends one event per scheduler step, then the non-streamed PNG."""
-        served = serve_spec(folder_spec(pipeline_folder("pixart-sigma")))
+        served = shared_folder("pixart-sigma")
         body = {"prompt": "a fox", "size": "48x32", "steps": 3, "seed": 2}
         with served.client() as client:
             with connect_sse(
@@ -176,12 +167,12 @@ class TestBatches:
     """Requests batch by size, or across sizes where the DiT packs them; each equals alone."""
 
     def test_same_size_requests_share_a_batch(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, gated: Gate
+        self, shared_folder: SharedFolder, gated: Gate
     ) -> None:
         """Keyed by size (a DiT that cannot pack sizes), three of one size run as one batch,
         one of another size apart; all as if alone."""
         # the three start once queued (max_batch); the other waits out its window alone
-        served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=500, max_batch=3))
+        served = shared_folder("flux", batch_window_ms=500, max_batch=3)
         batcher = served.worker.batcher
         recipe = served.worker.orchestrator.recipe
         assert batcher is not None
@@ -208,11 +199,11 @@ class TestBatches:
             assert (job.output - run_alone(served.worker, alone)).abs().max() <= OUTPUT_TOLERANCE
 
     def test_sizes_share_a_batch_on_the_custom_dit(
-        self, pipeline_folder: PipelineFolders, serve_spec: ServeSpec, gated: Gate
+        self, shared_folder: SharedFolder, gated: Gate
     ) -> None:
         """Flux's custom DiT packs sizes: jobs of three sizes run as one batch, each image as
         its request alone."""
-        served = serve_spec(folder_spec(pipeline_folder("flux"), batch_window_ms=500, max_batch=3))
+        served = shared_folder("flux", batch_window_ms=500, max_batch=3)
         batcher = served.worker.batcher
         recipe = served.worker.orchestrator.recipe
         assert batcher is not None

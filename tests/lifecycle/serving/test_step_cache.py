@@ -8,6 +8,7 @@ asserts it does).
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lifecycle.serving.bodies import ImagesBody
 from lifecycle.serving.status import RunningBatch, worker_status
 from lifecycle.spec.reading import decode_spec
 from tests.conftest import Lifecycle, PipelineFolders
-from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, Servers, ServeSpec
 from tests.lifecycle.serving.test_folders import folder_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,10 +30,45 @@ BODY: dict[str, Any] = {"prompt": "a red fox", "size": "64x64", "seed": 3}
 DEFAULT_STEPS = {"pixart": 20, "flux": 28}
 
 
-@pytest.fixture
-def folder(pipeline_folder: PipelineFolders) -> Path:
-    """The tiny Flux folder whose steps differ as a trained model's do."""
-    return pipeline_folder("flux", smooth_time=True)
+@pytest.fixture(scope="module")
+def taylor_seer(module_servers: Servers, pipeline_folder: PipelineFolders) -> Callable[[], Served]:
+    """Serve the tiny Flux folder whose steps differ as a trained model's do, under
+    TaylorSeer, once for the module: its tests send requests and read answers."""
+    served: list[Served] = []
+
+    def serve() -> Served:
+        if not served:
+            folder = pipeline_folder("flux", smooth_time=True)
+            spec = decode_spec(
+                f'source = "{folder}"\ndevice = "cpu"\n'
+                '[components.transformer.cache]\nmethod = "taylor_seer"\n'
+            )
+            served.append(module_servers([spec]))
+        return served[0]
+
+    return serve
+
+
+@pytest.fixture(scope="module")
+def uncached_pngs() -> dict[Path, bytes]:
+    """The PNG ``lifecycle run`` writes for ``BODY`` without a cache, by folder, once run:
+    the ``"cache": false`` answers of both methods are compared with the same run."""
+    return {}
+
+
+def uncached_png(
+    folder: Path, lifecycle: Lifecycle, tmp_path: Path, made: dict[Path, bytes]
+) -> bytes:
+    """Return the PNG ``run`` writes for ``BODY`` from ``folder`` (no cache), running it
+    where ``made`` lacks it."""
+    if folder not in made:
+        result = lifecycle(
+            "run", folder, "--requests", "1", "--threads", "1", "--prompt", BODY["prompt"],
+            "--size", BODY["size"], "--seed", str(BODY["seed"]), "--out", tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        made[folder] = (tmp_path / "r1-0.png").read_bytes()
+    return made[folder]
 
 
 @pytest.mark.parametrize("method", ["first_block", "taylor_seer"])
@@ -44,6 +80,7 @@ def test_cache_false_equals_the_uncached_run_and_responses_say_what_ran(
     serve_spec: ServeSpec,
     lifecycle: Lifecycle,
     tmp_path: Path,
+    uncached_pngs: dict[Path, bytes],
 ) -> None:
     """For each method on each family, ``"cache": false`` makes the PNG ``run`` makes
     without a cache, byte for byte; the cached request says what it skipped, a 3-step one
@@ -72,24 +109,15 @@ def test_cache_false_equals_the_uncached_run_and_responses_say_what_ran(
     }
     labels = 'component="transformer",outcome="skipped",pipeline="fox"'
     assert f"lifecycle_cache_steps_total{{{labels}}} {float(cached['skipped'])}" in metrics
-    result = lifecycle(
-        "run", folder, "--requests", "1", "--threads", "1", "--prompt", BODY["prompt"],
-        "--size", BODY["size"], "--seed", str(BODY["seed"]), "--out", tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    plain = (tmp_path / "r1-0.png").read_bytes()
+    plain = uncached_png(folder, lifecycle, tmp_path, uncached_pngs)
     assert base64.b64decode(off.json()["data"][0]["b64_json"]) == plain
     assert base64.b64decode(on.json()["data"][0]["b64_json"]) != plain
 
 
-def test_a_skipped_step_still_streams_its_progress(folder: Path, serve_spec: ServeSpec) -> None:
+def test_a_skipped_step_still_streams_its_progress(taylor_seer: Callable[[], Served]) -> None:
     """A streamed request under a cache gets one event per step, skipped steps too, then
     the image, which says what the cache skipped."""
-    spec = decode_spec(
-        f'source = "{folder}"\ndevice = "cpu"\n'
-        '[components.transformer.cache]\nmethod = "taylor_seer"\n'
-    )
-    served = serve_spec(spec)
+    served = taylor_seer()
     with (
         served.client() as client,
         connect_sse(
@@ -105,15 +133,11 @@ def test_a_skipped_step_still_streams_its_progress(folder: Path, serve_spec: Ser
 
 
 def test_the_status_shows_the_steps_a_running_batch_skipped(
-    folder: Path, serve_spec: ServeSpec
+    taylor_seer: Callable[[], Served],
 ) -> None:
     """Read on the runner thread at step 20, the status page's running batch says how many
     image steps its cache skipped so far: what the finished job then reports."""
-    spec = decode_spec(
-        f'source = "{folder}"\ndevice = "cpu"\n'
-        '[components.transformer.cache]\nmethod = "taylor_seer"\n'
-    )
-    served = serve_spec(spec)
+    served = taylor_seer()
     worker = served.worker
     batcher, recipe = worker.batcher, worker.orchestrator.recipe
     assert batcher is not None

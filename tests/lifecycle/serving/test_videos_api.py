@@ -29,10 +29,11 @@ from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
     Served,
     Servers,
+    SharedFolder,
     SharedT2i,
+    folder_spec,
     loopback_client,
 )
-from tests.lifecycle.serving.test_folders import folder_spec
 from tests.lifecycle.test_videos import LUMA, MP4_TOLERANCE, frames_of
 from tests.lifecycle.video_requests import (
     PROMPT,
@@ -59,21 +60,18 @@ EXTRA = {
 }
 """Our fields of ``REQUEST`` beside OpenAI's, as the openai client sends them (extra_body)."""
 SIZE = f"{REQUEST.size[1]}x{REQUEST.size[0]}"
+VIDEO_BOUNDS = {"max_frames": 5, "max_video_pixels": 5 * 48 * 32 - 1}
+"""One worker's bounds for two tests: frames are checked first, then pixels."""
 LONG_STEPS = 200
 """Steps of a video that is still running when the test deletes it (``serving.max_steps``)."""
 
 
-@pytest.fixture(scope="module")
-def wan(module_servers: Servers, pipeline_folder: PipelineFolders) -> Callable[..., Served]:
+@pytest.fixture
+def wan(shared_folder: SharedFolder) -> Callable[..., Served]:
     """Serve the tiny Wan 2.1 T2V folder once per module for each ``[serving]`` table."""
-    served: dict[tuple[tuple[str, Any], ...], Served] = {}
 
     def serve(**serving: Any) -> Served:
-        key = tuple(sorted(serving.items()))
-        if key not in served:
-            torch.set_num_threads(1)
-            served[key] = module_servers([folder_spec(pipeline_folder("wan"), **serving)])
-        return served[key]
+        return shared_folder("wan", **serving)
 
     return serve
 
@@ -327,8 +325,8 @@ class TestBounds:
     @pytest.mark.parametrize(
         ("serving", "body", "key"),
         [
-            ({"max_frames": 5}, {"num_frames": 9}, "max_frames"),
-            ({"max_video_pixels": 5 * 48 * 32 - 1}, {"num_frames": 5}, "max_video_pixels"),
+            (VIDEO_BOUNDS, {"num_frames": 9}, "max_frames"),
+            (VIDEO_BOUNDS, {"num_frames": 5}, "max_video_pixels"),  # at max_frames: taken
             ({}, {"steps": 201}, "max_steps"),
         ],
     )
