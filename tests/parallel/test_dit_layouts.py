@@ -33,7 +33,6 @@ from tests.conftest import PipelineFolders
 from tests.parallel.dit_worker import DitCase, run_dit_alone, run_dit_case
 from tests.parallel.layout_worker import Ran, Sent
 from tests.parallel.test_layouts import spawn
-from tests.ranks import DIFFUSERS_MODELS
 
 pytestmark = pytest.mark.long
 
@@ -168,7 +167,7 @@ def folders(
 def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every two-rank case's outputs, from one spawn of two gloo processes."""
     out_dir = tmp_path_factory.mktemp("dit_two")
-    spawn(2, cases(TWO, folders) | cached_cases(folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
+    spawn(2, cases(TWO, folders) | cached_cases(folders), out_dir, run_dit_case)
     return out_dir
 
 
@@ -176,7 +175,7 @@ def two(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> P
 def four(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every four-rank case's outputs, from one spawn of four gloo processes."""
     out_dir = tmp_path_factory.mktemp("dit_four")
-    spawn(4, cases(FOUR, folders), out_dir, run_dit_case, DIFFUSERS_MODELS)
+    spawn(4, cases(FOUR, folders), out_dir, run_dit_case)
     return out_dir
 
 

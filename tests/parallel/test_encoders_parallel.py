@@ -15,7 +15,7 @@ from lifecycle import AdmissionRefused, Orchestrator
 from lifecycle.spec.reading import load_spec
 from tests.conftest import PipelineFolders
 from tests.parallel.encoders_worker import run_rank, run_spec
-from tests.ranks import DIFFUSERS_MODELS, run_ranks
+from tests.ranks import TOKENIZERS, run_ranks
 
 pytestmark = pytest.mark.long
 
@@ -65,9 +65,7 @@ def two_ranks(pipeline_folder: PipelineFolders, tmp_path_factory: pytest.TempPat
     """Every layout's outputs and held bytes from one spawn of two gloo ranks."""
     out = tmp_path_factory.mktemp("encoders")
     specs = [str(write_spec(pipeline_folder, out, name, split=True)) for name in LAYOUTS]
-    exits = run_ranks(
-        run_rank, 2, out, str(out), specs, deadline_s=DEADLINE_S, preload=DIFFUSERS_MODELS
-    )
+    exits = run_ranks(run_rank, 2, out, str(out), specs, deadline_s=DEADLINE_S, preload=TOKENIZERS)
     assert exits == [0, 0], f"rank exit codes {exits} (tracebacks on stderr)"
     return out
 
