@@ -1,7 +1,8 @@
-"""Layers split by tensor parallel compute outside inference mode, equal to the whole layer.
+"""Layers split by tensor parallel compute on their shards (a linear) or outside inference
+mode (any other layer), equal to the whole layer.
 
-Under inference mode DTensor derives a split ``linear``'s sharding by tracing its
-decomposition, several times slower than the rules autograd's decomposition reaches.
+DTensor derives the sharding of each operation on a ``DTensor`` for every new input shape,
+and under inference mode by tracing ``linear``'s decomposition, several times slower.
 These run on a gloo group of one rank in this process: DTensor takes the same path.
 """
 
@@ -10,12 +11,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from components.tensor_parallel import split_layers
 from tests.ranks import joined
@@ -45,6 +49,20 @@ def mesh(tmp_path: Path) -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
 
 
+class DTensorOperations(TorchDispatchMode):
+    """Record every operation dispatched on a ``DTensor`` (each derives its sharding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Record ``func`` if a DTensor takes part, then run it."""
+        if any(issubclass(kind, DTensor) for kind in types):
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def split_copy(whole: Recording, mesh: DeviceMesh) -> tuple[nn.Sequential, Recording]:
     """Return a module holding a copy of ``whole`` split column-wise, and that copy."""
     module = nn.Sequential(copy.deepcopy(whole))
@@ -55,7 +73,23 @@ def split_copy(whole: Recording, mesh: DeviceMesh) -> tuple[nn.Sequential, Recor
 
 
 class TestSplitLayers:
-    """``split_layers``: DTensor shards whose computation leaves inference mode."""
+    """``split_layers``: DTensor shards whose computation leaves inference mode, or runs on
+    the local shards."""
+
+    @pytest.mark.parametrize("inference", [True, False])
+    def test_a_linear_computes_on_its_shards(self, mesh: DeviceMesh, inference: bool) -> None:
+        """Split column- then row-wise, two linears equal the whole ones, and no operation
+        reaches DTensor (which would derive its sharding for each new input shape)."""
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        module = copy.deepcopy(whole)
+        split_layers(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert isinstance(module[0].weight, DTensor)  # the weights stay DTensor shards
+        x = torch.randn(2, 3, 8)
+        with torch.inference_mode(inference), DTensorOperations() as operations:
+            got = module(x)
+        assert operations.names == []
+        torch.testing.assert_close(got, whole(x), rtol=1e-6, atol=1e-6)
 
     def test_under_inference_mode_the_layer_computes_without_it(self, mesh: DeviceMesh) -> None:
         """Under inference mode a split layer computes without it and without autograd."""
