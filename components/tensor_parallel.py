@@ -30,7 +30,8 @@ __all__ = ["split_layers"]
 
 
 def split_layers(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
-    """Split the layers of ``module`` named in ``plan`` over ``mesh`` (``parallelize_module``).
+    """Split the layers of ``module`` named in ``plan`` over ``mesh`` (``parallelize_module``),
+    each rank keeping its shards of its own copy: the ranks must hold the same weights.
 
     A split ``nn.Linear`` multiplies its local shards and hands DTensor the placement of
     the result (column-wise: this rank's output features; row-wise: a partial sum, which
@@ -42,7 +43,9 @@ def split_layers(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Paralle
     # whose layout splits tensors should pay
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(module, mesh, dict(plan))
+    # every rank built the whole module from the same files: each cuts its own shards
+    # (src_data_rank None), where the default scatters every weight from the first rank
+    parallelize_module(module, mesh, dict(plan), src_data_rank=None)
     for path in plan:
         layer = module.get_submodule(path)
         linear = type(layer).forward is nn.Linear.forward  # not a subclass's own forward

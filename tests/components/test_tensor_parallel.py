@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -75,6 +76,15 @@ def split_copy(whole: Recording, mesh: DeviceMesh) -> tuple[nn.Sequential, Recor
 class TestSplitLayers:
     """``split_layers``: DTensor shards whose computation leaves inference mode, or runs on
     the local shards."""
+
+    def test_splitting_sends_nothing(self, mesh: DeviceMesh) -> None:
+        """Each rank cuts its shards from its own copy of the weights (every rank loads the
+        same files): no weight is scattered or broadcast from the first rank."""
+        module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        with CommDebugMode() as sent:
+            split_layers(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert isinstance(module[2].bias, DTensor)
+        assert sent.get_comm_counts() == {}
 
     @pytest.mark.parametrize("inference", [True, False])
     def test_a_linear_computes_on_its_shards(self, mesh: DeviceMesh, inference: bool) -> None:
