@@ -24,7 +24,7 @@ from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.conftest import decode_png
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, run_alone
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, SharedT2i, run_alone
 from tests.lifecycle.test_waiting import until
 
 SpecMaker = Callable[..., PipelineSpec]
@@ -210,11 +210,9 @@ class TestDelete:
         metrics = served.get("/metrics").text
         assert 'lifecycle_cancelled_requests_total{stage="queued"} 1.0' in metrics
 
-    def test_delete_of_a_finished_request_is_409(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_delete_of_a_finished_request_is_409(self, shared_t2i: SharedT2i) -> None:
         """A request that is done cannot be cancelled; GET still says where it ended."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             assert generate(client, "done-1", steps=2).status_code == 200
             status = client.get("/v1/requests/done-1").json()
@@ -282,21 +280,17 @@ class TestRequestIds:
         assert again.json()["error"]["code"] == "duplicate_request_id"
 
     @pytest.mark.parametrize("sent", ["", "has space", "x" * 129, "semi;colon"])
-    def test_malformed_id_is_400(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker, sent: str
-    ) -> None:
+    def test_malformed_id_is_400(self, shared_t2i: SharedT2i, sent: str) -> None:
         """An x-request-id outside 1-128 characters of [A-Za-z0-9._:-] is refused."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response = generate(client, sent, steps=1)
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_request_id"
 
-    def test_assigned_ids_are_fresh_and_unguessable(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_assigned_ids_are_fresh_and_unguessable(self, shared_t2i: SharedT2i) -> None:
         """Without a header the worker assigns req-N- and 12 random hex digits, never twice."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             ids = [client.get("/healthz").headers["x-request-id"] for _ in range(3)]
         assert all(re.fullmatch(r"req-\d+-[0-9a-f]{12}", rid) for rid in ids)

@@ -20,9 +20,9 @@ import pytest
 
 from lifecycle.serving.board import server_sent
 from lifecycle.serving.status import QueuedRequest, RunningBatch, StatusSnapshot, worker_status
+from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.conftest import ReferenceSpec
-from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, ServeSpec, loopback_client
 from tests.lifecycle.serving.streams import RACE_BUDGET, evicting_spec, snapshot_race
 
@@ -145,39 +145,40 @@ def generate(url: str, body: dict[str, object]) -> int:
 
 
 class TestStatusPageInABrowser:
-    def test_page_follows_a_run_live(self, page: Any, root: Path, tmp_path: Path) -> None:
+    def test_page_follows_a_run_live(
+        self, page: Any, serve_spec: ServeSpec, root: Path, tmp_path: Path
+    ) -> None:
         """Under requests that evict, the page shows the text encoder go resident then
         offloaded, the budget bar move within its limit, the queue fill and drain, and a
         refused override with its code and fix; it fits a phone's width."""
-        spec = evicting_spec(root, tmp_path)
-        with serving(spec) as (_, url):
-            page.goto(url + "/")
-            page.wait_for_selector('#connection[data-state="live"]')
-            page.wait_for_selector(f'{PIPELINE} tr[data-component="text_encoder"]')
-            page.evaluate(RECORDER, PIPELINE)
-            bodies = [{"prompt": f"a fox {i}", "steps": 4, "seed": i} for i in range(6)]
-            with ThreadPoolExecutor(len(bodies)) as pool:
-                statuses = list(pool.map(lambda body: generate(url, body), bodies))
-            assert statuses == [200] * len(bodies)
-            assert generate(url, {"prompt": "a fox", "attention_backend": "sliding_window"}) == 400
-            refusal = page.wait_for_selector(
-                f'{PIPELINE} .refusal-list li[data-code="attention.invalid_override"]'
-            )
-            page.wait_for_function(IDLE, arg=PIPELINE)
-            seen = page.evaluate("window.seenByTest")
-            row = page.locator(f'{PIPELINE} tr[data-component="text_encoder"]')
-            footprint = row.locator("td.bytes").get_attribute("data-footprint")
-            bar = page.locator(f"{PIPELINE} .bar")
-            limit = bar.get_attribute("data-limit")
-            figures = page.locator(f"{PIPELINE} .figures").inner_text()
-            occupied = page.locator(f"{PIPELINE} .diagram .state.occupied").evaluate_all(
-                "nodes => nodes.map(n => n.dataset.state)"
-            )
-            page.screenshot(path=tmp_path / "status-1280x800.png", full_page=True)
-            page.set_viewport_size(PHONE)
-            page_width = page.evaluate("document.documentElement.scrollWidth")
-            page.screenshot(path=tmp_path / "status-390x844.png", full_page=True)
-            refusal_text = refusal.inner_text()
+        url = serve_spec(load_spec(evicting_spec(root, tmp_path))).url
+        page.goto(url + "/")
+        page.wait_for_selector('#connection[data-state="live"]')
+        page.wait_for_selector(f'{PIPELINE} tr[data-component="text_encoder"]')
+        page.evaluate(RECORDER, PIPELINE)
+        bodies = [{"prompt": f"a fox {i}", "steps": 4, "seed": i} for i in range(6)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            statuses = list(pool.map(lambda body: generate(url, body), bodies))
+        assert statuses == [200] * len(bodies)
+        assert generate(url, {"prompt": "a fox", "attention_backend": "sliding_window"}) == 400
+        refusal = page.wait_for_selector(
+            f'{PIPELINE} .refusal-list li[data-code="attention.invalid_override"]'
+        )
+        page.wait_for_function(IDLE, arg=PIPELINE)
+        seen = page.evaluate("window.seenByTest")
+        row = page.locator(f'{PIPELINE} tr[data-component="text_encoder"]')
+        footprint = row.locator("td.bytes").get_attribute("data-footprint")
+        bar = page.locator(f"{PIPELINE} .bar")
+        limit = bar.get_attribute("data-limit")
+        figures = page.locator(f"{PIPELINE} .figures").inner_text()
+        occupied = page.locator(f"{PIPELINE} .diagram .state.occupied").evaluate_all(
+            "nodes => nodes.map(n => n.dataset.state)"
+        )
+        page.screenshot(path=tmp_path / "status-1280x800.png", full_page=True)
+        page.set_viewport_size(PHONE)
+        page_width = page.evaluate("document.documentElement.scrollWidth")
+        page.screenshot(path=tmp_path / "status-390x844.png", full_page=True)
+        refusal_text = refusal.inner_text()
         first_resident = seen["states"].index("resident")
         assert "offloaded" in seen["states"][first_resident:]
         assert max(seen["queued"]) >= 1

@@ -15,7 +15,7 @@ from lifecycle.serving.streaming import preview_steps
 from lifecycle.spec.structs import PipelineSpec
 from lifecycle.testing import EventRecorder
 from tests.conftest import decode_png
-from tests.lifecycle.serving.conftest import ServeSpec
+from tests.lifecycle.serving.conftest import ServeSpec, SharedT2i
 from tests.lifecycle.serving.test_cancelling import at_rest
 from tests.lifecycle.test_waiting import until
 
@@ -34,10 +34,10 @@ def stream(client: httpx.Client, **body: Any) -> tuple[httpx.Response, list[tupl
 
 class TestStream:
     def test_every_step_then_the_same_image_as_without_streaming(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
+        self, shared_t2i: SharedT2i
     ) -> None:
         """One partial_image event per step (two with previews), then the non-streamed image."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response, events = stream(client, partial_images=2)
             plain = client.post("/v1/images/generations", json=BODY)
@@ -83,11 +83,9 @@ class TestStream:
         assert stopped.stage == "denoise"
         assert stopped.step < 1000
 
-    def test_error_after_the_stream_began_is_an_error_event(
-        self, serve_spec: ServeSpec, t2i_spec: SpecMaker
-    ) -> None:
+    def test_error_after_the_stream_began_is_an_error_event(self, shared_t2i: SharedT2i) -> None:
         """A refusal met once the stream began arrives as an error event with the refusal."""
-        served = serve_spec(t2i_spec())
+        served = shared_t2i()
         with served.client() as client:
             response, events = stream(client, attention_backend="flash_attn_9")
         assert response.status_code == 200
