@@ -22,6 +22,7 @@ from tests.blocked_imports import blocking
 from tests.components.folder_runs import Request, call_pipeline
 from tests.conftest import PipelineFolders, decode_png
 from tests.hub_layout import POISON, cache_repo, commit_of, hub_folder
+from tests.lifecycle.cli_calls import lifecycle_calls
 from tests.lifecycle.folder_specs import assert_same_pixels, pixels, run_arguments
 from tests.processes import Finished, run_python
 
@@ -76,32 +77,6 @@ def lifecycle_process(*args: str | Path, cwd: Path, before: str = "") -> Finishe
     argv = [str(arg) for arg in args]
     program = f"{before}\nfrom lifecycle.cli.entry import main\nraise SystemExit(main({argv!r}))"
     return run_python(program, cwd=cwd)
-
-
-CALLS = """
-import contextlib, io, json, os, sys
-from lifecycle.cli.entry import main
-
-answers = []
-for cwd, argv in json.loads(sys.argv[1]):
-    os.chdir(cwd)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    answers.append((code, out.getvalue(), err.getvalue()))
-print(json.dumps(answers))
-"""
-"""A program that runs ``lifecycle`` for each ``(cwd, argv)`` of its argument (JSON) in
-turn, each in its folder, and prints each one's exit code, stdout and stderr (JSON)."""
-
-
-def lifecycle_calls(calls: list[tuple[Path, list[str]]]) -> list[Finished]:
-    """Run ``lifecycle`` for each ``(cwd, argv)`` of ``calls`` in turn, in one process of its
-    own; return what each call left."""
-    encoded = json.dumps([(str(cwd), argv) for cwd, argv in calls])
-    result = run_python(CALLS, encoded, cwd=calls[0][0])
-    assert result.returncode == 0, result.stderr
-    return [Finished(*answer) for answer in json.loads(result.stdout)]
 
 
 class Answer(NamedTuple):

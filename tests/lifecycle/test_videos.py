@@ -17,6 +17,7 @@ from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import load_spec
 from tests.blocked_imports import uninstalled
 from tests.conftest import Lifecycle, PipelineFolders, decode_png
+from tests.lifecycle.cli_calls import lifecycle_calls
 from tests.lifecycle.folder_specs import MODES, Mode, assert_same_pixels, mode_spec
 from tests.lifecycle.video_requests import (
     VIDEO_REQUESTS,
@@ -24,7 +25,6 @@ from tests.lifecycle.video_requests import (
     video_arguments,
     video_batch,
 )
-from tests.processes import run_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,18 +175,21 @@ class TestVideoFiles:
         self, pipeline_folder: PipelineFolders, root: Path, tmp_path: Path
     ) -> None:
         """Without imageio and imageio-ffmpeg: an animated WebP of every frame, a note naming
-        the extra; ``--video-format mp4`` is bad input there (exit 2), before any work."""
+        the extra; ``--video-format mp4`` is bad input there (exit 2), before any work.
+
+        Both calls run in one process without the two packages (``mp4`` first, so that no
+        earlier work is in it), each one's output kept apart."""
         from PIL import Image
 
-        program = uninstalled("imageio", "imageio_ffmpeg") + (
-            "import sys\nfrom lifecycle.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
-        )
         request = VIDEO_REQUESTS["wan"]
-        arguments = video_arguments(request, tmp_path)
-        folder = pipeline_folder("wan")
+        run = ["run", str(pipeline_folder("wan")), *video_arguments(request, tmp_path)]
         out = tmp_path / "out"
-        done = run_python(
-            program, "run", folder, *arguments, "--requests", "1", "--out", out, cwd=root
+        asked, done = lifecycle_calls(
+            [
+                (root, [*run, "--out", str(tmp_path / "mp4"), "--video-format", "mp4"]),
+                (root, [*run, "--requests", "1", "--out", str(out)]),
+            ],
+            before=uninstalled("imageio", "imageio_ffmpeg"),
         )
         assert done.returncode == 0, done.stderr
         assert (
@@ -195,10 +198,6 @@ class TestVideoFiles:
         ) in done.stderr
         with Image.open(out / "r1-0.webp") as video:
             assert (video.format, video.n_frames, video.size) == ("WEBP", request.frames, (48, 32))
-        asked = run_python(
-            program, "run", folder, *arguments, "--out", tmp_path / "mp4", "--video-format",
-            "mp4", cwd=root,
-        )  # fmt: skip
         assert asked.returncode == 2
         assert "--video-format mp4 needs imageio and imageio-ffmpeg" in asked.stderr
         assert "request r1" not in asked.stderr
