@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from components.folders.files import Variant, stored_tensors, weight_files
-from components.folders.layouts import layout_key, remembered
+from components.folders.layouts import layout_key, leave_spare, remembered, take_spare
 from components.folders.meta import Expected, assign_weights, build_empty, expected_tensors
 from components.folders.names import module_names
 from components.libraries import Library, library_class, missing
@@ -94,8 +94,6 @@ class FolderLoader(ComponentLoader):
     def __init__(self, options: FolderOptions) -> None:
         super().__init__(options)
         self.options: FolderOptions = options
-        self._spare: nn.Module | None = None
-        self._custom_spare: nn.Module | None = None
 
     @property
     def folder(self) -> Path:
@@ -172,8 +170,17 @@ class FolderLoader(ComponentLoader):
             OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
                 library does and this version does not.
         """
-        key = layout_key(type(self), self.options, self.config, self.stored)
-        return remembered(key, self.declared_layout)
+        return remembered(self.layout_key, self.declared_layout)
+
+    @cached_property
+    def layout_key(self) -> Hashable:
+        """What the layout, and the modules built to declare it, are computed from
+        (``components.folders.layouts``).
+
+        Raises:
+            OSError, ValueError: as ``config`` and ``stored`` do.
+        """
+        return layout_key(type(self), self.options, self.config, self.stored)
 
     def declared_layout(self) -> Layout | None:
         """Return the library class's layout (``library_layout``); a kind with a custom path
@@ -202,26 +209,24 @@ class FolderLoader(ComponentLoader):
     def custom_layout(self) -> Layout:
         """Return what our module expects; every stored tensor keeps its own name.
 
-        The module, built on ``meta`` for this, is kept: the next custom build gives it
-        its attention layers and weights (``custom_empty``), so it is built once from
-        admission to load.
+        The module, built on ``meta`` for this, is left as the spare of the layout's key:
+        the next custom build of the folder gives it its attention layers and weights
+        (``custom_empty``), so it is built once from admission to load.
 
         Raises:
             OSError, ValueError: as ``stored`` does.
         """
         module = build_empty(self.custom_module)
         names = {key: key for key in self.stored}
-        self._custom_spare = module
+        leave_spare((self.layout_key, "custom"), module)
         return Layout(expected_tensors(module), names)
 
     def custom_empty(self) -> nn.Module:
         """Return our module on ``meta``, its attention layers built in the current scope.
 
-        The module the declaration built is taken (once); any later build makes its own.
+        The spare a declaration left is taken (once); any later build makes its own.
         """
-        module, self._custom_spare = self._custom_spare, None
-        if module is None:
-            module = build_empty(self.custom_module)
+        module = take_spare((self.layout_key, "custom"), lambda: build_empty(self.custom_module))
         build_layers(module)
         return module
 
@@ -301,18 +306,19 @@ class FolderLoader(ComponentLoader):
     def construct(self, path: LoaderPath) -> nn.Module:
         """Return the class built from ``config.json`` with no weights (parameters on ``meta``).
 
-        One such module is kept: admission inspects it (its tensors, its block stack)
-        and the next native build gives it the weights, so a folder's class is built
-        once from admission to load.
+        The module is left as the spare of the layout's key: admission inspects it (its
+        tensors, its block stack) and the next native build of the folder gives it the
+        weights, so a folder's class is built once from admission to load.
 
         Raises:
             NotImplementedError: ``path`` is custom (these kinds have only the native path).
         """
         if path == "custom":
             return super().construct(path)
-        if self._spare is None:
-            self._spare = self.empty()
-        return self._spare
+        key = (self.layout_key, "native")
+        module = take_spare(key, self.empty)
+        leave_spare(key, module)
+        return module
 
     def build(self, path: LoaderPath) -> nn.Module:
         """Build the module through ``path`` with the folder's weights, in eval mode, no grad,
@@ -358,7 +364,7 @@ class FolderLoader(ComponentLoader):
             raise PathUnavailable(f"the native path of '{self.kind}' cannot run here: {reason}")
         layout = self.library_layout
         assert layout is not None  # the library is installed: unavailable_reason said so
-        module, self._spare = self.construct("native"), None
+        module = take_spare((self.layout_key, "native"), self.empty)
         stored = {name: (self.stored[key][1], key) for name, key in layout.names.items()}
         # transformers keeps the buffers its classes compute as they computed them
         cast = self.library != "transformers"
