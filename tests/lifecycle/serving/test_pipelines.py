@@ -21,7 +21,7 @@ from lifecycle.serving.auth import DoorKeys, Secret, require_admin
 from lifecycle.serving.routes.pipelines import pipelines_routes
 from lifecycle.spec.structs import PipelineSpec
 from tests.lifecycle.conftest import DIT_BYTES, ENCODER_BYTES, VAE_BYTES, T2iPipeline
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpecs
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, Servers, ServeSpecs
 from tests.lifecycle.serving.streams import EventReader, is_snapshot
 
 ONE_DIT = DIT_BYTES + VAE_BYTES + 30_000
@@ -32,9 +32,8 @@ ADMIN_KEY = "sk-admin-pipelines"
 """The admin key these workers open their admin routes with; every client sends it."""
 
 
-@pytest.fixture
-def serve_specs(serve_specs: ServeSpecs) -> ServeSpecs:
-    """Serve as the shared fixture does, with the admin routes opened by ``ADMIN_KEY``."""
+def with_admin(serve_specs: ServeSpecs) -> ServeSpecs:
+    """Serve as ``serve_specs`` does, with the admin routes opened by ``ADMIN_KEY``."""
 
     def serve(*args: Any, **kwargs: Any) -> Served:
         served = serve_specs(*args, keys=DoorKeys(admin=Secret(ADMIN_KEY)), **kwargs)
@@ -42,6 +41,12 @@ def serve_specs(serve_specs: ServeSpecs) -> ServeSpecs:
         return served
 
     return serve
+
+
+@pytest.fixture
+def serve_specs(serve_specs: ServeSpecs) -> ServeSpecs:
+    """Serve as the shared fixture does, with the admin routes opened by ``ADMIN_KEY``."""
+    return with_admin(serve_specs)
 
 
 def image(client: httpx.Client, model: str | None, seed: int = 7) -> httpx.Response:
@@ -90,27 +95,54 @@ class Blocker:
             self.release.wait(WATCHDOG_S)
 
 
-@pytest.fixture
-def twins(serve_specs: ServeSpecs, t2i_pipeline: T2iPipeline, tmp_path: Path) -> Served:
-    """A worker serving 'a' and 'b' (same encoder and VAE, other DiTs) under one DiT's budget."""
+def serve_twins(serve_specs: ServeSpecs, t2i_pipeline: T2iPipeline, folder: Path) -> Served:
+    """Serve 'a' and 'b' (same encoder and VAE, other DiTs) from one worker under one DiT's
+    budget, their spec files written in ``folder``."""
     specs = [t2i_pipeline("a"), t2i_pipeline("b", 5)]
-    paths = {spec.name: write_spec(tmp_path / f"{spec.name}.json", spec) for spec in specs}
+    paths = {spec.name: write_spec(folder / f"{spec.name}.json", spec) for spec in specs}
     return serve_specs(specs, device_budget=ONE_DIT, paths=paths)
 
 
+@pytest.fixture
+def twins(serve_specs: ServeSpecs, t2i_pipeline: T2iPipeline, tmp_path: Path) -> Served:
+    """The twins' worker of the test's own (``serve_twins``): the test changes it."""
+    return serve_twins(serve_specs, t2i_pipeline, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_twins() -> dict[str, Served]:
+    """The module's twins' worker, once ``still_twins`` served it."""
+    return {}
+
+
+@pytest.fixture
+def still_twins(
+    module_twins: dict[str, Served],
+    module_servers: Servers,
+    t2i_pipeline: T2iPipeline,
+    tmp_path: Path,
+) -> Served:
+    """The twins' worker served once for the module (``module_servers``), for the tests
+    that leave it as it was: they read it, or it refuses their change. The first such
+    test's folder holds its spec files."""
+    if "twins" not in module_twins:
+        module_twins["twins"] = serve_twins(with_admin(module_servers), t2i_pipeline, tmp_path)
+    return module_twins["twins"]
+
+
 class TestRouting:
-    def test_model_picks_the_pipeline(self, twins: Served) -> None:
+    def test_model_picks_the_pipeline(self, still_twins: Served) -> None:
         """Each model answers with its own DiT, the same on every call; /v1/models lists both."""
-        with twins.client() as client:
+        with still_twins.client() as client:
             a, b = pixels(image(client, "a")), pixels(image(client, "b"))
             assert pixels(image(client, "a")) == a
             assert a != b
             ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert ids == ["a", "b"]
 
-    def test_several_pipelines_need_a_model(self, twins: Served) -> None:
+    def test_several_pipelines_need_a_model(self, still_twins: Served) -> None:
         """No model where two are served is a 400 naming both; an unknown one a 404."""
-        with twins.client() as client:
+        with still_twins.client() as client:
             missing, unknown = image(client, None), image(client, "c")
         assert missing.status_code == 400
         assert missing.json()["error"]["code"] == "model_required"
@@ -118,10 +150,10 @@ class TestRouting:
         assert unknown.status_code == 404
         assert unknown.json()["error"]["code"] == "model_not_found"
 
-    def test_listing_shows_the_shared_components(self, twins: Served) -> None:
+    def test_listing_shows_the_shared_components(self, still_twins: Served) -> None:
         """/v1/pipelines gives each pipeline's state and its components' users, and what
         sharing saves."""
-        with twins.client() as client:
+        with still_twins.client() as client:
             body = client.get("/v1/pipelines").json()
         a = next(p for p in body["data"] if p["name"] == "a")
         assert a["state"] == "serving"
@@ -158,11 +190,11 @@ class TestRouting:
             "vae": ["b"],
         }
 
-    def test_every_admin_route_depends_on_require_admin(self, twins: Served) -> None:
+    def test_every_admin_route_depends_on_require_admin(self, still_twins: Served) -> None:
         """Each route that changes pipelines, and only those, has the admin dependency."""
         guarded = {
             (method, route.path)
-            for route in pipelines_routes(twins.worker).routes
+            for route in pipelines_routes(still_twins.worker).routes
             if isinstance(route, APIRoute)
             for method in route.methods
             if any(d.call is require_admin for d in route.dependant.dependencies)
@@ -274,12 +306,12 @@ class TestChanges:
         assert a.status_code == 200
 
     def test_a_refused_spec_changes_nothing(
-        self, twins: Served, t2i_pipeline: T2iPipeline, tmp_path: Path
+        self, still_twins: Served, t2i_pipeline: T2iPipeline, tmp_path: Path
     ) -> None:
         """A spec admission refuses is a 409 with every refusal; the worker is as before."""
         refused = t2i_pipeline("c", vae={"attention_backend": "flash_attn"})
         path = write_spec(tmp_path / "c.json", refused)
-        with twins.client() as client:
+        with still_twins.client() as client:
             before = listed(client)
             answer = client.post("/v1/pipelines", json={"path": str(path)})
             after = listed(client)
@@ -288,10 +320,10 @@ class TestChanges:
         assert codes == {"attention.unsupported_backend"}
         assert after == before
 
-    def test_paths_no_file_system_names_are_400s(self, twins: Served) -> None:
+    def test_paths_no_file_system_names_are_400s(self, still_twins: Served) -> None:
         """A path longer than PATH_MAX, or with a name longer than the file system allows,
         is a 400 at ``path`` in a short answer (the second was a 500), the worker as before."""
-        with twins.client() as client:
+        with still_twins.client() as client:
             before = listed(client)
             answers = [
                 client.post("/v1/pipelines", json={"path": "p" * 20_000}),
