@@ -62,6 +62,9 @@ EXTRA = {
 SIZE = f"{REQUEST.size[1]}x{REQUEST.size[0]}"
 VIDEO_BOUNDS = {"max_frames": 5, "max_video_pixels": 5 * 48 * 32 - 1}
 """One worker's bounds for two tests: frames are checked first, then pixels."""
+POLL_MS = 100
+"""How often a test asks after a video: each ask is a request the worker answers, a few
+milliseconds of CPU on both sides; a video here takes a few tenths of a second."""
 LONG_STEPS = 200
 """Steps of a video that is still running when the test deletes it (``serving.max_steps``)."""
 
@@ -92,7 +95,7 @@ def create(client: Any, **extra: Any) -> Any:
 
 def finished(client: Any, video_id: str) -> Any:
     """Poll the video until it is completed or failed (the client's ``poll``)."""
-    return client.videos.poll(video_id, poll_interval_ms=20)
+    return client.videos.poll(video_id, poll_interval_ms=POLL_MS)
 
 
 def png_bytes() -> bytes:
@@ -136,11 +139,11 @@ def assert_run_frames(
 
 
 def until(condition: Callable[[], bool]) -> None:
-    """Wait for ``condition``, asking every 10 ms, for at most the watchdog's time."""
+    """Wait for ``condition``, asking every ``POLL_MS``, for at most the watchdog's time."""
     deadline = time.monotonic() + WATCHDOG_S
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.01)
+        time.sleep(POLL_MS / 1e3)
 
 
 def request_state(served: Served, request_id: str) -> dict[str, Any]:
@@ -160,7 +163,7 @@ class TestVideos:
         """``create_and_poll`` completes the video; its MP4 decodes to the PNG frames
         ``run --video-format png`` writes for the same seed, within x264's error."""
         video = client.videos.create_and_poll(
-            model="wan", prompt=PROMPT, size=SIZE, extra_body=EXTRA, poll_interval_ms=20
+            model="wan", prompt=PROMPT, size=SIZE, extra_body=EXTRA, poll_interval_ms=POLL_MS
         )
         mp4 = client.videos.download_content(video.id).read()
         again = client.videos.retrieve(video.id)
@@ -201,7 +204,7 @@ class TestVideos:
                 size=f"{width}x{height}",
                 input_reference=("fox.png", buffer.getvalue(), "image/png"),
                 extra_body=extra,
-                poll_interval_ms=20,
+                poll_interval_ms=POLL_MS,
             )
             assert video.status == "completed", video.error
             mp4 = client.videos.download_content(video.id).read()
@@ -281,7 +284,7 @@ class TestStore:
                 if answer.json()["status"] == "completed":
                     time.sleep(0.5)
                 assert time.monotonic() < deadline
-                time.sleep(0.01)
+                time.sleep(POLL_MS / 1e3)
             assert answer.status_code == 404
             assert answer.json()["error"]["code"] == "video_not_found"
 
