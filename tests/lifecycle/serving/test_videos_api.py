@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +22,8 @@ from lifecycle.serving.server import open_worker
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import decode_spec, load_spec
 from lifecycle.testing import capture_events, events_named
-from tests.blocked_imports import uninstalled
 from tests.conftest import Lifecycle, PipelineFolders
 from tests.lifecycle.folder_specs import largest_stage
-from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
     Served,
@@ -32,7 +31,6 @@ from tests.lifecycle.serving.conftest import (
     SharedFolder,
     SharedT2i,
     folder_spec,
-    loopback_client,
 )
 from tests.lifecycle.test_videos import LUMA, MP4_TOLERANCE, frames_of
 from tests.lifecycle.video_requests import (
@@ -391,15 +389,19 @@ class TestBounds:
             assert said in answer.text
 
     def test_without_the_video_extra_501_names_it(
-        self, pipeline_folder: PipelineFolders, tmp_path: Path
+        self, wan: Callable[..., Served], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A worker where imageio and imageio-ffmpeg are not installed answers a video it
-        would make with 501 naming the extra, before queueing it."""
-        spec = tmp_path / "wan.toml"
-        spec.write_text(f'source = "{pipeline_folder("wan")}"\ndevice = "cpu"\n')
-        hidden = uninstalled("imageio", "imageio_ffmpeg")
-        with serving(spec, prelude=hidden) as (_, url), loopback_client(url) as http:
-            answer = http.post("/v1/videos", json={"prompt": PROMPT, "size": SIZE, **EXTRA})
+        would make with 501 naming the extra, before queueing it.
+
+        The module's worker asks at each request whether they are installed: here they
+        are not, as a failed import leaves them (``None`` in ``sys.modules``). Running Wan
+        in a process that never had them is test_videos' WebP test.
+        """
+        served = wan()
+        for name in ("imageio", "imageio_ffmpeg"):
+            monkeypatch.setitem(sys.modules, name, None)
+        answer = self.post(served, **EXTRA)
         assert answer.status_code == 501, answer.text
         error = answer.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "video_extra_missing")
