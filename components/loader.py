@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import nullcontext
 from functools import partial
 from itertools import chain
 from pathlib import Path
@@ -27,6 +28,7 @@ from components.dtypes import DType
 from components.mesh import ComponentParallel
 from components.offload.base import OffloadError
 from components.quantize import Quantization
+from components.random_fills import RandomFillsSkipped, is_parameter
 from components.sites import AttentionSite
 from components.weights import DeclaredTensors, load_weights, seed_weights, stored_bytes
 
@@ -306,7 +308,10 @@ class ComponentLoader:
             FileNotFoundError: ``options.weights`` does not exist.
             ValueError: the file's tensors do not match the module's names or shapes.
         """
-        module = self.construct(path)
+        written = self.options.weights is not None or isinstance(self.options, SeededOptions)
+        # a file or a seed writes every parameter next: the constructor's draws go unread
+        with RandomFillsSkipped(is_parameter) if written else nullcontext():
+            module = self.construct(path)
         if self.options.weights is not None:
             load_weights(module, Path(self.options.weights))
         elif isinstance(self.options, SeededOptions):

@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
-from torch.overrides import TorchFunctionMode
 
+from components.random_fills import RandomFillsSkipped
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
 __all__ = ["Expected", "assign_weights", "build_empty", "expected_tensors"]
@@ -36,8 +36,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     torch's module-wide parameter registration hook replaces each parameter as a
     module registers it, so initialisers that follow (``reset_parameters``, a
-    library's ``_init_weights``) run on meta tensors, where ``_MetaInitSkipped`` makes
-    the random ones no-ops (see there).
+    library's ``_init_weights``) run on meta tensors, where ``RandomFillsSkipped`` makes
+    the random ones no-ops (``components.random_fills``).
     """
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -45,51 +45,13 @@ def parameters_on_meta() -> Iterator[None]:
             return None
         return nn.Parameter(param.to("meta"), requires_grad=False)
 
-    with _building, _MetaInitSkipped():
+    with _building, RandomFillsSkipped(lambda tensor: tensor.is_meta):
         # torch types the hook as returning None, but uses what it returns (torch 2.x)
         handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
         try:
             yield
         finally:
             handle.remove()
-
-
-_RANDOM_FILLS = frozenset(
-    {
-        *(getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")),
-        *(torch.Tensor.uniform_, torch.Tensor.normal_),
-    }
-)
-"""What fills a tensor with values and nothing else: ``torch.nn.init``'s initialisers and
-the samplers they call."""
-
-
-class _MetaInitSkipped(TorchFunctionMode):
-    """Return a ``meta`` tensor untouched from an initialiser; run everything else as is.
-
-    A meta tensor has no values, so filling one changes nothing, yet torch has no native
-    meta kernel for ``uniform_`` and ``normal_``: it runs their Python reference
-    implementation, 50-700 us a call, most of the time of building a model's empty module
-    (``nn.Linear`` 80 -> 46 us, ``nn.Embedding`` 340 -> 34 us). torch's own
-    ``trunc_normal_`` skips meta tensors the same way. A torch function mode is the
-    building thread's alone and replaces no attribute, so no other thread's build and no
-    library imported meanwhile sees it.
-    """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., object],
-        types: object,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-    ) -> object:
-        kwargs = kwargs or {}
-        if func in _RANDOM_FILLS:
-            # nn.init passes its tensor by keyword when it dispatches here
-            tensor = args[0] if args else kwargs.get("tensor")
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
 
 
 def build_empty(factory: Callable[[], nn.Module]) -> nn.Module:

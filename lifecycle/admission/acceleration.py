@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import torch
 from torch import nn
 
 from attention import Platform, Provenance
@@ -22,6 +21,7 @@ from attention import registry as backends
 from components.compile import DISTRIBUTION_PACKAGE, compiler_problem
 from components.loader import ComponentLoader, LoaderPath
 from components.quantize import EXTRA, missing_package, quantized_bytes
+from components.random_fills import built_on_meta
 from lifecycle.plan import SitePlan
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import PipelineSpec
@@ -39,8 +39,7 @@ def size_quantized(loader: ComponentLoader, construct: Callable[[], nn.Module]) 
     if loader.quantization == "off":
         return
     try:
-        with torch.device("meta"):
-            module = construct()
+        module = built_on_meta(construct)
     except Exception:  # a kind's own code: the residency check names what it raised
         return
     plain, quantized = quantized_bytes(module, loader.dtype, loader.quantization)

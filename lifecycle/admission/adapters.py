@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from msgspec import UnsetType
 from torch import nn
 
 from components import ResidencyMode
 from components.adapters import AdapterFile, KeyProblem, LoraTarget, target_problems
+from components.random_fills import built_on_meta
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import AdapterSpec, PipelineSpec
 
@@ -120,8 +120,7 @@ def admit_adapter(
     native = path == "native"
     if path is not None and not problems:
         try:
-            with torch.device("meta"):
-                module = builders[component]()
+            module = built_on_meta(builders[component])
         except Exception as err:  # a kind's own code: whatever it raises is the reason
             failed = refuse(
                 RefusalCode.ADAPTER_TARGET_MISMATCH,

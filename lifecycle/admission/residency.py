@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from components import ResidencyMode
 from components.loader import ComponentLoader
 from components.offload import OffloadError
 from components.offload.layerwise_limits import layerwise_problems
+from components.random_fills import built_on_meta
 from lifecycle.refusals import Refusal, RefusalCode
 from lifecycle.spec.structs import ComponentSpec
 
@@ -87,8 +87,7 @@ def _layerwise_refusals(
 def _stack_problem(construct: ModuleBuilder, loader: ComponentLoader) -> str | None:
     """Say why the module built on the meta device has no block stack to stream, if so."""
     try:
-        with torch.device("meta"):
-            module = construct()
+        module = built_on_meta(construct)
     except Exception as err:  # a kind's own code: whatever it raises is the reason
         return (
             f"building kind '{loader.kind}' on the meta device to find its block stack failed "

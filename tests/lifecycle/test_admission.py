@@ -22,6 +22,7 @@ from lifecycle.refusals import REFUSAL_CODES, AdmissionRefused, RefusalCode
 from lifecycle.spec.reading import decode_spec, load_spec
 from lifecycle.spec.structs import PipelineSpec
 from tests.blocked_imports import blocking
+from tests.components.fills import Fills
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import ReferenceSpec
 from tests.lifecycle.kinds_for_tests import ValueDependentKind
@@ -258,6 +259,15 @@ def layerwise_spec(kind: str, loader: str = "custom") -> str:
         f'name = "p"\n[components.c]\nkind = "{kind}"\nloader = "{loader}"\n'
         'residency = "layerwise_offload"\n[[stages]]\nname = "s"\nuses = ["c"]\n'
     )
+
+
+def test_meta_builds_draw_no_random_values(cpu: Platform) -> None:
+    """Admission builds a streamed DiT on the meta device without running an initialiser."""
+    spec = decode_spec(layerwise_spec("tiny_dit"))
+    with Fills() as fills:
+        admission = admit_pipeline(spec, cpu)
+    assert admission.refusals() == ()
+    assert fills.filled == []
 
 
 class TestLayerwiseStack:

@@ -1,0 +1,68 @@
+"""Skip torch's random initialisers where the values they would draw are never read.
+
+A module's constructor fills its parameters at random (``reset_parameters``, a library's
+``_init_weights``). That is wasted work in two places: on the ``meta`` device, where a
+tensor has no values (and torch, lacking native meta kernels for ``uniform_`` and
+``normal_``, runs their Python reference implementations, 50-700 us a call); and when
+the loader overwrites every parameter right after construction, from a weights file or
+a seed (an ``nn.Embedding`` of BERT's vocabulary draws 11.7 M normals for nothing).
+A torch function mode is the constructing thread's alone and replaces no attribute, so
+no other thread's build and no library imported meanwhile sees it; torch's own
+``trunc_normal_`` skips meta tensors the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["RANDOM_FILLS", "RandomFillsSkipped", "built_on_meta", "is_parameter"]
+
+RANDOM_FILLS = frozenset(
+    {
+        *(getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")),
+        *(torch.Tensor.uniform_, torch.Tensor.normal_),
+    }
+)
+"""What fills a tensor with values and nothing else: ``torch.nn.init``'s initialisers and
+the samplers they call."""
+
+
+class RandomFillsSkipped(TorchFunctionMode):
+    """Return the tensor untouched from an initialiser when ``skips(tensor)``; run
+    everything else as is."""
+
+    def __init__(self, skips: Callable[[torch.Tensor], bool]) -> None:
+        super().__init__()
+        self._skips = skips
+
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        if func in RANDOM_FILLS:
+            # nn.init passes its tensor by keyword when it dispatches here
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and self._skips(tensor):
+                return tensor
+        return func(*args, **kwargs)
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """Tell whether ``tensor`` is a module's parameter (what a loader overwrites)."""
+    return isinstance(tensor, nn.Parameter)
+
+
+def built_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``build`` on the ``meta`` device, its random fills skipped: what admission looks
+    at (a block stack, the layers an adapter targets, quantized sizes) costs no memory and
+    no initialisation."""
+    with torch.device("meta"), RandomFillsSkipped(lambda tensor: tensor.is_meta):
+        return build()
