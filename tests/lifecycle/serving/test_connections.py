@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from lifecycle.spec.structs import PipelineSpec
-from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec
+from tests.lifecycle.serving.conftest import WATCHDOG_S, Served, ServeSpec, SharedT2i
 
 SpecMaker = Callable[..., PipelineSpec]
 HEADER_LIMIT = 1024
@@ -39,14 +39,28 @@ def head_of(size: int) -> bytes:
     return start + b"p" * (size - len(start) - len(end)) + end
 
 
+BOUNDS = {
+    "max_header_bytes": HEADER_LIMIT,
+    "header_timeout": 1.0,
+    "body_timeout": 1.0,
+    "max_connections": 4,
+}
+"""Small header, time and connection bounds."""
+
+
 @pytest.fixture
-def guarded(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
-    """Serve the reference pipeline with small header, time and connection bounds."""
-    return serve_spec(
-        t2i_spec(
-            max_header_bytes=HEADER_LIMIT, header_timeout=1.0, body_timeout=1.0, max_connections=4
-        )
-    )
+def guarded(shared_t2i: SharedT2i) -> Served:
+    """The module's reference pipeline under ``BOUNDS``: each test's connections are
+    closed by its end, the worker's own or the client's."""
+    return shared_t2i(**BOUNDS)
+
+
+@pytest.fixture
+def alone(serve_spec: ServeSpec, t2i_spec: SpecMaker) -> Served:
+    """The reference pipeline under ``BOUNDS`` in a worker of its own: a test that counts
+    the worker's connections sees none of another test's that it has yet to notice
+    closed."""
+    return serve_spec(t2i_spec(**BOUNDS))
 
 
 class TestHeaders:
@@ -129,22 +143,22 @@ class TestSlowClients:
 
 
 class TestConnections:
-    def test_connections_beyond_the_limit_are_refused_at_once(self, guarded: Served) -> None:
+    def test_connections_beyond_the_limit_are_refused_at_once(self, alone: Served) -> None:
         """With serving.max_connections open, one more is answered 503 and closed; once
         they close, connections are taken again."""
-        held = [connect(guarded) for _ in range(4)]
+        held = [connect(alone) for _ in range(4)]
         try:
             for sock in held:  # each is accepted and its request served
                 sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
                 assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-            with connect(guarded) as extra:
+            with connect(alone) as extra:
                 refused = read_until_closed(extra)
         finally:
             for sock in held:
                 sock.close()
         assert refused.startswith(b"HTTP/1.1 503 ")
         assert b"serving.max_connections = 4" in refused
-        with guarded.client() as client:
+        with alone.client() as client:
             for _ in range(int(WATCHDOG_S / 0.05)):  # the worker notices the closes
                 if client.get("/healthz").status_code == 200:
                     break
