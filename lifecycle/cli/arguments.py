@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NamedTuple
 
 from lifecycle.spec.sizes import ByteSize
 
 __all__ = [
+    "SPEC_HELP",
     "add_download_option",
+    "add_specs_argument",
     "byte_size",
     "image_size",
     "non_negative",
     "port_number",
     "positive",
 ]
+
+SPEC_HELP = (
+    "the spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a model id "
+    "ORG/NAME[@REVISION] in the Hugging Face cache (an existing path of that name wins)"
+)
+"""The help of the one spec a command takes (``run``, ``spec``)."""
 
 
 def positive(text: str) -> int:
@@ -76,6 +85,18 @@ def image_size(text: str) -> ImageSize:
             f"expected WIDTHxHEIGHT in pixels, such as 512x768, got {text!r}"
         )
     return ImageSize(int(width), int(height))
+
+
+def add_specs_argument(parser: argparse.ArgumentParser, several: str) -> None:
+    """Add the specs a command takes, one or more; ``several`` says what more than one do."""
+    parser.add_argument(
+        "specs",
+        metavar="spec",
+        nargs="+",
+        type=Path,
+        help="a spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a "
+        f"model id ORG/NAME[@REVISION] in the Hugging Face cache; {several}",
+    )
 
 
 def add_download_option(parser: argparse.ArgumentParser) -> None:

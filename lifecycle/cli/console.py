@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from attention import DENSE_CROSS_FALLBACK, GLOBAL_BACKEND_FALLBACK, PLATFORM_DEFAULT_FALLBACK
 from components.cache import CacheSteps
-from lifecycle.cli.runner import RunReport
 from lifecycle.plan import RefusalReport
 from lifecycle.refusals import Refusal
 from lifecycle.spec.sizes import format_bytes
+
+if TYPE_CHECKING:  # a run's report, made by the runner: check and diagram import none of it
+    from lifecycle.cli.runner import RunReport
 
 __all__ = [
     "ACCELERATION_HEADINGS",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from attention import Platform
@@ -23,12 +22,11 @@ from lifecycle.refusals import AdmissionRefused
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 
-__all__ = ["add_diagram_command"]
+__all__ = ["add_diagram_options"]
 
 
-def add_diagram_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """Register ``diagram`` through ``command``, which makes a subcommand's parser from its help."""
-    diagram = command("diagram", "write the lifecycle diagrams (Mermaid, DOT, SVG)")
+def add_diagram_options(diagram: argparse.ArgumentParser) -> None:
+    """Add ``diagram``'s options to its parser."""
     diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
     diagram.add_argument(
         "--format",

@@ -1,7 +1,8 @@
 """The ``lifecycle`` process's entry point: what must happen before torch is imported.
 
-Importing the command takes about a second and a half, most of it torch. Two things
-come first: OpenMP's wait policy, which its runtime reads once when torch loads it
+A command imports torch and the house once the command line names it (about a second
+and a half of CPU; ``--help`` and ``--version`` import neither). Two things come
+first: OpenMP's wait policy, which its runtime reads once when torch loads it
 (``cores.wait_passively``), and SIGINT: an interrupt while the command is still
 importing, or before a command installs its own handler (``run``'s ``StopOnSignal``,
 ``serve``'s drain), ends the process with 130 and one line, never a traceback.
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lifecycle`` command in this process; return its exit code."""
     wait_passively()
     try:
-        from lifecycle.cli.main import main as command  # torch and the whole house
+        from lifecycle.cli.main import main as command  # the command's own imports follow
 
         code = command(argv)
         sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit

@@ -10,10 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from lifecycle.cli.arguments import add_download_option, byte_size, port_number, positive
+from lifecycle.cli.arguments import (
+    add_download_option,
+    add_specs_argument,
+    byte_size,
+    port_number,
+    positive,
+)
 from lifecycle.cli.cores import torch_threads
 from lifecycle.cli.exits import ExitCode
 from lifecycle.refusals import AdmissionRefused
@@ -21,22 +27,15 @@ from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.structs import PipelineSpec
 
-__all__ = ["add_budget_options", "add_serve_command"]
+__all__ = ["add_budget_options", "add_serve_options"]
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
 
 
-def add_serve_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """Register ``serve`` through ``command``, which makes a subcommand's parser from its help."""
-    serve = command("serve", "serve pipelines over HTTP (OpenAI-compatible, Prometheus metrics)")
-    serve.add_argument(
-        "specs",
-        metavar="spec",
-        nargs="+",
-        type=Path,
-        help="a spec file (.toml, .json, .yaml), a pipeline folder, or a model id "
-        "ORG/NAME[@REVISION] in the Hugging Face cache; several share one device budget, and "
-        "a request's model names its pipeline",
+def add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """Add ``serve``'s arguments and options to its parser."""
+    add_specs_argument(
+        serve, "several share one device budget, and a request's model names its pipeline"
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port_number, default=8000, help="port to listen on")

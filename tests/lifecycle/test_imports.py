@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import lifecycle
 from tests.processes import run_fresh_python
 
@@ -15,12 +17,15 @@ EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
 SHARDING = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.run")
 """What only a splitting layout (or ``--nproc``) needs; importing one costs ~0.03-1 CPU-s."""
 
-# the CLI's entry module, then the command, in the process; what it imported goes last
-CHECK = f"""
+# the CLI's entry module, then --version and --help, then check, in one process; after
+# each, whether it imported torch, and which sharding modules
+COMMANDS = f"""
 import sys
 from lifecycle.cli.entry import main
+codes = main(["--version"]), main(["--help"])
+print("--version, --help:", *codes, "torch" in sys.modules)
 code = main(["check", sys.argv[1]])
-print(code, sorted(name for name in {SHARDING!r} if name in sys.modules))
+print("check:", code, sorted(name for name in {SHARDING!r} if name in sys.modules))
 """
 
 
@@ -31,6 +36,16 @@ print(sorted(name for name in ("torch", "components", "structlog") if name in sy
 """
 
 
+@pytest.fixture(scope="module")
+def commands() -> dict[str, str]:
+    """What ``COMMANDS`` said after each command in a fresh interpreter, by command."""
+    # fresh: the fork server of tests/processes.py preloads torch and the sharding modules
+    result = run_fresh_python("-c", COMMANDS, EXAMPLE, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    said = [line.partition(": ") for line in result.stdout.splitlines()]
+    return {head: rest for head, _, rest in said if head in ("--version, --help", "check")}
+
+
 class TestFreshProcess:
     def test_the_entry_point_imports_nothing_heavy(self) -> None:
         """The console script's module loads without torch or the house: it can catch SIGINT
@@ -39,12 +54,13 @@ class TestFreshProcess:
         assert result.returncode == 0, result.stderr
         assert result.stdout == "[]\n"
 
-    def test_check_without_a_layout_imports_no_sharding(self) -> None:
+    def test_help_and_version_import_no_torch(self, commands: dict[str, str]) -> None:
+        """``lifecycle --version`` and ``--help`` answer (exit 0) without importing torch."""
+        assert commands["--version, --help"] == "0 0 False"
+
+    def test_check_without_a_layout_imports_no_sharding(self, commands: dict[str, str]) -> None:
         """``lifecycle check`` of a one-process spec imports no FSDP, DTensor or torchrun."""
-        # a fresh interpreter: the fork server of tests/processes.py preloads these modules
-        result = run_fresh_python("-c", CHECK, EXAMPLE, cwd=ROOT)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.splitlines()[-1] == "0 []"
+        assert commands["check"] == "0 []"
 
 
 class TestPackage:
