@@ -1,4 +1,7 @@
-"""How many torch threads a command takes: cores, a cgroup's CPU quota, OpenMP's wait policy."""
+"""How many torch threads a command takes: cores, a cgroup's CPU quota.
+
+(OpenMP's wait policy, set as a fresh process starts: ``test_imports.py``.)
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,8 @@ import math
 import os
 from pathlib import Path
 
-import pytest
-
 from lifecycle.cli.cgroups import cpu_quota, v1_quota, v2_quota
 from lifecycle.cli.cores import Cpus, Threads, physical_cores, torch_threads
-from tests.processes import run_fresh_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,20 +211,3 @@ class TestTorchThreads:
         assert quota is None or threads.count <= max(1, math.floor(quota))
         binds = quota is not None and math.floor(quota) < cores
         assert threads.reason.startswith("cgroup quota" if binds else f"{cores} physical core")
-
-
-@pytest.mark.parametrize(
-    ("policy", "spins"), [(None, "'0'"), ("ACTIVE", "'30000000000'")], ids=["unset", "ACTIVE"]
-)
-def test_openmp_waits_passively_unless_told(policy: str | None, spins: str) -> None:
-    """The command has OpenMP sleep at once when it waits (GOMP_SPINCOUNT 0), unless
-    ``OMP_WAIT_POLICY`` is set: the runtime, started by the command's own torch, says so."""
-    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
-    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # GNU OpenMP prints what it runs with when it starts
-    if policy is not None:
-        env["OMP_WAIT_POLICY"] = policy
-    # a fresh interpreter (this one's OpenMP started long ago); schema imports torch, as
-    # every command does
-    result = run_fresh_python("-m", "lifecycle", "schema", cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr
-    assert f"  GOMP_SPINCOUNT = {spins}\n" in result.stderr

@@ -1,15 +1,17 @@
-"""What a fresh ``lifecycle`` process imports: nothing heavy before the command starts, a
-layout's sharding machinery only if it splits."""
+"""What a fresh ``lifecycle`` process does as it starts: it imports nothing heavy before
+the command starts, a layout's sharding machinery only if it splits, and sets OpenMP's
+wait policy before torch starts the runtime."""
 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
 
 import lifecycle
-from tests.processes import run_fresh_python
+from tests.processes import Finished, run_fresh_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
@@ -36,14 +38,34 @@ print(sorted(name for name in ("torch", "components", "structlog") if name in sy
 """
 
 
+def openmp_environment(policy: str | None) -> dict[str, str]:
+    """Return this process's environment with ``OMP_WAIT_POLICY`` ``policy`` (None: unset),
+    and GNU OpenMP asked to print what it runs with when it starts."""
+    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    return env
+
+
 @pytest.fixture(scope="module")
-def commands() -> dict[str, str]:
-    """What ``COMMANDS`` said after each command in a fresh interpreter, by command."""
-    # fresh: the fork server of tests/processes.py preloads torch and the sharding modules
-    result = run_fresh_python("-c", COMMANDS, EXAMPLE, cwd=ROOT)
+def commands() -> Finished:
+    """What ``COMMANDS`` left in a fresh interpreter, with OpenMP's wait policy unset."""
+    # fresh: the fork server of tests/processes.py preloads torch and the sharding modules,
+    # and this process's OpenMP started long ago
+    result = run_fresh_python("-c", COMMANDS, EXAMPLE, cwd=ROOT, env=openmp_environment(None))
     assert result.returncode == 0, result.stderr
-    said = [line.partition(": ") for line in result.stdout.splitlines()]
-    return {head: rest for head, _, rest in said if head in ("--version, --help", "check")}
+    return result
+
+
+def said(result: Finished, head: str) -> str:
+    """Return the rest of the line ``COMMANDS`` printed after ``head``."""
+    (rest,) = [
+        line.removeprefix(f"{head}: ")
+        for line in result.stdout.splitlines()
+        if line.startswith(f"{head}: ")
+    ]
+    return rest
 
 
 class TestFreshProcess:
@@ -54,13 +76,26 @@ class TestFreshProcess:
         assert result.returncode == 0, result.stderr
         assert result.stdout == "[]\n"
 
-    def test_help_and_version_import_no_torch(self, commands: dict[str, str]) -> None:
+    def test_help_and_version_import_no_torch(self, commands: Finished) -> None:
         """``lifecycle --version`` and ``--help`` answer (exit 0) without importing torch."""
-        assert commands["--version, --help"] == "0 0 False"
+        assert said(commands, "--version, --help") == "0 0 False"
 
-    def test_check_without_a_layout_imports_no_sharding(self, commands: dict[str, str]) -> None:
+    def test_check_without_a_layout_imports_no_sharding(self, commands: Finished) -> None:
         """``lifecycle check`` of a one-process spec imports no FSDP, DTensor or torchrun."""
-        assert commands["check"] == "0 []"
+        assert said(commands, "check") == "0 []"
+
+    def test_openmp_waits_passively_unless_told(self, commands: Finished) -> None:
+        """The command has OpenMP sleep at once when it waits (GOMP_SPINCOUNT 0): the
+        runtime, started by the command's own torch, says so."""
+        assert "  GOMP_SPINCOUNT = '0'\n" in commands.stderr
+
+    def test_openmp_keeps_a_wait_policy_it_was_told(self) -> None:
+        """``OMP_WAIT_POLICY`` set in the environment stays the runtime's (ACTIVE: spin)."""
+        env = openmp_environment("ACTIVE")
+        # schema imports torch, as every command does
+        result = run_fresh_python("-m", "lifecycle", "schema", cwd=ROOT, env=env)
+        assert result.returncode == 0, result.stderr
+        assert "  GOMP_SPINCOUNT = '30000000000'\n" in result.stderr
 
 
 class TestPackage:
