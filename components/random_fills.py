@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RANDOM_FILLS", "RandomFillsSkipped", "built_on_meta", "is_parameter"]
+__all__ = ["RANDOM_FILLS", "RandomFillsSkipped", "built_on_meta", "fill_target", "is_parameter"]
 
 RANDOM_FILLS = frozenset(
     {
@@ -47,12 +47,22 @@ class RandomFillsSkipped(TorchFunctionMode):
         kwargs: dict[str, object] | None = None,
     ) -> object:
         kwargs = kwargs or {}
-        if func in RANDOM_FILLS:
-            # nn.init passes its tensor by keyword when it dispatches here
-            tensor = args[0] if args else kwargs.get("tensor")
-            if isinstance(tensor, torch.Tensor) and self._skips(tensor):
-                return tensor
+        tensor = fill_target(func, args, kwargs)
+        if tensor is not None and self._skips(tensor):
+            return tensor
         return func(*args, **kwargs)
+
+
+def fill_target(
+    func: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+) -> torch.Tensor | None:
+    """Return the tensor a call of ``func`` fills at random; None when ``func`` is no
+    random initialiser."""
+    if func not in RANDOM_FILLS:
+        return None
+    # nn.init passes its tensor by keyword when it dispatches to a torch function mode
+    tensor = args[0] if args else kwargs.get("tensor")
+    return tensor if isinstance(tensor, torch.Tensor) else None
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:

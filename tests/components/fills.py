@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from components.random_fills import RANDOM_FILLS
+from components.random_fills import fill_target
 
 
 class Fills(TorchFunctionMode):
@@ -25,8 +25,7 @@ class Fills(TorchFunctionMode):
         kwargs: dict[str, object] | None = None,
     ) -> object:
         kwargs = kwargs or {}
-        if func in RANDOM_FILLS:
-            tensor = args[0] if args else kwargs.get("tensor")
-            assert isinstance(tensor, torch.Tensor)
+        tensor = fill_target(func, args, kwargs)
+        if tensor is not None:
             self.filled.append(tensor)
         return func(*args, **kwargs)
