@@ -68,9 +68,8 @@ def _forward_on_shards(layer: nn.Linear, x: DTensor) -> DTensor:
         out = functional.linear(x.to_local(), weight.to_local(), local_bias)
         # the global shape: the features need not divide by the degree (uneven shards)
         shape = torch.Size((*out.shape[:-1], weight.shape[0]))
-        stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
-            out, mesh, [Shard(-1)], run_check=False, shape=shape, stride=stride
+            out, mesh, [Shard(-1)], run_check=False, shape=shape, stride=_contiguous(shape)
         )
     # row-wise: every output feature's partial sum over this rank's input features; the
     # replicated bias joins the sum once, on the group's first rank
@@ -86,3 +85,12 @@ def _forward_outside_inference_mode(layer: nn.Module, *args: Any, **kwargs: Any)
         return forward(layer, *args, **kwargs)
     with torch.inference_mode(False), torch.no_grad():
         return forward(layer, *args, **kwargs)
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """Return the strides of a contiguous tensor of ``shape`` (no tensor made: a split
+    linear asks at every call)."""
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.insert(0, strides[0] * max(size, 1))  # as torch strides an empty dimension
+    return tuple(strides)

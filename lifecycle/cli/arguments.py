@@ -19,10 +19,13 @@ __all__ = [
     "positive",
 ]
 
-SPEC_HELP = (
-    "the spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a model id "
-    "ORG/NAME[@REVISION] in the Hugging Face cache (an existing path of that name wins)"
+_SPEC = (
+    "spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a model id "
+    "ORG/NAME[@REVISION] in the Hugging Face cache"
 )
+"""What a spec argument may name."""
+
+SPEC_HELP = f"the {_SPEC} (an existing path of that name wins)"
 """The help of the one spec a command takes (``run``, ``spec``)."""
 
 
@@ -94,8 +97,7 @@ def add_specs_argument(parser: argparse.ArgumentParser, several: str) -> None:
         metavar="spec",
         nargs="+",
         type=Path,
-        help="a spec file (.toml, .json, .yaml), a diffusers-format pipeline folder, or a "
-        f"model id ORG/NAME[@REVISION] in the Hugging Face cache; {several}",
+        help=f"a {_SPEC}; {several}",
     )
 
 
