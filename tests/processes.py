@@ -32,6 +32,7 @@ import tempfile
 import time
 import traceback
 import types
+import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
@@ -205,6 +206,12 @@ def _run_program(
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a new interpreter has
+    # at its exit a new interpreter would finalize the objects its imports made; here the
+    # fork server made them (torch's ~170 operator libraries: ~0.03 CPU-s a program), and
+    # their finalizers only undo this process's memory, which os._exit drops unseen. The
+    # objects the program makes, and its own exit handlers, are finalized as Python does.
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
     status = 0
     # as ``python -m`` and ``-c`` do: the working directory first on the path
     sys.path[:0] = [cwd if module else "", *path]

@@ -6,8 +6,9 @@ that torchrun started (``RANK`` in its environment). The launcher forks its work
 vLLM does: a worker starts with torch and the project already imported, instead of
 paying seconds of CPU for a new interpreter that imports them again. Once CUDA is
 initialized in the launching process the workers are spawned instead (a forked child
-cannot use CUDA). ``torchrun -m lifecycle run SPEC`` starts new interpreters, as it
-always does; they run the same ``main``.
+cannot use CUDA). The workers meet on torchrun's static rendezvous, at a store the
+launching process listens on (a free port of 127.0.0.1). ``torchrun -m lifecycle run
+SPEC`` starts new interpreters, as it always does; they run the same ``main``.
 
 Every worker binds its rank to the log context, turns SIGTERM (the launcher stopping
 the group after a peer failed) into a normal exit so its orchestrator closes and
@@ -65,6 +66,9 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 """Where torchrun's launcher asks its worker to record why it failed."""
 
 log = get_logger("lifecycle")
+
+LOCALHOST = "127.0.0.1"
+"""Where the launcher's rendezvous listens: its workers are on this host."""
 
 JOIN_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 """The logger of torch's launcher that reports a worker's exit."""
@@ -260,10 +264,19 @@ def spawn(nproc: int, argv: Sequence[str]) -> int:
 
     # torch leaves is_initialized and parse_args unannotated
     method = start_method(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+    # the rendezvous is torchrun's static one, on a store this process listens on until
+    # the launch ends: the kernel picked its free port, and the rendezvous's own store on
+    # that port is this server (multi_tenant), so no other process can take the port.
+    # --standalone's c10d rendezvous (torchrun's when it has no port) records each of its
+    # steps with inspect.stack(), which looks up every frame's module among all those
+    # loaded: a fifth to half a CPU-second a launch in a process with many modules.
+    # (torch.distributed exports TCPStore without declaring it for type checkers)
+    server = dist.TCPStore(  # type: ignore[attr-defined]
+        LOCALHOST, 0, is_master=True, wait_for_workers=False, multi_tenant=True
+    )
     options = parse_args(  # type: ignore[no-untyped-call]
         [
-            # what torchrun's --standalone stands for: a rendezvous on a free local port
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"),
+            *("--rdzv-backend", "static", "--rdzv-endpoint", f"{LOCALHOST}:{server.port}"),
             *("--rdzv-id", str(uuid.uuid4())),
             *("--nproc-per-node", str(nproc), "--max-restarts", "0"),
             *("--monitor-interval", "0.2", "--start-method", method),

@@ -25,7 +25,7 @@ import torch
 
 from lifecycle.cli import launch
 from tests.conftest import Lifecycle
-from tests.processes import Program, run_python, start_python
+from tests.processes import Finished, Program, run_python, start_python
 
 pytestmark = pytest.mark.long
 
@@ -68,12 +68,42 @@ def command_line(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-@pytest.fixture
-def four_processes(tmp_path: Path) -> Path:
-    """The Ulysses spec with a layout of four processes, which two ranks refuse at load."""
-    spec = tmp_path / "four.toml"
+def write_four_processes(folder: Path) -> Path:
+    """Write the Ulysses spec with a layout of four processes, which two ranks refuse at load."""
+    spec = folder / "four.toml"
     spec.write_text(ULYSSES.read_text().replace("sp_degree = 2\nulysses_degree = 2", "tp_size = 4"))
     return spec
+
+
+@pytest.fixture
+def four_processes(tmp_path: Path) -> Path:
+    """The spec of ``write_four_processes`` in the test's folder."""
+    return write_four_processes(tmp_path)
+
+
+RENDEZVOUS = "torch.distributed.elastic.rendezvous."
+"""The package of torchrun's rendezvous backends; each is imported when first created."""
+
+BUFFERED_LAUNCH = f"""
+import sys
+from lifecycle.cli.main import main
+sys.stdout.reconfigure(line_buffering=False, write_through=False)
+sys.stdout.write("written before the launch\\n")  # waits in the buffer
+code = main(sys.argv[1:])
+loaded = sorted(name for name in sys.modules if name.startswith({RENDEZVOUS!r}))
+print("rendezvous modules:", *loaded, file=sys.stderr)
+sys.exit(code)
+"""
+"""``run --nproc`` in a program of its own with a line in stdout's buffer; at the end it
+names the rendezvous modules the launch imported."""
+
+
+@pytest.fixture(scope="module")
+def buffered_launch(tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    """What ``BUFFERED_LAUNCH`` left, launching two ranks that refuse the four-process spec."""
+    spec = write_four_processes(tmp_path_factory.mktemp("four"))
+    argv = ["run", spec, "--nproc", "2", "--requests", "1"]
+    return run_python(BUFFERED_LAUNCH, *argv, cwd=ROOT, timeout=DEADLINE_S)
 
 
 class TestRun:
@@ -121,19 +151,23 @@ class TestRun:
         assert {rid for rank, rid in begun if rank == 0} == {"r1", "r3"}
         assert {rid for rank, rid in begun if rank == 1} == {"r2", "r4"}
 
-    def test_a_line_left_in_a_buffer_is_printed_once(self, four_processes: Path) -> None:
+    def test_a_line_left_in_a_buffer_is_printed_once(self, buffered_launch: Finished) -> None:
         """A line the launcher wrote but had not flushed is not written again by its forks."""
-        program = (
-            "import sys\n"
-            "from lifecycle.cli.main import main\n"
-            "sys.stdout.reconfigure(line_buffering=False, write_through=False)\n"
-            "sys.stdout.write('written before the launch\\n')\n"  # waits in the buffer
-            "sys.exit(main(sys.argv[1:]))\n"
-        )
-        argv = ["run", four_processes, "--nproc", "2", "--requests", "1"]
-        result = run_python(program, *argv, cwd=ROOT, timeout=DEADLINE_S)
+        result = buffered_launch
         assert result.returncode == 1, result.stderr[-3000:]  # each rank refuses the layout
         assert result.stdout.count("written before the launch") == 1, result.stdout
+
+    def test_the_workers_meet_on_a_static_rendezvous(self, buffered_launch: Finished) -> None:
+        """``--nproc`` meets its workers on torchrun's static rendezvous, not on the c10d one
+        (which looks up the module of every frame on the stack at each of its steps)."""
+        (line,) = [
+            line
+            for line in buffered_launch.stderr.splitlines()
+            if line.startswith("rendezvous modules:")
+        ]
+        loaded = line.split()[2:]
+        assert RENDEZVOUS + "static_tcp_rendezvous" in loaded, line
+        assert RENDEZVOUS + "c10d_rendezvous_backend" not in loaded, line
 
 
 class TestNodes:
