@@ -104,6 +104,17 @@ class MemoryWaiter:
         self._queue: PriorityQueue[str] = PriorityQueue()
         self._stages: dict[str, StageSpec] = {}  # what each waiting request waits to enter
         self._uses: dict[str, tuple[ComponentSlot, ...]] = {}  # and its components
+        self._listeners: list[Callable[[], object]] = []
+
+    def on_change(self, listener: Callable[[], object]) -> None:
+        """Call ``listener`` (with the lock held) whenever a request joins the line or
+        leaves it: a request behind others joins without an attempt, so no event says it
+        waits (a status page learns it from here)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def acquire(
         self,
@@ -146,6 +157,7 @@ class MemoryWaiter:
         self._queue.push(request_id, priority)
         self._stages[request_id] = stage
         self._uses[request_id] = tuple(terms.slots[name] for name in stage.uses)
+        self._changed()
         waited = False
         try:
             while True:
@@ -182,6 +194,7 @@ class MemoryWaiter:
             del self._stages[request_id]
             del self._uses[request_id]
             self._turns.notify_all()  # the next in line may try now
+            self._changed()
 
     def _going(self) -> list[str]:
         """Return the waiting requests that may go now (call with the lock held): those

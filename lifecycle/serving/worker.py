@@ -127,6 +127,7 @@ class Worker:
         self.platform = orchestrators[0].platform
         self.metrics = metrics
         self.board = StatusBoard()
+        self.shared.waiter.on_change(self.board.changed)  # the line shows on the page
         for orchestrator in orchestrators:
             orchestrator.observe(self.board.observer(orchestrator.spec.name))
             orchestrator.observe(metrics.pipeline_observer(orchestrator.spec.name))

@@ -148,6 +148,21 @@ class TestWaiting:
         assert errors == []
         assert entered == ["r1", "r2", "r3", "r4"]
 
+    def test_the_line_says_who_joins_and_leaves_it(
+        self, cpu: Platform, vae_pipeline: VaePipeline
+    ) -> None:
+        """The waiter's listeners hear every request that joins the line or leaves it,
+        with the lock held: r3 joins behind r2 without an attempt, so no event says it."""
+        spec = vae_pipeline(VAE_BYTES + 1000, NEXT_USES, wait_timeout=60.0)
+        with Orchestrator(spec, platform=cpu) as orch:
+            orch.load()
+            lines: list[tuple[str, ...]] = []
+            orch.waiter.on_change(lambda: lines.append(orch.waiter.queue))
+            errors, entered = queue_behind(orch, {"r2": "s1", "r3": "s2"})
+        assert errors == []
+        assert entered == ["r1", "r2", "r3"]
+        assert lines == [("r2",), ("r2", "r3"), ("r3",), ()]
+
     def test_a_stage_on_resident_components_goes_first(
         self, cpu: Platform, vae_pipeline: VaePipeline
     ) -> None:
