@@ -25,6 +25,7 @@ from components.folders.problems import Problem
 from components.kinds.t5_encoder import T5EncoderLoader
 from components.libraries import is_importable
 from components.models.dit.pixart import PixArtInputs
+from components.recipes.aspect_bins import AspectBins, nearest_bin, read_bins
 from components.recipes.base import (
     DECODE,
     DENOISE,
@@ -47,6 +48,9 @@ SIZE_MULTIPLE = 8
 """diffusers' PixArt pipelines refuse sizes that are not multiples of 8."""
 MICRO_CONDITIONED = 128
 """PixArt-alpha's 1024-pixel model (sample size 128) is conditioned on resolution and ratio."""
+ALPHA = "diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha"
+SIGMA = "diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma"
+"""The diffusers modules whose sources assign PixArt's aspect-ratio bins."""
 
 
 class PixArtAlphaRecipe(Recipe):
@@ -62,12 +66,13 @@ class PixArtAlphaRecipe(Recipe):
     default_guidance = 4.5
     noise_dtype_of = "text_encoder"
     max_tokens: ClassVar[int] = 120
-    bin_tables: ClassVar[dict[int, str]] = {
-        128: "ASPECT_RATIO_1024_BIN",
-        64: "ASPECT_RATIO_512_BIN",
-        32: "ASPECT_RATIO_256_BIN",
+    bin_tables: ClassVar[dict[int, tuple[str, str]]] = {
+        128: (ALPHA, "ASPECT_RATIO_1024_BIN"),
+        64: (ALPHA, "ASPECT_RATIO_512_BIN"),
+        32: (ALPHA, "ASPECT_RATIO_256_BIN"),
     }
-    """The aspect-ratio bins diffusers uses for each DiT ``sample_size`` (names in diffusers)."""
+    """The aspect-ratio bins diffusers uses for each DiT ``sample_size``: the module that
+    assigns them, and their name there."""
     starts_at_first_step: ClassVar[bool] = True
     """Whether the pipeline sets the scheduler's begin index (alpha's does, sigma's not)."""
     one_step_keeps_original: ClassVar[bool] = True
@@ -90,27 +95,19 @@ class PixArtAlphaRecipe(Recipe):
         """Sizes must be multiples of 8 (diffusers' check) and of the VAE and patch scale."""
         return self._multiple
 
-    def bins(self) -> dict[str, list[float]] | None:
-        """Return diffusers' aspect-ratio bins for this DiT, or None when it bins none."""
-        name = self.bin_tables.get(self.sample_size)
-        if name is None:
-            return None
-        from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha, pipeline_pixart_sigma
+    def bins(self) -> AspectBins | None:
+        """Return diffusers' aspect-ratio bins for this DiT, or None when it bins none.
 
-        table: dict[str, list[float]] = getattr(pipeline_pixart_alpha, name, None) or getattr(
-            pipeline_pixart_sigma, name
-        )
-        return table
+        Raises:
+            BinsNotFound: the installed diffusers no longer assigns them where they are read.
+        """
+        table = self.bin_tables.get(self.sample_size)
+        return None if table is None else read_bins(*table)
 
     def binned(self, size: tuple[int, int]) -> tuple[int, int]:
         """Return the aspect-ratio bin nearest ``size`` where diffusers bins, else ``size``."""
         bins = self.bins()
-        if bins is None:
-            return size
-        from diffusers.image_processor import PixArtImageProcessor
-
-        binned: tuple[int, int] = PixArtImageProcessor.classify_height_width_bin(*size, bins)
-        return binned
+        return size if bins is None else nearest_bin(*size, bins)
 
     def encode(self, modules: Mapping[str, nn.Module], batch: Batch) -> None:
         """Embed the prompts (and, under guidance, the negative prompts) with masked T5."""
@@ -252,8 +249,8 @@ class PixArtSigmaRecipe(PixArtAlphaRecipe):
 
     pipeline_class: ClassVar[str] = "PixArtSigmaPipeline"
     max_tokens = 300
-    bin_tables: ClassVar[dict[int, str]] = {
-        256: "ASPECT_RATIO_2048_BIN",
+    bin_tables: ClassVar[dict[int, tuple[str, str]]] = {
+        256: (SIGMA, "ASPECT_RATIO_2048_BIN"),
         **PixArtAlphaRecipe.bin_tables,
     }
     starts_at_first_step = False
