@@ -46,9 +46,14 @@ PLAN = {128: (80, 40), 1024: (24, 1), 4096: (8, 1)}
 
 
 def interleaved(
-    calls: dict[str, Callable[[], object]], *, rounds: int, inner: int
+    calls: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    inner: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Return each call's seconds per call in each round, the calls timed side by side."""
+    """Return each call's seconds per call in each round, the calls timed side by side on
+    ``clock`` (wall time unless given)."""
     for call in calls.values():
         call()  # warm-up: first-call allocations and kernel selection
     samples: dict[str, list[float]] = {name: [] for name in calls}
@@ -56,10 +61,10 @@ def interleaved(
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
             call = calls[name]
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner):
                 call()
-            samples[name].append((time.perf_counter() - start) / inner)
+            samples[name].append((clock() - start) / inner)
     return samples
 
 
