@@ -11,11 +11,12 @@ import msgspec
 import torch
 from torch import nn
 
+from components.defaults import DEFAULT_STEPS
+
 if TYPE_CHECKING:
     from components.cache import RowCache
 
 __all__ = [
-    "DEFAULT_STEPS",
     "RGB",
     "Batch",
     "BatchField",
@@ -31,9 +32,6 @@ __all__ = [
 
 
 RGB = 3  # the colour channels of Batch.images
-DEFAULT_STEPS = 4
-"""The denoising steps of a request that names none, where no pipeline class sets them (a
-folder's recipe does: ``Recipe.default_steps``)."""
 BatchField = Literal[
     "prompts",
     "context",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from components.batch import DEFAULT_STEPS
+from components.defaults import DEFAULT_STEPS
 from components.folders.index import PIPELINE
 from components.folders.problems import Problem
 from components.loader import ComponentLoader

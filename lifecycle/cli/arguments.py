@@ -6,8 +6,6 @@ import argparse
 from pathlib import Path
 from typing import NamedTuple
 
-from lifecycle.spec.sizes import ByteSize
-
 __all__ = [
     "SPEC_HELP",
     "add_download_option",
@@ -53,6 +51,9 @@ def port_number(text: str) -> int:
 
 def byte_size(text: str) -> int:
     """Parse a size like ``2GiB`` or a byte count, or tell argparse what is wrong with ``text``."""
+    # imported when a size is parsed: the spec package imports torch, which --help never needs
+    from lifecycle.spec.sizes import ByteSize
+
     try:
         return ByteSize.parse(text if not text.isdigit() else int(text))
     except ValueError as err:

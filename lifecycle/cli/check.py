@@ -12,7 +12,6 @@ import sys
 
 from msgspec import UnsetType
 
-from lifecycle.cli.arguments import add_download_option, add_specs_argument
 from lifecycle.cli.console import (
     ACCELERATION_HEADINGS,
     fallback_legend,
@@ -22,7 +21,6 @@ from lifecycle.cli.console import (
 )
 from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.output import print_json
-from lifecycle.cli.serve import add_budget_options
 from lifecycle.device.shared import SharedDevice, worker_budget
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.plan import PipelineSnapshot, SitePlan
@@ -33,18 +31,7 @@ from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.sizes import format_bytes
 from lifecycle.spec.structs import PipelineSpec
 
-__all__ = ["add_check_options", "check_command"]
-
-
-def add_check_options(check: argparse.ArgumentParser) -> None:
-    """Add ``check``'s arguments and options to its parser."""
-    add_specs_argument(
-        check, "several are checked as one worker serves them, under one device budget"
-    )
-    check.add_argument("--json", action="store_true", help="print one JSON object")
-    add_download_option(check)
-    add_budget_options(check)
-    check.set_defaults(handler=check_command, prints_refusals=True)
+__all__ = ["check_command"]
 
 
 def check_command(args: argparse.Namespace) -> int:

@@ -22,31 +22,7 @@ from lifecycle.refusals import AdmissionRefused
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec
 
-__all__ = ["add_diagram_options"]
-
-
-def add_diagram_options(diagram: argparse.ArgumentParser) -> None:
-    """Add ``diagram``'s options to its parser."""
-    diagram.add_argument("--out", type=Path, default=Path("diagrams"), help="output folder")
-    diagram.add_argument(
-        "--format",
-        choices=tuple(diagrams.FORMATS),
-        default="all",
-        help="which files: one drawing format, or all of them with the refusal-code table",
-    )
-    diagram.add_argument(
-        "--spec",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="also draw this pipeline's admitted plan as NAME_plan.svg (repeatable; "
-        "svg and all only)",
-    )
-    diagram.add_argument(
-        "--check", action="store_true", help="exit 1 when the files differ from the machine"
-    )
-    diagram.set_defaults(handler=diagram_command, prints_refusals=True)
+__all__ = ["diagram_command"]
 
 
 def diagram_command(args: argparse.Namespace) -> int:

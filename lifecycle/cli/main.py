@@ -3,9 +3,10 @@
 Results go to stdout, logs and errors to stderr; bad input is one line, never
 a traceback. The exit codes are ``lifecycle.cli.exits.ExitCode``.
 
-This module knows the commands by name: a command's options, and all it imports to
-run (torch and the house, about a second and a half of CPU), load once the command
-line names it. ``lifecycle --help`` and ``--version`` import none of them.
+This module knows the commands by name: a command's options load once the command
+line names it, and all it imports to run (torch and the house, about a second and a
+half of CPU) once it runs. ``lifecycle --help``, ``--version`` and every command's
+``--help`` import neither.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ DEFAULT_LOG_LEVEL = "warning"
 DEFAULT_LOG_FORMAT = "auto"
 
 Options = Callable[[argparse.ArgumentParser], None]
-"""Adds a command's options to its parser, importing the command's room."""
+"""Adds a command's options to its parser (``lifecycle.cli.options``, no torch)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as done:  # --help, --version, or a bad argument argparse reported
         return done.code if isinstance(done.code, int) else ExitCode.BAD_INPUT
-    # a command was named, and its options imported torch and the house: these come along
+    # a command was named: its handler imports torch and the house, and these come along
     from lifecycle.cli.launch import CRASHED
     from lifecycle.logs import configure_logging
 
@@ -81,7 +82,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class _Command(argparse.ArgumentParser):
     """A command's parser, which adds the command's options when it first parses.
 
-    Only the command that the line names imports its room: ``lifecycle --help`` lists
+    Only the command that the line names reads its options: ``lifecycle --help`` lists
     every command from its name and help alone.
     """
 
@@ -151,12 +152,12 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _options(module: str, name: str) -> Options:
-    """Return what adds a command's options: ``module``'s function ``name``, which is
-    imported (with the command's room) only when the command line names the command."""
+def _options(name: str) -> Options:
+    """Return what adds a command's options: ``lifecycle.cli.options``' function ``name``,
+    imported only when the command line names a command."""
 
     def add(parser: argparse.ArgumentParser) -> None:
-        options: Options = getattr(importlib.import_module(module), name)
+        options: Options = getattr(importlib.import_module("lifecycle.cli.options"), name)
         options(parser)
 
     return add
@@ -166,32 +167,32 @@ _COMMANDS: tuple[tuple[str, str, Options], ...] = (
     (
         "check",
         "validate pipeline specs (admission dry run)",
-        _options("lifecycle.cli.check", "add_check_options"),
+        _options("add_check_options"),
     ),
     (
         "run",
         "run requests of a pipeline (the main job)",
-        _options("lifecycle.cli.run_options", "add_run_options"),
+        _options("add_run_options"),
     ),
     (
         "diagram",
         "write the lifecycle diagrams (Mermaid, DOT, SVG)",
-        _options("lifecycle.cli.diagram", "add_diagram_options"),
+        _options("add_diagram_options"),
     ),
     (
         "schema",
         "print the JSON Schema of the spec",
-        _options("lifecycle.cli.schema", "add_schema_options"),
+        _options("add_schema_options"),
     ),
     (
         "spec",
         "print the effective spec of a pipeline folder (or spec file) as TOML to edit",
-        _options("lifecycle.cli.schema", "add_spec_options"),
+        _options("add_spec_options"),
     ),
     (
         "serve",
         "serve pipelines over HTTP (OpenAI-compatible, Prometheus metrics)",
-        _options("lifecycle.cli.serve", "add_serve_options"),
+        _options("add_serve_options"),
     ),
 )
 """Every command: its name, its help, and what adds its options."""

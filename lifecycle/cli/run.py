@@ -40,8 +40,9 @@ from lifecycle.cli.runner import (
 from lifecycle.cli.signals import Abandoned, StopOnSignal
 from lifecycle.events import Move
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.formats import VideoFormat
 from lifecycle.pictures.gantt import residency_gantt
-from lifecycle.pictures.video import VIDEO_EXTRA, VideoFormat, default_format, mp4_missing
+from lifecycle.pictures.video import VIDEO_EXTRA, default_format, mp4_missing
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.refusals import Refusal, TransitionFailed, TransitionRefused
 from lifecycle.spec.errors import ConfigError

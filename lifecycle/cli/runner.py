@@ -28,8 +28,9 @@ from lifecycle.cli.neighbours import Neighbour, nearest_neighbours
 from lifecycle.cli.progress import RunProgress, Silent
 from lifecycle.events import Event, Move, PromptCounts, RequestEnded
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.pictures.formats import VideoFormat
 from lifecycle.pictures.png import write_png
-from lifecycle.pictures.video import VideoFormat, write_video
+from lifecycle.pictures.video import write_video
 from lifecycle.plan import PipelineSnapshot
 from lifecycle.prompts import counted
 from lifecycle.spec.structs import PipelineSpec

@@ -5,37 +5,25 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import msgspec
 
-from lifecycle.cli.arguments import SPEC_HELP, add_download_option
 from lifecycle.cli.exits import ExitCode
 from lifecycle.cli.output import print_json
 from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, spec_schema
 
-__all__ = ["add_schema_options", "add_spec_options"]
+__all__ = ["schema_command", "spec_command"]
 
 
-def add_schema_options(schema: argparse.ArgumentParser) -> None:
-    """Set ``schema``'s handler: it takes no arguments of its own."""
-    schema.set_defaults(handler=_schema)
-
-
-def add_spec_options(effective: argparse.ArgumentParser) -> None:
-    """Add ``spec``'s argument and options to its parser."""
-    effective.add_argument("spec", type=Path, help=SPEC_HELP)
-    add_download_option(effective)
-    effective.set_defaults(handler=_spec)
-
-
-def _schema(args: argparse.Namespace) -> int:
+def schema_command(args: argparse.Namespace) -> int:
+    """Print the spec's JSON Schema."""
     print_json(spec_schema())
     return ExitCode.OK
 
 
-def _spec(args: argparse.Namespace) -> int:
+def spec_command(args: argparse.Namespace) -> int:
+    """Print the effective spec of ``args.spec`` as TOML; 2 when it cannot be read."""
     try:
         spec = load_spec(args.spec, download=args.download)
     except ConfigError as err:

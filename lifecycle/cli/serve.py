@@ -13,13 +13,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lifecycle.cli.arguments import (
-    add_download_option,
-    add_specs_argument,
-    byte_size,
-    port_number,
-    positive,
-)
 from lifecycle.cli.cores import torch_threads
 from lifecycle.cli.exits import ExitCode
 from lifecycle.refusals import AdmissionRefused
@@ -27,54 +20,9 @@ from lifecycle.spec.errors import ConfigError
 from lifecycle.spec.reading import load_spec, load_worker_file
 from lifecycle.spec.structs import PipelineSpec
 
-__all__ = ["add_budget_options", "add_serve_options"]
+__all__ = ["serve_command"]
 
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus_client")
-
-
-def add_serve_options(serve: argparse.ArgumentParser) -> None:
-    """Add ``serve``'s arguments and options to its parser."""
-    add_specs_argument(
-        serve, "several share one device budget, and a request's model names its pipeline"
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on")
-    serve.add_argument(
-        "--threads",
-        type=positive,
-        help="torch intra-op threads (default: the physical cores this process may use, or "
-        "fewer under its cgroup's CPU quota, less one for the HTTP event loop)",
-    )
-    serve.add_argument(
-        "--api-key",
-        help="require Authorization: Bearer KEY on every /v1 route (default: "
-        "$LIFECYCLE_API_KEY, which keeps the key out of the process list)",
-    )
-    serve.add_argument(
-        "--admin-key",
-        help="enable the admin routes (those that change pipelines or adapters), with "
-        "Authorization: Bearer KEY (default: $LIFECYCLE_ADMIN_KEY)",
-    )
-    add_budget_options(serve)
-    add_download_option(serve)
-    serve.set_defaults(handler=serve_command)
-
-
-def add_budget_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--device-budget`` and ``--worker``: the budget several pipelines share."""
-    parser.add_argument(
-        "--device-budget",
-        type=byte_size,
-        metavar="SIZE",
-        help="the most bytes resident on the device for every pipeline together, like 2GiB "
-        "(default: the worker file's, else the smallest memory.device_budget of the specs)",
-    )
-    parser.add_argument(
-        "--worker",
-        type=Path,
-        metavar="FILE",
-        help="a worker file: [worker] device_budget = SIZE",
-    )
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from lifecycle.machines.component import LifecycleMachine
 from lifecycle.machines.engine import GuardedMachine, GuardedTransition
 from lifecycle.machines.pipeline import PipelineMachine
 from lifecycle.machines.worker import WorkerMachine
+from lifecycle.pictures.formats import DIAGRAM_FORMATS
 from lifecycle.pictures.svg import PlanBox, plan_svg, state_svg
 from lifecycle.plan import AdmissionPlan
 from lifecycle.refusals import RefusalCode
@@ -24,7 +25,6 @@ from lifecycle.spec.structs import PipelineSpec
 
 __all__ = [
     "DIAGRAM_NAME",
-    "FORMATS",
     "plan",
     "plan_name",
     "render_all",
@@ -200,15 +200,6 @@ def _machines() -> tuple[GuardedMachine, ...]:
     )
 
 
-FORMATS: dict[str, tuple[str, ...]] = {
-    "mermaid": (".mmd",),
-    "dot": (".dot",),
-    "svg": (".svg",),
-    "all": (".mmd", ".dot", ".svg", ".md"),
-}
-"""What ``lifecycle diagram --format`` writes: the file endings of each choice."""
-
-
 def render_all(fmt: str = "all") -> dict[str, str]:
     """Return the name and text of every generated docs file of format ``fmt``."""
     files = {}
@@ -219,7 +210,7 @@ def render_all(fmt: str = "all") -> dict[str, str]:
         files[f"{name}.svg"] = svg(machine)
     files[REFUSAL_TABLE_NAME] = refusal_table()
     files[TRANSITION_TABLE_NAME] = transition_tables()
-    return {name: text for name, text in files.items() if name.endswith(FORMATS[fmt])}
+    return {name: text for name, text in files.items() if name.endswith(DIAGRAM_FORMATS[fmt])}
 
 
 def write_diagrams(folder: Path, files: Mapping[str, str] | None = None) -> list[Path]:

@@ -12,26 +12,22 @@ from __future__ import annotations
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 
 from components.libraries import is_importable
+from lifecycle.pictures.formats import VideoFormat
 from lifecycle.pictures.png import write_png
 
 __all__ = [
     "FPS",
     "VIDEO_EXTRA",
-    "VIDEO_FORMATS",
-    "VideoFormat",
     "default_format",
     "mp4_bytes",
     "mp4_missing",
     "write_video",
 ]
 
-VideoFormat = Literal["mp4", "webp", "png"]
-VIDEO_FORMATS: tuple[VideoFormat, ...] = get_args(VideoFormat)
 FPS = 16
 """Frames a second: Wan's (diffusers' examples export its videos at 16)."""
 MP4_PACKAGES = ("imageio", "imageio_ffmpeg")

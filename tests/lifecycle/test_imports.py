@@ -19,13 +19,16 @@ EXAMPLE = ROOT / "examples" / "tiny_t2i.toml"
 SHARDING = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.run")
 """What only a splitting layout (or ``--nproc``) needs; importing one costs ~0.03-1 CPU-s."""
 
-# the CLI's entry module, then --version and --help, then check, in one process; after
-# each, whether it imported torch, and which sharding modules
+# the CLI's entry module, then --version and --help, then every command's --help, then
+# check, in one process; after each, whether it imported torch, and which sharding modules
 COMMANDS = f"""
 import sys
 from lifecycle.cli.entry import main
 codes = main(["--version"]), main(["--help"])
 print("--version, --help:", *codes, "torch" in sys.modules)
+from lifecycle.cli.main import _COMMANDS
+codes = {{name: main([name, "--help"]) for name, _, _ in _COMMANDS}}
+print("COMMAND --help:", *codes.items(), "torch" in sys.modules)
 code = main(["check", sys.argv[1]])
 print("check:", code, sorted(name for name in {SHARDING!r} if name in sys.modules))
 """
@@ -79,6 +82,13 @@ class TestFreshProcess:
     def test_help_and_version_import_no_torch(self, commands: Finished) -> None:
         """``lifecycle --version`` and ``--help`` answer (exit 0) without importing torch."""
         assert said(commands, "--version, --help") == "0 0 False"
+
+    def test_every_command_help_imports_no_torch(self, commands: Finished) -> None:
+        """``lifecycle COMMAND --help`` answers (exit 0) for every command without importing
+        torch: a command's options are read apart from what runs it."""
+        assert said(commands, "COMMAND --help") == (
+            "('check', 0) ('run', 0) ('diagram', 0) ('schema', 0) ('spec', 0) ('serve', 0) False"
+        )
 
     def test_check_without_a_layout_imports_no_sharding(self, commands: Finished) -> None:
         """``lifecycle check`` of a one-process spec imports no FSDP, DTensor or torchrun."""
