@@ -185,12 +185,17 @@ class TestCustomPath:
         assert declared is not None
         assert any(".attn2." in name for name in declared)
 
-    def test_an_uneven_feed_forward_split_is_refused(self, folders: dict[str, Path]) -> None:
-        """Z-Image's tiny feed-forward of 85 units cannot split over two ranks: said, not run."""
-        module = build_empty(loader_of(folders["z-image"], "z-image").custom_module)
+    def test_an_uneven_feed_forward_split_is_planned(self, folders: dict[str, Path]) -> None:
+        """Z-Image's tiny feed-forward of 85 units splits over two ranks (unevenly, as any
+        split linear): every block plans w1 and w3 column-wise, w2 row-wise."""
+        loader = loader_of(folders["z-image"], "z-image")
+        module = build_empty(loader.custom_module)
         assert isinstance(module, PackedTransformer)
-        with pytest.raises(ValueError, match=r"85 feed-forward units .* tp_size = 2 ranks"):
-            list(module.tensor_plans(2))
+        plans = [plan for _, plan in module.tensor_plans(2)]
+        assert len(plans) == loader.block_count()
+        for plan in plans:
+            split = [plan[f"feed_forward.w{i}"] for i in (1, 2, 3)]
+            assert split == ["colwise", "rowwise", "colwise"]
 
 
 class TestEqualToNative:

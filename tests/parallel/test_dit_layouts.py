@@ -5,7 +5,8 @@ PixArt and Flux run every layout; SD3, whose joint attention and sharding are Fl
 (the last reads a text shard without updating it) and its tensor-parallel plan;
 Qwen-Image, Flux's blocks under its own text mask and per-axis rotary, runs every
 two-rank layout, and so does Z-Image, whose refiners shard each request's image and
-text apart before its main layers shard them together; Wan runs Ulysses, ring, K/V
+text apart before its main layers shard them together (tensor parallel splits the tiny
+folder's 85 feed-forward units unevenly, 43 and 42); Wan runs Ulysses, ring, K/V
 gather and tensor parallel over videos of 1 to 3 frames. One
 spawn of two gloo processes and one of four each run every case of their size; the
 parent compares rank 0's outputs with the DiT run alone on the same seeded groups:
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from attention import Platform
+from components.models.dit.z_image import feed_forward_units
 from components.weights import seed_weights
 from lifecycle.admission import admit_pipeline
 from lifecycle.spec.reading import decode_spec
@@ -124,11 +126,6 @@ def cached_cases(folders: dict[str, Path]) -> dict[str, DitCase]:
     }
 
 
-Z_IMAGE_EVEN = {"dim": 48, "axes_dims": [12, 6, 6]}
-"""Z-Image's DiT at a width whose feed-forward (8/3 of it: 128 units) two ranks split evenly;
-the tiny folder's 32 make 85 units."""
-
-
 def with_heads(folder: Path, into: Path, heads: int) -> Path:
     """Write a seeded copy of ``folder``'s DiT with ``heads`` heads of the same width each."""
     config = json.loads((folder / "transformer" / "config.json").read_text())
@@ -159,7 +156,6 @@ def folders(
     found |= {f"{f}-smooth": pipeline_folder(f, smooth_time=True) for f in FAMILIES}
     for family in FAMILIES:
         found[f"{family}-wide"] = with_heads(found[family], tmp_path_factory.mktemp(family), 4)
-    found["z-image"] = with_config(found["z-image"], tmp_path_factory.mktemp("z"), Z_IMAGE_EVEN)
     return found
 
 
@@ -226,6 +222,23 @@ class TestTwoRanks:
     ) -> None:
         """The split DiT's output equals the one-process output within 1e-5."""
         assert_equal_to_alone(two, name, cases(TWO, folders)[name], 2)
+
+    def test_z_image_splits_its_feed_forward_unevenly(
+        self, two: Path, folders: dict[str, Path]
+    ) -> None:
+        """Tensor parallel splits the tiny Z-Image folder's 85 feed-forward units 43 and 42:
+        rank 0 holds one more unit of w1, w2 and w3 in every block than rank 1."""
+        config = json.loads((folders["z-image"] / "transformer" / "config.json").read_text())
+        dim = config["dim"]
+        assert feed_forward_units(dim) % 2 == 1
+        held = [
+            msgspec.json.decode(
+                (two / f"z-image-tensor_parallel.rank{rank}.json").read_bytes(), type=Sent
+            ).held_bytes
+            for rank in range(2)
+        ]
+        blocks = 2 * config["n_refiner_layers"] + config["n_layers"]
+        assert held[0] - held[1] == blocks * 3 * dim * 4  # float32
 
     @pytest.mark.parametrize("name", [f"{f}-{n}-sweep" for f in (*FAMILIES, "sd3") for n in SWEPT])
     def test_every_split_equals_one_process(

@@ -395,19 +395,7 @@ class ZImageTransformer(PackedTransformer):
         return state._replace(text=text, image=image)
 
     def tensor_plans(self, shards: int) -> Iterator[tuple[nn.Module, TensorPlan]]:
-        """Yield every block of the three stacks with its split.
-
-        Raises:
-            ValueError: ``shards`` does not divide the feed-forward's units (8/3 of the
-                width, rounded down: admission checks only the heads).
-        """
-        hidden = feed_forward_units(self.dim)
-        if hidden % shards:
-            raise ValueError(
-                f"tensor parallel cannot split the {hidden} feed-forward units of each "
-                f"Z-Image block over tp_size = {shards} ranks evenly; pick a tp_size that "
-                f"divides {hidden}"
-            )
+        """Yield every block of the three stacks with its split."""
         for stack in (self.noise_refiner, self.context_refiner, self.layers):
             for block in stack:
                 assert isinstance(block, ZImageBlock)
