@@ -3,22 +3,21 @@
 Results go to stdout, logs and errors to stderr; bad input is one line, never
 a traceback. The exit codes are ``lifecycle.cli.exits.ExitCode``.
 
-This module knows the commands by name: a command's options load once the command
-line names it, and all it imports to run (torch and the house, about a second and a
-half of CPU) once it runs. ``lifecycle --help``, ``--version`` and every command's
-``--help`` import neither.
+This module knows the commands by name and their options (``lifecycle.cli.options``);
+what a command imports to run (torch and the house, about a second and a half of CPU)
+loads once it runs. ``lifecycle --help``, ``--version`` and every command's ``--help``
+import neither.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lifecycle.cli import exits
+from lifecycle.cli import exits, options
 from lifecycle.cli.exits import ExitCode
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ DEFAULT_LOG_LEVEL = "warning"
 DEFAULT_LOG_FORMAT = "auto"
 
 Options = Callable[[argparse.ArgumentParser], None]
-"""Adds a command's options to its parser (``lifecycle.cli.options``, no torch)."""
+"""Adds a command's arguments, options and handler to its parser."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,25 +78,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class _Command(argparse.ArgumentParser):
-    """A command's parser, which adds the command's options when it first parses.
-
-    Only the command that the line names reads its options: ``lifecycle --help`` lists
-    every command from its name and help alone.
-    """
-
-    def __init__(self, *, options: Options, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._options: Options | None = options
-
-    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
-        """Add the command's options (the first time), then parse as argparse does."""
-        if self._options is not None:
-            options, self._options = self._options, None
-            options(self)
-        return super().parse_known_args(*args, **kwargs)
-
-
 @functools.cache  # built once: in-process callers (tests, embedders) run main() many times
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -112,17 +92,17 @@ def _parser() -> argparse.ArgumentParser:
     # own, so that one not given after the subcommand never hides one given before it
     logging_options = argparse.ArgumentParser(add_help=False)
     _logging_options(logging_options, default=False)
-    commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Command)
-    for name, help_text, options in _COMMANDS:
-        commands.add_parser(
-            name,
-            help=help_text,
-            description=help_text,
-            epilog=exits.HELP,
-            formatter_class=_HelpFormatter,
-            # (typeshed asks for parents of the commands' own class; argparse takes any)
-            parents=[logging_options],  # type: ignore[list-item]
-            options=options,
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    for name, help_text, add_options in _COMMANDS:
+        add_options(
+            commands.add_parser(
+                name,
+                help=help_text,
+                description=help_text,
+                epilog=exits.HELP,
+                formatter_class=_HelpFormatter,
+                parents=[logging_options],
+            )
         )
     return parser
 
@@ -152,47 +132,36 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _options(name: str) -> Options:
-    """Return what adds a command's options: ``lifecycle.cli.options``' function ``name``,
-    imported only when the command line names a command."""
-
-    def add(parser: argparse.ArgumentParser) -> None:
-        options: Options = getattr(importlib.import_module("lifecycle.cli.options"), name)
-        options(parser)
-
-    return add
-
-
 _COMMANDS: tuple[tuple[str, str, Options], ...] = (
     (
         "check",
         "validate pipeline specs (admission dry run)",
-        _options("add_check_options"),
+        options.add_check_options,
     ),
     (
         "run",
         "run requests of a pipeline (the main job)",
-        _options("add_run_options"),
+        options.add_run_options,
     ),
     (
         "diagram",
         "write the lifecycle diagrams (Mermaid, DOT, SVG)",
-        _options("add_diagram_options"),
+        options.add_diagram_options,
     ),
     (
         "schema",
         "print the JSON Schema of the spec",
-        _options("add_schema_options"),
+        options.add_schema_options,
     ),
     (
         "spec",
         "print the effective spec of a pipeline folder (or spec file) as TOML to edit",
-        _options("add_spec_options"),
+        options.add_spec_options,
     ),
     (
         "serve",
         "serve pipelines over HTTP (OpenAI-compatible, Prometheus metrics)",
-        _options("add_serve_options"),
+        options.add_serve_options,
     ),
 )
 """Every command: its name, its help, and what adds its options."""
