@@ -100,7 +100,7 @@ class TestBatcher:
             ({"max_batch": 2, "batch_window_ms": UNTIL_FULL_MS}, 4),
             # three queued jobs start a batch, of which 32 tokens hold two; the last job
             # waits out the window alone
-            ({"max_batch_tokens": 32, "max_batch": 3, "batch_window_ms": 500}, 3),
+            ({"max_batch_tokens": 32, "max_batch": 3, "batch_window_ms": 100}, 3),
         ],
         ids=["max_batch", "max_batch_tokens"],
     )
