@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 from torch import nn
+from torch.distributed import distributed_c10d
 
 from attention import ComponentRequests, Platform, arm_layers, component_attention_scope
 from attention.distributed import count_traffic
@@ -48,12 +49,14 @@ class Sent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             (cases that run requests).
         patterns: each row's step cache decisions (``RowCache.pattern``), for cases
             whose DiT runs a cache.
+        groups: the process groups this rank holds once the case ran.
     """
 
     sent: dict[str, int]
     held_bytes: int
     moved: dict[str, list[int]] = msgspec.field(default_factory=dict)
     patterns: list[str] = msgspec.field(default_factory=list)
+    groups: int = 0
 
 
 class Ran(NamedTuple):
@@ -198,6 +201,7 @@ def run_cases(
                 held_bytes=ran.held_bytes,
                 moved=ran.moved,
                 patterns=list(ran.patterns),
+                groups=len(distributed_c10d._world.pg_map),  # no public API counts them
             )
             (out / f"{name}.rank{rank}.json").write_bytes(msgspec.json.encode(sent))
 

@@ -261,6 +261,19 @@ class TestTwoRanks:
             (shard,), (whole,) = moved["transformer"], moved_alone["transformer"]
             assert shard < 0.75 * whole  # TP: half of the attention and MLP weights
 
+    def test_a_layout_loaded_again_makes_no_process_groups(self, two: Path) -> None:
+        """A load whose layout an earlier load of the rank had reuses that load's process
+        groups (ring_dense: ring's; ulysses_dense: ulysses'); a new layout makes its own."""
+        for rank in range(2):
+            groups = {
+                name: msgspec.json.decode(
+                    (two / f"{name}.rank{rank}.json").read_bytes(), type=Sent
+                ).groups
+                for name in ("ring", "kv_gather", "ring_dense", "ulysses_dense")
+            }
+            assert groups["ring"] < groups["kv_gather"], groups
+            assert groups["kv_gather"] == groups["ring_dense"] == groups["ulysses_dense"], groups
+
 
 @pytest.mark.usefixtures("one_thread")
 class TestCachedLayouts:
