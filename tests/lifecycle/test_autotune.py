@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from attention import Platform
 from lifecycle.autotune import tune
 from lifecycle.spec.reading import decode_spec
 from lifecycle.testing import capture_events, events_named
 from tests.conftest import Lifecycle
 from tests.lifecycle.test_acceleration_admission import DIT
+from tests.lifecycle.test_quantization import needs_torchao
 
-pytest.importorskip("torchao")
+pytestmark = needs_torchao  # torchao itself is imported when a test quantizes
 
 
 def spec_text(keys: str, pipeline: str = "") -> str:

@@ -12,13 +12,21 @@ from safetensors import safe_open
 
 from components.accounting import inner_tensors, module_bytes
 from components.batch import Batch
+from components.libraries import is_importable
 from lifecycle.orchestrator import Orchestrator
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.sizes import format_bytes
 from tests.components.test_step_cache import psnr
 from tests.conftest import Lifecycle
 
-pytest.importorskip("torchao")
+# find_spec, not importorskip: every xdist worker collects this file, and importing
+# torchao (with torch's dynamo when nothing imported it yet) costs 0.2-1.3 CPU-s in a
+# worker that may run none of these tests; the product imports it when it quantizes.
+needs_torchao = pytest.mark.skipif(
+    not is_importable("torchao"),
+    reason="torchao is not installed: pip install 'pipeline-lifecycle[accel]'",
+)
+pytestmark = needs_torchao
 
 QUANTIZATIONS = ("int8_weight_only", "int8_dynamic", "float8_weight_only")
 FLOOR_DB = {"int8_weight_only": 50.0, "int8_dynamic": 50.0, "float8_weight_only": 40.0}
