@@ -328,9 +328,10 @@ class TestQuiet:
         )
         spec = tmp_path / "native.toml"
         spec.write_text(f'source = "{folder}"\n\n{native}')
+        # one thread: the bars do not depend on it, and two spin against the other worker
         result = run_python(
             "lifecycle", "run", spec, "--prompt", "a red fox", "--requests", "1", "--steps", "1",
-            cwd=tmp_path, module=True,
+            "--threads", "1", cwd=tmp_path, module=True,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert "pipeline 'pixart': 1 request x 1 step" in result.stdout
