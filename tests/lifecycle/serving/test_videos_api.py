@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -41,7 +42,6 @@ from tests.lifecycle.video_requests import (
     video_arguments,
 )
 
-openai = pytest.importorskip("openai")
 # the openai client marks its videos API deprecated (OpenAI's own service is to close)
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -78,7 +78,14 @@ def wan(shared_folder: SharedFolder) -> Callable[..., Served]:
 
 
 @pytest.fixture
-def client(wan: Callable[..., Served]) -> Iterator[Any]:
+def openai() -> ModuleType:
+    """The official openai client, imported by the tests that use it (half a CPU-second,
+    which every xdist worker would pay at collection)."""
+    return pytest.importorskip("openai")
+
+
+@pytest.fixture
+def client(openai: ModuleType, wan: Callable[..., Served]) -> Iterator[Any]:
     """An openai client of the module's Wan worker with default ``[serving]``."""
     with openai.OpenAI(base_url=f"{wan().url}/v1", api_key="unused", max_retries=0) as made:
         yield made
@@ -179,6 +186,7 @@ class TestVideos:
 
     def test_image_to_video_from_a_file(
         self,
+        openai: ModuleType,
         module_servers: Servers,
         lifecycle: Lifecycle,
         pipeline_folder: PipelineFolders,
@@ -220,7 +228,7 @@ class TestVideos:
         assert done.status == "completed"
         assert request_state(wan(), video.id)["state"] == "done"
 
-    def test_delete_removes_a_finished_video(self, client: Any) -> None:
+    def test_delete_removes_a_finished_video(self, openai: ModuleType, client: Any) -> None:
         """``delete`` answers ``video.deleted``; the video and its content are 404 after."""
         video = finished(client, create(client).id)
         deleted = client.videos.delete(video.id)
@@ -231,7 +239,7 @@ class TestVideos:
             client.videos.download_content(video.id)
 
     def test_delete_cancels_unfinished_videos(
-        self, client: Any, wan: Callable[..., Served]
+        self, openai: ModuleType, client: Any, wan: Callable[..., Served]
     ) -> None:
         """Deleting an unfinished video cancels its request as ``DELETE /v1/requests/{id}``
         does: a running one stops before its last step, a later one (queued, or in a
@@ -287,7 +295,7 @@ class TestStore:
             assert answer.json()["error"]["code"] == "video_not_found"
 
     def test_store_bytes_remove_the_oldest_first(
-        self, client: Any, wan: Callable[..., Served]
+        self, openai: ModuleType, client: Any, wan: Callable[..., Served]
     ) -> None:
         """Three equal videos in a store that holds two and a half: the oldest is removed,
         the two newest are kept; one video over the store alone fails naming the key."""
