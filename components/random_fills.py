@@ -21,14 +21,18 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["RANDOM_FILLS", "RandomFillsSkipped", "built_on_meta", "fill_target", "is_parameter"]
 
+_INIT_NAMES = frozenset(n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_"))
+"""The names of ``torch.nn.init``'s initialisers."""
 RANDOM_FILLS = frozenset(
-    {
-        *(getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")),
-        *(torch.Tensor.uniform_, torch.Tensor.normal_),
-    }
+    {*(getattr(nn.init, n) for n in _INIT_NAMES), torch.Tensor.uniform_, torch.Tensor.normal_}
 )
 """What fills a tensor with values and nothing else: ``torch.nn.init``'s initialisers and
 the samplers they call."""
+_LIBRARY_INITS = "transformers.initialization"
+"""transformers' initialisers: while a model's ``_init_weights`` runs, transformers puts
+them in ``torch.nn.init`` under the same names, so ``nn.init`` dispatches as them (BERT's
+11.7 M-normal embedding among them). Known by module and name: transformers is optional,
+and never imported for this."""
 
 
 class RandomFillsSkipped(TorchFunctionMode):
@@ -58,11 +62,17 @@ def fill_target(
 ) -> torch.Tensor | None:
     """Return the tensor a call of ``func`` fills at random; None when ``func`` is no
     random initialiser."""
-    if func not in RANDOM_FILLS:
+    if func not in RANDOM_FILLS and not _library_init(func):
         return None
     # nn.init passes its tensor by keyword when it dispatches to a torch function mode
     tensor = args[0] if args else kwargs.get("tensor")
     return tensor if isinstance(tensor, torch.Tensor) else None
+
+
+def _library_init(func: Callable[..., object]) -> bool:
+    """Tell whether ``func`` is one of transformers' stand-ins for ``nn.init``'s."""
+    module = getattr(func, "__module__", None)
+    return module == _LIBRARY_INITS and getattr(func, "__name__", None) in _INIT_NAMES
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:

@@ -195,6 +195,14 @@ class TestMiniLmLoader:
             f"the custom path of 'minilm_text_encoder' cannot run here: {reason}"
         )
 
+    def test_native_build_draws_no_random_numbers(self, loader: MiniLmLoader) -> None:
+        """The shipped weights replace every parameter, so the native build skips
+        transformers' initialisers (its BERT's embedding alone is 11.7 M normals)."""
+        pytest.importorskip("transformers")
+        state = torch.get_rng_state()
+        loader.build("native")
+        assert torch.equal(torch.get_rng_state(), state)
+
     def test_layers_stream_under_layerwise_offload(
         self, loader: MiniLmLoader, tokens: Tokens, embeddings: torch.Tensor, cpu: Platform
     ) -> None:
