@@ -47,16 +47,27 @@ def loaded(pipeline_folder: PipelineFolders) -> dict[str, Loaded]:
     return {family: load(pipeline_folder(family)) for family in CASES}
 
 
+@pytest.fixture(scope="module")
+def case_images(loaded: dict[str, Loaded]) -> dict[str, torch.Tensor]:
+    """Each family's image of its ``CASES`` request through the recipe, made once for the
+    tests that compare it with diffusers' and with another request's."""
+    torch.set_num_threads(1)  # the module's first test is under one_thread too
+    return {family: run_recipe(loaded[family], request) for family, request in CASES.items()}
+
+
 class TestEqualToDiffusers:
     """Each class makes diffusers' images from the same folder and request."""
 
     @pytest.mark.parametrize("family", list(CASES))
     def test_guided_images_equal_diffusers(
-        self, family: str, loaded: dict[str, Loaded], pipeline_folder: PipelineFolders
+        self,
+        family: str,
+        case_images: dict[str, torch.Tensor],
+        pipeline_folder: PipelineFolders,
     ) -> None:
         """Prompt, negative prompt, seed, steps, guidance, size, count: as diffusers reads them."""
         request = CASES[family]
-        ours = run_recipe(loaded[family], request)
+        ours = case_images[family]
         theirs = run_diffusers(pipeline_folder(family), request)
         assert ours.shape == theirs.shape == (request.count, 3, *request.size)
         assert (ours - theirs).abs().max() <= TOLERANCE
@@ -85,24 +96,21 @@ class TestPromptReachesTheImage:
     strongly it guides both show in the image."""
 
     @pytest.mark.parametrize("family", list(CASES))
-    def test_a_prompt_changes_the_image(self, family: str, loaded: dict[str, Loaded]) -> None:
+    def test_a_prompt_changes_the_image(
+        self, family: str, loaded: dict[str, Loaded], case_images: dict[str, torch.Tensor]
+    ) -> None:
         """Another prompt, all else equal, makes another image (distilled klein too)."""
-        request = CASES[family]
-        other = request._replace(prompt="a blue whale swims in the deep sea at night")
-        assert (
-            run_recipe(loaded[family], request) - run_recipe(loaded[family], other)
-        ).abs().max() > 1e-3
+        other = CASES[family]._replace(prompt="a blue whale swims in the deep sea at night")
+        assert (case_images[family] - run_recipe(loaded[family], other)).abs().max() > 1e-3
 
     @pytest.mark.parametrize("family", list(UNGUIDED))
     def test_the_guidance_scale_changes_the_image(
-        self, family: str, loaded: dict[str, Loaded]
+        self, family: str, loaded: dict[str, Loaded], case_images: dict[str, torch.Tensor]
     ) -> None:
         """Another guidance scale, all else equal, makes another image (each guided class)."""
         request = CASES[family]
         other = request._replace(guidance_scale=request.guidance_scale + 2)
-        assert (
-            run_recipe(loaded[family], request) - run_recipe(loaded[family], other)
-        ).abs().max() > 1e-3
+        assert (case_images[family] - run_recipe(loaded[family], other)).abs().max() > 1e-3
 
 
 class TestTemplates:
