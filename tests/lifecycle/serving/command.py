@@ -45,26 +45,45 @@ def serving(
     ``path``: ``sys.path`` entries of the process, as ``start_python`` takes them.
     ``prelude``: source the process runs before the command (``tests.blocked_imports``).
     """
-    port = free_port()
     specs = (str(spec), *map(str, more))
-    command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
     program_source, module = ("lifecycle", True) if prelude is None else (prelude + MAIN, False)
-    with start_python(
-        program_source, *command, cwd=spec.parent, module=module, path=path
-    ) as program:
-        url = f"http://127.0.0.1:{port}"
-        with loopback_client(url, timeout=5) as client:
-            for _ in range(int(WATCHDOG_S / 0.1)):
-                assert program.process.is_alive(), program.stderr()
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                threading.Event().wait(0.1)
-            else:
-                raise AssertionError("the worker never became ready")
-        yield program, url
+    taken = []
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        command = ("serve", *specs, "--port", str(port), "--threads", "1", *options)
+        with start_python(
+            program_source, *command, cwd=spec.parent, module=module, path=path
+        ) as program:
+            url = f"http://127.0.0.1:{port}"
+            if _ready(program, url):
+                yield program, url
+                return
+            taken.append(program.stderr())
+    raise AssertionError(f"no free port held for {PORT_TRIES} tries:\n{taken[-1]}")
+
+
+PORT_TRIES = 3
+"""How many free ports ``serving`` tries: between ``free_port`` and the worker's bind,
+another process's connection may take the port the system just handed back."""
+
+
+def _ready(program: Program, url: str) -> bool:
+    """Wait until the worker at ``url`` is ready; False if it ended because the port was
+    taken (exit 2, ``cannot listen on``); fail if it ended otherwise or never got ready."""
+    with loopback_client(url, timeout=5) as client:
+        for _ in range(int(WATCHDOG_S / 0.1)):
+            if not program.process.is_alive():
+                program.process.join()
+                if program.process.exitcode == 2 and "cannot listen on" in program.stderr():
+                    return False
+                raise AssertionError(f"exit {program.process.exitcode}: {program.stderr()}")
+            try:
+                if client.get("/readyz").status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            threading.Event().wait(0.1)
+    raise AssertionError("the worker never became ready")
 
 
 def metric(metrics: str, name: str) -> float:
