@@ -62,9 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # million by its end: each full collection walks them all (0.3 CPU-s), and at
     # CPython's first threshold (700) the tests' short-lived tensors' wrappers, events and
     # frames were promoted often enough for 17 of them a worker, 6.4 CPU-s of 60. At
-    # 10,000 most die young: 3 or 4 full collections, 2.1-2.7 CPU-s a worker. The
-    # programs and ranks the tests start keep CPython's default, as the product does.
-    gc.set_threshold(10_000)
+    # 10,000 most die young: 3 or 4 full collections, 2.1-2.7 CPU-s a worker.
+    from tests.processes import GC_THRESHOLD
+
+    gc.set_threshold(GC_THRESHOLD)
     import torch
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import multiprocessing
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.processes import fork_server
+from tests.processes import GC_THRESHOLD, fork_server
 
 TOKENIZERS = ("transformers.tokenization_utils_tokenizers",)
 """What ranks that tokenise with a pipeline folder's tokenizer import (transformers' fast
@@ -149,6 +150,7 @@ def _launch(
 def _rank(launcher_end: Connection, target: Callable[..., None], *args: object) -> None:
     launcher_end.close()  # the parent reads EOF when the launcher ends, whatever ranks run
     torch.set_num_threads(1)
+    gc.set_threshold(GC_THRESHOLD)
     target(*args)
 
 
