@@ -11,19 +11,20 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from components.tensor_parallel import split_layers
 from tests.ranks import joined
+
+# torch.distributed.tensor is imported where a test uses it, not at collection: importing it
+# costs 1.1 CPU-s, which every xdist worker paid collecting this file and one of them runs.
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Modes = tuple[bool, bool]
 """Whether inference mode and autograd were on."""
@@ -46,6 +47,8 @@ class Recording(nn.Linear):
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[DeviceMesh]:
     """A one-rank ``tp`` mesh on a gloo group this process joins, left at the end."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     with joined(0, 1, str(tmp_path / "rendezvous")):
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
 
@@ -54,18 +57,23 @@ class DTensorOperations(TorchDispatchMode):
     """Record every operation dispatched on a ``DTensor`` (each derives its sharding)."""
 
     def __init__(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         super().__init__()
         self.names: list[str] = []
+        self.dtensor = DTensor
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """Record ``func`` if a DTensor takes part, then run it."""
-        if any(issubclass(kind, DTensor) for kind in types):
+        if any(issubclass(kind, self.dtensor) for kind in types):
             self.names.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
 def split_copy(whole: Recording, mesh: DeviceMesh) -> tuple[nn.Sequential, Recording]:
     """Return a module holding a copy of ``whole`` split column-wise, and that copy."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     module = nn.Sequential(copy.deepcopy(whole))
     split_layers(module, mesh, {"0": ColwiseParallel()})
     layer = module[0]
@@ -80,6 +88,10 @@ class TestSplitLayers:
     def test_splitting_sends_nothing(self, mesh: DeviceMesh) -> None:
         """Each rank cuts its shards from its own copy of the weights (every rank loads the
         same files): no weight is scattered or broadcast from the first rank."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
         with CommDebugMode() as sent:
             split_layers(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -90,6 +102,9 @@ class TestSplitLayers:
     def test_a_linear_computes_on_its_shards(self, mesh: DeviceMesh, inference: bool) -> None:
         """Split column- then row-wise, two linears equal the whole ones, and no operation
         reaches DTensor (which would derive its sharding for each new input shape)."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         torch.manual_seed(0)
         whole = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
         module = copy.deepcopy(whole)
