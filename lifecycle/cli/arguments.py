@@ -39,13 +39,14 @@ def positive(text: str) -> int:
 
 
 def port_number(text: str) -> int:
-    """Parse a TCP port, 1 to 65535, or tell argparse what is wrong with ``text``."""
+    """Parse a TCP port, 0 to 65535 (0: one the system picks), or tell argparse what is
+    wrong with ``text``."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value}")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {value}")
     return value
 
 

@@ -196,7 +196,12 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
         serve, "several share one device budget, and a request's model names its pipeline"
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--port",
+        type=port_number,
+        default=8000,
+        help="port to listen on; 0: a free one the system picks, named in the ready line",
+    )
     serve.add_argument(
         "--threads",
         type=positive,

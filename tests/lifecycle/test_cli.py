@@ -393,7 +393,10 @@ class TestOptions:
         assert shown >= 8  # --log-*, run's, diagram's and serve's
         serve = " ".join(lifecycle("serve", "--help").stdout.split())
         assert "address to listen on (default: 127.0.0.1)" in serve
-        assert "port to listen on (default: 8000)" in serve
+        assert (
+            "port to listen on; 0: a free one the system picks, named in the ready line "
+            "(default: 8000)"
+        ) in serve
 
     @pytest.mark.parametrize(
         "args",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.lifecycle.serving.command import free_port
 from tests.processes import run_fresh_python, run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +115,7 @@ def command_line(command: str, spec: Path) -> tuple[str, ...]:
     if command == "run":
         return ("run", str(spec), "--requests", "50", "--threads", "1")
     if command == "serve":
-        return ("serve", str(spec), "--port", str(free_port()), "--threads", "1")
+        return ("serve", str(spec), "--port", "0", "--threads", "1")
     return ("check", str(spec))
 
 

@@ -15,7 +15,7 @@ from lifecycle.serving.auth import DoorKeys, Secret
 from lifecycle.spec.structs import PipelineSpec
 from tests.conftest import Lifecycle
 from tests.lifecycle.conftest import reference_maker
-from tests.lifecycle.serving.command import free_port, serving
+from tests.lifecycle.serving.command import serving
 from tests.lifecycle.serving.conftest import (
     WATCHDOG_S,
     Served,
@@ -229,7 +229,7 @@ class TestServeCommand:
         """An empty LIFECYCLE_API_KEY is bad input: exit 2 naming it, nothing starts."""
         monkeypatch.setenv("LIFECYCLE_API_KEY", "")
         spec = root / "examples" / "tiny_t2i.toml"
-        result = lifecycle("serve", spec, "--port", str(free_port()))
+        result = lifecycle("serve", spec, "--port", "0")
         assert result.returncode == 2
         assert "--api-key (or LIFECYCLE_API_KEY) is empty" in result.stderr
         assert "Traceback" not in result.stderr

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Lifecycle
-from tests.lifecycle.serving.command import free_port, metric, serving
+from tests.lifecycle.serving.command import metric, serving
 from tests.lifecycle.serving.conftest import WATCHDOG_S, loopback_client
 from tests.lifecycle.serving.file_gate import FileGate
 from tests.lifecycle.serving.test_metrics import counted
@@ -180,7 +180,7 @@ class TestShutdown:
         offload = tmp_path / "offload"
         spec = disk_spec(root, offload)
         # the logging options after the subcommand, as for every other
-        command = ("serve", spec, "--log-level", "info", "--port", str(free_port()))
+        command = ("serve", spec, "--log-level", "info", "--port", "0")
         with start_python(
             "lifecycle", *command, "--threads", "1", cwd=tmp_path, module=True
         ) as program:
@@ -229,9 +229,8 @@ class TestCommand:
         bad = tmp_path / "bad.toml"
         bad.write_text('name = "x"\n[components.a]\nkind = "tiny_vae"\nresidency = "offlaod"\n')
         refused = root / "examples" / "refused" / "capability_missing.toml"
-        # the address is bound before admission: a free one, so that admission decides
-        port = str(free_port())
-        results = [lifecycle("serve", spec, "--port", port) for spec in (bad, refused)]
+        # the address is bound before admission: one the system picks, so that admission decides
+        results = [lifecycle("serve", spec, "--port", "0") for spec in (bad, refused)]
         assert [r.returncode for r in results] == [2, 1]
         assert "$.components.a.residency" in results[0].stderr
         assert "attention.capability_missing" in results[1].stderr
