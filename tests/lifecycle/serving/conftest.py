@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import httpx
@@ -54,6 +55,23 @@ def loopback_client(
     for every client, 30 ms of CPU, hundreds of times a suite.
     """
     return httpx.Client(base_url=url, timeout=timeout, verify=False, **kwargs)
+
+
+@pytest.fixture
+def openai() -> ModuleType:
+    """The official openai client, imported by the tests that use it (half a CPU-second,
+    which every xdist worker would pay at collection)."""
+    return pytest.importorskip("openai")
+
+
+def openai_client(openai: ModuleType, url: str, api_key: str) -> Any:
+    """Return the official openai client of the worker at ``url``, never retrying.
+
+    Its HTTP client loads no certificates, as ``loopback_client``: OpenAI's default one
+    loads its CA bundle, 27 ms of CPU a client, for plain HTTP on loopback.
+    """
+    http = openai.DefaultHttpxClient(verify=False)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, http_client=http)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from tests.lifecycle.serving.conftest import (
     Servers,
     ServeSpec,
     loopback_client,
+    openai_client,
     t2i_maker,
 )
 
@@ -49,13 +50,6 @@ def v1_routes(served: Served) -> list[tuple[str, str]]:
 def auth(key: str) -> dict[str, str]:
     """Return the header that offers ``key``."""
     return {"authorization": f"Bearer {key}"}
-
-
-@pytest.fixture
-def openai() -> ModuleType:
-    """The official openai client, imported by the tests that use it (half a CPU-second,
-    which every xdist worker would pay at collection)."""
-    return pytest.importorskip("openai")
 
 
 BOTH_KEYS = DoorKeys(api=Secret(API_KEY), admin=Secret(ADMIN_KEY))
@@ -112,10 +106,10 @@ class TestApiKey:
     ) -> None:
         """The openai client raises AuthenticationError (401) with a wrong key and works
         with the right one."""
-        wrong = openai.OpenAI(base_url=locked.url + "/v1", api_key=WRONG_KEY, max_retries=0)
+        wrong = openai_client(openai, locked.url, WRONG_KEY)
         with pytest.raises(openai.AuthenticationError) as refused:
             wrong.models.list()
-        right = openai.OpenAI(base_url=locked.url + "/v1", api_key=API_KEY, max_retries=0)
+        right = openai_client(openai, locked.url, API_KEY)
         assert refused.value.status_code == 401
         assert refused.value.code == "invalid_api_key"
         assert [model.id for model in right.models.list()] == ["tiny-t2i"]
@@ -143,7 +137,7 @@ class TestAdminKey:
         error = response.json()["error"]
         assert error["code"] == "admin_disabled"
         assert "start it with --admin-key KEY (or LIFECYCLE_ADMIN_KEY)" in error["message"]
-        client = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
+        client = openai_client(openai, served.url, API_KEY)
         with pytest.raises(openai.PermissionDeniedError) as denied:
             client.post("/pipelines/tiny-t2i/sleep", cast_to=object)
         assert denied.value.status_code == 403
@@ -160,10 +154,10 @@ class TestAdminKey:
                 for headers in ({}, auth(WRONG_KEY), auth(API_KEY), auth(ADMIN_KEY))
             ]
         assert codes == [401, 401, 401, 200]
-        user = openai.OpenAI(base_url=locked.url + "/v1", api_key=API_KEY, max_retries=0)
+        user = openai_client(openai, locked.url, API_KEY)
         with pytest.raises(openai.AuthenticationError):
             user.post("/pipelines/tiny-t2i/sleep", cast_to=object)
-        admin = openai.OpenAI(base_url=locked.url + "/v1", api_key=ADMIN_KEY, max_retries=0)
+        admin = openai_client(openai, locked.url, ADMIN_KEY)
         woke = admin.post("/pipelines/tiny-t2i/wake", cast_to=object)  # it slept above
         assert woke == {"name": "tiny-t2i", "state": "serving"}
 

@@ -98,7 +98,9 @@ class TestDisconnect:
         idle_bytes = served.worker.orchestrator.resident_bytes()
 
         async def disconnect_midway() -> None:
-            async with httpx.AsyncClient(base_url=served.url, timeout=WATCHDOG_S) as client:
+            async with httpx.AsyncClient(
+                base_url=served.url, timeout=WATCHDOG_S, verify=False
+            ) as client:
                 body = {"prompt": "a red fox", "steps": 1000, "size": "32x32"}
                 headers = {"x-request-id": "gone-1"}
                 post = asyncio.create_task(
@@ -384,7 +386,9 @@ class TestEmbeddings:
         gate = EncoderGate(minilm.worker.orchestrator.module("text_encoder"))
 
         async def leave_midway() -> tuple[int, int]:
-            async with httpx.AsyncClient(base_url=minilm.url, timeout=WATCHDOG_S) as client:
+            async with httpx.AsyncClient(
+                base_url=minilm.url, timeout=WATCHDOG_S, verify=False
+            ) as client:
                 post = asyncio.create_task(
                     client.post(
                         "/v1/embeddings",

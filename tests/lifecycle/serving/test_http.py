@@ -7,6 +7,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ from tests.lifecycle.serving.conftest import (
     Servers,
     ServeSpec,
     SharedT2i,
+    openai_client,
     run_alone,
 )
 from tests.lifecycle.test_override import CALLS, counting  # noqa: F401  (a fixture)
@@ -353,9 +355,8 @@ class TestLoad:
 class TestOpenAiClient:
     """The official openai client against the worker's OpenAI-compatible endpoints."""
 
-    def test_embeddings_equal_the_embedded_api(self, minilm: Served) -> None:
+    def test_embeddings_equal_the_embedded_api(self, minilm: Served, openai: ModuleType) -> None:
         """client.embeddings.create returns the vectors the Python API computes."""
-        openai = pytest.importorskip("openai")
         spec = minilm.worker.orchestrator.spec
         with Orchestrator(spec) as orch:
             orch.load()
@@ -364,7 +365,7 @@ class TestOpenAiClient:
                 request.run("encode", batch)
             assert batch.sentence_embeddings is not None
             expected = batch.sentence_embeddings
-        client = openai.OpenAI(base_url=minilm.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(openai, minilm.url, "unused")
         response = client.embeddings.create(model="minilm-embed", input=SENTENCES)
         floats = client.embeddings.create(
             model="minilm-embed", input=SENTENCES[0], encoding_format="float"
@@ -375,11 +376,12 @@ class TestOpenAiClient:
         assert torch.allclose(torch.tensor(floats.data[0].embedding), expected[0], atol=1e-5)
         assert response.usage.prompt_tokens > len(SENTENCES)
 
-    def test_images_generate_returns_a_png_of_the_size(self, shared_t2i: SharedT2i) -> None:
+    def test_images_generate_returns_a_png_of_the_size(
+        self, shared_t2i: SharedT2i, openai: ModuleType
+    ) -> None:
         """client.images.generate returns n PNGs of the declared size."""
-        openai = pytest.importorskip("openai")
         served = shared_t2i()  # examples/tiny_t2i.toml: model tiny-t2i
-        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(openai, served.url, "unused")
         response = client.images.generate(
             model="tiny-t2i",
             prompt="a lighthouse in a storm",

@@ -4,7 +4,6 @@ drain that outlives its timeout."""
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import socket
 import threading
@@ -105,26 +104,6 @@ class TestPorts:
         assert "--port: expected a port" in result.stderr
         assert words in result.stderr
         assert "Traceback" not in result.stderr
-
-    def test_port_0_serves_on_the_port_the_system_picked(self, root: Path) -> None:
-        """``--port 0`` serves on a free port the system picks (it was exit 2): the ready
-        line, its status page address and the serving.listening event name that port,
-        which answers HTTP."""
-        spec = root / "examples" / "tiny_t2i.toml"
-        with serving(spec, "--log-level", "info") as (program, url):
-            with loopback_client(url, timeout=5) as client:
-                ready = client.get("/readyz").status_code
-            stderr = program.stderr()
-        port = int(url.rpartition(":")[2])
-        listening = next(
-            json.loads(line) for line in stderr.splitlines() if "serving.listening" in line
-        )
-        line = next(line for line in stderr.splitlines() if line.startswith("lifecycle serve:"))
-        assert port != 0
-        assert ready == 200
-        assert (listening["host"], listening["port"]) == ("127.0.0.1", port)
-        assert line.startswith(f"lifecycle serve: ready on http://127.0.0.1:{port}, ")
-        assert f"status page http://127.0.0.1:{port}/ " in line
 
     def test_a_taken_port_exits_2_before_loading(self, root: Path, lifecycle: Lifecycle) -> None:
         """A port another socket holds is exit 2 naming the address (it was SIGABRT)."""

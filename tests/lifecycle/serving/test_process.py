@@ -197,20 +197,32 @@ class TestAnnounce:
     """At the default level ``serve`` says when it is ready (the drain test reads both of
     its lines whole)."""
 
-    def test_ready_line_says_the_page_is_behind_the_key(
+    def test_ready_line_names_the_port_picked_and_says_the_page_is_behind_the_key(
         self, root: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """With an API key the ready line says the key is set, never what it is, and that the
-        status page is behind it (the door's own rule, ``auth.page_access``)."""
+        """``--port 0`` (``serving`` passes it) serves on a free port the system picks (it was
+        exit 2): the ready line, its status page address and the serving.listening event
+        name that port, which answers. With an API key the ready line says the key is set,
+        never what it is, and that the status page is behind it (the door's own rule,
+        ``auth.page_access``)."""
         key = "sk-announce-7f3a"
         monkeypatch.setenv("LIFECYCLE_API_KEY", key)
-        with serving(root / "examples" / "tiny_t2i.toml") as (program, url):
+        spec = root / "examples" / "tiny_t2i.toml"
+        with serving(spec, "--log-level", "info") as (program, url):
             ready = program.wait_for_line("lifecycle serve: ready", WATCHDOG_S)
             with loopback_client(url) as client:
-                assert client.get("/").status_code == 401  # the door agrees with the line
+                page = client.get("/").status_code  # the door agrees with the line
+                readyz = client.get("/readyz").status_code
             stderr = program.stderr()
+        port = int(url.rpartition(":")[2])
+        events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+        (listening,) = [event for event in events if event["event"] == "serving.listening"]
+        assert port != 0
+        assert (listening["host"], listening["port"]) == ("127.0.0.1", port)
+        assert (page, readyz) == (401, 200)
+        assert ready.startswith(f"lifecycle serve: ready on http://127.0.0.1:{port}, ")
         assert "; API key set, no admin key (admin routes off); " in ready
-        assert ready.endswith(f"status page {url}/ (behind the API key)\n")
+        assert ready.endswith(f"status page http://127.0.0.1:{port}/ (behind the API key)\n")
         assert key not in stderr
 
 

@@ -32,6 +32,7 @@ from tests.lifecycle.serving.conftest import (
     SharedFolder,
     SharedT2i,
     folder_spec,
+    openai_client,
 )
 from tests.lifecycle.test_videos import LUMA, MP4_TOLERANCE, frames_of
 from tests.lifecycle.video_requests import (
@@ -78,16 +79,9 @@ def wan(shared_folder: SharedFolder) -> Callable[..., Served]:
 
 
 @pytest.fixture
-def openai() -> ModuleType:
-    """The official openai client, imported by the tests that use it (half a CPU-second,
-    which every xdist worker would pay at collection)."""
-    return pytest.importorskip("openai")
-
-
-@pytest.fixture
 def client(openai: ModuleType, wan: Callable[..., Served]) -> Iterator[Any]:
     """An openai client of the module's Wan worker with default ``[serving]``."""
-    with openai.OpenAI(base_url=f"{wan().url}/v1", api_key="unused", max_retries=0) as made:
+    with openai_client(openai, wan().url, "unused") as made:
         yield made
 
 
@@ -203,7 +197,7 @@ class TestVideos:
         extra |= {"guidance_scale": request.guidance_scale}
         extra |= {"negative_prompt": request.negative_prompt}
         height, width = request.size
-        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="-", max_retries=0) as client:
+        with openai_client(openai, served.url, "-") as client:
             video = client.videos.create_and_poll(
                 model="wan-i2v",
                 prompt=PROMPT,
@@ -302,7 +296,7 @@ class TestStore:
         first = finished(client, create(client).id)
         size = len(client.videos.download_content(first.id).read())
         served = wan(video_store_bytes=size * 5 // 2)
-        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="-", max_retries=0) as small:
+        with openai_client(openai, served.url, "-") as small:
             made = [finished(small, create(small).id) for _ in range(3)]
             assert [video.status for video in made] == ["completed"] * 3
             with pytest.raises(openai.NotFoundError):
@@ -310,7 +304,7 @@ class TestStore:
             for video in made[1:]:
                 assert len(small.videos.download_content(video.id).read()) == size
         tiny = wan(video_store_bytes=size - 1)
-        with openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="-", max_retries=0) as small:
+        with openai_client(openai, tiny.url, "-") as small:
             failed = finished(small, create(small).id)
         assert failed.status == "failed"
         assert failed.error.code == "limit_exceeded"
