@@ -57,6 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # run the C++ builds beside each other on the cores the xdist workers already use
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # a run of the whole suite starts programs in every worker: they fork them from
+        # one server (a focused run may start none, and pays for no server)
+        if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+            from tests.processes import share_fork_server
+
+            share_fork_server()
         return
     # A worker holds half a million objects once it has imported torch and collected, a
     # million by its end: each full collection walks them all (0.3 CPU-s), and at

@@ -24,6 +24,7 @@ import atexit
 import gc
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import runpy
 import shutil
@@ -64,11 +65,21 @@ computes on (over the 48 programs of 17 files: 24.8 -> 23.1 CPU-s). The programs
 environment stays the test's."""
 
 
+SHARED_SERVER = "LIFECYCLE_TESTS_FORK_SERVER"
+"""The environment variable that gives the processes a test run starts (xdist's workers) the
+address of the fork server their parent started for them (``share_fork_server``)."""
+
+
 def fork_server() -> ForkServerContext:
     """Return the fork-server context, its server started: it imports ``PRELOAD`` with
-    OpenMP's ``WAIT_POLICY``."""
+    OpenMP's ``WAIT_POLICY``; in a process started by one that shares its server
+    (``SHARED_SERVER``), that server."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
+    shared = os.environ.get(SHARED_SERVER)
+    if shared is not None:
+        _use_shared(bytes.fromhex(shared).decode())
+        return context
     name, policy = WAIT_POLICY
     chosen = name in os.environ
     os.environ.setdefault(name, policy)  # the server starts with this process's environment
@@ -78,6 +89,35 @@ def fork_server() -> ForkServerContext:
         if not chosen:
             del os.environ[name]
     return context
+
+
+def share_fork_server() -> None:
+    """Start the fork server here and name it to the processes this one starts afterwards.
+
+    xdist's controller calls it before it starts the workers: each worker would start a
+    server of its own otherwise, each importing ``PRELOAD`` (about 3 CPU-s), and one
+    serves them all. The server ends when this process does, after its workers.
+    """
+    fork_server()
+    address = multiprocessing.forkserver._forkserver._forkserver_address
+    os.environ[SHARED_SERVER] = address.encode().hex()  # an abstract socket's starts with NUL
+
+
+def _use_shared(address: str) -> None:
+    """Have multiprocessing fork this process's programs from the server at ``address``
+    (``SHARED_SERVER``, decoded).
+
+    multiprocessing keeps one server a process and knows only one it started itself:
+    its address is set here, and the start (``ensure_running``) is left to the resource
+    tracker each child is given. The server's end of the pipe that tells it its clients
+    left is the starter's; the children get an fd that reads as nothing in its place.
+    """
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_address == address:
+        return
+    server._forkserver_address = address
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    server.ensure_running = multiprocessing.resource_tracker.ensure_running
 
 
 class Finished(NamedTuple):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 from pathlib import Path
 
-from tests.processes import WAIT_POLICY, run_python
+from tests.processes import SHARED_SERVER, WAIT_POLICY, run_fresh_python, run_python
 
 SERVER_AND_OWN = """
 import os
@@ -31,3 +32,28 @@ def test_programs_compute_on_openmp_started_as_a_lifecycle_process_starts_it(
         str([f"{name}={os.environ.get(name, policy)}"]),
         str(os.environ.get(name)),
     ]
+
+
+PARENT = "import os\nprint(os.getppid())"
+
+THROUGH_THE_SHARED_SERVER = f"""
+import sys
+from pathlib import Path
+
+from tests.processes import run_python
+
+print(run_python({PARENT!r}, cwd=Path.cwd()).stdout, end="")
+print("torch" in sys.modules)
+"""
+
+
+def test_a_process_given_the_shared_server_forks_its_programs_there(root: Path) -> None:
+    """A process started with ``SHARED_SERVER`` naming this process's fork server (as xdist's
+    workers are, by their controller) forks its programs from that server, and starts none
+    of its own (it never imports torch)."""
+    server = int(run_python(PARENT, cwd=root).stdout)
+    address = multiprocessing.forkserver._forkserver._forkserver_address
+    env = {**os.environ, SHARED_SERVER: address.encode().hex()}
+    result = run_fresh_python("-c", THROUGH_THE_SHARED_SERVER, cwd=root, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(server), "False"]
