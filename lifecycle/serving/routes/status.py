@@ -1,6 +1,6 @@
 """``GET /`` and ``GET /status``: the worker's status page, one self-contained document.
 
-The page is built once: its style sheet, its script and the lifecycle diagram (the
+The page is built once a process: its style sheet, its script and the lifecycle diagram (the
 SVG ``lifecycle diagram`` writes, drawn from the transition table) are inlined, so
 that it loads nothing else. Its content security policy allows exactly those inline
 parts (by hash) and the event stream it reads (``GET /v1/events``): the browser fetches
@@ -10,6 +10,7 @@ nothing from any other place, and no data is in the document itself.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from importlib import resources
 
@@ -38,6 +39,7 @@ def status_routes(worker: Worker) -> APIRouter:
     return router
 
 
+@functools.cache  # the package's files and the transition table are fixed while it runs
 def render_page() -> tuple[str, str]:
     """Return the page with its parts inlined, and the content security policy that
     allows exactly those parts and the event stream."""

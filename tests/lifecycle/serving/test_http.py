@@ -11,12 +11,14 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import torch
 
 from components.batch import Batch
 from lifecycle.logs import configure_logging, saved_logging
 from lifecycle.orchestrator import Orchestrator
+from lifecycle.serving.bodies import EmbeddingsBody, ImagesBody
 from lifecycle.serving.jobs import OUTPUT_TOLERANCE, BatchKey, Job
 from lifecycle.spec.reading import load_spec
 from lifecycle.spec.structs import PipelineSpec
@@ -350,6 +352,29 @@ class TestLoad:
         assert "lifecycle_refusals_total{" not in metrics  # no request was refused
         assert "lifecycle_batch_size_count" in metrics
         assert OUTPUT_TOLERANCE < 1 / 255  # a pixel level: batched images round alike or by 1
+
+
+class TestOpenApi:
+    def test_bodies_the_routes_decode_are_documented_by_their_types(
+        self, shared_t2i: SharedT2i, minilm: Served
+    ) -> None:
+        """/openapi.json of two apps of this process documents the bodies the routes decode
+        themselves alike: a required JSON body with its type's fields and required ones."""
+        documents = []
+        for served in (shared_t2i(), minilm):
+            with served.client() as client:
+                documents.append(client.get("/openapi.json").json()["paths"])
+        for route, body_type in (
+            ("/v1/images/generations", ImagesBody),
+            ("/v1/embeddings", EmbeddingsBody),
+        ):
+            bodies = [paths[route]["post"]["requestBody"] for paths in documents]
+            schema = bodies[0]["content"]["application/json"]["schema"]
+            assert bodies[1] == bodies[0]
+            assert bodies[0]["required"] is True
+            fields = msgspec.structs.fields(body_type)
+            assert tuple(schema["properties"]) == tuple(field.name for field in fields)
+            assert schema["required"] == [f.name for f in fields if f.required]
 
 
 class TestOpenAiClient:
