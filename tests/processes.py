@@ -41,11 +41,26 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import NamedTuple
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "rich.pretty",
+    "rich.progress",
+    "rich.table",
+    "rich.traceback",
+    "yaml",
+)
 """What the fork server imports, nothing of the project: torch; what diffusers' models and a
 rank's first DTensor operation import (``torch._dynamo``, with sympy: about 1.3 CPU-s a
-process, which every program that loads a pipeline folder paid); and what the ranks of a
-splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it."""
+process, which every program that loads a pipeline folder paid); what the ranks of a
+splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it; and
+the parts of two of the project's required libraries that every program importing it
+loads: rich (through structlog's console renderer, and the CLI's progress and tables) and
+PyYAML, 0.06 CPU-s a program. Both read nothing from the environment as they are imported
+(the programs' environment is the test's); structlog, which does (``NO_COLOR``), is left
+to the program."""
 
 GC_THRESHOLD = 10_000
 """The first garbage-collection threshold of the test workers, programs and ranks (CPython's:

@@ -57,3 +57,22 @@ def test_a_process_given_the_shared_server_forks_its_programs_there(root: Path) 
     result = run_fresh_python("-c", THROUGH_THE_SHARED_SERVER, cwd=root, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(server), "False"]
+
+
+LOADED = """
+import sys
+
+print(sorted(name for name in sys.argv[1:] if name in sys.modules))
+"""
+
+
+def test_a_program_starts_with_the_preloaded_libraries_and_nothing_of_the_project(
+    tmp_path: Path,
+) -> None:
+    """A program starts with what the fork server imported (torch, rich, PyYAML), and none of
+    the project's packages, structlog or the optional libraries, which it imports itself."""
+    asked = ("torch", "rich.progress", "yaml", "structlog", "lifecycle", "components")
+    asked += ("attention", "benchmarks", "diffusers", "transformers", "tokenizers")
+    result = run_python(LOADED, *asked, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "['rich.progress', 'torch', 'yaml']\n"
