@@ -56,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # one compile thread: more start a pool of Python processes, each importing torch, to
     # run the C++ builds beside each other on the cores the xdist workers already use
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+    if _is_controller(config):
         # a run of the whole suite starts programs in every worker: they fork them from
         # one server (a focused run may start none, and pays for no server)
         if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
@@ -106,11 +106,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     in a cycle left from the tests is not reported at the end: that report came after the
     summary and failed nothing.
     """
-    if getattr(session.config.option, "numprocesses", None) and not hasattr(
-        session.config, "workerinput"
-    ):
-        return  # xdist's controller: few objects, and it ran no test
-    gc.freeze()
+    if not _is_controller(session.config):  # few objects there, and it ran no test
+        gc.freeze()
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """Tell whether this process is xdist's controller, which starts workers and runs no test."""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 @pytest.fixture(scope="session")

@@ -60,9 +60,7 @@ def _address(program: Program) -> str:
             if '"event":"serving.listening"' in line and line.endswith("\n"):
                 event = json.loads(line)
                 return base_url(event["host"], event["port"])
-        if not program.process.is_alive():
-            program.process.join()
-            raise AssertionError(f"exit {program.process.exitcode}: {program.stderr()}")
+        _assert_running(program)
         threading.Event().wait(0.05)
     raise AssertionError(f"the worker never said where it listens:\n{program.stderr()}")
 
@@ -76,11 +74,16 @@ def _wait_ready(program: Program, url: str) -> None:
                     return
             except httpx.TransportError:
                 pass
-            if not program.process.is_alive():
-                program.process.join()
-                raise AssertionError(f"exit {program.process.exitcode}: {program.stderr()}")
+            _assert_running(program)
             threading.Event().wait(0.1)
     raise AssertionError("the worker never became ready")
+
+
+def _assert_running(program: Program) -> None:
+    """Fail with the worker's exit status and stderr if it has ended."""
+    if not program.process.is_alive():
+        program.process.join()
+        raise AssertionError(f"exit {program.process.exitcode}: {program.stderr()}")
 
 
 def metric(metrics: str, name: str) -> float:
