@@ -19,9 +19,10 @@ from typing import NamedTuple, Protocol
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from components.random_fills import RandomFillsSkipped
+from components.random_fills import unless_skipped
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
 __all__ = ["Expected", "assign_weights", "build_empty", "expected_tensors"]
@@ -30,28 +31,62 @@ __all__ = ["Expected", "assign_weights", "build_empty", "expected_tensors"]
 _building = threading.Lock()
 
 
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Make every parameter registered inside the block a ``meta`` tensor; buffers stay real.
+class _Unfilled(nn.Parameter):
+    """A parameter an empty build moved to ``meta``: a random initialiser called on it
+    (``components.random_fills.fill_target``) returns it untouched, since it has no values
+    to fill; every other torch call runs as on a plain parameter.
 
-    torch's module-wide parameter registration hook replaces each parameter as a
-    module registers it, so initialisers that follow (``reset_parameters``, a
-    library's ``_init_weights``) run on meta tensors, where ``RandomFillsSkipped`` makes
-    the random ones no-ops (``components.random_fills``).
+    Only calls that take such a parameter come here, where a torch function mode would see
+    every call of the constructor (about 1 us each, thousands in a DiT), and on ``meta``
+    torch has no native samplers: it runs their Python reference implementations, 20-300
+    us a call.
     """
 
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None or param.device.type == "meta":
-            return None
-        return nn.Parameter(param.to("meta"), requires_grad=False)
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        with DisableTorchFunctionSubclass():
+            return unless_skipped(func, args, kwargs or {}, _is_meta)
 
-    with _building, RandomFillsSkipped(lambda tensor: tensor.is_meta):
+
+def _is_meta(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Make every parameter this thread registers inside the block a ``meta`` tensor;
+    buffers stay real.
+
+    torch's module-wide parameter registration hook replaces each parameter as a
+    module registers it, so initialisers that follow (``reset_parameters``, a library's
+    ``_init_weights``) run on meta parameters, where the random ones are no-ops. The hook
+    is process-wide: it leaves the parameters of every other thread's modules as they
+    are. When the block ends every moved parameter is a plain ``nn.Parameter`` again.
+    """
+    builder = threading.get_ident()
+    moved: list[nn.Parameter] = []
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.device.type == "meta" or threading.get_ident() != builder:
+            return None
+        moved.append(_Unfilled(param.to("meta"), requires_grad=False))
+        return moved[-1]
+
+    with _building:
         # torch types the hook as returning None, but uses what it returns (torch 2.x)
         handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
         try:
             yield
         finally:
             handle.remove()
+            for parameter in moved:
+                parameter.__class__ = nn.Parameter
 
 
 def build_empty(factory: Callable[[], nn.Module]) -> nn.Module:

@@ -98,6 +98,19 @@ class TestDeclarations:
         assert {p.device.type for p in module.parameters()} == {"meta"}
         assert {b.device.type for b in module.buffers()} == {"cpu"}
 
+    def test_the_meta_build_keeps_buffers_real_under_a_meta_device(
+        self, pipeline_folder: PipelineFolders
+    ) -> None:
+        """Built inside an enclosing ``torch.device("meta")`` (admission's), computed buffers
+        are real as well, and equal the plain build's."""
+        loader = loader_of(pipeline_folder("pixart"), "transformer")
+        with torch.device("meta"):
+            module = loader.empty()
+        assert {p.device.type for p in module.parameters()} == {"meta"}
+        plain = dict(loader.empty().named_buffers())
+        assert {n: b.device.type for n, b in module.named_buffers()} == dict.fromkeys(plain, "cpu")
+        assert all(torch.equal(b, plain[n]) for n, b in module.named_buffers())
+
     def test_the_load_maps_the_file(self, pipeline_folder: PipelineFolders) -> None:
         """A float32 load keeps the tensors safetensors maps: their bytes are the file's."""
         loader = loader_of(pipeline_folder("flux"), "vae")

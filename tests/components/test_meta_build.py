@@ -4,6 +4,7 @@ and attention layers are built apart from the module around them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,6 +38,29 @@ class MetaOps(TorchDispatchMode):
 def layers() -> nn.Module:
     """Build the layers whose initialisers sample: Linear, Embedding, Conv2d, LayerNorm."""
     return nn.Sequential(nn.Linear(4, 8), nn.Embedding(10, 8), nn.Conv2d(2, 4, 3), nn.LayerNorm(8))
+
+
+def build_beside(work: Callable[[], object]) -> nn.Module:
+    """Build ``layers`` empty while another thread runs ``work``, from inside the build;
+    return the module once ``work`` is done."""
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(timeout=30)
+        work()
+        done.set()
+
+    def factory() -> nn.Module:
+        inside.set()
+        done.wait(timeout=30)
+        return layers()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    module = build_empty(factory)
+    thread.join(timeout=30)
+    assert done.is_set()
+    return module
 
 
 class TestBuildEmpty:
@@ -78,25 +102,36 @@ class TestBuildEmpty:
 
     def test_another_threads_initialisers_run(self) -> None:
         """While one thread builds empty, another thread's initialisers fill its tensors."""
-        inside, done = threading.Event(), threading.Event()
         other = torch.zeros(64)
-
-        def fill() -> None:
-            inside.wait(timeout=30)
-            nn.init.normal_(other)
-            done.set()
-
-        def factory() -> nn.Module:
-            inside.set()
-            done.wait(timeout=30)
-            return layers()
-
-        thread = threading.Thread(target=fill)
-        thread.start()
-        build_empty(factory)
-        thread.join(timeout=30)
-        assert done.is_set()
+        build_beside(lambda: nn.init.normal_(other))
         assert other.abs().sum() > 0
+
+    def test_another_threads_parameters_stay_real(self) -> None:
+        """While one thread builds empty, a module another thread constructs keeps its
+        parameters on the CPU, with the values its initialisers drew."""
+        built: list[nn.Module] = []
+        module = build_beside(lambda: built.append(layers()))
+        assert {p.device.type for p in built[0].parameters()} == {"cpu"}
+        assert all(p.abs().sum() > 0 for p in built[0][0].parameters())
+        assert {p.device.type for p in module.parameters()} == {"meta"}
+
+    def test_parameters_are_plain_once_built(self) -> None:
+        """Every parameter of an empty build is a plain ``nn.Parameter``, tied ones still one
+        object, and a random fill after the build runs as on any parameter."""
+
+        def tied() -> nn.Module:
+            module = layers()
+            module.append(nn.Linear(8, 10, bias=False))
+            module[-1].weight = module[1].weight  # the embedding's, as a tied head
+            nn.init.normal_(module[-1].weight)  # a library's init after tying
+            return module
+
+        module = build_empty(tied)
+        assert {type(p) for p in module.parameters()} == {nn.Parameter}
+        assert module[-1].weight is module[1].weight
+        with MetaOps() as after:
+            nn.init.normal_(module[0].weight)
+        assert "normal_" in after.names
 
 
 SITE = AttentionSite(name="self", role=AttentionRole.SELF, heads=2)
