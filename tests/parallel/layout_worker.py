@@ -29,6 +29,7 @@ from components.kinds.tiny_dit import TinyDitOptions, example_inputs
 from components.layout import ParallelLayout
 from components.mesh import ParallelMesh
 from lifecycle import Orchestrator
+from lifecycle.events import Move
 from lifecycle.spec.reading import decode_spec
 from lifecycle.spec.structs import PipelineSpec
 from tests.ranks import joined
@@ -117,9 +118,13 @@ def run_requests(spec: PipelineSpec, requests: int, component: str) -> Ran:
     """Run ``requests`` seeded requests through every stage, recording each weight move."""
     moved: dict[str, list[int]] = {name: [] for name in spec.components}
     images: Outputs = []
-    with Orchestrator(
-        spec, observer=lambda move: moved[move.component].append(move.bytes)
-    ) as orchestrator:
+
+    def record(event: object) -> None:
+        # the observer sees every event; transitions carry no bytes
+        if isinstance(event, Move):
+            moved[event.component].append(event.bytes)
+
+    with Orchestrator(spec, observer=record) as orchestrator:
         orchestrator.load()
         for index in range(requests):
             batch = Batch(generator=torch.Generator().manual_seed(SEED + index), steps=2)
