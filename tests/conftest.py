@@ -10,8 +10,10 @@ from __future__ import annotations
 import gc
 import io
 import os
+import shlex
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,11 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if _is_controller(config):
         # a run of the whole suite starts programs in every worker: they fork them from
-        # one server (a focused run may start none, and pays for no server)
+        # one server (a focused run may start none, and pays for no server), which forks
+        # the workers too: each is born with torch imported
         if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
             from tests.processes import share_fork_server
 
             share_fork_server()
+            forked = shlex.join([sys.executable, str(Path(__file__).with_name("forked_python.py"))])
+            config.option.tx = [f"popen//python={forked}" for _ in config.option.tx]
         return
     # A worker holds half a million objects once it has imported torch and collected, a
     # million by its end: each full collection walks them all (0.3 CPU-s), and at

@@ -37,7 +37,9 @@ import traceback
 import types
 import weakref
 from collections.abc import Mapping, Sequence
+from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, ForkServerProcess
+from multiprocessing.popen_forkserver import _DupFd
 from pathlib import Path
 from typing import NamedTuple
 
@@ -266,25 +268,76 @@ def run_fresh_python(
     return Finished(done.returncode, done.stdout, done.stderr)
 
 
+def run_forked_python(argv: Sequence[str]) -> int:
+    """Run ``python -u [-B] -c PROGRAM`` in a process forked from the fork server, on this
+    process's stdin, stdout and stderr, in its working directory and environment; return
+    the exit status it ended with (128 + N: killed by signal N).
+
+    What xdist's controller starts for each worker of a whole-suite run, in place of
+    ``python`` (``tests/forked_python.py``): a worker is then born with torch imported,
+    as a program is (each worker imported it itself otherwise: about 2.3 CPU-s).
+    """
+    *flags, option, program = argv
+    if option != "-c" or "-u" not in flags or not set(flags) <= {"-u", "-B"}:
+        raise SystemExit(f"forked_python runs `-u [-B] -c PROGRAM` (xdist's), not {argv}")
+    # an interrupt from the terminal reaches the worker too, which is in the same group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    process = fork_server().Process(
+        target=_run_program,
+        args=(program, False, [], os.getcwd(), dict(os.environ), _Stdio()),
+        kwargs={"path": [], "bytecode": "-B" not in flags},
+    )
+    process.start()
+    process.join()
+    assert process.exitcode is not None
+    return process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
+
+
+class _Stdio:
+    """This process's stdin, stdout and stderr, as the forked process is given them: a
+    copy of each is sent to the fork server with the process (``DupFd``, pickled while
+    ``Process.start`` launches it), which hands them to the process it forks."""
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return _received, tuple(reduction.DupFd(fd) for fd in (0, 1, 2))
+
+
+def _received(*sent: _DupFd) -> list[int]:
+    """Return the descriptors the fork server handed this process for ``_Stdio``'s."""
+    return [fd.detach() for fd in sent]
+
+
 def _run_program(
     program: str,
     module: bool,
     argv: list[str],
     cwd: str,
     environ: dict[str, str],
-    folder: Path,
+    output: Path | list[int],
     *,
     path: list[str],
-    terminal: str | None,
+    terminal: str | None = None,
+    bytecode: bool | None = None,
 ) -> None:
-    """Run the program as a new interpreter would, then end the process with its status."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        if fd == 2 and terminal is not None:
-            file = os.open(terminal, os.O_WRONLY | os.O_NOCTTY)
-        else:
-            file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
-        os.dup2(file, fd)
-        os.close(file)
+    """Run the program as a new interpreter would, then end the process with its status.
+
+    ``output``: the folder whose files take stdout and stderr (stdin is empty), or the
+    descriptors of stdin, stdout and stderr (``_Stdio``); ``bytecode``: whether imports
+    write bytecode (``-B``: False), None: as the fork server does.
+    """
+    if isinstance(output, Path):
+        _write_to_files(output, terminal)
+    else:
+        for fd, given in enumerate(output):
+            os.dup2(given, fd)
+            os.close(given)
+        # what ``python -u`` has: stdin read as text, stdout and stderr unbuffered
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1)  # noqa: SIM115
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    if bytecode is not None:
+        sys.dont_write_bytecode = not bytecode
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -318,6 +371,17 @@ def _run_program(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _write_to_files(folder: Path, terminal: str | None) -> None:
+    """Point stdout and stderr at ``folder``'s files (stderr at ``terminal`` if given)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if fd == 2 and terminal is not None:
+            file = os.open(terminal, os.O_WRONLY | os.O_NOCTTY)
+        else:
+            file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
 
 
 def _exit_status(code: object) -> int:

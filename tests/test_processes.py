@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.processes import SHARED_SERVER, WAIT_POLICY, run_fresh_python, run_python
@@ -76,3 +78,38 @@ def test_a_program_starts_with_the_preloaded_libraries_and_nothing_of_the_projec
     result = run_python(LOADED, *asked, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "['rich.progress', 'torch', 'yaml']\n"
+
+
+WORKER = """
+import os
+import sys
+
+print(sys.stdin.readline().strip(), os.getcwd(), os.environ["LIFECYCLE_TEST_WORKER"])
+print("torch" in sys.modules, os.getppid())
+sys.exit(3)
+"""
+
+
+def test_forked_python_runs_what_xdist_runs_in_a_process_forked_from_the_server(
+    root: Path, tmp_path: Path
+) -> None:
+    """``tests/forked_python.py -u -c PROGRAM``, as xdist's controller starts a worker with
+    it, runs the program in a process forked from the shared server (torch imported), on
+    the caller's stdin and stdout, in its working directory and environment, and exits
+    with the program's status."""
+    server = int(run_python(PARENT, cwd=root).stdout)
+    address = multiprocessing.forkserver._forkserver._forkserver_address
+    env = {**os.environ, SHARED_SERVER: address.encode().hex(), "LIFECYCLE_TEST_WORKER": "1"}
+    forked = root / "tests" / "forked_python.py"
+    done = subprocess.run(
+        [sys.executable, forked, "-u", "-c", WORKER],
+        input="line\n",
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == [f"line {tmp_path} 1", f"True {server}"]
