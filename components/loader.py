@@ -187,6 +187,10 @@ class ComponentLoader:
         """Return how many blocks the block stack will hold, from the options; None if none."""
         return None
 
+    def blocks_run(self) -> int | None:
+        """Return how many of the first blocks a forward runs; None: every block."""
+        return None
+
     def blocks(self, module: nn.Module) -> nn.ModuleList | None:
         """Return the blocks of ``module`` that layerwise offload streams, in the order they run.
 

@@ -153,6 +153,8 @@ class StoreOptions:
         blocks: the module's block stack, or None when it has none.
         prefetch: blocks read ahead of the one that runs (layerwise).
         resident_layers: first blocks kept while resident (layerwise).
+        runs: how many of the first blocks a forward runs (layerwise; None: all); the others
+            are never fetched.
         verify: how a disk file is verified at onload.
     """
 
@@ -161,6 +163,7 @@ class StoreOptions:
     blocks: nn.ModuleList | None = None
     prefetch: int = 1
     resident_layers: int = 0
+    runs: int | None = None
     verify: OffloadVerify = "checksum"
 
 

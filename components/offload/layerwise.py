@@ -56,6 +56,8 @@ class LayerwiseStore(WeightStore):
         device: the compute device.
         prefetch: how many blocks ahead of the running one to onload.
         resident_layers: how many of the first blocks stay while the component is resident.
+        runs: how many of the first blocks a forward runs (None: all); no block past them is
+            prefetched (a language model whose pipeline reads an intermediate layer).
         resident: start resident on ``device`` instead of offloaded.
         verify: how block reads verify the file of target ``disk``.
 
@@ -79,6 +81,7 @@ class LayerwiseStore(WeightStore):
         path: Path | str | None = None,
         prefetch: int = 1,
         resident_layers: int = 0,
+        runs: int | None = None,
         resident: bool = False,
         verify: OffloadVerify = "checksum",
     ) -> None:
@@ -88,6 +91,7 @@ class LayerwiseStore(WeightStore):
         self.path = None if path is None else Path(path)
         self.prefetch_blocks = prefetch
         self.resident_layers = resident_layers
+        self._runs = len(blocks) if runs is None else runs
         self._file = None if self.path is None else DiskFile(self.path, self._slots, verify)
         if self._file is not None:
             # streaming blocks are out even while the component is resident
@@ -130,6 +134,7 @@ class LayerwiseStore(WeightStore):
             path=options.file() if target == "disk" else None,
             prefetch=options.prefetch,
             resident_layers=options.resident_layers,
+            runs=options.runs,
             resident=resident,
             verify=options.verify,
         )
@@ -271,7 +276,8 @@ class LayerwiseStore(WeightStore):
     def _before_block(self, index: int, block: nn.Module, args: tuple[object, ...]) -> None:
         self._check_running()
         self._blocks[index].onload()
-        for group in self._blocks[index + 1 : index + 1 + self.prefetch_blocks]:
+        ahead = min(index + 1 + self.prefetch_blocks, self._runs)
+        for group in self._blocks[index + 1 : ahead]:
             group.prefetch()
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
 

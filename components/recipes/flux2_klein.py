@@ -82,6 +82,7 @@ class Flux2KleinRecipe(Recipe):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.text_encoder = self.loader("text_encoder", LlmTextEncoderLoader)
+        self.text_encoder.read_layers(TEXT_LAYERS)
         self.flux2_vae = self.loader("vae", AutoencoderKlFlux2Loader)
         self.distilled = bool(self.index.config.get(DISTILLED, False))
 
@@ -139,7 +140,7 @@ class Flux2KleinRecipe(Recipe):
         encoder = self.text_encoder
         templated = [self.template(text) for text in texts]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
-        layers = encoder.hidden_states(module, tokens, TEXT_LAYERS, boolean_mask=False)
+        layers = encoder.hidden_states(module, tokens, boolean_mask=False)
         joined = torch.stack(layers, dim=1).to(encoder.dtype)  # (B', 3, L, E)
         b, count, length, each = joined.shape
         states = joined.permute(0, 2, 1, 3).reshape(b, length, count * each)

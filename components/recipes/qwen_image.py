@@ -61,6 +61,9 @@ MAX_TOKENS = 512
 """diffusers' default ``max_sequence_length``: the states kept of each prompt."""
 DEFAULT_SAMPLE_SIZE = 128
 """diffusers' ``default_sample_size``: the default image side in latents."""
+LAST = -1
+"""The hidden states Qwen-Image reads: the last layer's, after the final norm (every layer
+runs)."""
 QWEN_MAX_SHIFT = 1.15
 """The shift Qwen-Image's pipeline takes when the scheduler's config names none."""
 
@@ -82,6 +85,7 @@ class QwenImageRecipe(Recipe):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.text_encoder = self.loader("text_encoder", LlmTextEncoderLoader)
+        self.text_encoder.read_layers([LAST])
 
     @property
     def multiple(self) -> int:
@@ -138,7 +142,7 @@ class QwenImageRecipe(Recipe):
         was cut."""
         templated = [self.template(text) for text in texts]
         tokens = self.text_encoder.tokenize(templated, TOKENIZER_LENGTH + DROPPED, longest=True)
-        (states,) = self.text_encoder.hidden_states(module, tokens, [-1], boolean_mask=False)
+        (states,) = self.text_encoder.hidden_states(module, tokens, boolean_mask=False)
         kept = [
             each[real.bool()][DROPPED:].to(self.text_encoder.dtype)
             for each, real in zip(states, tokens.mask.to(states.device), strict=True)

@@ -66,6 +66,7 @@ class ZImageRecipe(Recipe):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.text_encoder = self.loader("text_encoder", LlmTextEncoderLoader)
+        self.text_encoder.read_layers([PENULTIMATE])
 
     @property
     def multiple(self) -> int:
@@ -115,7 +116,7 @@ class ZImageRecipe(Recipe):
         encoder = self.text_encoder
         templated = [self.template(text) for text in texts]
         tokens = encoder.tokenize(templated, MAX_TOKENS)
-        (states,) = encoder.hidden_states(module, tokens, [PENULTIMATE], boolean_mask=True)
+        (states,) = encoder.hidden_states(module, tokens, boolean_mask=True)
         real = tokens.mask.to(states.device).bool()
         kept = [each[mask] for each, mask in zip(states, real, strict=True)]
         return kept, encoder.truncated(templated, MAX_TOKENS)

@@ -262,6 +262,7 @@ class Residency:
             blocks=_blocks(slot),
             prefetch=config.prefetch,
             resident_layers=config.resident_layers,
+            runs=slot.loader.blocks_run(),
             verify=self.spec.memory.verify_offload,
         )
 

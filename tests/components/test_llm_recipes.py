@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from benchmarks._llm_folders import QWEN_IMAGE_TEMPLATE
+from components.batch import Batch
 from components.kinds.llm_text_encoder import LlmTextEncoderLoader
+from components.offload.base import StoreOptions
+from components.offload.factory import make_store
 from components.recipes.qwen_image import DROPPED, TEMPLATE
+from components.residency import ResidencyMode
 from tests.components.folder_runs import (
     Loaded,
     Request,
@@ -189,3 +195,94 @@ class TestRefused:
         """diffusers resizes a size off the packing grid with a warning; here it is refused."""
         with pytest.raises(ValueError, match="must be multiples of 8"):
             loaded["qwen-image"].recipe.check(batch_of(Request(size=(36, 32), guidance_scale=1)))
+
+
+READ = {"qwen-image": 2, "z-image": 1, "flux2-klein": 27}
+"""The layers each tiny folder's encode runs: Qwen-Image reads the last state (both layers
+run), Z-Image the last layer's input (one of two), klein layer 27's input (27 of 28)."""
+
+
+def encode(pipeline: Loaded, request: Request) -> Batch:
+    """Run the encode stage of ``request`` alone; return its batch."""
+    batch = batch_of(request)
+    with torch.inference_mode():
+        pipeline.recipe.run("encode", {"text_encoder": pipeline.modules["text_encoder"]}, batch)
+    return batch
+
+
+def text_encoder(pipeline: Loaded) -> LlmTextEncoderLoader:
+    """Return the pipeline's language model loader."""
+    encoder = pipeline.loaders["text_encoder"]
+    assert isinstance(encoder, LlmTextEncoderLoader)
+    return encoder
+
+
+class TestLayersRun:
+    """The language model runs no layer past the deepest hidden state its pipeline reads."""
+
+    @pytest.mark.parametrize("family", list(READ))
+    def test_unread_layers_never_run(self, family: str, loaded: dict[str, Loaded]) -> None:
+        """An encode calls the first layers up to the deepest state read, in order, and no
+        other; every layer is still loaded."""
+        pipeline = loaded[family]
+        encoder = text_encoder(pipeline)
+        layers = encoder.blocks(pipeline.modules["text_encoder"])
+        assert layers is not None
+        assert len(layers) == encoder.layers
+        assert all(p.device.type == "cpu" for p in layers.parameters())
+        ran: list[int] = []
+        handles = [
+            layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+            for i, layer in enumerate(layers)
+        ]
+        try:
+            encode(pipeline, UNGUIDED[family])
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert ran == list(range(READ[family])) == list(range(encoder.blocks_run()))
+
+    @pytest.mark.parametrize("family", ["z-image", "flux2-klein"])
+    def test_states_equal_diffusers_to_the_bit(
+        self, family: str, loaded: dict[str, Loaded], pipeline_folder: PipelineFolders
+    ) -> None:
+        """The states of the model stopped early are diffusers' prompt embeddings to the bit,
+        its text encoder running every layer."""
+        from diffusers import DiffusionPipeline
+
+        batch = encode(loaded[family], UNGUIDED[family])
+        # the text encoder and tokenizer alone: what encode_prompt reads
+        folder = str(pipeline_folder(family))
+        theirs = DiffusionPipeline.from_pretrained(folder, transformer=None, vae=None)
+        flags = {"do_classifier_free_guidance": False} if family == "z-image" else {}
+        with torch.inference_mode():
+            embeds = theirs.encode_prompt(batch.prompts, torch.device("cpu"), **flags)[0]
+        assert batch.context is not None
+        assert len(batch.context) == len(embeds) == UNGUIDED[family].count
+        assert all(map(torch.equal, batch.context, embeds))
+
+    def test_layerwise_offload_fetches_no_unread_layer(self, loaded: dict[str, Loaded]) -> None:
+        """Streamed block by block, the layer after the last that runs is never prefetched:
+        once that one has run and left, only the non-block weights are on the device."""
+        pipeline = loaded["flux2-klein"]
+        encoder = text_encoder(pipeline)
+        module = pipeline.modules["text_encoder"]
+        layers = encoder.blocks(module)
+        assert layers is not None
+        options = StoreOptions(
+            device=torch.device("cpu"),
+            file=lambda: Path("unused"),
+            blocks=layers,
+            runs=encoder.blocks_run(),
+        )
+        store = make_store(module, ResidencyMode.LAYERWISE_OFFLOAD, "host", options, resident=True)
+        before = store.resident_bytes()
+        after_last: list[int] = []
+        last = layers[encoder.blocks_run() - 1]
+        handle = last.register_forward_hook(lambda *_: after_last.append(store.resident_bytes()))
+        try:
+            encode(pipeline, UNGUIDED["flux2-klein"])
+        finally:
+            handle.remove()
+            store.close()
+        assert after_last == [before]
