@@ -193,12 +193,18 @@ class FolderLoader(ComponentLoader):
         """What the library class expects and the module name of each stored tensor; None
         without the library (both come from building the class on ``meta``).
 
+        The process keeps it as it keeps ``layout`` (by ``layout_key``): a native load of a
+        folder loaded before renames no key and walks no module to declare it again.
+
         Raises:
             OSError, ValueError: as ``stored`` does, or a tensor needs a conversion the
                 library does and this version does not.
         """
         if missing(self.library) is not None:
             return None
+        return remembered((self.layout_key, "library"), self._library_layout)
+
+    def _library_layout(self) -> Layout:
         module = self.construct("native")
         return Layout(expected_tensors(module), module_names(self.library, module, self.stored))
 

@@ -91,6 +91,20 @@ class TestDeclarations:
         module = loader.build("native")
         assert module.get_submodule("encoder.embed_tokens").weight is module.shared.weight
 
+    def test_a_native_load_of_a_known_folder_declares_nothing_again(
+        self, pipeline_folder: PipelineFolders
+    ) -> None:
+        """A second loader of a folder takes the library layout the first one declared
+        (names renamed once per process), and its native build loads the same tensors."""
+        first = loader_of(pipeline_folder("flux"), "text_encoder")
+        second = loader_of(pipeline_folder("flux"), "text_encoder")
+        assert first.library_layout is not None
+        assert second.library_layout is first.library_layout
+        ours, again = first.build("native"), second.build("native")
+        assert ours is not again
+        assert ours.state_dict().keys() == again.state_dict().keys()
+        assert all(torch.equal(t, again.state_dict()[n]) for n, t in ours.state_dict().items())
+
     def test_the_meta_build_holds_no_weights(self, pipeline_folder: PipelineFolders) -> None:
         """Parameters are built on meta; computed buffers are real (PixArt's position table)."""
         loader = loader_of(pipeline_folder("pixart"), "transformer")
