@@ -7,8 +7,9 @@ says which hidden states it reads (``read_layers``), and the model runs no layer
 deepest of them: klein reads the input of layer 27, so Qwen3-4B runs 27 of its 36 layers,
 and Z-Image's penultimate state is the last layer's input, so that layer never runs. Every
 layer is still loaded: the folder's weights are declared and checked whole. The model
-runs its decoder stack alone, never its language-model head (logits over a vocabulary of
-150,000 would be the largest product of the whole request, and no pipeline reads them).
+is called itself, so that the hooks of its residency and compilation run, but its
+language-model head projects no token (logits over a vocabulary of 150,000 for every
+token would be the largest product of the whole request, and no pipeline reads them).
 The attention is causal: padding after a prompt never changes its tokens' states.
 Templates and what is dropped of them are the recipes' (each pipeline's own).
 """
@@ -34,12 +35,9 @@ STACKS = {
     "Qwen3ForCausalLM": "model.layers",
 }
 """Where each class keeps its decoder layers, which stream under layerwise offload."""
-DECODERS = {
-    "Qwen2_5_VLForConditionalGeneration": "model",
-    "Qwen3Model": "",
-    "Qwen3ForCausalLM": "model",
-}
-"""The submodule of each class that runs the decoder stack without the head ("": itself)."""
+HEADED = ("Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM")
+"""The classes with a language-model head, which takes the positions it projects
+(``logits_to_keep``)."""
 
 
 class LlmTextEncoderLoader(TextEncoderLoader):
@@ -142,12 +140,15 @@ class LlmTextEncoderLoader(TextEncoderLoader):
         """
         device = device_of(module)
         mask = tokens.mask.to(device)
-        decoder = module.get_submodule(DECODERS.get(self.class_name, ""))
-        output = decoder(
+        # the model itself, not its decoder submodule: a layerwise store's and compile's
+        # hooks hang on it (called past them, a store never cleaned up after a forward)
+        head = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=device)}
+        output = module(
             input_ids=tokens.ids.to(device),
             attention_mask=mask.bool() if boolean_mask else mask,
             output_hidden_states=True,
             use_cache=False,
+            **(head if self.class_name in HEADED else {}),
         )
         return [output.hidden_states[layer] for layer in self.read]
 

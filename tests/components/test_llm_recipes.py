@@ -261,6 +261,22 @@ class TestLayersRun:
         assert len(batch.context) == len(embeds) == UNGUIDED[family].count
         assert all(map(torch.equal, batch.context, embeds))
 
+    @pytest.mark.parametrize("family", list(READ))
+    def test_an_encode_calls_the_model_itself(self, family: str, loaded: dict[str, Loaded]) -> None:
+        """Each encode calls the component's module once, so the hooks that a layerwise
+        store and compilation put on it run; its head projects no token."""
+        pipeline = loaded[family]
+        module = pipeline.modules["text_encoder"]
+        outputs: list[object] = []
+        handle = module.register_forward_hook(lambda *args: outputs.append(args[-1]))
+        try:
+            encode(pipeline, UNGUIDED[family])
+        finally:
+            handle.remove()
+        assert len(outputs) == 1
+        logits = getattr(outputs[0], "logits", None)
+        assert logits is None or logits.shape[1] == 0
+
     def test_layerwise_offload_fetches_no_unread_layer(self, loaded: dict[str, Loaded]) -> None:
         """Streamed block by block, the layer after the last that runs is never prefetched:
         once that one has run and left, only the non-block weights are on the device."""
