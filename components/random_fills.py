@@ -19,14 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = [
-    "RANDOM_FILLS",
-    "RandomFillsSkipped",
-    "built_on_meta",
-    "fill_target",
-    "is_parameter",
-    "unless_skipped",
-]
+__all__ = ["RANDOM_FILLS", "RandomFillsSkipped", "built_on_meta", "fill_target", "is_parameter"]
 
 _INIT_NAMES = frozenset(n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_"))
 """The names of ``torch.nn.init``'s initialisers."""
@@ -57,21 +50,11 @@ class RandomFillsSkipped(TorchFunctionMode):
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
-        return unless_skipped(func, args, kwargs or {}, self._skips)
-
-
-def unless_skipped(
-    func: Callable[..., object],
-    args: tuple[object, ...],
-    kwargs: dict[str, object],
-    skips: Callable[[torch.Tensor], bool],
-) -> object:
-    """Run ``func(*args, **kwargs)``, unless it fills at random a tensor that ``skips``:
-    return that tensor untouched then."""
-    tensor = fill_target(func, args, kwargs)
-    if tensor is not None and skips(tensor):
-        return tensor
-    return func(*args, **kwargs)
+        kwargs = kwargs or {}
+        tensor = fill_target(func, args, kwargs)
+        if tensor is not None and self._skips(tensor):
+            return tensor
+        return func(*args, **kwargs)
 
 
 def fill_target(

@@ -11,7 +11,7 @@ the weights exist once, in the mapped pages, whatever the size of the model.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -19,10 +19,10 @@ from typing import NamedTuple, Protocol
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch._C import DisableTorchFunctionSubclass
+from torch._C import _disabled_torch_function_impl
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from components.random_fills import unless_skipped
+from components.random_fills import fill_target
 from components.weights import DeclaredTensor, DeclaredTensors, StoredTensor, stored_problems
 
 __all__ = ["Expected", "assign_weights", "build_empty", "expected_tensors"]
@@ -46,16 +46,15 @@ class _Unfilled(nn.Parameter):
     def __torch_function__(
         cls,
         func: Callable[..., object],
-        types: object,
+        types: Iterable[type],
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
-        with DisableTorchFunctionSubclass():
-            return unless_skipped(func, args, kwargs or {}, _is_meta)
-
-
-def _is_meta(tensor: torch.Tensor) -> bool:
-    return tensor.is_meta
+        kwargs = kwargs or {}
+        tensor = fill_target(func, args, kwargs)
+        if tensor is not None and tensor.is_meta:
+            return tensor
+        return _disabled_torch_function_impl(func, types, args, kwargs)  # nn.Parameter's own
 
 
 @contextmanager

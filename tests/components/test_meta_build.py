@@ -117,17 +117,20 @@ class TestBuildEmpty:
 
     def test_parameters_are_plain_once_built(self) -> None:
         """Every parameter of an empty build is a plain ``nn.Parameter``, tied ones still one
-        object, and a random fill after the build runs as on any parameter."""
+        object, a tensor made from one is a plain tensor, and a random fill after the build
+        runs as on any parameter."""
 
         def tied() -> nn.Module:
             module = layers()
             module.append(nn.Linear(8, 10, bias=False))
             module[-1].weight = module[1].weight  # the embedding's, as a tied head
             nn.init.normal_(module[-1].weight)  # a library's init after tying
+            module.register_buffer("ones", module[0].weight.new_ones(2))  # made from a parameter
             return module
 
         module = build_empty(tied)
         assert {type(p) for p in module.parameters()} == {nn.Parameter}
+        assert type(module.ones) is torch.Tensor
         assert module[-1].weight is module[1].weight
         with MetaOps() as after:
             nn.init.normal_(module[0].weight)
