@@ -56,6 +56,14 @@ class _Unfilled(nn.Parameter):
             return tensor
         return _disabled_torch_function_impl(func, types, args, kwargs)  # nn.Parameter's own
 
+    def __deepcopy__(self, memo: dict[int, object]) -> nn.Parameter:
+        """Copy into a plain parameter: a constructor that clones a layer (``deepcopy``)
+        would otherwise keep a copy the build never turns back."""
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(), self.requires_grad)
+        copied: nn.Parameter = memo[id(self)]  # type: ignore[assignment]
+        return copied
+
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:

@@ -3,6 +3,7 @@ and attention layers are built apart from the module around them."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -117,11 +118,12 @@ class TestBuildEmpty:
 
     def test_parameters_are_plain_once_built(self) -> None:
         """Every parameter of an empty build is a plain ``nn.Parameter``, tied ones still one
-        object, a tensor made from one is a plain tensor, and a random fill after the build
-        runs as on any parameter."""
+        object, cloned ones too, a tensor made from one is a plain tensor, and a random fill
+        after the build runs as on any parameter."""
 
         def tied() -> nn.Module:
             module = layers()
+            module.append(copy.deepcopy(module[0]))  # a layer cloned, as some libraries do
             module.append(nn.Linear(8, 10, bias=False))
             module[-1].weight = module[1].weight  # the embedding's, as a tied head
             nn.init.normal_(module[-1].weight)  # a library's init after tying
@@ -132,6 +134,8 @@ class TestBuildEmpty:
         assert {type(p) for p in module.parameters()} == {nn.Parameter}
         assert type(module.ones) is torch.Tensor
         assert module[-1].weight is module[1].weight
+        assert module[-2].weight.is_meta
+        assert module[-2].weight is not module[0].weight
         with MetaOps() as after:
             nn.init.normal_(module[0].weight)
         assert "normal_" in after.names
