@@ -53,16 +53,21 @@ PRELOAD = (
     "rich.table",
     "rich.traceback",
     "yaml",
+    "fastapi",
+    "uvicorn",
 )
 """What the fork server imports, nothing of the project: torch; what diffusers' models and a
 rank's first DTensor operation import (``torch._dynamo``, with sympy: about 1.3 CPU-s a
 process, which every program that loads a pipeline folder paid); what the ranks of a
-splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it; and
-the parts of two of the project's required libraries that every program importing it
-loads: rich (through structlog's console renderer, and the CLI's progress and tables) and
-PyYAML, 0.06 CPU-s a program. Both read nothing from the environment as they are imported
-(the programs' environment is the test's); structlog, which does (``NO_COLOR``), is left
-to the program."""
+splitting layout import when they shard (FSDP, DTensor), so that no rank pays for it; the
+parts of two of the project's required libraries that every program importing it loads:
+rich (through structlog's console renderer, and the CLI's progress and tables) and PyYAML,
+0.06 CPU-s a program; and the web stack of the ``serve`` extra, which every test worker
+and ``serve`` program imports (fastapi, uvicorn: 0.18). They read nothing from the
+environment as they are imported (the programs' environment is the test's), but for the
+OpenTelemetry context fastapi imports (``OTEL_PYTHON_CONTEXT``, which no test sets);
+structlog, which does (``NO_COLOR``), is left to the program, and so are the libraries of
+the other extras (transformers and diffusers read where the Hugging Face cache is)."""
 
 GC_THRESHOLD = 10_000
 """The first garbage-collection threshold of the test workers, programs and ranks (CPython's:
@@ -343,6 +348,10 @@ def _run_program(
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a new interpreter has
     gc.set_threshold(GC_THRESHOLD)
+    # what the fork server imported lives as long as the process: a full collection that
+    # walked it (300,000 objects, 0.1 CPU-s; a test worker makes several) walks only the
+    # process's own objects once they are frozen
+    gc.freeze()
     # at its exit a new interpreter would finalize the objects its imports made; here the
     # fork server made them (torch's ~170 operator libraries: ~0.03 CPU-s a program), and
     # their finalizers only undo this process's memory, which os._exit drops unseen. The

@@ -62,22 +62,29 @@ def test_a_process_given_the_shared_server_forks_its_programs_there(root: Path) 
 
 
 LOADED = """
+import gc
 import sys
 
 print(sorted(name for name in sys.argv[1:] if name in sys.modules))
+print(gc.get_freeze_count() > 10 * len(gc.get_objects()))
 """
 
 
 def test_a_program_starts_with_the_preloaded_libraries_and_nothing_of_the_project(
     tmp_path: Path,
 ) -> None:
-    """A program starts with what the fork server imported (torch, rich, PyYAML), and none of
-    the project's packages, structlog or the optional libraries, which it imports itself."""
-    asked = ("torch", "rich.progress", "yaml", "structlog", "lifecycle", "components")
-    asked += ("attention", "benchmarks", "diffusers", "transformers", "tokenizers")
+    """A program starts with what the fork server imported (torch, rich, PyYAML, fastapi,
+    uvicorn), and none of the project's packages, structlog or the other extras' libraries,
+    which it imports itself; what the server imported is frozen, left out of the program's
+    garbage collections."""
+    asked = ("torch", "rich.progress", "yaml", "fastapi", "uvicorn", "structlog", "lifecycle")
+    asked += ("components", "attention", "benchmarks", "diffusers", "transformers", "tokenizers")
     result = run_python(LOADED, *asked, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "['rich.progress', 'torch', 'yaml']\n"
+    assert result.stdout.splitlines() == [
+        "['fastapi', 'rich.progress', 'torch', 'uvicorn', 'yaml']",
+        "True",
+    ]
 
 
 WORKER = """
