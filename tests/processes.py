@@ -5,9 +5,10 @@ in a fresh interpreter needs a new process; starting ``python`` for it costs sec
 of CPU, most of them importing torch. Here multiprocessing's fork server imports torch
 once (``PRELOAD``), and every program runs in a process forked from it, the way
 ``python -c`` or ``python -m`` runs it: none of the project's packages, structlog or
-the optional libraries is imported yet, the exit status is the program's (negative:
+the libraries of the other extras is imported yet, the exit status is the program's (negative:
 the signal that ended it), and stdout and stderr are the process's own file
-descriptors.
+descriptors. xdist's workers of a whole-suite run are forked from it too
+(``run_forked_python``).
 
 What Python or torch read once at start (``PYTHONPATH``, ``OMP_NUM_THREADS``) is the
 fork server's: a program takes its own ``sys.path`` entries as ``path``; a test that
@@ -333,14 +334,7 @@ def _run_program(
     if isinstance(output, Path):
         _write_to_files(output, terminal)
     else:
-        for fd, given in enumerate(output):
-            os.dup2(given, fd)
-            os.close(given)
-        # what ``python -u`` has: stdin read as text, stdout and stderr unbuffered
-        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1)  # noqa: SIM115
-        sys.stdout.reconfigure(write_through=True)
-        sys.stderr.reconfigure(write_through=True)
+        _use_stdio(output)
     if bytecode is not None:
         sys.dont_write_bytecode = not bytecode
     os.chdir(cwd)
@@ -391,6 +385,18 @@ def _write_to_files(folder: Path, terminal: str | None) -> None:
             file = os.open(folder / name, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
+
+
+def _use_stdio(given: list[int]) -> None:
+    """Make ``given`` this process's stdin, stdout and stderr, as ``python -u`` has them:
+    stdin read as text, stdout and stderr unbuffered."""
+    for fd, sent in enumerate(given):
+        os.dup2(sent, fd)
+        os.close(sent)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
 
 
 def _exit_status(code: object) -> int:
