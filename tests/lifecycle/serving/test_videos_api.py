@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import io
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from attention import Platform
 from lifecycle.orchestrator import Orchestrator
@@ -143,6 +146,17 @@ def until(condition: Callable[[], bool]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
         time.sleep(POLL_MS / 1e3)
+
+
+@contextmanager
+def opened(gate: threading.Event, hook: RemovableHandle) -> Iterator[None]:
+    """Open ``gate`` and remove ``hook`` as the block ends, however it ends: no forward of
+    the module that the next test shares waits on it."""
+    try:
+        yield
+    finally:
+        gate.set()
+        hook.remove()
 
 
 def request_state(served: Served, request_id: str) -> dict[str, Any]:
@@ -449,7 +463,17 @@ class TestBatching:
             "guidance_scale": request.guidance_scale,
             "guidance_scale_2": request.guidance_scale_2,
         }
-        with capture_events() as events, served.client() as http:
+        # The runner holds at its next step once it denoises, its first expert resident,
+        # until it is deleted: running on, it could reach the boundary and hand over itself
+        # before the pair begins.
+        holding, deleted = threading.Event(), threading.Event()
+
+        def hold(*_: Any) -> None:
+            if holding.is_set():
+                assert deleted.wait(WATCHDOG_S)
+
+        handle = served.worker.orchestrator.module("transformer").register_forward_pre_hook(hold)
+        with capture_events() as events, served.client() as http, opened(deleted, handle):
 
             def post(**extra: Any) -> str:
                 answer = http.post("/v1/videos", json={**body, **extra})
@@ -467,9 +491,11 @@ class TestBatching:
 
             running = post(steps=LONG_STEPS, seed=9)  # a runner busy: the next ones gather
             until(lambda: request_state(served, running)["step"] > 0)  # it denoises
+            holding.set()
             first, second = post(seed=1), post(seed=2, prompt="a grey cat sleeps")
             until(lambda: bool(pairs()))
             assert http.delete(f"/v1/videos/{running}").status_code == 200
+            deleted.set()
             batched = done(first)
             done(second)
             alone = done(post(seed=1))
