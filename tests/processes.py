@@ -5,9 +5,9 @@ in a fresh interpreter needs a new process; starting ``python`` for it costs sec
 of CPU, most of them importing torch. Here multiprocessing's fork server imports torch
 once (``PRELOAD``), and every program runs in a process forked from it, the way
 ``python -c`` or ``python -m`` runs it: none of the project's packages, structlog or
-the libraries of the other extras is imported yet, the exit status is the program's (negative:
-the signal that ended it), and stdout and stderr are the process's own file
-descriptors. xdist's workers of a whole-suite run are forked from it too
+the libraries of the extras other than ``serve`` is imported yet, the exit status is the
+program's (negative: the signal that ended it), and stdout and stderr are the process's
+own file descriptors. xdist's workers of a whole-suite run are forked from it too
 (``run_forked_python``).
 
 What Python or torch read once at start (``PYTHONPATH``, ``OMP_NUM_THREADS``) is the
@@ -275,23 +275,25 @@ def run_fresh_python(
 
 
 def run_forked_python(argv: Sequence[str]) -> int:
-    """Run ``python -u [-B] -c PROGRAM`` in a process forked from the fork server, on this
+    """Run ``python -u -c PROGRAM`` in a process forked from the fork server, on this
     process's stdin, stdout and stderr, in its working directory and environment; return
     the exit status it ended with (128 + N: killed by signal N).
 
     What xdist's controller starts for each worker of a whole-suite run, in place of
     ``python`` (``tests/forked_python.py``): a worker is then born with torch imported,
-    as a program is (each worker imported it itself otherwise: about 2.3 CPU-s).
+    as a program is (each worker imported it itself otherwise: about 2.3 CPU-s). Whether
+    it writes bytecode is the server's choice, the controller's (``-B`` and
+    ``PYTHONDONTWRITEBYTECODE`` reach the server as they would reach the worker).
     """
-    *flags, option, program = argv
-    if option != "-c" or "-u" not in flags or not set(flags) <= {"-u", "-B"}:
-        raise SystemExit(f"forked_python runs `-u [-B] -c PROGRAM` (xdist's), not {argv}")
+    *flags, program = argv
+    if flags != ["-u", "-c"]:
+        raise SystemExit(f"forked_python runs `-u -c PROGRAM` (xdist's), not {argv}")
     # an interrupt from the terminal reaches the worker too, which is in the same group
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     process = fork_server().Process(
         target=_run_program,
         args=(program, False, [], os.getcwd(), dict(os.environ), _Stdio()),
-        kwargs={"path": [], "bytecode": "-B" not in flags},
+        kwargs={"path": []},
     )
     process.start()
     process.join()
@@ -323,20 +325,16 @@ def _run_program(
     *,
     path: list[str],
     terminal: str | None = None,
-    bytecode: bool | None = None,
 ) -> None:
     """Run the program as a new interpreter would, then end the process with its status.
 
     ``output``: the folder whose files take stdout and stderr (stdin is empty), or the
-    descriptors of stdin, stdout and stderr (``_Stdio``); ``bytecode``: whether imports
-    write bytecode (``-B``: False), None: as the fork server does.
+    descriptors of stdin, stdout and stderr (``_Stdio``).
     """
     if isinstance(output, Path):
         _write_to_files(output, terminal)
     else:
         _use_stdio(output)
-    if bytecode is not None:
-        sys.dont_write_bytecode = not bytecode
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
